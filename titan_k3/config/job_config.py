@@ -1,0 +1,236 @@
+"""The job configuration: one nested dataclass per TOML section.
+
+Every field carries a one-line docstring right below it; that text is the
+`--help` entry (read from this file's source, so there is one place to write
+it). This module imports no torch: the control service validates configs with
+it before it launches anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class Job:
+    config_file: str = ""
+    """TOML file to load; its values sit between the defaults and the CLI overrides."""
+    dump_folder: str = "./runs"
+    """Folder under which each run's directory is created."""
+    name: str = ""
+    """Run name, the run directory's name; empty means '<recipe>-<UTC timestamp>'. Reusing a name resumes that run."""
+    description: str = ""
+    """Free text stored in the manifest."""
+    strict: bool = False
+    """Turn any fallback (kernel, attention backend, FP8, compile) into an error at start-up."""
+
+
+@dataclass
+class Model:
+    name: str = "k3"
+    """Model family; only 'k3' is registered."""
+    flavor: str = "tiny"
+    """Named shape from titan_k3/models/k3/args.py: debug, tiny, k3-mini, k3."""
+    vocab_size: int = 0
+    """Vocabulary size; 0 takes the tokenizer's (rounded up to a multiple of 64)."""
+    qb_eta: float = 1.0
+    """Quantile Balancing step size for the routing bias."""
+    qb_update: bool = True
+    """Update the Quantile Balancing state in training forwards (false freezes routing balance)."""
+
+
+@dataclass
+class Kernels:
+    kda: Literal["auto", "triton", "torch"] = "auto"
+    """KDA implementation: triton kernel, torch chunked reference, or auto (triton on CUDA)."""
+    experts: Literal["auto", "triton", "grouped_mm", "torch"] = "auto"
+    """Routed-expert implementation: triton grouped GEMM, torch._grouped_mm, torch loop, or auto."""
+    loss: Literal["auto", "triton", "torch"] = "auto"
+    """Head + cross-entropy: fused triton kernel, chunked torch reference, or auto."""
+    attention: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
+    """MLA attention backend for scaled_dot_product_attention; auto prefers cuDNN on CUDA."""
+
+
+@dataclass
+class Training:
+    steps: int = 20
+    """Number of optimizer updates."""
+    seq_len: int = 128
+    """Tokens per sequence; a multiple of the KDA chunk size (64) when a chunked kernel is used."""
+    local_batch_size: int = 1
+    """Sequences per microbatch on each data-parallel rank."""
+    grad_accum: int = 1
+    """Microbatches per update."""
+    seed: int = 0
+    """Seed for initialisation and data order."""
+    max_norm: float = 1.0
+    """Global gradient-norm clipping threshold; 0 disables clipping (the norm is still measured)."""
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of parameters in compute (bf16 autocast on CUDA; FSDP2 param dtype)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device to train on; auto takes CUDA when present."""
+    max_skipped_in_row: int = 5
+    """Stop the run after this many consecutive updates skipped for a non-finite loss or grad norm."""
+    fixed_batch: bool = False
+    """Repeat the first batch forever (the overfit probe)."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["muon", "adamw"] = "muon"
+    """Per-Head Muon for matrices with AdamW for the rest, or AdamW for everything."""
+    lr: float = 3e-3
+    """Peak learning rate, shared by Muon and AdamW."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (not applied to norms, A_log, dt_bias, pseudo-queries)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    momentum: float = 0.95
+    """Muon Nesterov momentum."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations in Muon."""
+    qk_clip_tau: float = 100.0
+    """QK-Clip threshold on the per-head max pre-softmax logit of MLA layers; 0 disables QK-Clip."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 2
+    """Updates of linear warmup."""
+    decay_type: Literal["cosine", "linear", "sqrt"] = "cosine"
+    """Shape of the decay to min_lr: cosine, linear or 1-sqrt."""
+    decay_ratio: float = 1.0
+    """Fraction of the run spent decaying; 1.0 decays over all post-warmup updates, below 1 is WSD."""
+    min_lr_factor: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """Replicas for HSDP (each replica shards over data_parallel_shard_degree ranks)."""
+    data_parallel_shard_degree: int = -1
+    """FSDP2 shard degree; -1 takes the rest of the world size."""
+    expert_parallel_degree: int = 1
+    """Ranks the routed experts are split over (folded onto the data-parallel ranks)."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in backward: none, selective (every other block) or full (every block)."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each transformer block."""
+
+
+@dataclass
+class Float8:
+    enable: bool = False
+    """Convert eligible linears to torchao FP8 training."""
+    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """torchao Float8LinearConfig recipe."""
+    min_dim: int = 2048
+    """Only linears whose in and out features are both at least this size are converted (smaller ones measured slower)."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save and resume checkpoints."""
+    interval: int = 500
+    """Save every this many updates (and at the end)."""
+    folder: str = "checkpoints"
+    """Folder inside the run directory."""
+    keep_latest_k: int = 3
+    """Complete checkpoints kept; 0 keeps all."""
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """Write with dcp.async_save while training continues."""
+    load_step: int = -1
+    """Resume from this step; -1 resumes from 'latest' when present."""
+    initial_load_path: str = ""
+    """Checkpoint to initialise the model from (model weights only) when the run has none of its own."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log metrics every this many updates."""
+    prometheus_port: int = 0
+    """Port for rank 0's Prometheus endpoint; 0 disables it."""
+    peak_tflops: float = 989.0
+    """Datasheet dense bf16 peak per device for MFU (989 for H100/H200 SXM)."""
+    enable_tensorboard: bool = False
+    """Also write TensorBoard event files into the run directory."""
+    collapse_dead_fraction: float = 0.5
+    """Expert-collapse alarm: a layer's fraction of dead experts above this ..."""
+    collapse_patience: int = 3
+    """... for this many consecutive log steps fires the alarm."""
+
+
+@dataclass
+class Invariants:
+    enable: bool = True
+    """Run the runtime checks for silent distributed bugs."""
+    interval: int = 50
+    """Check every this many updates."""
+    abort: bool = False
+    """Stop the run on a violation instead of only reporting it."""
+
+
+@dataclass
+class Eval:
+    interval: int = 0
+    """Validation loss every this many updates (and at the end); 0 disables it."""
+    steps: int = 4
+    """Validation batches per evaluation."""
+    tasks: str = ""
+    """Comma-separated multiple-choice task files (JSONL) scored at each evaluation."""
+
+
+@dataclass
+class Data:
+    dataset: str = "embedded"
+    """'embedded' (the bundled corpus) or a directory prepared by titan_k3.data.prepare."""
+    tokenizer: str = "embedded"
+    """'embedded', an HF tokenizer.json, or a tiktoken BPE file."""
+    mixture: str = ""
+    """Source weights as 'name:weight,name:weight'; empty keeps natural proportions."""
+    prefetch: int = 2
+    """Batches prepared ahead by the loader thread."""
+
+
+@dataclass
+class Debug:
+    crash_at_step: int = -1
+    """Exit with status 3 right after this update (tests of restarts); -1 never."""
+    deterministic: bool = False
+    """Ask torch for deterministic algorithms."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    kernels: Kernels = field(default_factory=Kernels)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    invariants: Invariants = field(default_factory=Invariants)
+    eval: Eval = field(default_factory=Eval)
+    data: Data = field(default_factory=Data)
+    debug: Debug = field(default_factory=Debug)

@@ -1,0 +1,213 @@
+"""Load a JobConfig: defaults < TOML file < `--section.key value` overrides.
+
+Every mistake stops here, before any work, with one line naming the key, the
+value and what is allowed (`ConfigError`). Torch-free on purpose.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli
+
+from titan_k3.config import job_config
+from titan_k3.config.job_config import JobConfig
+
+
+class ConfigError(ValueError):
+    """A user's configuration mistake; the message is one line."""
+
+
+@functools.cache
+def field_docs() -> dict[tuple[str, str], str]:
+    """(section class name, field) -> the docstring written under the field."""
+    tree = ast.parse(inspect.getsource(job_config))
+    docs: dict[tuple[str, str], str] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        body = node.body
+        for stmt, nxt in zip(body, body[1:]):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[(node.name, stmt.target.id)] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _sections() -> dict[str, type]:
+    hints = typing.get_type_hints(JobConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _suggest(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(key: str, raw: Any, tp: Any, from_cli: bool) -> Any:
+    """Convert `raw` (TOML value or CLI string) to `tp`, or raise ConfigError."""
+    bad = ConfigError(f"config key '{key}' = {raw!r}: expected {_describe(tp)}")
+    if typing.get_origin(tp) is Literal:
+        choices = typing.get_args(tp)
+        if raw not in choices:
+            hint = _suggest(str(raw), [str(c) for c in choices])
+            raise ConfigError(f"config key '{key}' = {raw!r}: expected {_describe(tp)}{hint}")
+        return raw
+    if tp is bool:
+        if isinstance(raw, bool):
+            return raw
+        if from_cli and isinstance(raw, str) and raw.lower() in ("true", "false", "1", "0"):
+            return raw.lower() in ("true", "1")
+        raise bad
+    if tp is int:
+        if isinstance(raw, bool):
+            raise bad
+        if isinstance(raw, int):
+            return raw
+        if from_cli and isinstance(raw, str):
+            try:
+                return int(raw)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is float:
+        if isinstance(raw, bool):
+            raise bad
+        if isinstance(raw, (int, float)):
+            return float(raw)
+        if from_cli and isinstance(raw, str):
+            try:
+                return float(raw)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is str:
+        if isinstance(raw, str):
+            return raw
+        raise bad
+    raise AssertionError(f"unsupported config type {tp} for {key}")
+
+
+def _set(cfg: JobConfig, key: str, raw: Any, from_cli: bool) -> None:
+    sections = _sections()
+    if "." not in key:
+        raise ConfigError(f"config key '{key}': expected 'section.key' with a section among {', '.join(sections)}")
+    section, name = key.split(".", 1)
+    if section not in sections:
+        raise ConfigError(f"unknown config section '{section}' (in '{key}'){_suggest(section, list(sections))}")
+    types = _field_types(sections[section])
+    if name not in types:
+        full = [f"{section}.{n}" for n in types] + [f"{s}.{n}" for s in sections for n in _field_types(sections[s])]
+        raise ConfigError(f"unknown config key '{key}'{_suggest(key, full)}")
+    setattr(getattr(cfg, section), name, _coerce(key, raw, types[name], from_cli))
+
+
+def _apply_toml(cfg: JobConfig, data: dict[str, Any], origin: str) -> None:
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{origin}: top-level key '{section}' must be a [section] table")
+        for name, raw in values.items():
+            try:
+                _set(cfg, f"{section}.{name}", raw, from_cli=False)
+            except ConfigError as e:
+                raise ConfigError(f"{origin}: {e}") from None
+
+
+def parse_toml_text(text: str, origin: str = "<inline TOML>") -> dict[str, Any]:
+    try:
+        return tomli.loads(text)
+    except tomli.TOMLDecodeError as e:
+        raise ConfigError(f"{origin}: not valid TOML ({e})") from None
+
+
+def _split_cli(argv: list[str]) -> list[tuple[str, str]]:
+    """['--a.b', 'v', '--c.d=w'] -> [('a.b', 'v'), ('c.d', 'w')]."""
+    pairs: list[tuple[str, str]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument '{arg}': overrides look like --section.key value")
+        key = arg[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"option '--{key}' needs a value")
+            value = argv[i + 1]
+            i += 2
+        pairs.append((key, value))
+    return pairs
+
+
+def load_job_config(argv: list[str] | None = None, toml_text: str | None = None) -> JobConfig:
+    """Build and validate a JobConfig from CLI arguments (and optionally TOML text).
+
+    `toml_text`, when given, stands in for `--job.config_file` (the service
+    validates inline TOML this way). Raises ConfigError on any mistake.
+    """
+    from titan_k3.config.validate import validate
+
+    pairs = _split_cli(list(sys.argv[1:] if argv is None else argv))
+    cfg = JobConfig()
+    config_file = next((v for k, v in pairs if k == "job.config_file"), None)
+    if toml_text is not None:
+        _apply_toml(cfg, parse_toml_text(toml_text), "<inline TOML>")
+    elif config_file:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"config key 'job.config_file' = '{config_file}': no such file")
+        _apply_toml(cfg, parse_toml_text(path.read_text(), str(path)), str(path))
+    for key, value in pairs:
+        _set(cfg, key, value, from_cli=True)
+    validate(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def config_to_toml(cfg: JobConfig) -> str:
+    """The resolved config as TOML text (what the run directory stores)."""
+    import tomli_w
+
+    return tomli_w.dumps(config_to_dict(cfg))
+
+
+def help_text() -> str:
+    docs = field_docs()
+    lines = ["usage: python -m titan_k3.train [--job.config_file FILE] [--section.key VALUE ...]", ""]
+    for section, cls in _sections().items():
+        lines.append(f"[{section}]")
+        defaults = cls()
+        for name, tp in _field_types(cls).items():
+            default = getattr(defaults, name)
+            lines.append(f"  --{section}.{name} ({_describe(tp)}, default {default!r})")
+            lines.append(f"      {docs.get((cls.__name__, name), '')}")
+        lines.append("")
+    return "\n".join(lines)

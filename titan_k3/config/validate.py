@@ -1,0 +1,108 @@
+"""Checks on a whole JobConfig: ranges and combinations of keys.
+
+Each failure is a ConfigError whose one line names the key, the value and
+what is allowed. Torch-free; world-size checks happen in parallel/dims.py.
+"""
+
+from __future__ import annotations
+
+from titan_k3.config.job_config import JobConfig
+from titan_k3.models.k3.args import FLAVORS, KDA_CHUNK
+
+
+def _require(ok: bool, message: str) -> None:
+    from titan_k3.config.manager import ConfigError
+
+    if not ok:
+        raise ConfigError(message)
+
+
+def _positive(key: str, value: float) -> None:
+    _require(value > 0, f"config key '{key}' = {value!r}: must be > 0")
+
+
+def _non_negative(key: str, value: float) -> None:
+    _require(value >= 0, f"config key '{key}' = {value!r}: must be >= 0")
+
+
+def validate(cfg: JobConfig) -> None:
+    t, o, s, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.parallelism
+    _require(cfg.model.name == "k3", f"config key 'model.name' = {cfg.model.name!r}: expected 'k3'")
+    if cfg.model.flavor not in FLAVORS:
+        import difflib
+
+        close = difflib.get_close_matches(cfg.model.flavor, list(FLAVORS), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        _require(False, f"config key 'model.flavor' = {cfg.model.flavor!r}: expected one of {', '.join(FLAVORS)}{hint}")
+    _non_negative("model.vocab_size", cfg.model.vocab_size)
+    _non_negative("model.qb_eta", cfg.model.qb_eta)
+    for key in ("steps", "seq_len", "local_batch_size", "grad_accum", "max_skipped_in_row"):
+        _positive(f"training.{key}", getattr(t, key))
+    _non_negative("training.max_norm", t.max_norm)
+    _non_negative("training.seed", t.seed)
+    if cfg.kernels.kda != "torch":
+        _require(
+            t.seq_len % KDA_CHUNK == 0,
+            f"config key 'training.seq_len' = {t.seq_len}: must be a multiple of the KDA chunk size {KDA_CHUNK} "
+            f"when kernels.kda = {cfg.kernels.kda!r} (nearest: {max(KDA_CHUNK, round(t.seq_len / KDA_CHUNK) * KDA_CHUNK)})",
+        )
+    _positive("optimizer.lr", o.lr)
+    _non_negative("optimizer.weight_decay", o.weight_decay)
+    for key in ("beta1", "beta2", "momentum"):
+        value = getattr(o, key)
+        _require(0 <= value < 1, f"config key 'optimizer.{key}' = {value!r}: must be in [0, 1)")
+    _positive("optimizer.eps", o.eps)
+    _positive("optimizer.ns_steps", o.ns_steps)
+    _non_negative("optimizer.qk_clip_tau", o.qk_clip_tau)
+    _non_negative("lr_scheduler.warmup_steps", s.warmup_steps)
+    _require(
+        s.warmup_steps < t.steps,
+        f"config key 'lr_scheduler.warmup_steps' = {s.warmup_steps}: must be below training.steps = {t.steps}",
+    )
+    _require(0 < s.decay_ratio <= 1, f"config key 'lr_scheduler.decay_ratio' = {s.decay_ratio!r}: must be in (0, 1]")
+    _require(0 <= s.min_lr_factor <= 1, f"config key 'lr_scheduler.min_lr_factor' = {s.min_lr_factor!r}: must be in [0, 1]")
+    _positive("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree)
+    _require(
+        p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
+        f"config key 'parallelism.data_parallel_shard_degree' = {p.data_parallel_shard_degree}: must be -1 (the rest of the world) or >= 1",
+    )
+    _positive("parallelism.expert_parallel_degree", p.expert_parallel_degree)
+    n_experts = FLAVORS[cfg.model.flavor].n_experts
+    _require(
+        n_experts % p.expert_parallel_degree == 0,
+        f"config key 'parallelism.expert_parallel_degree' = {p.expert_parallel_degree}: must divide the "
+        f"{n_experts} experts of flavor {cfg.model.flavor!r}",
+    )
+    _positive("checkpoint.interval", cfg.checkpoint.interval)
+    _non_negative("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k)
+    _require(
+        cfg.checkpoint.load_step >= -1,
+        f"config key 'checkpoint.load_step' = {cfg.checkpoint.load_step}: must be -1 (latest) or a saved step",
+    )
+    _positive("metrics.log_freq", cfg.metrics.log_freq)
+    _require(
+        cfg.metrics.prometheus_port == 0 or 1024 <= cfg.metrics.prometheus_port <= 65535,
+        f"config key 'metrics.prometheus_port' = {cfg.metrics.prometheus_port}: must be 0 (off) or in 1024..65535",
+    )
+    _positive("metrics.peak_tflops", cfg.metrics.peak_tflops)
+    _require(
+        0 < cfg.metrics.collapse_dead_fraction <= 1,
+        f"config key 'metrics.collapse_dead_fraction' = {cfg.metrics.collapse_dead_fraction!r}: must be in (0, 1]",
+    )
+    _positive("metrics.collapse_patience", cfg.metrics.collapse_patience)
+    _positive("invariants.interval", cfg.invariants.interval)
+    _non_negative("eval.interval", cfg.eval.interval)
+    _positive("eval.steps", cfg.eval.steps)
+    _non_negative("data.prefetch", cfg.data.prefetch)
+    if cfg.data.mixture:
+        for part in cfg.data.mixture.split(","):
+            name, _, weight = part.partition(":")
+            try:
+                ok = bool(name.strip()) and float(weight) > 0
+            except ValueError:
+                ok = False
+            _require(ok, f"config key 'data.mixture' = {cfg.data.mixture!r}: expected 'name:weight,...' with weights > 0 (bad part {part!r})")
+    _require(
+        not (cfg.float8.enable and t.compute_dtype != "bfloat16"),
+        "config key 'float8.enable' = true: needs training.compute_dtype = 'bfloat16'",
+    )

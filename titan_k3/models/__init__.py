@@ -1,0 +1,1 @@
+"""Model families. Importing this package imports no torch."""
