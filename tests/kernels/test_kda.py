@@ -1,0 +1,173 @@
+"""KDA: the chunked PyTorch reference and the Triton kernels against the float64 token-by-token recurrence.
+
+On a machine without CUDA the Triton kernels run in the interpreter (tests/kernels/conftest.py).
+"""
+
+import pytest
+import torch
+
+from kernels.kda import chunk_kda_reference, kda_gate, l2norm, recurrent_kda
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    """sqrt(mean((a-b)^2)) / sqrt(mean(b^2)); an exactly-zero b (e.g. the decay gradient of
+    a one-token sequence from a zero state) is compared absolutely."""
+    a, b = a.double(), b.double()
+    err, ref = (a - b).pow(2).mean().sqrt().item(), b.pow(2).mean().sqrt().item()
+    return err / ref if ref > 0 else err * 1e6
+
+
+def make_inputs(B, T, H, K, V, *, N=None, dtype=torch.float64, seed=0, g_min=-5.0, device="cpu"):
+    """Random KDA inputs with unit-norm keys, a decay in [g_min, 0) and beta in (0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q = randn(B, T, H, K)
+    k = l2norm(randn(B, T, H, K))
+    v = randn(B, T, H, V)
+    g = g_min * torch.rand(B, T, H, K, generator=gen, dtype=torch.float64)
+    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64) * 0.98 + 0.01
+    h0 = randn(B if N is None else N, H, K, V) * 0.5
+    return [x.to(device=device, dtype=dtype) for x in (q, k, v, g, beta)] + [h0.to(device=device, dtype=torch.float32 if dtype != torch.float64 else dtype)]
+
+
+def run_with_grads(fn, q, k, v, g, beta, h0, *, seed=1, **kwargs):
+    """Runs fn, backpropagates random cotangents of o and the final state, returns outputs and gradients."""
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+    h0_leaf = None if h0 is None else h0.detach().clone().requires_grad_(True)
+    o, S = fn(*leaves, initial_state=h0_leaf, output_final_state=True, **kwargs)
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o)
+    dS = torch.randn(S.shape, generator=gen, dtype=torch.float64).to(S)
+    ((o * do).sum() + (S * dS).sum()).backward()
+    grads = [x.grad for x in leaves] + ([] if h0_leaf is None else [h0_leaf.grad])
+    return o, S, grads
+
+
+GRAD_NAMES = ["q", "k", "v", "g", "beta", "initial_state"]
+
+
+@pytest.mark.parametrize("T", [1, 63, 65, 130])
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_reference_chunked_matches_recurrent(T, with_h0):
+    q, k, v, g, beta, h0 = make_inputs(2, T, 2, 16, 8, seed=T)
+    h0 = h0 if with_h0 else None
+    o_ref, S_ref, grads_ref = run_with_grads(recurrent_kda, q, k, v, g, beta, h0)
+    o, S, grads = run_with_grads(chunk_kda_reference, q, k, v, g, beta, h0)
+    assert rel_rms(o, o_ref) < 1e-10
+    assert rel_rms(S, S_ref) < 1e-10
+    for name, a, b in zip(GRAD_NAMES, grads, grads_ref):
+        assert rel_rms(a, b) < 1e-9, name
+
+
+def test_reference_packed_documents_match_separate_runs():
+    lengths = [1, 15, 64, 200]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    q, k, v, g, beta, h0 = make_inputs(1, sum(lengths), 2, 16, 8, N=len(lengths), seed=3)
+    o_ref, S_ref, grads_ref = run_with_grads(recurrent_kda, q, k, v, g, beta, h0, cu_seqlens=cu)
+    o, S, grads = run_with_grads(chunk_kda_reference, q, k, v, g, beta, h0, cu_seqlens=cu)
+    assert rel_rms(o, o_ref) < 1e-10
+    assert rel_rms(S, S_ref) < 1e-10
+    for name, a, b in zip(GRAD_NAMES, grads, grads_ref):
+        assert rel_rms(a, b) < 1e-9, name
+    # No state crosses a boundary: document 2 alone, from its own initial state, gives the same rows.
+    s, e = cu[2].item(), cu[3].item()
+    o_doc, S_doc = recurrent_kda(
+        *(x[:, s:e] for x in (q, k, v, g, beta)), initial_state=h0[2:3], output_final_state=True
+    )
+    assert torch.allclose(o_ref[:, s:e], o_doc, rtol=0, atol=1e-12)
+    assert torch.allclose(S_ref[2:3], S_doc, rtol=0, atol=1e-12)
+
+
+def test_reference_recurrence_step_by_hand():
+    """One token from a known state: the recurrence written out, so the ground truth itself is pinned."""
+    q, k, v, g, beta, h0 = make_inputs(1, 1, 1, 4, 3, seed=5)
+    S = g[0, 0, 0].exp()[:, None] * h0[0, 0]
+    S = S + beta[0, 0, 0] * torch.outer(k[0, 0, 0], v[0, 0, 0] - S.T @ k[0, 0, 0])
+    o = S.T @ (q[0, 0, 0] * 4**-0.5)
+    o_rec, S_rec = recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert torch.allclose(o_rec[0, 0, 0], o, atol=1e-14)
+    assert torch.allclose(S_rec[0, 0], S, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_low_precision_cpu(dtype):
+    q, k, v, g, beta, h0 = make_inputs(2, 100, 2, 32, 32, seed=7)
+    o_ref, S_ref = recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    args = [x.to(dtype) for x in (q, k, v, g, beta)]
+    o, S = chunk_kda_reference(*args, initial_state=h0.float(), output_final_state=True)
+    assert o.dtype == dtype and S.dtype == torch.float32
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_rms(o, o_ref) < tol
+    assert rel_rms(S, S_ref) < tol
+
+
+def test_reference_fused_options_equal_unfused():
+    B, T, H, K, V = 1, 70, 2, 16, 8
+    q, k, v, g_raw, beta_logit, h0 = make_inputs(B, T, H, K, V, seed=11)
+    q, k = q * 3, k * 2  # not unit norm: the fused l2 norm has work to do
+    g_raw, beta_logit = g_raw * 2 + 3, beta_logit * 8 - 4
+    gen = torch.Generator().manual_seed(2)
+    A_log = torch.randn(H, generator=gen, dtype=torch.float64).requires_grad_(True)
+    dt_bias = torch.randn(H, K, generator=gen, dtype=torch.float64).requires_grad_(True)
+    for lb in (-5.0, None):
+        fused_fn = lambda *a, **kw: chunk_kda_reference(  # noqa: E731
+            *a, A_log=A_log, dt_bias=dt_bias, gate_lower_bound=lb, use_qk_l2norm=True, beta_is_logit=True, **kw
+        )
+        unfused_fn = lambda q, k, v, g, beta, **kw: recurrent_kda(  # noqa: E731
+            l2norm(q), l2norm(k), v, kda_gate(g, A_log, dt_bias, lb), torch.sigmoid(beta), **kw
+        )
+        o_f, S_f, grads_f = run_with_grads(fused_fn, q, k, v, g_raw, beta_logit, h0)
+        dA_f, ddt_f = A_log.grad.clone(), dt_bias.grad.clone()
+        A_log.grad = dt_bias.grad = None
+        o_u, S_u, grads_u = run_with_grads(unfused_fn, q, k, v, g_raw, beta_logit, h0)
+        assert rel_rms(o_f, o_u) < 1e-10 and rel_rms(S_f, S_u) < 1e-10
+        for name, a, b in zip(GRAD_NAMES, grads_f, grads_u):
+            assert rel_rms(a, b) < 1e-9, name
+        assert rel_rms(dA_f, A_log.grad) < 1e-9 and rel_rms(ddt_f, dt_bias.grad) < 1e-9
+        A_log.grad = dt_bias.grad = None
+
+
+def test_kda_gate_values():
+    g_raw = torch.tensor([[[[-50.0, 0.0, 50.0]]]], dtype=torch.float64)
+    A_log = torch.zeros(1, dtype=torch.float64)
+    safe = kda_gate(g_raw, A_log, None, -5.0)
+    assert torch.allclose(safe, torch.tensor([-0.0, -2.5, -5.0], dtype=torch.float64).view(1, 1, 1, 3), atol=1e-12)
+    plain = kda_gate(g_raw, A_log, None, None)
+    assert torch.allclose(plain, -torch.nn.functional.softplus(g_raw))
+
+
+def test_reference_hard_reset_is_finite_and_forgets():
+    """g = -1000 wipes the state: the chunked path stays finite and matches the recurrence."""
+    q, k, v, g, beta, h0 = make_inputs(1, 130, 2, 16, 8, seed=13)
+    g = g.clone()
+    g[:, 70] = -1000.0
+    o_ref, S_ref, grads_ref = run_with_grads(recurrent_kda, q, k, v, g, beta, h0)
+    o, S, grads = run_with_grads(chunk_kda_reference, q, k, v, g, beta, h0)
+    assert all(torch.isfinite(x).all() for x in (o, S, *grads))
+    assert rel_rms(o, o_ref) < 1e-10
+    for name, a, b in zip(GRAD_NAMES, grads, grads_ref):
+        assert rel_rms(a, b) < 1e-9, name
+    # After the reset the initial state no longer matters for later tokens.
+    o2, _ = recurrent_kda(q, k, v, g, beta, initial_state=h0 * 0, output_final_state=True)
+    assert torch.allclose(o_ref[:, 70:], o2[:, 70:], atol=1e-12)
+    assert not torch.allclose(o_ref[:, :70], o2[:, :70], atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(beta=torch.zeros(1, 5, 3)), "beta must be"),
+        (dict(initial_state=torch.zeros(2, 2, 8, 4)), "initial_state must be"),
+        (dict(cu_seqlens=torch.tensor([0, 3], dtype=torch.int64)), "cu_seqlens must rise"),
+        (dict(dt_bias=torch.zeros(2, 8)), "dt_bias is only used"),
+    ],
+)
+def test_reference_bad_input_names_the_argument(change, match):
+    args = dict(q=torch.zeros(1, 5, 2, 8), k=torch.zeros(1, 5, 2, 8), v=torch.zeros(1, 5, 2, 4),
+                g=torch.zeros(1, 5, 2, 8), beta=torch.zeros(1, 5, 2))
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        chunk_kda_reference(**args)
