@@ -1,0 +1,161 @@
+"""Pure-PyTorch linear cross-entropy: a memory-safe chunked version and a naive one.
+
+Legend: N rows (tokens), D model width, V vocabulary, C rows in one chunk.
+
+`linear_cross_entropy` is the CPU path of the model and the fallback on GPU: it
+never holds float32 logits for more than C rows at once, in forward or backward
+(the backward recomputes each chunk's logits from `h` and `weight`).
+`linear_cross_entropy_naive` materialises all logits and calls
+`F.cross_entropy`; tests use it as ground truth.
+
+Both return `(loss_sum, n_valid)`: the summed loss over rows whose target is not
+`ignore_index` (float32 scalar) and the number of such rows (int64 scalar).
+There is no mean reduction on purpose: the trainer divides by the valid-token
+count of the whole update, summed over microbatches and ranks.
+"""
+
+import torch
+import torch.nn.functional as F
+
+# NOTE: 256 MiB of float32 logits per chunk keeps the peak small next to the
+# model's activations while each chunk's matmul stays large enough to be
+# efficient (at V = 163,840 it is 409 rows).
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+
+
+def check_inputs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> None:
+    """Raise ValueError naming the argument if the inputs do not fit together.
+
+    Checks shapes, dtypes and devices, and that every target is in [0, V) or
+    equal to `ignore_index` (this reads the targets: one device sync).
+    """
+    if h.dim() != 2:
+        raise ValueError(f"h must be 2-D [N, D], got shape {tuple(h.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V, D] (nn.Linear layout), got shape {tuple(weight.shape)}")
+    if h.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"h [N, D] and weight [V, D] must share D, got h {tuple(h.shape)} and weight {tuple(weight.shape)}"
+        )
+    if targets.dim() != 1 or targets.shape[0] != h.shape[0]:
+        raise ValueError(f"targets must be 1-D of length N={h.shape[0]}, got shape {tuple(targets.shape)}")
+    if targets.dtype != torch.int64:
+        raise ValueError(f"targets must be torch.int64, got {targets.dtype}")
+    if not h.is_floating_point() or h.dtype != weight.dtype:
+        raise ValueError(f"h and weight must share one floating dtype, got h {h.dtype} and weight {weight.dtype}")
+    if not (h.device == weight.device == targets.device):
+        raise ValueError(
+            f"h, weight and targets must be on one device, got {h.device}, {weight.device}, {targets.device}"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have at least one row (V >= 1), got V=0")
+    bad = ((targets < 0) | (targets >= weight.shape[0])) & (targets != ignore_index)
+    if bool(bad.any()):
+        first = targets[bad][0].item()
+        raise ValueError(
+            f"targets must be in [0, {weight.shape[0]}) or equal ignore_index={ignore_index}, found {first}"
+        )
+
+
+def rows_per_chunk(n_rows: int, vocab: int, bytes_per_logit: int, chunk_bytes: int) -> int:
+    """Rows per chunk so that one chunk of logits fits in `chunk_bytes`, split evenly.
+
+    Splitting N into equal chunks avoids a tiny, inefficient last chunk.
+    """
+    max_rows = max(1, chunk_bytes // (vocab * bytes_per_logit))
+    n_chunks = max(1, -(-n_rows // max_rows))
+    return max(1, -(-n_rows // n_chunks))
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Row-chunked linear cross-entropy; the backward recomputes each chunk's logits.
+
+    Softmax and accumulation run in float32 (float64 for float64 inputs); the
+    matmuls run in the inputs' dtype, as `nn.Linear` would.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, ignore_index, chunk_rows):
+        n_rows = h.shape[0]
+        acc = torch.promote_types(h.dtype, torch.float32)
+        lse_N = torch.empty(n_rows, dtype=acc, device=h.device)
+        loss_sum = torch.zeros((), dtype=acc, device=h.device)
+        for start in range(0, n_rows, chunk_rows):
+            end = min(start + chunk_rows, n_rows)
+            logits_CV = (h[start:end] @ weight.t()).to(acc)
+            lse_C = torch.logsumexp(logits_CV, dim=-1)
+            lse_N[start:end] = lse_C
+            tgt_C = targets[start:end]
+            valid_C = tgt_C != ignore_index
+            picked_C = logits_CV.gather(1, tgt_C.clamp(min=0).unsqueeze(1)).squeeze(1)
+            loss_sum += torch.where(valid_C, lse_C - picked_C, 0.0).sum()
+        ctx.save_for_backward(h, weight, targets, lse_N)
+        ctx.ignore_index = ignore_index
+        ctx.chunk_rows = chunk_rows
+        return loss_sum.float()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        h, weight, targets, lse_N = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(h) if need_h else None
+        acc = lse_N.dtype
+        grad_w32 = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        g = grad_loss.to(acc)
+        for start in range(0, h.shape[0], ctx.chunk_rows):
+            end = min(start + ctx.chunk_rows, h.shape[0])
+            h_CD = h[start:end]
+            logits_CV = (h_CD @ weight.t()).to(acc)
+            # dloss/dlogits = softmax - onehot(target), zero for ignored rows.
+            dlogits_CV = torch.exp(logits_CV - lse_N[start:end, None])
+            tgt_C = targets[start:end]
+            valid_C = tgt_C != ctx.ignore_index
+            # NOTE: ignored rows subtract 1 at a clamped index too; the mask below zeroes them.
+            dlogits_CV.scatter_add_(1, tgt_C.clamp(min=0).unsqueeze(1), -torch.ones_like(lse_N[start:end, None]))
+            dlogits_CV.mul_((valid_C.to(acc) * g)[:, None])
+            dlogits_CV = dlogits_CV.to(h.dtype)
+            if need_h:
+                grad_h[start:end] = dlogits_CV @ weight
+            if need_w:
+                grad_w32 += (dlogits_CV.t() @ h_CD).to(acc)
+        grad_w = grad_w32.to(weight.dtype) if need_w else None
+        return grad_h, grad_w, None, None, None
+
+
+def linear_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    *,
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy of `h @ weight.T` against `targets`, chunked over rows.
+
+    h [N, D], weight [V, D], targets [N] int64 -> (loss_sum float32 [], n_valid int64 []).
+    Differentiable in `h` and `weight`. `chunk_rows` (default: 256 MiB of float32
+    logits) bounds the rows whose logits exist at one time.
+    """
+    check_inputs(h, weight, targets, ignore_index)
+    if chunk_rows is None:
+        chunk_rows = rows_per_chunk(h.shape[0], weight.shape[0], 4, DEFAULT_CHUNK_BYTES)
+    elif chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    n_valid = (targets != ignore_index).sum()
+    loss_sum = _ChunkedLinearCrossEntropy.apply(h, weight, targets, ignore_index, chunk_rows)
+    return loss_sum, n_valid
+
+
+def linear_cross_entropy_naive(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ground truth: materialise all [N, V] logits and call `F.cross_entropy`.
+
+    Computes and returns the loss in the dtype of `h`: pass float64 inputs for a
+    high-precision reference.
+    """
+    check_inputs(h, weight, targets, ignore_index)
+    logits_NV = h @ weight.t()
+    loss_sum = F.cross_entropy(logits_NV, targets, ignore_index=ignore_index, reduction="sum")
+    n_valid = (targets != ignore_index).sum()
+    return loss_sum, n_valid
