@@ -1,0 +1,346 @@
+"""Public grouped-GEMM ops: launchers, torch.library custom ops, and autograd.
+
+`grouped_mm` and `moe_experts` are registered as custom ops with fake
+(meta) implementations and autograd formulas, so torch.compile traces them
+without a graph break. Both need CUDA tensors (or TRITON_INTERPRET=1 on CPU);
+`kernels.grouped_gemm.reference` is the pure-PyTorch version.
+
+Legend: T tokens, k experts per token, S = T * k token-slots sorted by
+expert, E experts, L latent width, F expert hidden width; for grouped_mm,
+N rows, K reduction width, M output width.
+"""
+
+import torch
+import triton
+
+from kernels.grouped_gemm.reference import route_permutation
+from kernels.grouped_gemm.triton_gemm import (
+    INTERPRET,
+    grouped_mm_kernel,
+    grouped_wgrad_kernel,
+    row_tiles_upper_bound,
+)
+from kernels.grouped_gemm.triton_moe import (
+    combine_block_sizes,
+    combine_bwd_kernel,
+    combine_kernel,
+    glu_bwd_kernel,
+    glu_up_kernel,
+)
+
+__all__ = ["grouped_mm", "moe_experts"]
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # NOTE: float32 inputs get true float32 products; Triton's default (tf32)
+    # would carry ~1e-3 relative error into a float32 API.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ---------------------------------------------------------------- launchers
+
+
+def _mm_grid(n_rows, n_experts, n_cols):
+    def grid(meta):
+        return (row_tiles_upper_bound(n_rows, n_experts, meta["BLOCK_M"]) * triton.cdiv(n_cols, meta["BLOCK_N"]),)
+
+    return grid
+
+
+def _launch_mm(a, b, offsets, out, gather=None, a2=None, b2=None):
+    """out[r] = a[g(r)] @ b[e] (+ a2[g(r)] @ b2[e]) for rows r of group e; zeros past offsets[-1]."""
+    n_rows, n_cols = out.shape
+    n_experts, red = b.shape[0], b.shape[1]
+    if n_rows == 0 or n_cols == 0:
+        return out
+    if a2 is not None:
+        assert a2.stride() == a.stride() and b2.stride() == b.stride()
+    grouped_mm_kernel[_mm_grid(n_rows, n_experts, n_cols)](
+        a, a if a2 is None else a2, b, b if b2 is None else b2, out, offsets,
+        offsets if gather is None else gather,
+        n_rows, red, n_cols,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+        N_EXPERTS=n_experts, E_POW2=triton.next_power_of_2(n_experts),
+        GATHER=gather is not None, DUAL=a2 is not None, PRECISION=_precision(a.dtype),
+    )
+    return out
+
+
+def _launch_wgrad(a, b, offsets, out, gather=None, b2=None, out2=None):
+    """out[e] = a[g(rows_e)]^T @ b[rows_e] (and out2[e] with b2); b's rows define the groups."""
+    n_experts, red, n_cols = out.shape
+    if out.numel() == 0:
+        return
+    if b2 is not None:
+        assert b2.stride() == b.stride() and out2.stride() == out.stride()
+
+    def grid(meta):
+        return (n_experts * triton.cdiv(red, meta["BLOCK_K"]) * triton.cdiv(n_cols, meta["BLOCK_N"]),)
+
+    grouped_wgrad_kernel[grid](
+        a, b, b if b2 is None else b2, out, out if out2 is None else out2, offsets,
+        offsets if gather is None else gather,
+        b.shape[0], red, n_cols,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        N_EXPERTS=n_experts, GATHER=gather is not None, DUAL=b2 is not None, PRECISION=_precision(a.dtype),
+    )
+
+
+def _launch_combine(src_SL, inverse_S, weight_TK, out_TL, top_k):
+    n_tokens, width = out_TL.shape
+    if n_tokens == 0 or width == 0:
+        return out_TL
+    block_t, block_l = combine_block_sizes(width)
+    combine_kernel[(triton.cdiv(n_tokens, block_t), triton.cdiv(width, block_l))](
+        src_SL, inverse_S, src_SL if weight_TK is None else weight_TK, out_TL,
+        n_tokens, width, src_SL.stride(0), out_TL.stride(0),
+        TOP_K=top_k, WEIGHTED=weight_TK is not None, BLOCK_T=block_t, BLOCK_L=block_l,
+    )
+    return out_TL
+
+
+# ---------------------------------------------------------------- grouped_mm
+
+
+@torch.library.custom_op("k3_grouped_gemm::grouped_mm", mutates_args=())
+def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    y = torch.empty(x.shape[0], w.shape[2], device=x.device, dtype=x.dtype)
+    return _launch_mm(x, w, offsets, y)
+
+
+@_grouped_mm_op.register_fake
+def _(x, w, offsets):
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+@torch.library.custom_op("k3_grouped_gemm::grouped_mm_backward", mutates_args=())
+def _grouped_mm_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dx = _launch_mm(dy, w.transpose(1, 2), offsets, torch.empty_like(x, memory_format=torch.contiguous_format))
+    dw = torch.empty_like(w, memory_format=torch.contiguous_format)
+    _launch_wgrad(x, dy, offsets, dw)
+    return dx, dw
+
+
+@_grouped_mm_backward_op.register_fake
+def _(dy, x, w, offsets):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(w, memory_format=torch.contiguous_format)
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    x, w, offsets = inputs
+    ctx.save_for_backward(x, w, offsets)
+
+
+def _grouped_mm_backward(ctx, dy):
+    x, w, offsets = ctx.saved_tensors
+    dx, dw = _grouped_mm_backward_op(dy, x, w, offsets)
+    return dx, dw, None
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+def _check_device(name: str, t: torch.Tensor) -> None:
+    if t.device.type != "cuda" and not INTERPRET:
+        raise ValueError(
+            f"{name} is on {t.device}; the Triton grouped GEMMs need CUDA tensors (or TRITON_INTERPRET=1); "
+            "use kernels.grouped_gemm.reference on CPU"
+        )
+
+
+def _check_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if t.dtype != dtype:
+        raise ValueError(f"{name} has dtype {t.dtype}; it must match x's dtype {dtype}")
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """y[r] = x[r] @ w[e] for rows r of group e (torch._grouped_mm semantics).
+
+    x [N, K] rows grouped by expert; w [E, K, M]; offsets int32 [E], the
+    nondecreasing cumulative row ends (empty groups allowed, offsets[-1] <= N;
+    read on the device, never checked against the data). Returns y [N, M] in
+    x's dtype; unlike torch._grouped_mm, rows past offsets[-1] are zeros and
+    get zero gradient. Differentiable in x and w.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x has shape {tuple(x.shape)}; expected [N, K]")
+    if w.dim() != 3 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"w has shape {tuple(w.shape)}; expected [E, K={x.shape[1]}, M]")
+    if offsets.dim() != 1 or offsets.dtype != torch.int32 or offsets.shape[0] != w.shape[0]:
+        raise ValueError(
+            f"offsets is {offsets.dtype} of shape {tuple(offsets.shape)}; expected int32 [E={w.shape[0]}]"
+        )
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"x has dtype {x.dtype}; allowed: {', '.join(str(d) for d in _DTYPES)}")
+    _check_dtype("w", w, x.dtype)
+    for name, t in (("x", x), ("w", w), ("offsets", offsets)):
+        _check_device(name, t)
+    return _grouped_mm_op(x, w, offsets)
+
+
+# ---------------------------------------------------------------- moe_experts
+
+
+@torch.library.custom_op("k3_grouped_gemm::moe_experts_fwd", mutates_args=())
+def _moe_fwd_op(
+    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, weight: torch.Tensor,
+    order: torch.Tensor, token: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, save: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, g, u, h, out); g and u are empty unless save (they feed the backward)."""
+    n_tokens, latent = x.shape
+    n_experts, _, hidden = w1.shape
+    n_slots = token.shape[0]
+    new = dict(device=x.device, dtype=x.dtype)
+    h = torch.empty(n_slots, hidden, **new)
+    g = torch.empty(n_slots if save else 0, hidden, **new)
+    u = torch.empty_like(g)
+    if n_slots > 0 and hidden > 0:
+        glu_up_kernel[_mm_grid(n_slots, n_experts, hidden)](
+            x, w1, w3, h, g if save else h, u if save else h, offsets, token,
+            n_slots, latent, hidden,
+            x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), h.stride(0),
+            N_EXPERTS=n_experts, E_POW2=triton.next_power_of_2(n_experts), STORE_GU=save,
+            PRECISION=_precision(x.dtype),
+        )
+    out = _launch_mm(h, w2, offsets, torch.empty(n_slots, latent, **new))
+    y = _launch_combine(out, inverse, weight, torch.empty(n_tokens, latent, **new), n_slots // max(n_tokens, 1))
+    return y, g, u, h, out
+
+
+@_moe_fwd_op.register_fake
+def _(x, w1, w3, w2, weight, order, token, inverse, offsets, save):
+    n_slots, hidden = token.shape[0], w1.shape[2]
+    g = x.new_empty(n_slots if save else 0, hidden)
+    return x.new_empty(x.shape), g, torch.empty_like(g), x.new_empty(n_slots, hidden), x.new_empty(n_slots, x.shape[1])
+
+
+@torch.library.custom_op("k3_grouped_gemm::moe_experts_bwd", mutates_args=())
+def _moe_bwd_op(
+    dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+    weight: torch.Tensor, order: torch.Tensor, token: torch.Tensor, inverse: torch.Tensor,
+    offsets: torch.Tensor, g: torch.Tensor, u: torch.Tensor, h: torch.Tensor, out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw1, dw3, dw2, dweight)."""
+    n_tokens, latent = x.shape
+    n_experts, _, hidden = w1.shape
+    n_slots = token.shape[0]
+    top_k = n_slots // max(n_tokens, 1)
+    new = dict(device=x.device, dtype=x.dtype)
+    dy = dy.contiguous()
+    d_out = torch.empty(n_slots, latent, **new)
+    d_weight = torch.empty(n_slots, device=x.device, dtype=torch.float32)
+    if n_slots > 0:
+        block_s, block_l = combine_block_sizes(latent)
+        combine_bwd_kernel[(triton.cdiv(n_slots, block_s),)](
+            dy, out, order, weight, d_out, d_weight, n_slots, latent, dy.stride(0), out.stride(0),
+            TOP_K=top_k, BLOCK_S=block_s, BLOCK_L=block_l,
+        )
+    dg = torch.empty(n_slots, hidden, **new)
+    du = torch.empty_like(dg)
+    if n_slots > 0 and hidden > 0:
+        glu_bwd_kernel[_mm_grid(n_slots, n_experts, hidden)](
+            d_out, w2, g, u, dg, du, offsets, n_slots, latent, hidden,
+            d_out.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), g.stride(0),
+            N_EXPERTS=n_experts, E_POW2=triton.next_power_of_2(n_experts), PRECISION=_precision(x.dtype),
+        )
+    dw2 = torch.empty(w2.shape, **new)
+    _launch_wgrad(h, d_out, offsets, dw2)
+    dw1 = torch.empty(w1.shape, **new)
+    dw3 = torch.empty(w3.shape, **new)
+    _launch_wgrad(x, dg, offsets, dw1, gather=token, b2=du, out2=dw3)
+    dx_slots = _launch_mm(dg, w1.transpose(1, 2), offsets, torch.empty(n_slots, latent, **new),
+                          a2=du, b2=w3.transpose(1, 2))
+    dx = _launch_combine(dx_slots, inverse, None, torch.empty(n_tokens, latent, **new), top_k)
+    return dx, dw1, dw3, dw2, d_weight.view(n_tokens, top_k).to(weight.dtype)
+
+
+@_moe_bwd_op.register_fake
+def _(dy, x, w1, w3, w2, weight, order, token, inverse, offsets, g, u, h, out):
+    return (torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w3), torch.empty_like(w2),
+            torch.empty_like(weight))
+
+
+def _moe_setup(ctx, inputs, output):
+    x, w1, w3, w2, weight, order, token, inverse, offsets, _ = inputs
+    _, g, u, h, out = output
+    ctx.mark_non_differentiable(g, u, h, out)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x, w1, w3, w2, weight, order, token, inverse, offsets, g, u, h, out)
+
+
+def _moe_backward(ctx, dy, *_):
+    if dy is None:
+        return (None,) * 10
+    dx, dw1, dw3, dw2, d_weight = _moe_bwd_op(dy, *ctx.saved_tensors)
+    return dx, dw1, dw3, dw2, d_weight, None, None, None, None, None
+
+
+_moe_fwd_op.register_autograd(_moe_backward, setup_context=_moe_setup)
+
+
+def _check_moe(x_TL, w1_ELF, w3_ELF, w2_EFL, topk_idx_TK, topk_weight_TK) -> None:
+    if x_TL.dim() != 2:
+        raise ValueError(f"x_TL has shape {tuple(x_TL.shape)}; expected [T, L]")
+    n_tokens, latent = x_TL.shape
+    if x_TL.dtype not in _DTYPES:
+        raise ValueError(f"x_TL has dtype {x_TL.dtype}; allowed: {', '.join(str(d) for d in _DTYPES)}")
+    if w1_ELF.dim() != 3 or w1_ELF.shape[1] != latent:
+        raise ValueError(f"w1_ELF has shape {tuple(w1_ELF.shape)}; expected [E, L={latent}, F]")
+    n_experts, _, hidden = w1_ELF.shape
+    if w3_ELF.shape != w1_ELF.shape:
+        raise ValueError(f"w3_ELF has shape {tuple(w3_ELF.shape)}; expected w1's {tuple(w1_ELF.shape)}")
+    if tuple(w2_EFL.shape) != (n_experts, hidden, latent):
+        raise ValueError(f"w2_EFL has shape {tuple(w2_EFL.shape)}; expected [E={n_experts}, F={hidden}, L={latent}]")
+    if topk_idx_TK.dim() != 2 or topk_idx_TK.shape[0] != n_tokens or topk_idx_TK.dtype != torch.int64:
+        raise ValueError(
+            f"topk_idx_TK is {topk_idx_TK.dtype} of shape {tuple(topk_idx_TK.shape)}; expected int64 [T={n_tokens}, k]"
+        )
+    if topk_weight_TK.shape != topk_idx_TK.shape or not topk_weight_TK.is_floating_point():
+        raise ValueError(
+            f"topk_weight_TK is {topk_weight_TK.dtype} of shape {tuple(topk_weight_TK.shape)}; "
+            f"expected floating [T, k] = {tuple(topk_idx_TK.shape)}"
+        )
+    for name, w in (("w1_ELF", w1_ELF), ("w3_ELF", w3_ELF), ("w2_EFL", w2_EFL)):
+        _check_dtype(name, w, x_TL.dtype)
+    for name, t in (("x_TL", x_TL), ("w1_ELF", w1_ELF), ("w3_ELF", w3_ELF), ("w2_EFL", w2_EFL),
+                    ("topk_idx_TK", topk_idx_TK), ("topk_weight_TK", topk_weight_TK)):
+        _check_device(name, t)
+
+
+def moe_experts(
+    x_TL: torch.Tensor,
+    w1_ELF: torch.Tensor,
+    w3_ELF: torch.Tensor,
+    w2_EFL: torch.Tensor,
+    topk_idx_TK: torch.Tensor,
+    topk_weight_TK: torch.Tensor,
+) -> torch.Tensor:
+    """The routed-expert block: y[t] = sum_j p[t, j] * Expert_{idx[t, j]}(x[t]).
+
+    Expert_e(z) = SiTU-GLU(z @ w1[e], z @ w3[e]) @ w2[e]. x_TL [T, L];
+    w1_ELF, w3_ELF [E, L, F] and w2_EFL [E, F, L] in x's dtype; topk_idx_TK
+    int64 [T, k] with values in [0, E) (not checked: that would sync);
+    topk_weight_TK [T, k]. The permutation is computed on the device (no host
+    sync); the GLU and the combine run in float32; deterministic (no atomics).
+    Returns y_TL [T, L] in x's dtype. Differentiable in x, w1, w3, w2 and
+    topk_weight.
+    """
+    _check_moe(x_TL, w1_ELF, w3_ELF, w2_EFL, topk_idx_TK, topk_weight_TK)
+    n_tokens, top_k = topk_idx_TK.shape
+    order_S, offsets_E = route_permutation(topk_idx_TK, w1_ELF.shape[0])
+    n_slots = order_S.numel()
+    inverse_S = torch.empty(n_slots, device=order_S.device, dtype=torch.int32)
+    inverse_S[order_S] = torch.arange(n_slots, device=order_S.device, dtype=torch.int32)
+    token_S = (order_S // top_k).to(torch.int32)
+    params = (x_TL, w1_ELF, w3_ELF, w2_EFL, topk_weight_TK)
+    save = torch.is_grad_enabled() and any(t.requires_grad for t in params)
+    # NOTE: the kernels read w1 and w3 with one set of strides.
+    y, *_ = _moe_fwd_op(
+        x_TL, w1_ELF.contiguous(), w3_ELF.contiguous(), w2_EFL, topk_weight_TK.contiguous(),
+        order_S.to(torch.int32), token_S, inverse_S, offsets_E, save,
+    )
+    return y

@@ -1,0 +1,173 @@
+"""Triton kernels around the expert GEMMs: gathered SiTU-GLU up-projection,
+its fused backward, and the deterministic weighted combine.
+
+Legend: T tokens, k experts per token, S = T * k token-slots sorted by
+expert, E experts, L latent width, F expert hidden width.
+"""
+
+import triton
+import triton.language as tl
+
+from kernels.grouped_gemm.triton_gemm import INTERPRET, mm_configs, row_tile
+
+
+@triton.jit
+def _tanh(z):
+    # NOTE: tanh through sigmoid: one formula that both the interpreter and
+    # every Triton version provide; its absolute error (~1e-7) is far below bf16.
+    return 2.0 * tl.sigmoid(2.0 * z) - 1.0
+
+
+@triton.autotune(configs=mm_configs(), key=["L", "F", "N_EXPERTS", "STORE_GU"])
+@triton.jit
+def glu_up_kernel(
+    x_ptr, w1_ptr, w3_ptr, h_ptr, g_ptr, u_ptr, offsets_ptr, token_ptr,
+    n_rows, L, F,
+    stride_xt, stride_xl, stride_we, stride_wl, stride_wf, stride_s,
+    N_EXPERTS: tl.constexpr, E_POW2: tl.constexpr, STORE_GU: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """h[s] = SiTU-GLU(x[token[s]] @ w1[e], x[token[s]] @ w3[e]) for slots s of expert e.
+
+    x rows are gathered in the A-load (no permuted copy of x); both products
+    share that load; the GLU runs in float32 on the accumulators. g and u
+    (rounded to h's dtype) are stored for the backward when STORE_GU.
+    h, g, u are [S, F] with row stride stride_s.
+    """
+    pid = tl.program_id(0)
+    n_col_tiles = tl.cdiv(F, BLOCK_N)
+    expert, row_start, row_end = row_tile(pid // n_col_tiles, offsets_ptr, n_rows, N_EXPERTS, E_POW2, BLOCK_M)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
+    cols = (pid % n_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < F
+    x_rows = tl.load(token_ptr + rows, mask=row_mask, other=0).to(tl.int64) * stride_xt
+    k_end = tl.where((expert >= 0) & (row_start < row_end), L, 0)
+    w_off = tl.maximum(expert, 0).to(tl.int64) * stride_we
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < L
+        a = tl.load(x_ptr + x_rows[:, None] + ks[None, :] * stride_xl, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b_off = w_off + ks[:, None] * stride_wl + cols[None, :] * stride_wf
+        b_mask = k_mask[:, None] & col_mask[None, :]
+        acc_g = tl.dot(a, tl.load(w1_ptr + b_off, mask=b_mask, other=0.0), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, tl.load(w3_ptr + b_off, mask=b_mask, other=0.0), acc_u, input_precision=PRECISION)
+    h = 4.0 * _tanh(acc_g * 0.25) * tl.sigmoid(acc_g) * (25.0 * _tanh(acc_u * 0.04))
+    s_off = rows.to(tl.int64)[:, None] * stride_s + cols[None, :]
+    s_mask = row_mask[:, None] & col_mask[None, :]
+    tl.store(h_ptr + s_off, h.to(h_ptr.dtype.element_ty), mask=s_mask)
+    if STORE_GU:
+        tl.store(g_ptr + s_off, acc_g.to(g_ptr.dtype.element_ty), mask=s_mask)
+        tl.store(u_ptr + s_off, acc_u.to(u_ptr.dtype.element_ty), mask=s_mask)
+
+
+@triton.autotune(configs=mm_configs(), key=["L", "F", "N_EXPERTS"])
+@triton.jit
+def glu_bwd_kernel(
+    dout_ptr, w2_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, offsets_ptr,
+    n_rows, L, F,
+    stride_do, stride_we, stride_wf, stride_wl, stride_s,
+    N_EXPERTS: tl.constexpr, E_POW2: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """dh = dout[s] @ w2[e]^T, then the SiTU-GLU backward in the epilogue.
+
+    With a(g) = 4 tanh(g/4) sigmoid(g) and b(u) = 25 tanh(u/25):
+    dg = dh * b(u) * a'(g), du = dh * a(g) * b'(u). dout [S, L] (row stride
+    stride_do, unit column stride); g, u, dg, du are [S, F] with row stride stride_s.
+    """
+    pid = tl.program_id(0)
+    n_col_tiles = tl.cdiv(F, BLOCK_N)
+    expert, row_start, row_end = row_tile(pid // n_col_tiles, offsets_ptr, n_rows, N_EXPERTS, E_POW2, BLOCK_M)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
+    cols = (pid % n_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < F
+    k_end = tl.where((expert >= 0) & (row_start < row_end), L, 0)
+    w_off = tl.maximum(expert, 0).to(tl.int64) * stride_we
+    dh = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < L
+        a = tl.load(dout_ptr + rows.to(tl.int64)[:, None] * stride_do + ks[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w2_ptr + w_off + ks[:, None] * stride_wl + cols[None, :] * stride_wf,
+                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        dh = tl.dot(a, b, dh, input_precision=PRECISION)
+    s_off = rows.to(tl.int64)[:, None] * stride_s + cols[None, :]
+    s_mask = row_mask[:, None] & col_mask[None, :]
+    g = tl.load(g_ptr + s_off, mask=s_mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + s_off, mask=s_mask, other=0.0).to(tl.float32)
+    tg = _tanh(g * 0.25)
+    sg = tl.sigmoid(g)
+    tu = _tanh(u * 0.04)
+    act_g = 4.0 * tg * sg
+    act_u = 25.0 * tu
+    d_act_g = (1.0 - tg * tg) * sg + act_g * (1.0 - sg)
+    d_act_u = 1.0 - tu * tu
+    tl.store(dg_ptr + s_off, (dh * act_u * d_act_g).to(dg_ptr.dtype.element_ty), mask=s_mask)
+    tl.store(du_ptr + s_off, (dh * act_g * d_act_u).to(du_ptr.dtype.element_ty), mask=s_mask)
+
+
+def combine_block_sizes(width: int) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_L) for the combine kernels: whole rows up to 256 wide."""
+    if INTERPRET:
+        return 16, 16
+    return 16, min(triton.next_power_of_2(width), 256)
+
+
+@triton.jit
+def combine_kernel(
+    src_ptr, inverse_ptr, weight_ptr, y_ptr,
+    n_tokens, L, stride_src, stride_y,
+    TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    """y[t] = sum_j p[t, j] * src[inverse[t*k + j]] in float32 (p = 1 unless WEIGHTED).
+
+    Gathering each token's k slot rows (rather than scattering slots into
+    tokens) keeps the sum's order fixed: deterministic, no atomics.
+    src [S, L] sorted by expert; inverse [T*k] maps flat slot -> sorted row.
+    """
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    t_mask = tokens < n_tokens
+    mask = t_mask[:, None] & (cols < L)[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_L), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        slot = tl.load(inverse_ptr + tokens * TOP_K + j, mask=t_mask, other=0).to(tl.int64)
+        v = tl.load(src_ptr + slot[:, None] * stride_src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            p = tl.load(weight_ptr + tokens * TOP_K + j, mask=t_mask, other=0.0).to(tl.float32)
+            v = v * p[:, None]
+        acc += v
+    tl.store(y_ptr + tokens.to(tl.int64)[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def combine_bwd_kernel(
+    dy_ptr, out_ptr, order_ptr, weight_ptr, dout_ptr, dweight_ptr,
+    n_slots, L, stride_dy, stride_s,
+    TOP_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    """Backward of the combine, per sorted slot s with flat id f = order[s], token t = f // k:
+    dout[s] = p[f] * dy[t] and dweight[f] = <dy[t], out[s]> (float32).
+
+    Each flat id is written once: a permutation, so no atomics.
+    """
+    slots = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    s_mask = slots < n_slots
+    flat = tl.load(order_ptr + slots, mask=s_mask, other=0)
+    tokens = (flat // TOP_K).to(tl.int64)
+    p = tl.load(weight_ptr + flat, mask=s_mask, other=0.0).to(tl.float32)
+    dot = tl.zeros((BLOCK_S,), dtype=tl.float32)
+    for l0 in range(0, L, BLOCK_L):
+        cols = l0 + tl.arange(0, BLOCK_L)
+        mask = s_mask[:, None] & (cols < L)[None, :]
+        dy = tl.load(dy_ptr + tokens[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s_off = slots.to(tl.int64)[:, None] * stride_s + cols[None, :]
+        out = tl.load(out_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dout_ptr + s_off, (dy * p[:, None]).to(dout_ptr.dtype.element_ty), mask=mask)
+        dot += tl.sum(dy * out, axis=1)
+    tl.store(dweight_ptr + flat, dot, mask=s_mask)
