@@ -23,12 +23,8 @@ import torch.nn.functional as F
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 
 
-def check_inputs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> None:
-    """Raise ValueError naming the argument if the inputs do not fit together.
-
-    Checks shapes, dtypes and devices, and that every target is in [0, V) or
-    equal to `ignore_index` (this reads the targets: one device sync).
-    """
+def check_inputs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
+    """Raise ValueError naming the argument if shapes, dtypes or devices do not fit together."""
     if h.dim() != 2:
         raise ValueError(f"h must be 2-D [N, D], got shape {tuple(h.shape)}")
     if weight.dim() != 2:
@@ -37,6 +33,8 @@ def check_inputs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, i
         raise ValueError(
             f"h [N, D] and weight [V, D] must share D, got h {tuple(h.shape)} and weight {tuple(weight.shape)}"
         )
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have at least one row (V >= 1), got V=0")
     if targets.dim() != 1 or targets.shape[0] != h.shape[0]:
         raise ValueError(f"targets must be 1-D of length N={h.shape[0]}, got shape {tuple(targets.shape)}")
     if targets.dtype != torch.int64:
@@ -47,24 +45,30 @@ def check_inputs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, i
         raise ValueError(
             f"h, weight and targets must be on one device, got {h.device}, {weight.device}, {targets.device}"
         )
-    if weight.shape[0] == 0:
-        raise ValueError("weight must have at least one row (V >= 1), got V=0")
-    bad = ((targets < 0) | (targets >= weight.shape[0])) & (targets != ignore_index)
+
+
+def check_target_values(targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Raise ValueError unless every target is in [0, vocab) or equals `ignore_index`.
+
+    Reads the targets: one device sync.
+    """
+    bad = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
     if bool(bad.any()):
         first = targets[bad][0].item()
-        raise ValueError(
-            f"targets must be in [0, {weight.shape[0]}) or equal ignore_index={ignore_index}, found {first}"
-        )
+        raise ValueError(f"targets must be in [0, {vocab}) or equal ignore_index={ignore_index}, found {first}")
 
 
 def rows_per_chunk(n_rows: int, vocab: int, bytes_per_logit: int, chunk_bytes: int) -> int:
-    """Rows per chunk so that one chunk of logits fits in `chunk_bytes`, split evenly.
+    """Rows per chunk so that one chunk of logits fits in `chunk_bytes`.
 
-    Splitting N into equal chunks avoids a tiny, inefficient last chunk.
+    N is split into nearly equal chunks (no tiny, inefficient last chunk), each
+    rounded up to a multiple of 256 rows when that still fits, for the matmuls.
     """
     max_rows = max(1, chunk_bytes // (vocab * bytes_per_logit))
     n_chunks = max(1, -(-n_rows // max_rows))
-    return max(1, -(-n_rows // n_chunks))
+    rows = max(1, -(-n_rows // n_chunks))
+    aligned = -(-rows // 256) * 256
+    return aligned if aligned <= max_rows else rows
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -136,7 +140,8 @@ def linear_cross_entropy(
     Differentiable in `h` and `weight`. `chunk_rows` (default: 256 MiB of float32
     logits) bounds the rows whose logits exist at one time.
     """
-    check_inputs(h, weight, targets, ignore_index)
+    check_inputs(h, weight, targets)
+    check_target_values(targets, weight.shape[0], ignore_index)
     if chunk_rows is None:
         chunk_rows = rows_per_chunk(h.shape[0], weight.shape[0], 4, DEFAULT_CHUNK_BYTES)
     elif chunk_rows < 1:
@@ -154,7 +159,8 @@ def linear_cross_entropy_naive(
     Computes and returns the loss in the dtype of `h`: pass float64 inputs for a
     high-precision reference.
     """
-    check_inputs(h, weight, targets, ignore_index)
+    check_inputs(h, weight, targets)
+    check_target_values(targets, weight.shape[0], ignore_index)
     logits_NV = h @ weight.t()
     loss_sum = F.cross_entropy(logits_NV, targets, ignore_index=ignore_index, reduction="sum")
     n_valid = (targets != ignore_index).sum()

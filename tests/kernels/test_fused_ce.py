@@ -8,7 +8,8 @@ if not os.path.exists("/dev/nvidia0"):
 import pytest
 import torch
 
-from kernels.fused_ce import reference
+import kernels.fused_ce.ce_rows as ce_rows_module
+from kernels.fused_ce import linear_cross_entropy, reference
 
 IGNORE = -100
 
@@ -103,10 +104,78 @@ def test_reference_chunk_logits_stay_bounded(monkeypatch):
     assert seen and max(seen) <= 16
 
 
+@pytest.fixture
+def small_block(monkeypatch):
+    """A 32-wide vocabulary block so that small vocabularies span several blocks and a ragged tail."""
+    monkeypatch.setattr(ce_rows_module, "BLOCK_V", 32)
+
+
+@pytest.mark.parametrize(
+    "n, d, v, chunk_rows, dtype",
+    [
+        (37, 16, 53, 8, torch.float32),  # ragged last chunk, V = 32 + 21
+        (64, 32, 300, None, torch.float32),  # one chunk, V = 9 blocks + 12
+        (5, 8, 1, 2, torch.float32),  # V = 1: loss 0, gradient 0
+        (48, 16, 96, 17, torch.float16),  # V a multiple of the block
+    ],
+)
+def test_fused_matches_float64_ground_truth(small_block, n, d, v, chunk_rows, dtype):
+    h, weight, targets = _inputs(n, d, v, dtype=dtype, ignore_every=5)
+    truth = _ground_truth(h, weight, targets)
+    got = _loss_and_grads(linear_cross_entropy, h, weight, targets, chunk_rows=chunk_rows)
+    _assert_close_to_truth(got, truth, 1e-5 if dtype == torch.float32 else 5e-3)
+    assert got[2].dtype == dtype and got[3].dtype == dtype
+
+
+def test_fused_all_ignored_gives_zero_loss_and_grads(small_block):
+    h, weight, targets = _inputs(9, 8, 40)
+    targets[:] = IGNORE
+    loss, n_valid, gh, gw = _loss_and_grads(linear_cross_entropy, h, weight, targets, chunk_rows=4)
+    assert loss.item() == 0.0 and n_valid.item() == 0
+    assert torch.equal(gh, torch.zeros_like(gh)) and torch.equal(gw, torch.zeros_like(gw))
+
+
+def test_fused_grad_of_one_input_and_no_grad_forward(small_block):
+    h, weight, targets = _inputs(20, 8, 70, ignore_every=3)
+    t_loss, _, _, t_gw = _ground_truth(h, weight, targets)
+    w = weight.clone().requires_grad_(True)
+    loss, _ = linear_cross_entropy(h, w, targets, IGNORE, chunk_rows=8)
+    (loss * 0.37).backward()
+    assert _rel_rms(w.grad, t_gw) < 1e-5
+    with torch.no_grad():
+        loss_ng, n_valid = linear_cross_entropy(h, weight.requires_grad_(True), targets, IGNORE)
+    assert not loss_ng.requires_grad
+    assert abs(loss_ng.item() - t_loss.item()) <= 1e-5 * abs(t_loss.item())
+
+
+def test_fused_is_deterministic(small_block):
+    h, weight, targets = _inputs(30, 8, 50, ignore_every=4)
+    first = _loss_and_grads(linear_cross_entropy, h, weight, targets, chunk_rows=7)
+    second = _loss_and_grads(linear_cross_entropy, h, weight, targets, chunk_rows=7)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_fused_compiles_without_graph_break(small_block):
+    h, weight, targets = _inputs(16, 8, 40, ignore_every=3)
+    truth = _ground_truth(h, weight, targets)
+    compiled = torch.compile(linear_cross_entropy, backend="eager", fullgraph=True)
+    got = _loss_and_grads(compiled, h, weight, targets, chunk_rows=8)
+    _assert_close_to_truth(got, truth, 1e-5)
+
+
+def test_fused_op_passes_opcheck():
+    h, weight, targets = _inputs(12, 8, 20, ignore_every=4)
+    h.requires_grad_(True)
+    weight.requires_grad_(True)
+    op = torch.ops.fused_ce.linear_cross_entropy.default
+    torch.library.opcheck(op, (h, weight, targets, IGNORE, 5, True, True))
+
+
 @pytest.mark.parametrize(
     "fn",
-    [reference.linear_cross_entropy, reference.linear_cross_entropy_naive],
-    ids=["chunked", "naive"],
+    [reference.linear_cross_entropy, reference.linear_cross_entropy_naive, linear_cross_entropy],
+    ids=["chunked", "naive", "fused"],
 )
 @pytest.mark.parametrize(
     "case, match",
@@ -135,3 +204,10 @@ def test_bad_input_raises_value_error(fn, case, match):
         h = h[0]
     with pytest.raises(ValueError, match=match):
         fn(h, weight, targets, IGNORE)
+
+
+def test_fused_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
+    h, weight, targets = _inputs(6, 4, 11)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        linear_cross_entropy(h, weight, targets, IGNORE)

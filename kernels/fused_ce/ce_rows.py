@@ -1,0 +1,86 @@
+"""Triton kernel: cross-entropy of a chunk of logit rows, and its gradient in place.
+
+Legend: C rows in the chunk, V vocabulary.
+
+One program owns one row. The first pass over the row keeps an online
+max / sum-of-exponentials in float32 (one exponential per logit), which gives
+the row's log-sum-exp; the loss is `lse - logit[target]`. When the gradient is
+wanted, a second pass overwrites the logits with
+`softmax - onehot(target)` (zero for ignored rows), so the caller can feed the
+same buffer to the two gradient matmuls with no extra memory.
+"""
+
+import triton
+import triton.language as tl
+
+# NOTE: 4096 logits per step and 8 warps give each thread 16 bf16 values (two
+# 16-byte loads) and a long enough loop to hide memory latency; see
+# benchmarks/results/fused_ce.md for the sweep.
+BLOCK_V = 4096
+NUM_WARPS = 8
+
+
+@triton.jit
+def _ce_rows_kernel(
+    logits_ptr,
+    stride_row,
+    targets_ptr,
+    loss_ptr,
+    n_cols,
+    ignore_index,
+    WRITE_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    offs = tl.arange(0, BLOCK)
+
+    m = float("-inf")
+    s = 0.0
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offs
+        x = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+
+    target = tl.load(targets_ptr + row)
+    valid = target != ignore_index
+    # NOTE: an ignored row may carry any target value; read column 0 instead.
+    safe_target = tl.where(valid, target, 0)
+    target_logit = tl.load(row_ptr + safe_target).to(tl.float32)
+    tl.store(loss_ptr + row, tl.where(valid, lse - target_logit, 0.0))
+
+    if WRITE_GRAD:
+        row_scale = tl.where(valid, 1.0, 0.0)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + offs
+            mask = cols < n_cols
+            x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            p = tl.exp(x - lse)
+            p = tl.where(cols == safe_target, p - 1.0, p) * row_scale
+            tl.store(row_ptr + cols, p.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def ce_rows(logits_CV, targets_C, loss_C, ignore_index: int, write_grad: bool) -> None:
+    """Per-row loss of `logits_CV` into `loss_C`; if `write_grad`, logits become dloss/dlogits.
+
+    logits_CV [C, V] (rows contiguous, float32/bf16/fp16), targets_C [C] int64
+    contiguous, loss_C [C] float32 contiguous (written).
+    """
+    assert logits_CV.stride(1) == 1 and targets_C.is_contiguous() and loss_C.is_contiguous()
+    n_rows, n_cols = logits_CV.shape
+    if n_rows == 0:
+        return
+    _ce_rows_kernel[(n_rows,)](
+        logits_CV,
+        logits_CV.stride(0),
+        targets_C,
+        loss_C,
+        n_cols,
+        ignore_index,
+        WRITE_GRAD=write_grad,
+        BLOCK=BLOCK_V,
+        num_warps=NUM_WARPS,
+    )

@@ -1,0 +1,165 @@
+"""Fused linear cross-entropy: the custom op, its autograd, and the public function.
+
+Legend: N rows (tokens), D model width, V vocabulary, C rows in one chunk.
+
+The rows are processed in chunks of C. For each chunk, one cuBLAS matmul writes
+the chunk's logits [C, V] (in the inputs' dtype, float32 accumulation) into a
+reused buffer, the Triton kernel in `ce_rows.py` turns each row into its loss
+and overwrites it with `softmax - onehot(target)`, and two more matmuls take
+that buffer to dH [C, D] and to dW [V, D] (accumulated in float32 over chunks).
+Full logits never exist: at most C x V of them do.
+
+The gradients are computed in the forward when they will be needed, so the
+logits are computed once instead of twice (three matmuls of N x V x D rather
+than four); the backward only scales the stored float32 gradients by the
+upstream scalar. The price is holding dH (N x D) and dW (V x D) in float32
+between forward and backward.
+
+The op is registered with `torch.library` (fake kernel and autograd included)
+so that `torch.compile` traces through it without a graph break.
+"""
+
+import os
+
+import torch
+
+from kernels.fused_ce.ce_rows import ce_rows
+from kernels.fused_ce.reference import check_inputs, check_target_values, rows_per_chunk
+
+# NOTE: 1 GiB of logits per chunk: at V = 163,840 in bf16 that is 3,072 rows,
+# large enough for the matmuls to run near their peak, and small next to the
+# tens of GiB that materialised logits take.
+DEFAULT_CHUNK_BYTES = 2**30
+
+
+# NOTE: aten has CUDA kernels only for matmuls with a float32 out_dtype; CPU
+# tensors reach these helpers only under Triton's interpreter (tests), where
+# upcasting the operands gives the same float32 result.
+def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out = a @ b in float32 (float32 accumulation, one rounding) for any input dtype."""
+    if a.dtype == torch.float32 or not a.is_cuda:
+        torch.mm(a.float(), b.float(), out=out)
+    else:
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+
+
+def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b with `acc` float32, without a temporary of its size."""
+    if a.dtype == torch.float32 or not a.is_cuda:
+        acc.addmm_(a.float(), b.float())
+    else:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+
+
+@torch.library.custom_op("fused_ce::linear_cross_entropy", mutates_args=())
+def _fused_linear_ce(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    chunk_rows: int,
+    need_grad_h: bool,
+    need_grad_w: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss_sum [], grad_h32 [N, D] or [0], grad_w32 [V, D] or [0]) for unit upstream gradient."""
+    check_target_values(targets, weight.shape[0], ignore_index)
+    n_rows, dim = h.shape
+    vocab = weight.shape[0]
+    f32 = dict(dtype=torch.float32, device=h.device)
+    targets = targets.contiguous()
+    loss_N = torch.zeros(n_rows, **f32)
+    grad_h32 = torch.empty(n_rows, dim, **f32) if need_grad_h else torch.empty(0, **f32)
+    grad_w32 = torch.zeros(vocab, dim, **f32) if need_grad_w else torch.empty(0, **f32)
+    if n_rows == 0:
+        return loss_N.sum(), grad_h32, grad_w32
+    write_grad = need_grad_h or need_grad_w
+    logits_buf = torch.empty(min(chunk_rows, n_rows), vocab, dtype=h.dtype, device=h.device)
+    weight_t = weight.t()
+    for start in range(0, n_rows, chunk_rows):
+        end = min(start + chunk_rows, n_rows)
+        h_CD = h[start:end]
+        logits_CV = logits_buf[: end - start]
+        torch.mm(h_CD, weight_t, out=logits_CV)
+        ce_rows(logits_CV, targets[start:end], loss_N[start:end], ignore_index, write_grad)
+        # logits_CV now holds dloss/dlogits.
+        if need_grad_h:
+            _mm_f32(logits_CV, weight, grad_h32[start:end])
+        if need_grad_w:
+            _addmm_f32(grad_w32, logits_CV.t(), h_CD)
+    return loss_N.sum(), grad_h32, grad_w32
+
+
+@_fused_linear_ce.register_fake
+def _(h, weight, targets, ignore_index, chunk_rows, need_grad_h, need_grad_w):
+    loss = h.new_empty((), dtype=torch.float32)
+    grad_h32 = h.new_empty(h.shape if need_grad_h else (0,), dtype=torch.float32)
+    grad_w32 = weight.new_empty(weight.shape if need_grad_w else (0,), dtype=torch.float32)
+    return loss, grad_h32, grad_w32
+
+
+def _setup_context(ctx, inputs, output):
+    h, weight, _, _, _, need_grad_h, need_grad_w = inputs
+    _, grad_h32, grad_w32 = output
+    ctx.save_for_backward(grad_h32, grad_w32)
+    ctx.dtypes = (h.dtype, weight.dtype)
+    ctx.computed = (need_grad_h, need_grad_w)
+
+
+def _backward(ctx, grad_loss, _grad_h32, _grad_w32):
+    grad_h32, grad_w32 = ctx.saved_tensors
+    h_dtype, w_dtype = ctx.dtypes
+    grads = [None, None]
+    for i, (stored, dtype) in enumerate(((grad_h32, h_dtype), (grad_w32, w_dtype))):
+        if ctx.needs_input_grad[i]:
+            if not ctx.computed[i]:
+                raise RuntimeError(
+                    "linear_cross_entropy: the forward ran without grad for this input "
+                    "(grad mode off or requires_grad=False), so it has no gradient to give"
+                )
+            grads[i] = (stored * grad_loss.float()).to(dtype)
+    return grads[0], grads[1], None, None, None, None, None
+
+
+_fused_linear_ce.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    *,
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy of `h @ weight.T` against `targets`, fused and chunked.
+
+    h [N, D], weight [V, D] (nn.Linear layout), targets [N] int64
+    -> (loss_sum float32 [], n_valid int64 []): the loss summed over rows whose
+    target is not `ignore_index`, and the count of such rows.
+    Differentiable in `h` and `weight`. `chunk_rows` (default: 1 GiB of logits)
+    bounds the rows whose logits exist at one time. Needs CUDA tensors, or
+    TRITON_INTERPRET=1 on CPU; the CPU path of a model is
+    `kernels.fused_ce.reference.linear_cross_entropy`.
+    """
+    check_inputs(h, weight, targets)
+    if not h.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"fused linear_cross_entropy needs CUDA tensors, got device {h.device}; "
+            "use kernels.fused_ce.reference.linear_cross_entropy there"
+        )
+    if chunk_rows is None:
+        chunk_rows = rows_per_chunk(h.shape[0], weight.shape[0], h.element_size(), DEFAULT_CHUNK_BYTES)
+    elif chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    grad_on = torch.is_grad_enabled()
+    loss_sum, _, _ = _fused_linear_ce(
+        h,
+        weight,
+        targets,
+        ignore_index,
+        chunk_rows,
+        grad_on and h.requires_grad,
+        grad_on and weight.requires_grad,
+    )
+    n_valid = (targets != ignore_index).sum()
+    return loss_sum, n_valid
