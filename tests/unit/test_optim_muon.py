@@ -1,0 +1,154 @@
+"""Per-Head Muon: Newton–Schulz, per-head and per-expert blocks, Nesterov momentum."""
+
+import math
+
+import pytest
+import torch
+
+from titan_k3.optim import ParamSpec, PerHeadMuon, muon_update, newton_schulz
+from titan_k3.optim.muon import muon_scale
+
+# The quintic's fixed band: 5 steps leave singular values in about [0.68, 1.14].
+NS_BAND = (0.6, 1.25)
+
+
+def _with_spectrum(rows, cols, svals, gen):
+    """A [rows, cols] matrix with the given singular values and random singular vectors."""
+    k = min(rows, cols)
+    U, _ = torch.linalg.qr(torch.randn(rows, k, generator=gen, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(cols, k, generator=gen, dtype=torch.float64))
+    return (U * torch.as_tensor(svals, dtype=torch.float64)) @ V.T
+
+
+def _step(param, grad, **kw):
+    opt = PerHeadMuon([{"params": [param], **kw.pop("group", {})}], lr=kw.pop("lr", 0.1), **kw)
+    param.grad = grad
+    opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("shape", [(48, 16), (16, 48), (3, 32, 32)])
+def test_newton_schulz_lands_in_band_from_spread_spectrum(shape):
+    gen = torch.Generator().manual_seed(0)
+    *batch, m, n = shape
+    k = min(m, n)
+    svals = torch.logspace(-1.5, 0, k, dtype=torch.float64)
+    G = torch.stack([_with_spectrum(m, n, svals, gen) for _ in range(batch[0] if batch else 1)])
+    G = G.float().reshape(shape)
+    s_out = torch.linalg.svdvals(newton_schulz(G).double())
+    s_in = torch.linalg.svdvals(G.double())
+    s_in = s_in / s_in.amax(-1, keepdim=True)
+    assert NS_BAND[0] <= s_out.min() and s_out.max() <= NS_BAND[1]
+    assert (s_out - 1).abs().max() < 0.4 < 0.9 < (s_in - 1).abs().max()
+
+
+def test_newton_schulz_batched_and_transposed_match_single():
+    G = torch.randn(3, 20, 12, generator=torch.Generator().manual_seed(1))
+    O = newton_schulz(G)
+    for i in range(3):
+        torch.testing.assert_close(O[i], newton_schulz(G[i]), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(O[i], newton_schulz(G[i].T).T, rtol=1e-5, atol=1e-6)
+
+
+def test_newton_schulz_rejects_vector():
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        newton_schulz(torch.randn(5))
+
+
+def test_per_head_blocks_are_orthogonalised_each():
+    # A tall weight (like W_kvb) whose heads have very different gradient scales:
+    # whole-matrix NS cannot give each 16x12 head block unit singular values, per-head NS does.
+    gen = torch.Generator().manual_seed(2)
+    H, r, c = 4, 16, 12
+    grad = torch.cat([torch.randn(r, c, generator=gen) * 10.0**h for h in range(H)])
+    w = torch.zeros(H * r, c)
+    lr = 0.5
+    _step(w, grad.clone(), lr=lr, weight_decay=0.0, momentum=0.0, group={"num_heads": H})
+    update = -w / lr
+    for h in range(H):
+        s = torch.linalg.svdvals(update[h * r:(h + 1) * r] / muon_scale(r, c))
+        assert NS_BAND[0] <= s.min() and s.max() <= NS_BAND[1], (h, s)
+    whole = newton_schulz(grad)
+    s_small_head = torch.linalg.svdvals(whole[:r])
+    assert s_small_head.max() < 0.1, "whole-matrix NS would have drowned the small head"
+
+
+def test_per_head_equals_separate_whole_matrix_params_and_h1_is_whole_matrix():
+    gen = torch.Generator().manual_seed(3)
+    H, r, c = 3, 8, 20
+    w0 = torch.randn(H * r, c, generator=gen)
+    grads = [torch.randn(H * r, c, generator=gen) for _ in range(2)]
+    w = w0.clone()
+    parts = [w0[h * r:(h + 1) * r].clone() for h in range(H)]
+    opt = PerHeadMuon([{"params": [w], "num_heads": H}], lr=0.05)
+    opt_parts = PerHeadMuon(parts, lr=0.05)
+    for g in grads:
+        w.grad = g.clone()
+        for h, p in enumerate(parts):
+            p.grad = g[h * r:(h + 1) * r].clone()
+        opt.step()
+        opt_parts.step()
+    torch.testing.assert_close(w, torch.cat(parts), rtol=1e-5, atol=1e-6)
+
+    # H = 1: one Nesterov step from zero momentum is (1 + mu) * g, orthogonalised whole.
+    whole = torch.randn(12, 20, generator=gen)
+    g = torch.randn(12, 20, generator=gen)
+    _step(whole_copy := whole.clone(), g.clone(), lr=0.05, weight_decay=0.0)
+    expected = whole - 0.05 * muon_scale(12, 20) * newton_schulz(1.95 * g)
+    torch.testing.assert_close(whole_copy, expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(w, w0 - 0.05 * muon_scale(H * r, c) * newton_schulz(1.95 * grads[0]), atol=1e-3)
+
+
+def test_per_expert_batched_equals_loop_over_experts():
+    gen = torch.Generator().manual_seed(4)
+    E, a, b = 4, 10, 6
+    w = torch.randn(E, a, b, generator=gen)
+    experts = [w[e].clone() for e in range(E)]
+    opt = PerHeadMuon([{"params": [w], "per_expert": True}], lr=0.02)
+    opt_loop = PerHeadMuon(experts, lr=0.02)
+    for _ in range(2):
+        g = torch.randn(E, a, b, generator=gen)
+        w.grad = g.clone()
+        for e, p in enumerate(experts):
+            p.grad = g[e].clone()
+        opt.step()
+        opt_loop.step()
+    torch.testing.assert_close(w, torch.stack(experts), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_momentum_matches_hand_reference_over_three_steps(nesterov):
+    gen = torch.Generator().manual_seed(5)
+    H, r, c = 2, 6, 10
+    lr, wd, mu = 0.03, 0.1, 0.95
+    w = torch.randn(H * r, c, generator=gen)
+    ref = w.clone()
+    buf = torch.zeros_like(w)
+    opt = PerHeadMuon([{"params": [w], "num_heads": H}], lr=lr, weight_decay=wd, momentum=mu, nesterov=nesterov)
+    for _ in range(3):
+        g = torch.randn(H * r, c, generator=gen)
+        w.grad = g.clone()
+        opt.step()
+        buf = mu * buf + g
+        d = g + mu * buf if nesterov else buf
+        O = torch.cat([newton_schulz(d[h * r:(h + 1) * r]) for h in range(H)])
+        ref = ref * (1 - lr * wd) - lr * 0.2 * math.sqrt(max(r, c)) * O
+    torch.testing.assert_close(w, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(opt.state[w]["momentum_buffer"], buf)
+
+
+def test_muon_update_is_pure_in_its_arguments():
+    g = torch.randn(8, 4)
+    buf = torch.ones(8, 4)
+    u = muon_update(g, buf, ParamSpec(use_muon=True, num_heads=2), momentum=0.5)
+    torch.testing.assert_close(buf, 0.5 + g)
+    assert u.shape == g.shape and u.dtype == g.dtype
+
+
+def test_rejects_bad_groups():
+    with pytest.raises(ValueError, match="does not divide"):
+        PerHeadMuon([{"params": [torch.zeros(10, 4)], "num_heads": 3}], lr=0.1)
+    with pytest.raises(ValueError, match="2-D"):
+        PerHeadMuon([torch.zeros(10)], lr=0.1)
+    with pytest.raises(ValueError, match="momentum"):
+        PerHeadMuon([torch.zeros(4, 4)], lr=0.1, momentum=1.0)

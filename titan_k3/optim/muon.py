@@ -1,0 +1,200 @@
+"""Per-Head Muon: momentum, then Newton–Schulz orthogonalisation per block (K3_SPEC §4).
+
+A Muon parameter is split into blocks that are orthogonalised on their own:
+  2-D weight W [out, in], num_heads H   -> H row blocks [out/H, in]  (H = 1: the whole matrix)
+  3-D weight W [E, a, b], per_expert    -> E matrices [a, b]
+Blocks of one parameter share a shape, so they go through one batched
+Newton–Schulz call on [B, r, c]. Each block's update is scaled by
+0.2 * sqrt(max(r, c)) so that its RMS roughly matches AdamW's and both
+optimizers can share one learning rate and weight decay.
+
+The per-block math lives in pure functions (`muon_update`, `orthogonalise`,
+`newton_schulz`) so that a sharded optimizer can call them on blocks it has
+gathered itself; `PerHeadMuon` only owns state and applies the update.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from titan_k3.optim.spec import ParamSpec, check_spec
+
+# Quintic Newton–Schulz coefficients: they push every singular value of a
+# Frobenius-normalised matrix into roughly [0.7, 1.2] within 5 steps instead of
+# converging exactly to 1, which is enough for an update direction.
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def default_ns_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on GPU (tensor cores), float32 elsewhere (CPU bf16 matmuls are slow)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def newton_schulz(
+    G: torch.Tensor, steps: int = 5, *, dtype: torch.dtype | None = None, eps: float = 1e-7
+) -> torch.Tensor:
+    """Approximately orthogonalise each matrix of G: O ~ U V^T for G = U S V^T.
+
+    G [..., m, n] -> O [..., m, n] in `dtype` (default: `default_ns_dtype(G.device)`).
+    Each matrix is first divided by its Frobenius norm (+ eps), computed in
+    float32, so that every singular value starts in [0, 1].
+    """
+    if G.ndim < 2:
+        raise ValueError(f"newton_schulz: G must have at least 2 dims [..., m, n]; got shape {tuple(G.shape)}")
+    if steps < 1:
+        raise ValueError(f"newton_schulz: steps={steps}; must be >= 1")
+    a, b, c = NS_COEFFS
+    dtype = dtype or default_ns_dtype(G.device)
+    X = G.float()
+    X = (X / (X.norm(dim=(-2, -1), keepdim=True) + eps)).to(dtype)
+    # NOTE: iterate on the wide orientation so that X X^T is the smaller Gram matrix.
+    transposed = X.size(-2) > X.size(-1)
+    if transposed:
+        X = X.mT
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    return X.mT if transposed else X
+
+
+def muon_scale(rows: int, cols: int) -> float:
+    """Update scale of one orthogonalised [rows, cols] block (matches AdamW's update RMS)."""
+    return 0.2 * math.sqrt(max(rows, cols))
+
+
+def blocks_of(x: torch.Tensor, spec: ParamSpec) -> torch.Tensor:
+    """View a Muon parameter (or its gradient) as its blocks [B, r, c] (see the module docstring)."""
+    if spec.per_expert:
+        return x
+    return x.reshape(spec.num_heads, x.shape[0] // spec.num_heads, x.shape[1])
+
+
+def orthogonalise(
+    direction: torch.Tensor, spec: ParamSpec, *, ns_steps: int = 5, ns_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Scaled, blockwise-orthogonalised update with the shape and dtype of `direction`.
+
+    A DTensor direction is gathered, orthogonalised whole on every rank and
+    handed back with its own placements.
+    NOTE: that gather is the simple, correct single-node path: every rank
+    repeats the Newton–Schulz work of every parameter. A sharded optimizer
+    should instead assign blocks to ranks and call this on plain tensors.
+    """
+    if isinstance(direction, DTensor):
+        full = orthogonalise(direction.full_tensor(), spec, ns_steps=ns_steps, ns_dtype=ns_dtype)
+        mesh = direction.device_mesh
+        replicated = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return replicated.redistribute(mesh, direction.placements)
+    blocks = blocks_of(direction, spec)
+    O = newton_schulz(blocks, ns_steps, dtype=ns_dtype)
+    scale = muon_scale(blocks.shape[-2], blocks.shape[-1])
+    return O.to(direction.dtype).mul_(scale).reshape(direction.shape)
+
+
+def muon_update(
+    grad: torch.Tensor,
+    momentum_buf: torch.Tensor,
+    spec: ParamSpec,
+    *,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Advance the momentum buffer in place and return the update to subtract (times lr).
+
+    buf <- momentum * buf + grad
+    direction = grad + momentum * buf   (Nesterov)   or   buf
+    update = 0.2 * sqrt(max(r, c)) * NS(direction) per [r, c] block
+    """
+    momentum_buf.mul_(momentum).add_(grad)
+    direction = grad.add(momentum_buf, alpha=momentum) if nesterov else momentum_buf
+    return orthogonalise(direction, spec, ns_steps=ns_steps, ns_dtype=ns_dtype)
+
+
+class PerHeadMuon(torch.optim.Optimizer):
+    """Muon with per-head / per-expert blocks and decoupled weight decay.
+
+    Each param group may set `num_heads` (default 1) and `per_expert` (default
+    False); they apply to every parameter of the group (the builder groups
+    parameters by spec). One step per parameter:
+        p <- p * (1 - lr * weight_decay)
+        p <- p - lr * muon_update(grad, buf, spec)
+    `ns_dtype` is the Newton–Schulz compute dtype (None: bf16 on GPU, float32 on CPU).
+    The momentum buffer has the parameter's dtype.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        *,
+        lr: float,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.1,
+        ns_steps: int = 5,
+        ns_dtype: torch.dtype | None = None,
+    ) -> None:
+        if lr < 0:
+            raise ValueError(f"PerHeadMuon: lr={lr}; must be >= 0")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"PerHeadMuon: momentum={momentum}; must be in [0, 1)")
+        if weight_decay < 0:
+            raise ValueError(f"PerHeadMuon: weight_decay={weight_decay}; must be >= 0")
+        if ns_steps < 1:
+            raise ValueError(f"PerHeadMuon: ns_steps={ns_steps}; must be >= 1")
+        self.ns_dtype = ns_dtype
+        defaults = dict(
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            ns_steps=ns_steps, num_heads=1, per_expert=False,
+        )
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        spec = _spec_of_group(group)
+        for i, p in enumerate(group["params"]):
+            check_spec(f"param group {len(self.param_groups) - 1}, param {i}", p.shape, spec)
+
+    def init_state(self) -> None:
+        """Allocate every momentum buffer now, so that a state dict is complete before step 1."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            spec = _spec_of_group(group)
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                update = muon_update(
+                    p.grad, state["momentum_buffer"], spec,
+                    momentum=group["momentum"], nesterov=group["nesterov"],
+                    ns_steps=group["ns_steps"], ns_dtype=self.ns_dtype,
+                )
+                if wd != 0:
+                    p.mul_(1.0 - lr * wd)
+                p.add_(update, alpha=-lr)
+        return loss
+
+
+def _spec_of_group(group: dict[str, Any]) -> ParamSpec:
+    return ParamSpec(use_muon=True, num_heads=group["num_heads"], per_expert=group["per_expert"])
