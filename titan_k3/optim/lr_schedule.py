@@ -103,9 +103,9 @@ class LRSchedule:
         base_lr: float,
         total_steps: int,
         warmup_steps: int,
-        decay_type: str = "cosine",
-        decay_ratio: float | None = None,
-        min_lr_factor: float = 0.1,
+        decay_type: str,
+        decay_ratio: float | None,
+        min_lr_factor: float,
     ) -> None:
         if not base_lr >= 0:
             raise ValueError(f"base_lr={base_lr!r}; must be >= 0")
