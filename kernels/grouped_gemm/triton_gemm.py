@@ -22,7 +22,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 def mm_configs():
     """Autotune candidates for the row-tiled kernels (one small config in the interpreter)."""
     if INTERPRET:
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4)]
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4)]
     return [
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
@@ -34,7 +34,7 @@ def mm_configs():
 def wgrad_configs():
     """Autotune candidates for the per-expert weight-gradient kernels."""
     if INTERPRET:
-        return [triton.Config({"BLOCK_K": 16, "BLOCK_N": 16, "BLOCK_R": 16}, num_warps=4)]
+        return [triton.Config({"BLOCK_K": 32, "BLOCK_N": 32, "BLOCK_R": 32}, num_warps=4)]
     return [
         triton.Config({"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_R": 64}, num_warps=8, num_stages=3),
         triton.Config({"BLOCK_K": 64, "BLOCK_N": 128, "BLOCK_R": 64}, num_warps=4, num_stages=4),

@@ -114,7 +114,7 @@ def glu_bwd_kernel(
 def combine_block_sizes(width: int) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_L) for the combine kernels: whole rows up to 256 wide."""
     if INTERPRET:
-        return 16, 16
+        return 32, 32
     return 16, min(triton.next_power_of_2(width), 256)
 
 

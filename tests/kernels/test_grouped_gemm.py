@@ -95,3 +95,115 @@ def test_reference_moe_grads_match_naive():
     want = torch.autograd.grad(naive_moe(x, w1, w3, w2, idx, prob), params, dy)
     for g, w in zip(got, want):
         assert rel_rms(g, w) < 1e-12
+
+
+# ---------------------------------------------------------------- Triton kernels (interpreter on CPU)
+
+from kernels.grouped_gemm import grouped_mm, moe_experts  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def float64_grads(fn, inputs, dy):
+    """fn's output and input gradients evaluated in float64 (inputs: floats get grads)."""
+    leaves = [t.detach().double().requires_grad_() if t.is_floating_point() else t for t in inputs]
+    y = fn(*leaves)
+    grads = torch.autograd.grad(y, [t for t in leaves if t.is_floating_point()], dy.double())
+    return y, grads
+
+
+# (rows, K, M, offsets): empty groups, one group holding every row, rows past
+# offsets[-1], widths that no block size divides.
+GROUPED_CASES = [
+    (70, 40, 72, [10, 10, 45, 45, 61]),
+    (50, 33, 20, [0, 50, 50]),
+    (41, 24, 50, [0, 0, 0, 7]),
+]
+
+
+@pytest.mark.parametrize("n_rows,red,n_cols,ends", GROUPED_CASES)
+def test_grouped_mm_matches_loop(n_rows, red, n_cols, ends):
+    gen = torch.Generator().manual_seed(n_rows)
+    x = torch.randn(n_rows, red, generator=gen).to(DEVICE).requires_grad_()
+    w = torch.randn(len(ends), red, n_cols, generator=gen).to(DEVICE).requires_grad_()
+    offsets = torch.tensor(ends, dtype=torch.int32, device=DEVICE)
+    dy = torch.randn(n_rows, n_cols, generator=gen).to(DEVICE)
+    y = grouped_mm(x, w, offsets)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    want, (want_dx, want_dw) = float64_grads(reference.grouped_mm, (x, w, offsets), dy)
+    assert y.dtype == torch.float32
+    assert rel_rms(y, want) < 1e-3
+    assert rel_rms(dx, want_dx) < 5e-3
+    assert rel_rms(dw, want_dw) < 5e-3
+    tail = ends[-1]
+    assert torch.equal(y[tail:], torch.zeros_like(y[tail:]))
+    assert torch.equal(dx[tail:], torch.zeros_like(dx[tail:]))
+    empty = [e for e in range(len(ends)) if ends[e] == (ends[e - 1] if e else 0)]
+    assert torch.equal(dw[empty], torch.zeros_like(dw[empty]))
+
+
+def test_grouped_mm_tail_ignores_garbage():
+    """Rows past offsets[-1] hold NaN: they must not leak into any output or gradient."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 16, generator=gen)
+    x[30:] = float("nan")
+    x = x.to(DEVICE).requires_grad_()
+    w = torch.randn(3, 16, 8, generator=gen).to(DEVICE).requires_grad_()
+    offsets = torch.tensor([12, 20, 30], dtype=torch.int32, device=DEVICE)
+    y = grouped_mm(x, w, offsets)
+    dx, dw = torch.autograd.grad(y, (x, w), torch.ones_like(y))
+    assert torch.isfinite(y).all() and torch.isfinite(dw).all()
+    assert torch.equal(y[30:], torch.zeros_like(y[30:]))
+    assert torch.equal(dx[30:], torch.zeros_like(dx[30:]))
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_moe_experts_matches_float64_reference(skew):
+    x, w1, w3, w2, idx, prob = make_moe(37, 8, 3, 40, 72, torch.float32, seed=6, skew=skew)
+    inputs = [t.detach().to(DEVICE).requires_grad_() for t in (x, w1, w3, w2)]
+    idx = idx.to(DEVICE)
+    prob = prob.detach().to(DEVICE).requires_grad_()
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    y = moe_experts(*inputs, idx, prob)
+    grads = torch.autograd.grad(y, (*inputs, prob), dy)
+    want, want_grads = float64_grads(
+        lambda a, b, c, d, p: reference.moe_experts(a, b, c, d, idx, p), (*inputs, prob), dy
+    )
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    assert rel_rms(y, want) < 1e-3
+    for name, got, ref in zip(("x", "w1", "w3", "w2", "topk_weight"), grads, want_grads):
+        assert got.shape == ref.shape, name
+        assert rel_rms(got, ref) < 5e-3, name
+    if skew:
+        assert torch.equal(grads[1][4:], torch.zeros_like(grads[1][4:]))  # unused experts
+    # deterministic: no atomics anywhere
+    assert torch.equal(moe_experts(*inputs, idx, prob), y)
+
+
+def test_moe_experts_rejects_bad_input():
+    x, w1, w3, w2, idx, prob = make_moe(8, 4, 2, 16, 16, torch.float32, seed=8)
+    with pytest.raises(ValueError, match="topk_idx_TK"):
+        moe_experts(x, w1, w3, w2, idx.int(), prob)
+    with pytest.raises(ValueError, match="w2_EFL"):
+        moe_experts(x, w1, w3, w2[:, :8], idx, prob)
+    with pytest.raises(ValueError, match="w1_ELF"):
+        moe_experts(x, w1.double(), w3, w2, idx, prob)
+    with pytest.raises(ValueError, match="offsets"):
+        grouped_mm(x, w1, torch.tensor([2, 4, 6, 8]))
+
+
+def test_custom_ops_compile_without_graph_break():
+    """fullgraph=True fails on any graph break; aot_eager runs the fake impls and autograd formulas."""
+    x, w1, w3, w2, idx, prob = make_moe(16, 4, 2, 16, 24, torch.float32, seed=9)
+    inputs = [t.detach().to(DEVICE).requires_grad_() for t in (x, w1, w3, w2, prob)]
+    idx = idx.to(DEVICE)
+
+    def block(a, b, c, d, p):
+        return moe_experts(a, b, c, d, idx, p).square().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(*inputs), inputs)
+    want = torch.autograd.grad(block(*inputs), inputs)
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, rtol=1e-5, atol=1e-6)
