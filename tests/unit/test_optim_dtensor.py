@@ -62,6 +62,7 @@ def _worker(rank, init_file, result_file):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_sharded_params_match_plain(tmp_path):
     result_file = tmp_path / "result.pt"

@@ -31,7 +31,11 @@ def test_cosine_midpoint_end_and_monotone():
 
 @pytest.mark.parametrize(
     "decay_type, shape",
-    [("linear", lambda p: 1 - p), ("sqrt", lambda p: 1 - math.sqrt(p)), ("cosine", lambda p: 0.5 * (1 + math.cos(math.pi * p)))],
+    [
+        ("linear", lambda p: 1 - p),
+        ("sqrt", lambda p: 1 - math.sqrt(p)),
+        ("cosine", lambda p: 0.5 * (1 + math.cos(math.pi * p))),
+    ],
 )
 def test_wsd_stable_then_decay_over_last_ratio(decay_type, shape):
     kw = dict(total_steps=100, warmup_steps=10, decay_type=decay_type, decay_ratio=0.2, min_lr_factor=0.05)

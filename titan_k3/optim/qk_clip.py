@@ -62,10 +62,10 @@ def qk_clip_(
         # to the weights' precision; they are cast to the weights' dtype (at least float32) per row.
         s = s.double()
         gamma = torch.where(s > tau, tau / s, torch.ones_like(s))
-        root = gamma.sqrt()
+        root, one = gamma.sqrt()[:, None], torch.ones_like(gamma)[:, None]
         # Per-row scale vectors, built once for all heads: [H, rows per head] -> [rows].
-        q_rows = torch.cat([root[:, None].expand(n_heads, nope_dim), gamma[:, None].expand(n_heads, rope_dim)], 1)
-        kv_rows = torch.cat([root[:, None].expand(n_heads, nope_dim), torch.ones_like(s)[:, None].expand(n_heads, v_dim)], 1)
+        q_rows = torch.cat([root.expand(-1, nope_dim), gamma[:, None].expand(-1, rope_dim)], dim=1)
+        kv_rows = torch.cat([root.expand(-1, nope_dim), one.expand(-1, v_dim)], dim=1)
         _scale_rows_(w_qb, q_rows.reshape(-1))
         _scale_rows_(w_kvb, kv_rows.reshape(-1))
     return gamma.to(torch.promote_types(max_logit_H.dtype, torch.float32))
