@@ -1,0 +1,26 @@
+"""`python -m service --host 127.0.0.1 --port 8080 --state-dir ./k3-service`."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+
+from service.app import create_app
+from service.settings import parse_args
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    where = "the one given" if settings.token else f"in {settings.state_dir / 'token'}"
+    app = create_app(settings)
+    logging.getLogger("service").info("state in %s; %d GPU(s) to schedule; bearer token: %s",
+                                      settings.state_dir, settings.gpus, where)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info",
+                limit_concurrency=256, timeout_keep_alive=5)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,158 @@
+"""Prometheus export: service metrics and each run's latest trainer metrics.
+
+This module is the one place that says which names the service emits (the
+Grafana dashboard test imports it).
+
+Service metrics
+  titan_k3_service_runs{state}                    runs in each state
+  titan_k3_service_queue_length                   runs waiting for GPUs / a slot
+  titan_k3_service_restarts_total                 automatic relaunches after crashes, all runs
+  titan_k3_service_gpus_total, titan_k3_service_gpus_used
+  titan_k3_service_run_state{run,state}           1 for the run's current state
+  titan_k3_service_run_restarts_total{run}        relaunches of this run
+  titan_k3_service_run_attempts{run}              attempts launched
+
+Per-run trainer metrics, read from the latest line of <run>/metrics.jsonl
+  titan_k3_run_<key>{run}                         every numeric key; '/' and any other character
+                                                  outside [a-zA-Z0-9_] become '_'
+                                                  (loss -> titan_k3_run_loss,
+                                                   grad_norm/muon -> titan_k3_run_grad_norm_muon)
+  plus labelled families for the dashboard (LABELLED below):
+  titan_k3_run_tokens_per_second_by_clock{run,clock}   tokens_per_second_{training,session}
+  titan_k3_run_grad_norm_by_group{run,group}           grad_norm/<group>
+  titan_k3_run_moe_dead_fraction_by_layer{run,layer}   moe/<layer>/dead_fraction
+  titan_k3_run_moe_maxvio_by_layer{run,layer}          moe/<layer>/maxvio
+  titan_k3_run_moe_load_cv_by_layer{run,layer}         moe/<layer>/load_cv
+  titan_k3_run_moe_entropy_by_layer{run,layer}         moe/<layer>/entropy
+From <run>/events.jsonl
+  titan_k3_run_events_total{run,kind}             events by kind
+  titan_k3_run_invariant_violations_total{run,check}
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from service.registry import ACTIVE, STATES, Registry
+from service.rundir import RunFilesCache
+
+RUN_PREFIX = "titan_k3_run_"
+RECENT_FINISHED_RUNS = 50
+"""Runs not queued or active are exported only while among the most recently updated (bounded series)."""
+
+# Keys the trainer contract promises in every metrics.jsonl line ('<layer>', '<group>' stand for any name).
+TRAINER_KEYS = (
+    "step", "loss", "lr", "grad_norm", "tokens_per_second_training", "tokens_per_second_session", "mfu",
+    "memory_peak_allocated_gib", "tokens_seen", "skipped_updates", "grad_norm/<group>",
+    "moe/<layer>/dead_fraction", "moe/<layer>/maxvio", "moe/<layer>/load_cv", "moe/<layer>/entropy",
+)
+
+
+@dataclass(frozen=True)
+class Labelled:
+    name: str
+    pattern: re.Pattern[str]
+    label: str
+    doc: str
+
+
+LABELLED = (
+    Labelled("titan_k3_run_tokens_per_second_by_clock", re.compile(r"^tokens_per_second_(training|session)$"),
+             "clock", "Tokens per second on the training-window clock and the whole-session clock"),
+    Labelled("titan_k3_run_grad_norm_by_group", re.compile(r"^grad_norm/([^/]+)$"), "group",
+             "Gradient norm per parameter group"),
+    Labelled("titan_k3_run_moe_dead_fraction_by_layer", re.compile(r"^moe/([^/]+)/dead_fraction$"), "layer",
+             "Fraction of routed experts that received no tokens, per MoE layer"),
+    Labelled("titan_k3_run_moe_maxvio_by_layer", re.compile(r"^moe/([^/]+)/maxvio$"), "layer",
+             "Max load violation (max expert load / mean load - 1), per MoE layer"),
+    Labelled("titan_k3_run_moe_load_cv_by_layer", re.compile(r"^moe/([^/]+)/load_cv$"), "layer",
+             "Coefficient of variation of expert load, per MoE layer"),
+    Labelled("titan_k3_run_moe_entropy_by_layer", re.compile(r"^moe/([^/]+)/entropy$"), "layer",
+             "Entropy of the expert load distribution, per MoE layer"),
+)
+
+SERVICE_NAMES = (
+    "titan_k3_service_runs", "titan_k3_service_queue_length", "titan_k3_service_restarts",
+    "titan_k3_service_gpus_total", "titan_k3_service_gpus_used", "titan_k3_service_run_state",
+    "titan_k3_service_run_restarts", "titan_k3_service_run_attempts",
+    "titan_k3_run_events", "titan_k3_run_invariant_violations",
+)
+_RESERVED = frozenset(SERVICE_NAMES) | {lab.name for lab in LABELLED}
+
+
+def generic_name(key: str) -> str:
+    """The gauge name for a metrics.jsonl key: titan_k3_run_<key, non-[a-zA-Z0-9_] as '_'>."""
+    return RUN_PREFIX + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+
+
+class ServiceCollector(Collector):
+    """Builds every family from the registry and the run files at scrape time."""
+
+    def __init__(self, registry: Registry, files: RunFilesCache, gpus_total: int):
+        self.registry = registry
+        self.files = files
+        self.gpus_total = gpus_total
+
+    def collect(self) -> Iterator[Metric]:
+        runs = self.registry.list()
+        by_state = GaugeMetricFamily("titan_k3_service_runs", "Runs in each state", labels=["state"])
+        for state in STATES:
+            by_state.add_metric([state], sum(r.state == state for r in runs))
+        yield by_state
+        yield GaugeMetricFamily("titan_k3_service_queue_length", "Runs waiting to start",
+                                value=sum(r.state == "queued" for r in runs))
+        yield CounterMetricFamily("titan_k3_service_restarts", "Automatic relaunches after a crash, all runs",
+                                  value=sum(r.restarts_total for r in runs))
+        yield GaugeMetricFamily("titan_k3_service_gpus_total", "GPUs the queue schedules", value=self.gpus_total)
+        yield GaugeMetricFamily("titan_k3_service_gpus_used", "GPUs assigned to active runs",
+                                value=sum(len(r.assigned_gpus) for r in runs if r.state in ACTIVE))
+
+        shown = [r for r in runs if r.state in ACTIVE or r.state == "queued"]
+        rest = sorted((r for r in runs if r not in shown), key=lambda r: r.updated_at, reverse=True)
+        shown += rest[:RECENT_FINISHED_RUNS]
+
+        state = GaugeMetricFamily("titan_k3_service_run_state", "1 for the run's current state", labels=["run", "state"])
+        restarts = CounterMetricFamily("titan_k3_service_run_restarts", "Relaunches of the run", labels=["run"])
+        attempts = GaugeMetricFamily("titan_k3_service_run_attempts", "Attempts launched", labels=["run"])
+        events = CounterMetricFamily("titan_k3_run_events", "Events in events.jsonl by kind", labels=["run", "kind"])
+        violations = CounterMetricFamily("titan_k3_run_invariant_violations", "Invariant violations by check",
+                                         labels=["run", "check"])
+        labelled = {lab.name: GaugeMetricFamily(lab.name, lab.doc, labels=["run", lab.label]) for lab in LABELLED}
+        generic: dict[str, GaugeMetricFamily] = {}
+        for run in shown:
+            state.add_metric([run.id, run.state], 1)
+            restarts.add_metric([run.id], run.restarts_total)
+            attempts.add_metric([run.id], len(run.attempts))
+            files = self.files.get(run.id)
+            for kind, n in files.event_counts().items():
+                events.add_metric([run.id, kind], n)
+            for check, n in files.violations_by_check().items():
+                violations.add_metric([run.id, check], n)
+            self._add_trainer_metrics(run.id, files.latest_metrics(), generic, labelled)
+        yield from (state, restarts, attempts, events, violations)
+        yield from labelled.values()
+        yield from generic.values()
+
+    @staticmethod
+    def _add_trainer_metrics(run_id: str, latest: dict[str, float], generic: dict[str, GaugeMetricFamily],
+                             labelled: dict[str, GaugeMetricFamily]) -> None:
+        seen: set[str] = set()
+        for key, value in latest.items():
+            name = generic_name(key)
+            # NOTE: two keys can sanitise to one name ('a/b', 'a_b'); the first wins so the output stays valid.
+            if name not in _RESERVED and name not in seen:
+                seen.add(name)
+                fam = generic.get(name)
+                if fam is None:
+                    fam = generic[name] = GaugeMetricFamily(name, f"Trainer metric '{key}' (latest logged step)",
+                                                            labels=["run"])
+                fam.add_metric([run_id], value)
+            for lab in LABELLED:
+                m = lab.pattern.match(key)
+                if m:
+                    labelled[lab.name].add_metric([run_id, m.group(1)], value)

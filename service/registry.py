@@ -1,0 +1,197 @@
+"""SQLite registry (WAL) of runs and their attempts.
+
+One connection guarded by a lock: FastAPI's worker threads and the
+supervisor thread share it, and every write is one short transaction.
+
+Run states:
+  queued -> running -> finished | failed | stopped
+  running -> stopping -> stopped          (POST stop)
+  running -> running (next attempt)       (crash within the restart limit)
+  running/stopping -> lost                (service restarted, process gone, no exit record)
+  stopped | failed | lost -> queued       (POST resume)
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+STATES = ("queued", "running", "stopping", "stopped", "finished", "failed", "lost")
+ACTIVE = ("running", "stopping")
+TERMINAL = ("stopped", "finished", "failed", "lost")
+RESUMABLE = ("stopped", "failed", "lost")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    state TEXT NOT NULL,
+    recipe TEXT NOT NULL,
+    overrides TEXT NOT NULL,
+    nproc_per_node INTEGER NOT NULL,
+    gpus INTEGER NOT NULL,
+    assigned_gpus TEXT NOT NULL DEFAULT '[]',
+    restart_limit INTEGER NOT NULL,
+    restarts INTEGER NOT NULL DEFAULT 0,
+    restarts_total INTEGER NOT NULL DEFAULT 0,
+    stop_requested_at REAL,
+    message TEXT NOT NULL DEFAULT '',
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS attempts (
+    run_id TEXT NOT NULL REFERENCES runs(id),
+    n INTEGER NOT NULL,
+    pid INTEGER NOT NULL,
+    pid_start_time REAL NOT NULL,
+    started_at REAL NOT NULL,
+    ended_at REAL,
+    exit_code INTEGER,
+    assigned_gpus TEXT NOT NULL,
+    log_path TEXT NOT NULL,
+    exit_path TEXT NOT NULL,
+    PRIMARY KEY (run_id, n)
+);
+"""
+
+
+@dataclass
+class Attempt:
+    run_id: str
+    n: int
+    pid: int
+    pid_start_time: float
+    started_at: float
+    ended_at: float | None
+    exit_code: int | None
+    assigned_gpus: list[int]
+    log_path: str
+    exit_path: str
+
+
+@dataclass
+class Run:
+    id: str
+    seq: int
+    state: str
+    recipe: str
+    overrides: dict[str, str]
+    nproc_per_node: int
+    gpus: int
+    assigned_gpus: list[int]
+    restart_limit: int
+    restarts: int
+    restarts_total: int
+    stop_requested_at: float | None
+    message: str
+    created_at: float
+    updated_at: float
+    attempts: list[Attempt] = field(default_factory=list)
+
+    @property
+    def last_attempt(self) -> Attempt | None:
+        return self.attempts[-1] if self.attempts else None
+
+
+class DuplicateRun(Exception):
+    pass
+
+
+class Registry:
+    def __init__(self, path: Path):
+        self.path = path
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.row_factory = sqlite3.Row
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._db.executescript(_SCHEMA)
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Held across check-then-act sequences (create, stop, schedule)."""
+        return self._lock
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _write(self, sql: str, args: tuple[Any, ...]) -> sqlite3.Cursor:
+        with self._lock:
+            return self._db.execute(sql, args)
+
+    def insert_run(self, run_id: str, recipe: str, overrides: dict[str, str], nproc_per_node: int,
+                   gpus: int, restart_limit: int) -> None:
+        now = time.time()
+        try:
+            self._write(
+                "INSERT INTO runs (id, state, recipe, overrides, nproc_per_node, gpus, restart_limit, created_at, updated_at)"
+                " VALUES (?, 'queued', ?, ?, ?, ?, ?, ?, ?)",
+                (run_id, recipe, json.dumps(overrides), nproc_per_node, gpus, restart_limit, now, now),
+            )
+        except sqlite3.IntegrityError:
+            raise DuplicateRun(run_id) from None
+
+    def update_run(self, run_id: str, **fields: Any) -> None:
+        if "assigned_gpus" in fields:
+            fields["assigned_gpus"] = json.dumps(fields["assigned_gpus"])
+        fields["updated_at"] = time.time()
+        cols = ", ".join(f"{k} = ?" for k in fields)
+        self._write(f"UPDATE runs SET {cols} WHERE id = ?", (*fields.values(), run_id))
+
+    def add_attempt(self, a: Attempt) -> None:
+        self._write(
+            "INSERT INTO attempts (run_id, n, pid, pid_start_time, started_at, assigned_gpus, log_path, exit_path)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (a.run_id, a.n, a.pid, a.pid_start_time, a.started_at, json.dumps(a.assigned_gpus), a.log_path, a.exit_path),
+        )
+
+    def end_attempt(self, run_id: str, n: int, exit_code: int | None) -> None:
+        self._write("UPDATE attempts SET ended_at = ?, exit_code = ? WHERE run_id = ? AND n = ?",
+                    (time.time(), exit_code, run_id, n))
+
+    def get(self, run_id: str) -> Run | None:
+        runs = self._select("WHERE id = ?", (run_id,))
+        return runs[0] if runs else None
+
+    def list(self, states: tuple[str, ...] | None = None) -> list[Run]:
+        if states is None:
+            return self._select("", ())
+        marks = ", ".join("?" for _ in states)
+        return self._select(f"WHERE state IN ({marks})", states)
+
+    def _select(self, where: str, args: tuple[Any, ...]) -> list[Run]:
+        with self._lock:
+            rows = self._db.execute(f"SELECT * FROM runs {where} ORDER BY seq", args).fetchall()
+            ids = [r["id"] for r in rows]
+            attempts: dict[str, list[Attempt]] = {i: [] for i in ids}
+            if ids:
+                marks = ", ".join("?" for _ in ids)
+                for a in self._db.execute(f"SELECT * FROM attempts WHERE run_id IN ({marks}) ORDER BY n", ids):
+                    attempts[a["run_id"]].append(_attempt(a))
+        return [_run(r, attempts[r["id"]]) for r in rows]
+
+
+def _attempt(r: sqlite3.Row) -> Attempt:
+    return Attempt(
+        run_id=r["run_id"], n=r["n"], pid=r["pid"], pid_start_time=r["pid_start_time"], started_at=r["started_at"],
+        ended_at=r["ended_at"], exit_code=r["exit_code"], assigned_gpus=json.loads(r["assigned_gpus"]),
+        log_path=r["log_path"], exit_path=r["exit_path"],
+    )
+
+
+def _run(r: sqlite3.Row, attempts: list[Attempt]) -> Run:
+    return Run(
+        id=r["id"], seq=r["seq"], state=r["state"], recipe=r["recipe"], overrides=json.loads(r["overrides"]),
+        nproc_per_node=r["nproc_per_node"], gpus=r["gpus"], assigned_gpus=json.loads(r["assigned_gpus"]),
+        restart_limit=r["restart_limit"], restarts=r["restarts"], restarts_total=r["restarts_total"],
+        stop_requested_at=r["stop_requested_at"], message=r["message"], created_at=r["created_at"],
+        updated_at=r["updated_at"], attempts=attempts,
+    )

@@ -1,0 +1,65 @@
+"""Request and response bodies (they also make the OpenAPI schema)."""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+OverrideValue = Union[bool, int, float, str]
+
+
+class RunCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(None, max_length=64, description="Run id and directory name; generated when absent.",
+                             examples=["pilot-a"])
+    recipe: str | None = Field(None, max_length=300, description="Recipe name under tomls/ (without .toml).",
+                               examples=["smoke"])
+    toml: str | None = Field(None, max_length=262144, description="Inline TOML text instead of a recipe.")
+    overrides: dict[str, OverrideValue] = Field(
+        default_factory=dict, max_length=256,
+        description="CLI overrides as {'section.key': value}; job.config_file, job.dump_folder, job.name are the service's.",
+        examples=[{"model.flavor": "debug", "training.steps": 6}])
+    nproc_per_node: int = Field(1, ge=1, le=64, description="torchrun processes per node.")
+    gpus: int = Field(0, ge=0, le=64, description="GPUs wanted; the run waits in the queue until they are free.")
+    restart_limit: int = Field(2, ge=0, le=100, description="Relaunches after a crash before the run is failed.")
+
+
+class AttemptOut(BaseModel):
+    n: int
+    pid: int
+    started_at: float
+    ended_at: float | None
+    exit_code: int | None
+    gpus: list[int]
+
+
+class RunOut(BaseModel):
+    id: str
+    state: str
+    message: str
+    recipe: str
+    overrides: dict[str, str]
+    nproc_per_node: int
+    gpus: int
+    assigned_gpus: list[int]
+    restart_limit: int
+    restarts: int
+    restarts_total: int
+    created_at: float
+    updated_at: float
+    run_dir: str
+    attempts: list[AttemptOut]
+    exit_codes: list[int | None]
+    latest_checkpoint: str | None
+    latest_metrics: dict[str, float | None]
+    invariant_violations: dict[str, Any]
+    events: dict[str, int]
+
+
+class Health(BaseModel):
+    status: str
+    runs: int
+    gpus_total: int
+    gpus_used: int

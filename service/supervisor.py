@@ -1,0 +1,287 @@
+"""Launches, watches, restarts, stops and re-adopts training processes.
+
+One background thread runs `tick()` every `poll_seconds`: reap exited
+attempts (finish, fail, or relaunch within the restart limit), escalate
+stops past their grace period to SIGKILL, then start queued runs in FIFO
+order while GPUs (and the running-run limit) allow.
+
+Each attempt is `python -m service.child EXIT_FILE -- <launch command>`,
+started as a new session so that (a) stop can signal the whole process group
+and (b) the trainings survive a restart of the service, which then
+re-adopts them by pid and process start time (a reused pid has another
+start time).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from service.registry import ACTIVE, RESUMABLE, Attempt, Registry, Run
+from service.settings import Settings
+
+log = logging.getLogger("service.supervisor")
+
+START_TIME_TOLERANCE_S = 0.05
+
+
+class Conflict(Exception):
+    """The request does not fit the run's current state (HTTP 409)."""
+
+
+def launch_command(settings: Settings, run: Run, run_dir: Path) -> list[str]:
+    """The trainer's argument list for one attempt (never a shell string)."""
+    if settings.launcher == "torchrun":
+        head = [settings.python, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", str(run.nproc_per_node), "-m", settings.trainer_module]
+    else:
+        head = [settings.python, "-m", settings.trainer_module]
+    args = ["--job.config_file", str(run_dir / "submitted.toml"),
+            "--job.dump_folder", str(settings.runs_dir), "--job.name", run.id]
+    for key, value in run.overrides.items():
+        args += [f"--{key}", value]
+    return head + args
+
+
+def process_alive(pid: int, start_time: float) -> bool:
+    """True when `pid` runs and is the process we started (same start time), not a zombie."""
+    try:
+        p = psutil.Process(pid)
+        return abs(p.create_time() - start_time) < START_TIME_TOLERANCE_S and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def read_exit(path: str) -> int | None:
+    try:
+        return int(Path(path).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+class Supervisor:
+    def __init__(self, settings: Settings, registry: Registry):
+        self.settings = settings
+        self.registry = registry
+        self._children: dict[str, subprocess.Popen] = {}
+        self._doomed: dict[str, list[psutil.Process]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.recover()
+        self._thread = threading.Thread(target=self._loop, name="k3-supervisor", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop watching; the trainings keep running and are re-adopted by the next start."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # the watcher must outlive any single bad run
+                log.exception("supervisor tick failed")
+            self._wake.wait(self.settings.poll_seconds)
+            self._wake.clear()
+
+    def recover(self) -> None:
+        """After a (re)start: re-adopt live attempts, settle the ones that ended while we were away."""
+        with self.registry.lock:
+            for run in self.registry.list(ACTIVE):
+                a = run.last_attempt
+                if a is not None and a.ended_at is None and process_alive(a.pid, a.pid_start_time):
+                    log.info("re-adopted run %s (pid %d, attempt %d)", run.id, a.pid, a.n)
+                    continue
+                code = read_exit(a.exit_path) if a is not None else None
+                if a is not None and a.ended_at is None:
+                    self.registry.end_attempt(run.id, a.n, code)
+                if code == 0 or (code is not None and run.stop_requested_at is not None):
+                    state = "stopped" if run.stop_requested_at is not None else "finished"
+                    self.registry.update_run(run.id, state=state, assigned_gpus=[],
+                                             message=f"ended with exit code {code} while the service was down")
+                else:
+                    self.registry.update_run(run.id, state="lost", assigned_gpus=[],
+                                             message="process gone after a service restart; resume to continue")
+
+    # ---- one pass --------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        with self.registry.lock:
+            now = time.time()
+            for run in self.registry.list(ACTIVE):
+                a = run.last_attempt
+                if a is None or a.ended_at is not None:
+                    continue
+                exited, code = self._poll(run.id, a)
+                if exited:
+                    self._on_exit(run, a, code)
+                elif run.state == "stopping" and now - (run.stop_requested_at or now) > self.settings.grace_seconds:
+                    self._kill(run.id, a, signal.SIGKILL)
+            self._schedule()
+
+    def _poll(self, run_id: str, a: Attempt) -> tuple[bool, int | None]:
+        proc = self._children.get(run_id)
+        if proc is not None and proc.pid == a.pid:
+            wrapper_code = proc.poll()
+            if wrapper_code is None:
+                return False, None
+            del self._children[run_id]
+            code = read_exit(a.exit_path)
+            return True, code if code is not None else wrapper_code
+        if process_alive(a.pid, a.pid_start_time):
+            return False, None
+        return True, read_exit(a.exit_path)
+
+    def _on_exit(self, run: Run, a: Attempt, code: int | None) -> None:
+        self.registry.end_attempt(run.id, a.n, code)
+        self._reap_leftovers(run.id, a)
+        if run.stop_requested_at is not None:
+            self.registry.update_run(run.id, state="stopped", assigned_gpus=[],
+                                     message=f"stopped on request (attempt {a.n} exit code {code})")
+        elif code == 0:
+            self.registry.update_run(run.id, state="finished", assigned_gpus=[], message="finished")
+        elif run.restarts < run.restart_limit:
+            note = f"attempt {a.n} exited with code {code}; restart {run.restarts + 1} of {run.restart_limit}"
+            log.warning("run %s: %s", run.id, note)
+            self.registry.update_run(run.id, restarts=run.restarts + 1, restarts_total=run.restarts_total + 1,
+                                     message=note)
+            run = self.registry.get(run.id)
+            assert run is not None
+            self._launch(run, run.assigned_gpus)
+        else:
+            self.registry.update_run(run.id, state="failed", assigned_gpus=[],
+                                     message=f"attempt {a.n} exited with code {code}; restart limit "
+                                             f"{run.restart_limit} reached")
+
+    def used_gpus(self) -> set[int]:
+        return {g for r in self.registry.list(ACTIVE) for g in r.assigned_gpus}
+
+    def _schedule(self) -> None:
+        queued = self.registry.list(("queued",))
+        if not queued:
+            return
+        running = len(self.registry.list(ACTIVE))
+        used = self.used_gpus()
+        for run in queued:  # strict FIFO: a big request at the head is not starved by small ones
+            if self.settings.max_running and running >= self.settings.max_running:
+                return
+            free = [g for g in range(self.settings.gpus) if g not in used]
+            if run.gpus > len(free):
+                return
+            gpus = free[: run.gpus]
+            self._launch(run, gpus)
+            used.update(gpus)
+            running += 1
+
+    def _launch(self, run: Run, gpus: list[int]) -> None:
+        run_dir = self.settings.runs_dir / run.id
+        n = len(run.attempts) + 1
+        svc_dir = run_dir / "service"
+        svc_dir.mkdir(parents=True, exist_ok=True)
+        log_path, exit_path = svc_dir / f"attempt-{n}.log", svc_dir / f"attempt-{n}.exit"
+        exit_path.unlink(missing_ok=True)
+        cmd = [self.settings.python, "-m", "service.child", str(exit_path), "--",
+               *launch_command(self.settings, run, run_dir)]
+        env = {**os.environ, **self.settings.child_env, "PYTHONUNBUFFERED": "1",
+               "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus), "TITAN_K3_RUN_ID": run.id}
+        # NOTE: the service package must be importable by the wrapper whatever the child's cwd.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parent.parent),
+                                                        env.get("PYTHONPATH", "")) if p)
+        try:
+            with open(log_path, "ab") as out:
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                        cwd=run_dir, env=env, start_new_session=True, close_fds=True)
+            start_time = psutil.Process(proc.pid).create_time()
+        except (OSError, psutil.Error) as e:
+            self.registry.update_run(run.id, state="failed", assigned_gpus=[], message=f"launch failed: {e}")
+            return
+        self._children[run.id] = proc
+        self.registry.add_attempt(Attempt(
+            run_id=run.id, n=n, pid=proc.pid, pid_start_time=start_time, started_at=time.time(), ended_at=None,
+            exit_code=None, assigned_gpus=gpus, log_path=str(log_path), exit_path=str(exit_path)))
+        self.registry.update_run(run.id, state="running", assigned_gpus=gpus)
+        log.info("run %s attempt %d started: pid %d, CUDA_VISIBLE_DEVICES=%s", run.id, n, proc.pid, gpus)
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    def stop(self, run_id: str) -> Run:
+        with self.registry.lock:
+            run = self._require(run_id)
+            if run.state == "queued":
+                self.registry.update_run(run_id, state="stopped", stop_requested_at=time.time(),
+                                         message="stopped before it started")
+            elif run.state == "running":
+                self.registry.update_run(run_id, state="stopping", stop_requested_at=time.time(),
+                                         message="SIGTERM sent; waiting for the checkpoint")
+                a = run.last_attempt
+                assert a is not None
+                self._kill(run_id, a, signal.SIGTERM)
+            elif run.state != "stopping":
+                raise Conflict(f"run {run_id!r} is {run.state}; only queued or running runs can be stopped")
+            return self._require(run_id)
+
+    def resume(self, run_id: str) -> Run:
+        with self.registry.lock:
+            run = self._require(run_id)
+            if run.state not in RESUMABLE:
+                raise Conflict(f"run {run_id!r} is {run.state}; resume needs one of {', '.join(RESUMABLE)}")
+            self.registry.update_run(run_id, state="queued", restarts=0, stop_requested_at=None,
+                                     message="resume requested; continues from checkpoints/latest")
+        self.wake()
+        return self._require(run_id)
+
+    def _require(self, run_id: str) -> Run:
+        run = self.registry.get(run_id)
+        if run is None:
+            raise KeyError(run_id)
+        return run
+
+    # ---- signals ---------------------------------------------------------------------------------
+
+    def _kill(self, run_id: str, a: Attempt, sig: signal.Signals) -> None:
+        """Signal the attempt's process group; SIGKILL also reaches descendants in other sessions.
+
+        torchrun starts its workers in sessions of their own; SIGTERM reaches them through
+        torchrun (which forwards it), SIGKILL cannot be forwarded so we send it to each.
+        """
+        if not process_alive(a.pid, a.pid_start_time):
+            return
+        try:
+            tree = psutil.Process(a.pid).children(recursive=True)
+        except psutil.Error:
+            tree = []
+        doomed = self._doomed.setdefault(run_id, [])
+        known = {p.pid for p in doomed}
+        doomed.extend(p for p in tree if p.pid not in known)
+        try:
+            os.killpg(a.pid, sig)
+        except ProcessLookupError:
+            pass
+        if sig == signal.SIGKILL:
+            self._reap_leftovers(run_id, a)
+
+    def _reap_leftovers(self, run_id: str, a: Attempt) -> None:
+        for p in self._doomed.pop(run_id, []):
+            try:
+                if p.is_running():  # psutil checks the start time: never a reused pid
+                    p.kill()
+            except psutil.Error:
+                pass

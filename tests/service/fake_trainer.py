@@ -1,0 +1,98 @@
+"""A stand-in for `python -m titan_k3.train` that keeps the run-directory contract, in milliseconds.
+
+It parses the real (torch-free) config, then "trains": one update every
+$FAKE_TRAINER_STEP_SECONDS, a metrics line per `metrics.log_freq`, checkpoints
+as `checkpoints/step-N/` + `latest`, resume from `latest`, exit 0 after a
+checkpoint on SIGTERM, exit 3 after `debug.crash_at_step`. Used by the
+service tests that need many or fast runs; the headline flows use the real
+trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from titan_k3.config import config_to_toml, load_job_config
+
+
+def main(argv: list[str]) -> int:
+    cfg = load_job_config(argv)
+    run_dir = Path(cfg.job.dump_folder) / cfg.job.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = run_dir / cfg.checkpoint.folder
+    step_seconds = float(os.environ.get("FAKE_TRAINER_STEP_SECONDS", "0.2"))
+    stop = {"requested": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
+
+    (run_dir / "config.toml").write_text(config_to_toml(cfg))
+    (run_dir / "manifest.json").write_text(json.dumps({"name": cfg.job.name, "trainer": "fake"}))
+    events = open(run_dir / "events.jsonl", "a")
+    metrics = open(run_dir / "metrics.jsonl", "a")
+    stdout_log = open(run_dir / "stdout.log", "a")
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+        stdout_log.write(text + "\n")
+        stdout_log.flush()
+
+    def event(step: int, kind: str, message: str, **extra: object) -> None:
+        events.write(json.dumps({"time": time.time(), "step": step, "kind": kind, "message": message, **extra}) + "\n")
+        events.flush()
+
+    def save(step: int) -> None:
+        if not cfg.checkpoint.enable:
+            return
+        d = ckpt_dir / f"step-{step}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "state.json").write_text(json.dumps({"step": step}))
+        tmp = ckpt_dir / "latest.tmp"
+        tmp.write_text(f"step-{step}\n")
+        os.replace(tmp, ckpt_dir / "latest")
+        event(step, "checkpoint_saved", f"saved step-{step}")
+        say(f"checkpoint saved at step {step}")
+
+    start = 0
+    latest = ckpt_dir / "latest"
+    if cfg.checkpoint.enable and latest.exists():
+        start = int(latest.read_text().strip().removeprefix("step-"))
+        event(start, "resumed", f"resumed from step-{start}")
+        say(f"resumed from step {start}")
+    event(start, "kernel_report", "fake trainer: no kernels")
+    t0 = time.time()
+    for step in range(start + 1, cfg.training.steps + 1):
+        time.sleep(step_seconds)
+        if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
+            loss = 10.0 * math.exp(-0.1 * step)
+            tps = 1000.0 + step
+            metrics.write(json.dumps({
+                "step": step, "loss": loss, "lr": 1e-3, "grad_norm": 1.0 / step,
+                "tokens_per_second_training": tps, "tokens_per_second_session": tps / 2,
+                "mfu": 0.1, "memory_peak_allocated_gib": 0.5, "tokens_seen": step * 64,
+                "skipped_updates": 0, "grad_norm/muon": 0.5, "grad_norm/adamw": 0.25,
+                "moe/layers.1/dead_fraction": 0.0, "moe/layers.1/maxvio": 0.3,
+                "moe/layers.1/load_cv": 0.2, "moe/layers.1/entropy": 2.0, "elapsed": time.time() - t0,
+            }) + "\n")
+            metrics.flush()
+            say(f"step {step} loss {loss:.4f}")
+        if cfg.checkpoint.enable and step % cfg.checkpoint.interval == 0:
+            save(step)
+        if step == cfg.debug.crash_at_step:
+            say(f"crashing at step {step} (debug.crash_at_step)")
+            return 3
+        if stop["requested"]:
+            say(f"SIGTERM: stopping after step {step}")
+            save(step)
+            return 0
+    save(cfg.training.steps)
+    say("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
