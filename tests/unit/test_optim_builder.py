@@ -49,6 +49,9 @@ def test_routes_params_and_summarises():
     assert summary["adamw"]["tensors"] == 5 and summary["adamw"]["no_decay_numel"] == 10
     groups = {(g["num_heads"], g["per_expert"]) for g in opts.muon.param_groups}
     assert groups == {(2, False), (1, False), (1, True)}
+    sd = opts.state_dict()  # complete before any step, keyed by name
+    assert sorted(sd["muon"]["state"]) == sorted(opts.names["muon"])
+    assert not any(s["momentum_buffer"].any() for s in sd["muon"]["state"].values())
     adamw = opts.adamw
     assert adamw.defaults["betas"] == (0.9, 0.95) and adamw.defaults["eps"] == 1e-8
     assert adamw.defaults["foreach"] and not adamw.defaults["fused"]
