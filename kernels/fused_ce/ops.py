@@ -116,7 +116,9 @@ def _backward(ctx, grad_loss, _grad_h32, _grad_w32):
                     "linear_cross_entropy: the forward ran without grad for this input "
                     "(grad mode off or requires_grad=False), so it has no gradient to give"
                 )
-            grads[i] = (stored * grad_loss.float()).to(dtype)
+            # NOTE: the product is written straight into the input's dtype, so no
+            # second [V, D] float32 buffer exists.
+            grads[i] = torch.mul(stored, grad_loss.float(), out=torch.empty_like(stored, dtype=dtype))
     return grads[0], grads[1], None, None, None, None, None
 
 
