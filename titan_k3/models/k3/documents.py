@@ -1,0 +1,50 @@
+"""Packed-document bookkeeping shared by every layer of one forward.
+
+A microbatch [B, T] with document boundaries `cu_seqlens` (int64 [N+1] over the
+flattened B*T tokens, every row start a boundary) is processed as one packed
+row of B*T tokens for KDA and with a document mask for MLA, so no state and no
+attention ever crosses a document.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Documents:
+    cu_seqlens: torch.Tensor | None
+    """int64 [N+1] boundaries over the flattened tokens, or None (each row is one document)."""
+    pos_BT: torch.Tensor
+    """int64 [B, T] position of each token inside its document."""
+    doc_BT: torch.Tensor
+    """int64 [B, T] document index of each token (global over the microbatch)."""
+
+    @staticmethod
+    def build(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> "Documents":
+        n = batch * seq_len
+        if cu_seqlens is None:
+            pos = torch.arange(seq_len, device=device).expand(batch, seq_len)
+            doc = torch.arange(batch, device=device)[:, None].expand(batch, seq_len)
+            return Documents(None, pos, doc)
+        cu = cu_seqlens.to(device=device, dtype=torch.int64)
+        if cu.ndim != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != n:
+            raise ValueError(f"cu_seqlens must be int64 [N+1] from 0 to B*T={n}, got {cu.tolist()[:8]}...")
+        row_starts = torch.arange(0, n, seq_len, device=device)
+        if not torch.isin(row_starts, cu).all():
+            raise ValueError("cu_seqlens must contain every row start (a document never spans two rows)")
+        idx = torch.arange(n, device=device)
+        doc = torch.searchsorted(cu, idx, right=True) - 1
+        pos = idx - cu[doc]
+        return Documents(cu, pos.view(batch, seq_len), doc.view(batch, seq_len))
+
+    def attention_mask(self) -> torch.Tensor | None:
+        """bool [B, 1, T, T]: causal and same document; None when rows are whole documents."""
+        if self.cu_seqlens is None:
+            return None
+        same_doc = self.doc_BT[:, :, None] == self.doc_BT[:, None, :]
+        T = self.doc_BT.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=self.doc_BT.device).tril()
+        return (same_doc & causal)[:, None]

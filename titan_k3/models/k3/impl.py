@@ -1,0 +1,119 @@
+"""Which implementation runs each fast path, chosen once at start-up and reported.
+
+Every choice is recorded as a `KernelChoice`; a choice that is not the fast
+path the user asked for (or that 'auto' prefers on this device) is a
+fallback, which the trainer reports loudly and `--job.strict` turns into an
+error. Nothing here falls back later, at run time.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from kernels.fused_ce import reference as ce_reference
+from kernels.grouped_gemm import reference as gg_reference
+from kernels.kda import reference as kda_reference
+
+
+@dataclass
+class KernelChoice:
+    op: str
+    requested: str
+    chosen: str
+    fallback: bool
+    reason: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Impl:
+    kda: Callable
+    experts: Callable
+    loss: Callable
+    sdpa_backends: list | None
+    choices: list[KernelChoice] = field(default_factory=list)
+
+    @property
+    def fallbacks(self) -> list[KernelChoice]:
+        return [c for c in self.choices if c.fallback]
+
+
+def reference_impl() -> Impl:
+    """Pure-PyTorch paths everywhere (tests, CPU)."""
+    return Impl(
+        kda=kda_reference.chunk_kda_reference,
+        experts=gg_reference.moe_experts,
+        loss=ce_reference.linear_cross_entropy,
+        sdpa_backends=None,
+        choices=[
+            KernelChoice("kda", "torch", "torch", False),
+            KernelChoice("experts", "torch", "torch", False),
+            KernelChoice("loss", "torch", "torch", False),
+            KernelChoice("attention", "math", "sdpa-default", False),
+        ],
+    )
+
+
+def _triton_fn(module: str, name: str) -> tuple[Callable | None, str]:
+    try:
+        fn = getattr(importlib.import_module(module), name, None)
+    except Exception as e:  # an import error is a reason to report, not to crash here
+        return None, f"{module} failed to import: {type(e).__name__}: {e}"
+    if fn is None:
+        return None, f"{module}.{name} is not built yet"
+    return fn, ""
+
+
+def _pick(op: str, requested: str, on_cuda: bool, fast: tuple[str, str, str], reference: Callable) -> tuple[Callable, KernelChoice]:
+    """requested in (auto, triton, torch): the Triton function or the reference, with the reason."""
+    if requested == "torch":
+        return reference, KernelChoice(op, requested, "torch", False, "asked for")
+    fn, why = _triton_fn(fast[0], fast[1])
+    if requested == "auto" and not on_cuda:
+        return reference, KernelChoice(op, requested, "torch", True, "no CUDA device: the Triton kernel needs a GPU")
+    if fn is None:
+        return reference, KernelChoice(op, requested, "torch", True, why)
+    return fn, KernelChoice(op, requested, fast[2], False)
+
+
+def resolve_impl(kernels_cfg, device: torch.device) -> Impl:
+    """Turn the [kernels] config section into callables, recording each choice."""
+    on_cuda = device.type == "cuda"
+    kda, c_kda = _pick("kda", kernels_cfg.kda, on_cuda, ("kernels.kda", "chunk_kda", "triton"), kda_reference.chunk_kda_reference)
+    loss, c_loss = _pick("loss", kernels_cfg.loss, on_cuda, ("kernels.fused_ce", "linear_cross_entropy", "triton"), ce_reference.linear_cross_entropy)
+    if kernels_cfg.experts == "grouped_mm":
+        experts, why = _triton_fn("kernels.grouped_gemm", "moe_experts_torch_grouped_mm")
+        c_exp = KernelChoice("experts", "grouped_mm", "grouped_mm", experts is None, why)
+        experts = experts or gg_reference.moe_experts
+    else:
+        experts, c_exp = _pick(
+            "experts", kernels_cfg.experts, on_cuda, ("kernels.grouped_gemm", "moe_experts", "triton"), gg_reference.moe_experts
+        )
+    backends, c_attn = _attention_backends(kernels_cfg.attention, on_cuda)
+    return Impl(kda, experts, loss, backends, [c_kda, c_exp, c_loss, c_attn])
+
+
+def _attention_backends(requested: str, on_cuda: bool) -> tuple[list | None, KernelChoice]:
+    from torch.nn.attention import SDPBackend
+
+    table = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
+    if requested == "auto":
+        if not on_cuda:
+            return None, KernelChoice("attention", "auto", "math", True, "no CUDA device: SDPA runs its math path")
+        # NOTE: packed documents need a mask, which cuDNN and flash do not take
+        # through SDPA; efficient attention does. Order = preference.
+        return [table["cudnn"], table["efficient"]], KernelChoice("attention", "auto", "cudnn+efficient", False)
+    if requested != "math" and not on_cuda:
+        return [table["math"]], KernelChoice("attention", requested, "math", True, "no CUDA device")
+    return [table[requested]], KernelChoice("attention", requested, requested, False)

@@ -1,0 +1,92 @@
+"""The Kimi Delta Attention layer (K3_SPEC §1.1).
+
+Legend: B batch, T tokens, D model width, H heads, K key width, V value width.
+The recurrence itself is `kernels.kda.chunk_kda` (or its PyTorch reference);
+this layer owns the projections, the causal convolutions, the gate and the
+gated output norm. The safe gate, the q/k L2 norm and the beta sigmoid are
+passed to the kernel to be fused there.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_k3.models.k3.args import K3Args
+from titan_k3.models.k3.documents import Documents
+from titan_k3.models.k3.layers import init_linear, rms_norm
+
+
+def causal_depthwise_conv(x_BTC: torch.Tensor, w_C1W: torch.Tensor, pos_BT: torch.Tensor) -> torch.Tensor:
+    """Causal depthwise convolution that never reads across a document start.
+
+    x [B, T, C], w [C, 1, W] (nn.Conv1d layout, tap W-1 is the current token),
+    pos [B, T] position inside the document. y_t = sum_j w[:, W-1-j] x_{t-j} over
+    j <= pos_t.
+    """
+    width = w_C1W.shape[-1]
+    w = w_C1W[:, 0, :].to(x_BTC.dtype)
+    y = x_BTC * w[:, width - 1]
+    for j in range(1, width):
+        shifted = F.pad(x_BTC, (0, 0, j, 0))[:, : x_BTC.shape[1]]
+        y = y + shifted * w[:, width - 1 - j] * (pos_BT >= j).unsqueeze(-1).to(x_BTC.dtype)
+    return y
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, args: K3Args, kda_fn: Callable):
+        super().__init__()
+        D, H, K = args.dim, args.kda_heads, args.kda_head_dim
+        self.n_heads, self.head_dim, self.eps = H, K, args.norm_eps
+        self.gate_lower_bound = args.kda_gate_lower_bound
+        self.kda_fn = kda_fn
+        self.q_proj = nn.Linear(D, H * K, bias=False)
+        self.k_proj = nn.Linear(D, H * K, bias=False)
+        self.v_proj = nn.Linear(D, H * K, bias=False)
+        self.q_conv = nn.Parameter(torch.empty(H * K, 1, args.kda_conv_size))
+        self.k_conv = nn.Parameter(torch.empty(H * K, 1, args.kda_conv_size))
+        self.v_conv = nn.Parameter(torch.empty(H * K, 1, args.kda_conv_size))
+        self.f_a = nn.Linear(D, K, bias=False)
+        self.f_b = nn.Linear(K, H * K, bias=False)
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.dt_bias = nn.Parameter(torch.empty(H, K))
+        self.b_proj = nn.Linear(D, H, bias=False)
+        self.g_proj = nn.Linear(D, H * K, bias=False)
+        self.o_norm = nn.Parameter(torch.empty(K))
+        self.o_proj = nn.Linear(H * K, D, bias=False)
+
+    def reset_parameters(self) -> None:
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.f_a, self.f_b, self.b_proj, self.g_proj, self.o_proj):
+            init_linear(lin)
+        bound = 1 / math.sqrt(self.q_conv.shape[-1])
+        for conv in (self.q_conv, self.k_conv, self.v_conv):
+            nn.init.uniform_(conv, -bound, bound)
+        nn.init.zeros_(self.A_log)
+        # dt log-uniform in [1e-3, 1e-1] and dt_bias = softplus^-1(dt) (Mamba-2).
+        dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)))
+        with torch.no_grad():
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        nn.init.ones_(self.o_norm)
+
+    def forward(self, x_BTD: torch.Tensor, docs: Documents) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        H, K = self.n_heads, self.head_dim
+        q = F.silu(causal_depthwise_conv(self.q_proj(x_BTD), self.q_conv, docs.pos_BT))
+        k = F.silu(causal_depthwise_conv(self.k_proj(x_BTD), self.k_conv, docs.pos_BT))
+        v = F.silu(causal_depthwise_conv(self.v_proj(x_BTD), self.v_conv, docs.pos_BT))
+        g_raw = self.f_b(self.f_a(x_BTD))
+        beta_logit = self.b_proj(x_BTD)
+        shape = (1, B * T) if docs.cu_seqlens is not None else (B, T)
+        o, _ = self.kda_fn(
+            q.reshape(*shape, H, K), k.reshape(*shape, H, K), v.reshape(*shape, H, K),
+            g_raw.reshape(*shape, H, K), beta_logit.reshape(*shape, H),
+            cu_seqlens=docs.cu_seqlens, A_log=self.A_log, dt_bias=self.dt_bias,
+            gate_lower_bound=self.gate_lower_bound, use_qk_l2norm=True, beta_is_logit=True,
+        )
+        o = rms_norm(o.reshape(B, T, H, K), self.o_norm, self.eps)
+        o = o * torch.sigmoid(self.g_proj(x_BTD)).view(B, T, H, K)
+        return self.o_proj(o.reshape(B, T, H * K))

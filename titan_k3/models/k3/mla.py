@@ -1,0 +1,92 @@
+"""Gated NoPE multi-head latent attention (K3_SPEC §1.2).
+
+Legend: B batch, T tokens, D width, H heads, N nope width, R shared ("rope",
+never rotated) key width, V value width. Packed documents are masked so no
+token attends to another document. The layer records, per head, the largest
+pre-softmax logit it produced since the last `pop_max_logit()` (exact, over
+the causal document mask): QK-Clip reads it after each optimizer step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_k3.models.k3.args import K3Args
+from titan_k3.models.k3.documents import Documents
+from titan_k3.models.k3.layers import RMSNorm, init_linear
+
+MAX_LOGIT_QUERY_CHUNK = 512
+
+
+@torch.no_grad()
+def max_logit_per_head(q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, scale: float, mask_B1TT: torch.Tensor | None) -> torch.Tensor:
+    """Largest masked pre-softmax logit per head, float32 [H]; computed in query chunks."""
+    B, H, T, _ = q_BHTE.shape
+    best = torch.full((H,), float("-inf"), device=q_BHTE.device)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q_BHTE.device).tril()
+    for start in range(0, T, MAX_LOGIT_QUERY_CHUNK):
+        stop = min(T, start + MAX_LOGIT_QUERY_CHUNK)
+        s = torch.einsum("bhqe,bhke->bhqk", q_BHTE[:, :, start:stop].float(), k_BHTE.float()) * scale
+        allowed = causal[start:stop] if mask_B1TT is None else mask_B1TT[:, :, start:stop]
+        s = s.masked_fill(~allowed, float("-inf"))
+        best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
+    return best
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, args: K3Args, sdpa_backends: list | None = None):
+        super().__init__()
+        D, H = args.dim, args.mla_heads
+        self.n_heads, self.nope, self.rope, self.v_dim = H, args.qk_nope_dim, args.qk_rope_dim, args.v_head_dim
+        self.kv_lora = args.kv_lora_rank
+        self.scale = (self.nope + self.rope) ** -0.5
+        self.sdpa_backends = sdpa_backends
+        self.wq_a = nn.Linear(D, args.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+        self.wq_b = nn.Linear(args.q_lora_rank, H * (self.nope + self.rope), bias=False)
+        self.wkv_a = nn.Linear(D, args.kv_lora_rank + self.rope, bias=False)
+        self.kv_norm = RMSNorm(args.kv_lora_rank, args.norm_eps)
+        self.wkv_b = nn.Linear(args.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
+        self.w_gate = nn.Linear(D, H * self.v_dim, bias=False)
+        self.wo = nn.Linear(H * self.v_dim, D, bias=False)
+        self.register_buffer("max_logit", torch.full((H,), float("-inf")), persistent=False)
+        self.track_max_logit = True
+
+    def reset_parameters(self) -> None:
+        for lin in (self.wq_a, self.wq_b, self.wkv_a, self.wkv_b, self.w_gate, self.wo):
+            init_linear(lin)
+        self.q_norm.reset_parameters()
+        self.kv_norm.reset_parameters()
+        self.max_logit.fill_(float("-inf"))
+
+    def pop_max_logit(self) -> torch.Tensor:
+        """The per-head max logit since the last pop (float32 [H]), and reset it."""
+        value = self.max_logit.clone()
+        self.max_logit.fill_(float("-inf"))
+        return value
+
+    def _attend(self, q, k, v, mask):
+        kwargs = dict(attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        if self.sdpa_backends:
+            from torch.nn.attention import sdpa_kernel
+
+            with sdpa_kernel(self.sdpa_backends):
+                return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+    def forward(self, x_BTD: torch.Tensor, docs: Documents) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        H, N, R, V = self.n_heads, self.nope, self.rope, self.v_dim
+        q = self.wq_b(self.q_norm(self.wq_a(x_BTD))).view(B, T, H, N + R)
+        c, kr = self.wkv_a(x_BTD).split([self.kv_lora, R], dim=-1)
+        k_nope, v = self.wkv_b(self.kv_norm(c)).view(B, T, H, N + V).split([N, V], dim=-1)
+        k = torch.cat([k_nope, kr[:, :, None, :].expand(B, T, H, R)], dim=-1)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        mask = docs.attention_mask()
+        if self.training and self.track_max_logit:
+            self.max_logit.copy_(torch.maximum(self.max_logit, max_logit_per_head(q, k, self.scale, mask)))
+        o = self._attend(q, k, v, mask).transpose(1, 2)
+        o = o * torch.sigmoid(self.w_gate(x_BTD)).view(B, T, H, V)
+        return self.wo(o.reshape(B, T, H * V))

@@ -1,0 +1,142 @@
+"""LatentMoE with a sigmoid router and Quantile Balancing (K3_SPEC §1.3, §3).
+
+Legend: T tokens (flattened B*T), D width, L latent width, F expert hidden,
+E routed experts, k experts per token, NB histogram bins.
+
+Quantile Balancing keeps a float32 bias b [E] (a persistent buffer, never a
+Parameter) that only affects which experts are selected. After routing a
+training microbatch it moves b so that each expert's selection rate goes to
+k/E: with alpha_i the (k+1)-th largest biased score of token i and margins
+m_ij = s_ij + b_j - alpha_i, expert j is selected exactly when m_ij > 0. If
+c_j, the (1 - k/E) quantile of m_:j, is positive, more than k/E of the tokens
+select j; `b_j -= eta * c_j` moves that quantile to zero. The quantile comes
+from per-expert histograms that are summed over the data-parallel group with
+one all-reduce, so b stays bit-identical on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titan_k3.models.k3.args import K3Args
+from titan_k3.models.k3.layers import RMSNorm, SituGluFFN, init_linear
+
+QB_BINS = 1024
+
+
+def margin_quantiles(
+    margins_TE: torch.Tensor, quantile: float, half_range: torch.Tensor, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Per-expert `quantile` of the margins over all tokens of all ranks in `group`, float32 [E].
+
+    Histogram over [-half_range, half_range] with QB_BINS bins, summed with one
+    all-reduce, interpolated linearly inside the bin that holds the quantile.
+    """
+    T, E = margins_TE.shape
+    lo, width = -half_range, 2 * half_range / QB_BINS
+    bins_TE = ((margins_TE - lo) / width).floor().clamp_(0, QB_BINS - 1).long()
+    flat = (bins_TE + torch.arange(E, device=bins_TE.device) * QB_BINS).flatten()
+    hist_EB = torch.bincount(flat, minlength=E * QB_BINS).view(E, QB_BINS).to(torch.float64)
+    if group is not None:
+        dist.all_reduce(hist_EB, group=group)
+    cum_EB = hist_EB.cumsum(dim=1)
+    target_E1 = quantile * cum_EB[:, -1:]
+    bin_E1 = torch.searchsorted(cum_EB, target_E1).clamp_(max=QB_BINS - 1)
+    before = torch.where(bin_E1 > 0, cum_EB.gather(1, (bin_E1 - 1).clamp(min=0)), torch.zeros_like(target_E1))
+    inside = hist_EB.gather(1, bin_E1).clamp(min=1)
+    frac = ((target_E1 - before) / inside).clamp(0, 1)
+    return (lo + width * (bin_E1.to(torch.float64) + frac)).squeeze(1).to(torch.float32)
+
+
+class QuantileBalancedRouter(nn.Module):
+    """Sigmoid router, top-k selection on s + b, renormalised weights, and the QB update."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, eta: float = 1.0):
+        super().__init__()
+        self.n_experts, self.top_k, self.eta = n_experts, top_k, eta
+        self.update_enabled = True
+        self.dp_group: dist.ProcessGroup | None = None
+        self.weight = nn.Parameter(torch.empty(n_experts, dim))
+        self.register_buffer("qb_bias", torch.zeros(n_experts, dtype=torch.float32), persistent=True)
+        self.register_buffer("load_counts", torch.zeros(n_experts, dtype=torch.float64), persistent=False)
+        self._bias_for_recompute: torch.Tensor | None = None
+
+    def reset_parameters(self) -> None:
+        nn.init.trunc_normal_(self.weight, std=0.02, a=-0.06, b=0.06)
+        self.qb_bias.zero_()
+        self.load_counts.zero_()
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (expert ids int64 [T, k], weights float32 [T, k])."""
+        s_TE = torch.sigmoid(x_TD.float() @ self.weight.float().t())
+        # NOTE: an activation-checkpoint recompute runs inside backward: it must
+        # route with the bias the original forward used and must not update it.
+        recompute = torch._C._current_graph_task_id() != -1
+        if recompute and self._bias_for_recompute is not None:
+            bias = self._bias_for_recompute
+        else:
+            bias = self.qb_bias.clone()
+        with torch.no_grad():
+            top_vals, top_idx = torch.topk(s_TE + bias, self.top_k + 1, dim=-1)
+        experts_TK = top_idx[:, : self.top_k]
+        s_sel = s_TE.gather(1, experts_TK)
+        weights_TK = s_sel / s_sel.sum(dim=-1, keepdim=True)
+        if self.training and not recompute:
+            self._bias_for_recompute = bias
+            with torch.no_grad():
+                self.load_counts += torch.bincount(experts_TK.flatten(), minlength=self.n_experts).to(torch.float64)
+                if self.update_enabled:
+                    self._update_bias(s_TE.detach(), bias, top_vals[:, self.top_k])
+        return experts_TK, weights_TK
+
+    @torch.no_grad()
+    def _update_bias(self, s_TE: torch.Tensor, bias_E: torch.Tensor, alpha_T: torch.Tensor) -> None:
+        margins_TE = s_TE + bias_E - alpha_T[:, None]
+        half_range = 1.0 + (bias_E.max() - bias_E.min()).float()
+        c_E = margin_quantiles(margins_TE, 1.0 - self.top_k / self.n_experts, half_range, self.dp_group)
+        new_bias = bias_E - self.eta * c_E
+        self.qb_bias.copy_(new_bias - new_bias.mean())
+
+
+class LatentMoE(nn.Module):
+    """y = Shared(x) + W_up RMSNorm_L(sum_e p_e Expert_e(W_down x))."""
+
+    def __init__(self, args: K3Args, experts_fn: Callable, qb_eta: float = 1.0):
+        super().__init__()
+        D, L, F, E = args.dim, args.latent_dim, args.expert_hidden, args.n_experts
+        self.experts_fn = experts_fn
+        self.router = QuantileBalancedRouter(D, E, args.top_k, qb_eta)
+        self.w_down = nn.Linear(D, L, bias=False)
+        self.latent_norm = RMSNorm(L, args.norm_eps)
+        self.w_up = nn.Linear(L, D, bias=False)
+        self.w1 = nn.Parameter(torch.empty(E, L, F))
+        self.w3 = nn.Parameter(torch.empty(E, L, F))
+        self.w2 = nn.Parameter(torch.empty(E, F, L))
+        self.shared = SituGluFFN(D, args.n_shared_experts * F) if args.n_shared_experts else None
+
+    def reset_parameters(self) -> None:
+        self.router.reset_parameters()
+        init_linear(self.w_down)
+        init_linear(self.w_up)
+        self.latent_norm.reset_parameters()
+        for w in (self.w1, self.w3, self.w2):
+            nn.init.trunc_normal_(w, std=0.02, a=-0.06, b=0.06)
+        if self.shared is not None:
+            for lin in (self.shared.w1, self.shared.w3, self.shared.w2):
+                init_linear(lin)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        B, T, D = x_BTD.shape
+        x_TD = x_BTD.reshape(B * T, D)
+        experts_TK, weights_TK = self.router(x_TD)
+        z_TL = self.w_down(x_TD)
+        w = [p.to(z_TL.dtype) for p in (self.w1, self.w3, self.w2)]
+        y_TL = self.experts_fn(z_TL, *w, experts_TK, weights_TK.to(z_TL.dtype))
+        y_TD = self.w_up(self.latent_norm(y_TL))
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD)
+        return y_TD.view(B, T, D)

@@ -1,0 +1,318 @@
+"""The Trainer and `python -m titan_k3.train` (also under torchrun).
+
+One update, as in DESIGN.md: fetch grad_accum microbatches, count the valid
+targets of the whole update (all microbatches, all data-parallel ranks),
+backward each microbatch's summed loss divided by that count, clip by the
+global grad norm, skip the update if anything is non-finite, step Muon and
+AdamW, apply QK-Clip, advance the LR schedule, report.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from titan_k3.config import ConfigError, JobConfig, help_text, load_job_config
+from titan_k3.metrics.clocks import TwoClocks
+from titan_k3.metrics.events import EventLog
+from titan_k3.metrics.moe_stats import expert_load_stats
+from titan_k3.metrics.run_dir import Tee, prepare_run_dir, run_dir_path
+from titan_k3.models.k3.args import count_params, flops_per_token, get_flavor
+from titan_k3.models.k3.impl import resolve_impl
+from titan_k3.models.k3.model import K3Model
+from titan_k3.optim import LRSchedule, ParamSpec, build_optimizers, qk_clip_
+
+IGNORE_INDEX = -100
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot continue (e.g. too many non-finite updates in a row); the message says why."""
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    n_tokens: int
+    n_valid: int
+    skipped: bool
+
+
+def _device(cfg: JobConfig) -> torch.device:
+    want = cfg.training.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("config key 'training.device' = 'cuda': no CUDA device is visible")
+    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def _mixture(spec: str) -> dict[str, float] | None:
+    if not spec:
+        return None
+    return {name.strip(): float(w) for name, _, w in (p.partition(":") for p in spec.split(","))}
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.clocks = TwoClocks()
+        self.device = _device(cfg)
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.rank = int(os.environ.get("RANK", 0))
+        if self.world_size > 1:
+            raise ConfigError(
+                f"WORLD_SIZE={self.world_size}: multi-process training needs titan_k3.parallel, which this build lacks"
+            )
+        self.dp_rank, self.dp_world = 0, 1
+        self.dp_group = None
+        t = cfg.training
+
+        from titan_k3.data.loader import build_dataloader
+        from titan_k3.data.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        vocab = cfg.model.vocab_size or -(-self.tokenizer.vocab_size // 64) * 64
+        if vocab < self.tokenizer.vocab_size:
+            raise ConfigError(
+                f"config key 'model.vocab_size' = {vocab}: below the tokenizer's vocabulary of {self.tokenizer.vocab_size}"
+            )
+        self.args = get_flavor(cfg.model.flavor, vocab)
+        self.loader = build_dataloader(
+            cfg.data.dataset, self.tokenizer, t.seq_len, t.local_batch_size, self.dp_rank, self.dp_world,
+            t.seed, mixture=_mixture(cfg.data.mixture), prefetch=cfg.data.prefetch,
+        )
+
+        self.impl = resolve_impl(cfg.kernels, self.device)
+        if cfg.job.strict and self.impl.fallbacks:
+            first = self.impl.fallbacks[0]
+            raise ConfigError(
+                f"job.strict = true and {first.op} falls back to '{first.chosen}' (asked '{first.requested}'): {first.reason}"
+            )
+        torch.manual_seed(t.seed)
+        with torch.device("meta"):
+            model = K3Model(self.args, self.impl, cfg.model.qb_eta)
+        model.to_empty(device=self.device)
+        model.init_weights(seed=t.seed)
+        for router in model.moe_routers().values():
+            router.update_enabled = cfg.model.qb_update
+            router.dp_group = self.dp_group
+        self.model = model.train()
+
+        hints = model.optim_hints()
+        o = cfg.optimizer
+        self.optimizers = build_optimizers(
+            model.named_parameters(), lambda name, _p: ParamSpec(**hints[name]),
+            lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
+            momentum=o.momentum, ns_steps=o.ns_steps, use_muon=o.name == "muon",
+        )
+        s = cfg.lr_scheduler
+        self.schedule = LRSchedule(
+            self.optimizers, base_lr=o.lr, total_steps=t.steps, warmup_steps=s.warmup_steps,
+            decay_type=s.decay_type, decay_ratio=None if s.decay_ratio >= 1 else s.decay_ratio,
+            min_lr_factor=s.min_lr_factor,
+        )
+        self.tokens_per_update = t.local_batch_size * t.seq_len * t.grad_accum * self.dp_world
+        self.flops_per_token = flops_per_token(self.args, t.seq_len)
+        self.step = 0
+        self.tokens_seen = 0
+        self.skipped_updates = 0
+        self.skipped_in_row = 0
+        self._fixed = None
+
+        # Everything above can still refuse the job; only now does the run directory appear.
+        self.run_dir = run_dir_path(cfg)
+        if self.rank == 0:
+            prepare_run_dir(cfg, {
+                "flavor": cfg.model.flavor, "vocab_size": vocab,
+                "tokenizer": {"name": self.tokenizer.name, "sha256": self.tokenizer.sha256},
+                "dataset": getattr(self.loader, "describe", lambda: {"dataset": cfg.data.dataset})(),
+                "kernels": [c.as_dict() for c in self.impl.choices],
+            })
+            sys.stdout = Tee(sys.stdout, self.run_dir / "stdout.log")
+        self.events = EventLog(self.run_dir / "events.jsonl" if self.rank == 0 else None)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self._report_start()
+
+    # ------------------------------------------------------------------ reporting
+    def _report_start(self) -> None:
+        if self.rank != 0:
+            return
+        pc, card = count_params(self.args), count_params(get_flavor("k3"))
+        t = self.cfg.training
+        print(f"titan_k3 | run {self.run_dir}")
+        print(f"model {self.cfg.model.flavor}: {pc.total / 1e6:.2f}M total, {pc.active / 1e6:.2f}M active "
+              f"(k3 card: {card.total / 1e9:.1f}B total, {card.active / 1e9:.1f}B active)")
+        print(f"tokens per update = {t.local_batch_size} batch x {t.seq_len} seq x {t.grad_accum} accum x "
+              f"{self.dp_world} dp = {self.tokens_per_update}")
+        print(f"optimizers: {self.optimizers.param_groups_summary()}")
+        for c in self.impl.choices:
+            line = f"kernel {c.op}: {c.chosen}" + (f" (FALLBACK from '{c.requested}': {c.reason})" if c.fallback else "")
+            print(line)
+            if c.fallback:
+                self.events.emit("fallback", line, step=0, **c.as_dict())
+        self.events.emit("kernel_report", "kernels chosen", step=0, kernels=[c.as_dict() for c in self.impl.choices])
+
+    def _log(self, result: StepResult, window: dict) -> None:
+        import json
+
+        c, t = self.clocks, self.cfg.training
+        record = {
+            "step": self.step,
+            "loss": result.loss,
+            "lr": self._last_lr,
+            "grad_norm": result.grad_norm,
+            "tokens_seen": self.tokens_seen,
+            "skipped_updates": self.skipped_updates,
+            "training_seconds": c.training_seconds,
+            "session_seconds": c.session_seconds,
+            "tokens_per_second_training": window["tokens"] / max(window["training_seconds"], 1e-9),
+            "tokens_per_second_session": self.tokens_seen / max(c.session_seconds, 1e-9),
+            "data_wait_fraction": window["data_wait"] / max(window["training_seconds"], 1e-9),
+        }
+        record["mfu"] = record["tokens_per_second_training"] * self.flops_per_token / (self.cfg.metrics.peak_tflops * 1e12)
+        if self.device.type == "cuda":
+            record["memory_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            record["memory_peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        for layer, router in self.model.moe_routers().items():
+            for key, value in expert_load_stats(router.load_counts, router.qb_bias).items():
+                record[f"moe/{layer}/{key}"] = value
+            router.load_counts.zero_()
+        if self.rank == 0:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            print(f"step {self.step:>6} | loss {result.loss:.4f} | lr {record['lr']:.2e} | gnorm {result.grad_norm:.3f} | "
+                  f"tok/s {record['tokens_per_second_training']:,.0f} (session {record['tokens_per_second_session']:,.0f}) | "
+                  f"mfu {100 * record['mfu']:.2f}%", flush=True)
+
+    # ------------------------------------------------------------------ the step
+    def _next_batch(self):
+        if self.cfg.training.fixed_batch:
+            if self._fixed is None:
+                self._fixed = next(self.loader)
+            return self._fixed
+        return next(self.loader)
+
+    def _all_reduce(self, x: torch.Tensor, op=None) -> torch.Tensor:
+        if self.dp_group is not None:
+            dist.all_reduce(x, op=op or dist.ReduceOp.SUM, group=self.dp_group)
+        return x
+
+    def train_step(self) -> StepResult:
+        cfg = self.cfg
+        batches = [self._next_batch() for _ in range(cfg.training.grad_accum)]
+        n_valid = sum((b.labels != IGNORE_INDEX).sum() for b in batches).to(self.device, torch.float32)
+        global_valid = self._all_reduce(n_valid.clone()).clamp(min=1)
+        loss_sum = torch.zeros((), device=self.device)
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"
+                                  and cfg.training.compute_dtype == "bfloat16")
+        for b in batches:
+            with autocast:
+                out = self.model(b.input_ids.to(self.device), b.labels.to(self.device), b.cu_seqlens.to(self.device))
+            (out.loss_sum / global_valid).backward()
+            loss_sum += out.loss_sum.detach().float()
+        loss = (self._all_reduce(loss_sum) / global_valid).item()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = cfg.training.max_norm if cfg.training.max_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True).item()
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        self._last_lr = self.optimizers.lr
+        if skipped:
+            self.skipped_updates += 1
+            self.skipped_in_row += 1
+            self.events.emit("nonfinite", f"loss {loss} / grad norm {grad_norm}: update skipped", step=self.step + 1)
+        else:
+            self.skipped_in_row = 0
+            self.optimizers.step()
+            self._qk_clip()
+        self.optimizers.zero_grad(set_to_none=True)
+        self.schedule.step()
+        n_tokens = sum(b.input_ids.numel() for b in batches) * self.dp_world
+        return StepResult(loss, grad_norm, n_tokens, int(global_valid.item()), skipped)
+
+    @torch.no_grad()
+    def _qk_clip(self) -> None:
+        tau = self.cfg.optimizer.qk_clip_tau
+        for layer in self.model.mla_layers().values():
+            max_logit = self._all_reduce(layer.pop_max_logit(), dist.ReduceOp.MAX if self.dp_group else None)
+            if tau > 0:
+                qk_clip_(layer.wq_b.weight, layer.wkv_b.weight, max_logit, n_heads=layer.n_heads,
+                         nope_dim=layer.nope, rope_dim=layer.rope, v_dim=layer.v_dim, tau=tau)
+
+    def train(self) -> list[StepResult]:
+        cfg = self.cfg
+        results: list[StepResult] = []
+        window = {"tokens": 0, "training_seconds": 0.0, "data_wait": 0.0}
+        while self.step < cfg.training.steps:
+            wait0 = getattr(self.loader, "wait_seconds", 0.0)
+            t0 = self.clocks.training_seconds
+            with self.clocks.training():
+                result = self.train_step()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+            self.step += 1
+            self.tokens_seen += result.n_tokens
+            window["tokens"] += result.n_tokens
+            window["training_seconds"] += self.clocks.training_seconds - t0
+            window["data_wait"] += getattr(self.loader, "wait_seconds", 0.0) - wait0
+            results.append(result)
+            if self.skipped_in_row >= cfg.training.max_skipped_in_row:
+                message = (f"{self.skipped_in_row} updates in a row had a non-finite loss or grad norm "
+                           f"(limit training.max_skipped_in_row = {cfg.training.max_skipped_in_row}); stopping")
+                self.events.emit("stopped", message, step=self.step)
+                raise TrainingStopped(message)
+            if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
+                self._log(result, window)
+                window = {"tokens": 0, "training_seconds": 0.0, "data_wait": 0.0}
+            if cfg.debug.crash_at_step == self.step:
+                print(f"debug.crash_at_step = {self.step}: exiting with status 3", flush=True)
+                sys.stdout.flush()
+                os._exit(3)
+        return results
+
+    def summary(self, results: list[StepResult]) -> str:
+        c = self.clocks
+        done = [r for r in results if not r.skipped]
+        first, last = (done[0].loss, done[-1].loss) if done else (float("nan"), float("nan"))
+        return "\n".join([
+            "-" * 72,
+            f"run {self.run_dir}  ({self.step} updates, {self.skipped_updates} skipped)",
+            f"loss first {first:.4f} -> last {last:.4f}",
+            f"tokens/update {self.tokens_per_update:,} | tokens seen {self.tokens_seen:,}",
+            f"tokens/s training clock {self.tokens_seen / max(c.training_seconds, 1e-9):,.0f} | "
+            f"session clock {self.tokens_seen / max(c.session_seconds, 1e-9):,.0f}",
+            f"files: {self.run_dir}/metrics.jsonl, events.jsonl, stdout.log, manifest.json, config.toml",
+            "-" * 72,
+        ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text())
+        return 0
+    try:
+        cfg = load_job_config(argv)
+        trainer = Trainer(cfg)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        results = trainer.train()
+    except TrainingStopped as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if trainer.rank == 0:
+        print(trainer.summary(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
