@@ -59,12 +59,15 @@ def hardware() -> dict[str, Any]:
 def versions() -> dict[str, str]:
     import torch
 
+    from importlib.metadata import PackageNotFoundError, version
+
     v = {"python": sys.version.split()[0], "torch": torch.__version__}
-    for mod in ("triton", "torchao", "torchdata", "tokenizers"):
+    # NOTE: read package metadata rather than importing (torchao's import is slow and noisy).
+    for dist_name in ("triton", "torchao", "torchdata", "tokenizers"):
         try:
-            v[mod] = __import__(mod).__version__
-        except Exception:
-            v[mod] = "absent"
+            v[dist_name] = version(dist_name)
+        except PackageNotFoundError:
+            v[dist_name] = "absent"
     return v
 
 
