@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
 
     (run_dir / "config.toml").write_text(config_to_toml(cfg))
-    (run_dir / "manifest.json").write_text(json.dumps({"name": cfg.job.name, "trainer": "fake"}))
+    (run_dir / "manifest.json").write_text(json.dumps({"name": cfg.job.name, "trainer": "fake", "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}))
     events = open(run_dir / "events.jsonl", "a")
     metrics = open(run_dir / "metrics.jsonl", "a")
     stdout_log = open(run_dir / "stdout.log", "a")
