@@ -1,0 +1,202 @@
+"""The stateful loader: boundaries, rank split, resume with prefetch, seq_len stages, mixture.
+
+The synthetic dataset gives every token a unique id, so each token tells its
+source, its document and whether it ends the document.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from titan_k3.data.loader import IGNORE_INDEX, build_dataloader
+from titan_k3.data.shards import token_dtype, write_index, write_shard
+from titan_k3.data.tokenizer import Tokenizer
+
+VOCAB = 1 << 20
+
+
+class StubTokenizer(Tokenizer):
+    def __init__(self):
+        self.name, self.sha256, self.vocab_size, self.eos_id = "stub", "c" * 64, VOCAB, 0
+
+
+def make_dataset(path, doc_lengths: dict[str, list[int]]):
+    """Returns (tokenizer, token id -> (source, doc, last-in-doc)) for a dataset of unique tokens."""
+    tok, dtype = StubTokenizer(), token_dtype(VOCAB)
+    owner, next_id, records = {}, 1, []
+    for source, lengths in doc_lengths.items():
+        docs = []
+        for d, n in enumerate(lengths):
+            ids = np.arange(next_id, next_id + n)
+            for j, t in enumerate(ids):
+                owner[int(t)] = (source, d, j == n - 1)
+            docs.append(ids.astype(dtype))
+            next_id += n
+        half = len(docs) // 2  # two shards per source
+        for k, part in enumerate((docs[:half], docs[half:])):
+            records.append(write_shard(path, f"train-{source}-{k:05d}", part, source=source, dtype=dtype))
+    write_index(path, tok, {"train": records})
+    return tok, owner
+
+
+def lengths(n_docs, lo, hi, seed):
+    return [int(x) for x in np.random.default_rng(seed).integers(lo, hi, n_docs)]
+
+
+@pytest.fixture
+def one_source(tmp_path):
+    tok, owner = make_dataset(tmp_path, {"web": lengths(40, 1, 50, 0)})
+    return tmp_path, tok, owner
+
+
+def take(loader, n):
+    return [next(loader) for _ in range(n)]
+
+
+def test_labels_and_cu_seqlens_follow_documents(one_source):
+    path, tok, owner = one_source
+    T, B = 32, 3
+    loader = build_dataloader(str(path), tok, T, B, 0, 1, seed=1, prefetch=0)
+    n_ignored = 0
+    for batch in take(loader, 20):
+        x, y = batch.input_ids, batch.labels
+        assert x.shape == y.shape == (B, T) and x.dtype == y.dtype == torch.int64
+        doc = [[owner[int(t)][:2] for t in row] for row in x]
+        for r in range(B):
+            for t in range(T):
+                _, _, last = owner[int(x[r, t])]
+                if last:  # the target is the next document's first token
+                    assert y[r, t] == IGNORE_INDEX
+                    n_ignored += 1
+                else:
+                    assert y[r, t] == x[r, t] + 1
+        want = [0]
+        for r in range(B):
+            want += [r * T + t for t in range(1, T) if doc[r][t] != doc[r][t - 1]] + [(r + 1) * T]
+        assert batch.cu_seqlens.tolist() == want
+        assert batch.source_tokens == {"web": B * T}
+        assert batch.fingerprints.shape == (B,) and bool((batch.fingerprints >= 0).all())
+    assert n_ignored > 0
+
+
+def test_every_token_once_per_epoch(tmp_path):
+    lens = lengths(30, 1, 40, 3)
+    lens[-1] += 4 * 16 - sum(lens) % (4 * 16)  # epoch = a whole number of batches
+    tok, owner = make_dataset(tmp_path, {"web": lens})
+    loader = build_dataloader(str(tmp_path), tok, 16, 4, 0, 1, seed=5, prefetch=2)
+    n_batches = sum(lens) // 64
+    for epoch in range(2):
+        seen = torch.cat([b.input_ids.flatten() for b in take(loader, n_batches)]).tolist()
+        assert sorted(seen) == sorted(owner)
+        if epoch == 0:
+            first = seen
+    assert seen != first  # the second epoch has another document order
+
+
+def rows(batches):
+    return [tuple(r) for b in batches for r in b.input_ids.tolist()]
+
+
+def test_two_ranks_disjoint_and_union_is_single_rank_stream(tmp_path):
+    tok, _ = make_dataset(tmp_path, {"a": lengths(30, 1, 60, 1), "b": lengths(20, 5, 90, 2)})
+    single = take(build_dataloader(str(tmp_path), tok, 24, 4, 0, 1, seed=7, mixture={"a": 0.6, "b": 0.4}), 10)
+    ranks = [take(build_dataloader(str(tmp_path), tok, 24, 2, r, 2, seed=7, mixture={"a": 0.6, "b": 0.4}), 10) for r in range(2)]
+    r0, r1 = rows(ranks[0]), rows(ranks[1])
+    assert not set(r0) & set(r1)
+    for b in range(10):  # global batch b = the single rank's batch b, split between the ranks
+        assert sorted(rows([single[b]])) == sorted(rows([ranks[0][b], ranks[1][b]]))
+        fp = torch.cat([ranks[0][b].fingerprints, ranks[1][b].fingerprints])
+        assert sorted(fp.tolist()) == sorted(single[b].fingerprints.tolist())
+    fp = torch.cat([b.fingerprints for rk in ranks for b in rk])
+    assert len(set(fp.tolist())) == len(fp)
+    other_seed = take(build_dataloader(str(tmp_path), tok, 24, 4, 0, 1, seed=8, mixture={"a": 0.6, "b": 0.4}), 10)
+    assert rows(other_seed) != rows(single)
+
+
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_resume_mid_stream_on_two_ranks(tmp_path, prefetch):
+    tok, _ = make_dataset(tmp_path, {"a": lengths(30, 1, 60, 1), "b": lengths(20, 5, 90, 2)})
+    mix = {"a": 0.7, "b": 0.3}
+    for rank in range(2):
+        make = lambda: build_dataloader(str(tmp_path), tok, 16, 3, rank, 2, seed=11, mixture=mix, prefetch=prefetch)
+        full = take(make(), 12)
+        first = make()
+        take(first, 5)
+        state = first.state_dict()
+        take(first, 2)  # advancing the old loader must not change the saved state
+        resumed = make()
+        resumed.load_state_dict(state)
+        for want, got in zip(full[5:], take(resumed, 7)):
+            assert torch.equal(want.input_ids, got.input_ids) and torch.equal(want.labels, got.labels)
+            assert torch.equal(want.cu_seqlens, got.cu_seqlens) and want.source_tokens == got.source_tokens
+        # rewinding a live loader works too
+        first.load_state_dict(state)
+        assert torch.equal(next(first).input_ids, full[5].input_ids)
+
+
+def test_set_seq_len_keeps_every_token(one_source):
+    path, tok, _ = one_source
+    base = build_dataloader(str(path), tok, 8, 1, 0, 1, seed=2, prefetch=0)
+    staged = build_dataloader(str(path), tok, 16, 1, 0, 1, seed=2, prefetch=2)
+    got = []
+    for seq_len, n in ((16, 5), (32, 4), (8, 3), (64, 2)):
+        if seq_len != staged.seq_len:
+            staged.set_seq_len(seq_len)
+        for b in take(staged, n):
+            assert b.input_ids.shape == (1, seq_len)
+            got += b.input_ids.flatten().tolist()
+    want = torch.cat([b.input_ids.flatten() for b in take(base, len(got) // 8)]).tolist()
+    assert got == want
+    assert staged.state_dict()["seq_len"] == 64
+
+
+def test_mixture_of_three_sources_tracks_weights(tmp_path):
+    tok, _ = make_dataset(
+        tmp_path, {"code": lengths(40, 100, 400, 1), "math": lengths(60, 5, 30, 2), "web": lengths(30, 20, 200, 3)}
+    )
+    weights = {"code": 0.5, "math": 0.2, "web": 0.3}
+    loader = build_dataloader(str(tmp_path), tok, 32, 4, 1, 2, seed=3, mixture=weights)
+    totals = dict.fromkeys(weights, 0)
+    for i, b in enumerate(take(loader, 150)):
+        assert sum(b.source_tokens.values()) == 4 * 32
+        for k, v in b.source_tokens.items():
+            totals[k] += v
+        if i >= 20:  # tracks the weights all along, not only on average
+            n = sum(totals.values())
+            assert all(abs(totals[k] / n - w) < 0.04 for k, w in weights.items()), (i, totals)
+    n = sum(totals.values())
+    for k, w in weights.items():
+        assert abs(totals[k] / n - w) < 0.01, totals
+    assert max(abs(d) for d in loader.mixture_deviation().values()) < 0.01
+    natural = build_dataloader(str(tmp_path), tok, 32, 4, 0, 1, seed=3)
+    sizes = {k: sum(v) for k, v in zip(("code", "math", "web"), (lengths(40, 100, 400, 1), lengths(60, 5, 30, 2), lengths(30, 20, 200, 3)))}
+    assert natural.weights == pytest.approx({k: v / sum(sizes.values()) for k, v in sizes.items()})
+    zero = build_dataloader(str(tmp_path), tok, 32, 4, 0, 1, seed=3, mixture={"code": 1, "math": 0, "web": 1})
+    assert sum(b.source_tokens["math"] for b in take(zero, 20)) == 0
+
+
+def test_bad_arguments(one_source, tmp_path):
+    path, tok, _ = one_source
+    with pytest.raises(ValueError, match=r"mixture: unknown source\(s\) \['wiki'\]"):
+        build_dataloader(str(path), tok, 8, 1, 0, 1, 0, mixture={"web": 1.0, "wiki": 1.0})
+    with pytest.raises(ValueError, match="dp_rank=2"):
+        build_dataloader(str(path), tok, 8, 1, 2, 2, 0)
+    with pytest.raises(ValueError, match="seq_len=0"):
+        build_dataloader(str(path), tok, 0, 1, 0, 1, 0)
+    with pytest.raises(ValueError, match="split='validation'"):
+        build_dataloader(str(path), tok, 8, 1, 0, 1, 0, split="validation")
+    other = StubTokenizer()
+    other.sha256 = "d" * 64
+    with pytest.raises(ValueError, match="built with tokenizer"):
+        build_dataloader(str(path), other, 8, 1, 0, 1, 0)
+    loader = build_dataloader(str(path), tok, 8, 1, 0, 1, 0)
+    with pytest.raises(ValueError, match="seed"):
+        loader.load_state_dict(dict(loader.state_dict(), seed=1))
+
+
+def test_wait_seconds_counts_consumer_blocking(one_source):
+    path, tok, _ = one_source
+    loader = build_dataloader(str(path), tok, 8, 2, 0, 1, 0, prefetch=2)
+    take(loader, 5)
+    assert loader.wait_seconds > 0
+    loader.close()

@@ -1,0 +1,411 @@
+"""The stateful, rank-aware, mixture-weighted loader of packed documents.
+
+Shape legend: B local batch (rows), T sequence length, N documents pieces in a batch.
+
+The stream. Each source has its own infinite token stream: epoch e is its documents
+(each already ending with EOS) concatenated in an order shuffled by (seed, source, e),
+then epoch e+1 follows. A sequence is a window of T+1 tokens of one source stream
+taken at that source's position P, which then advances by T: the last target of a
+window is the first input of the next window of that source, and every token is an
+input exactly once per epoch. `set_seq_len` changes T from the next window on, so
+a context stage keeps every token.
+
+The mixture. Global sequence i takes its source from a deterministic weighted
+interleave: the source furthest behind its weight's share of the tokens taken so far
+(plus a seeded jitter of under one window, so the order is not periodic). Every
+source's share is then within about two windows of its weight. The global stream
+depends on the seed, the weights and the seq_len history only, not on the ranks.
+
+Ranks. Global batch b is global sequences [b*B*W, (b+1)*B*W); each goes, in order,
+to the rank with room (B rows each) that has taken the fewest tokens of its source,
+so each rank's mix tracks the weights too. Every rank computes the whole schedule
+(cheap: counters only) and reads just its own windows, so the ranks' sequences are
+disjoint and their union is exactly the single-rank global batch.
+
+State. `state_dict()` describes what the consumer has received (the prefetch thread
+may be ahead): global sequence index, per-source positions, T. It is the same on
+every rank; `load_state_dict` makes the next batch exactly the one an uninterrupted
+loader would have yielded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from titan_k3.data.shards import Dataset, open_dataset
+from titan_k3.data.tokenizer import Tokenizer
+
+IGNORE_INDEX = -100
+_STATE_VERSION = 1
+
+
+@dataclass
+class Batch:
+    """One local batch.
+
+    input_ids:     int64 [B, T] tokens.
+    labels:        int64 [B, T] next tokens; IGNORE_INDEX (-100) where the target belongs
+                   to another document than the input (document boundaries).
+    cu_seqlens:    int64 [N+1] document boundaries over the flattened B*T tokens; every
+                   row start is a boundary; first 0, last B*T.
+    source_tokens: {source: input tokens of this batch taken from it}.
+    fingerprints:  int64 [B] 63-bit hash of each row's T+1 window tokens.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    cu_seqlens: torch.Tensor
+    source_tokens: dict[str, int]
+    fingerprints: torch.Tensor
+
+
+class _SourceStream:
+    """A source's documents over all its shards; reads windows of its infinite shuffled stream."""
+
+    def __init__(self, name: str, shards, seed: int):
+        self.name = name
+        # NOTE: keyed by the name, not the position, so adding a source keeps the others' orders.
+        self._seed_key = (seed, int(hashlib.sha256(name.encode()).hexdigest()[:8], 16))
+        self._tokens = [s.tokens for s in shards]
+        doc_shard, doc_start, doc_len = [], [], []
+        for k, s in enumerate(shards):
+            doc_shard.append(np.full(s.n_docs, k, dtype=np.int32))
+            doc_start.append(s.offsets[:-1])
+            doc_len.append(np.diff(s.offsets))
+        self._doc_shard = np.concatenate(doc_shard)
+        self._doc_start = np.concatenate(doc_start).astype(np.int64)
+        self._doc_len = np.concatenate(doc_len).astype(np.int64)
+        self.n_docs = len(self._doc_len)
+        self.n_tokens = int(self._doc_len.sum())
+        self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """(document order, cumulative token starts [n_docs + 1]) of epoch e."""
+        if e not in self._epochs:
+            rng = np.random.default_rng([self._seed_key[0], self._seed_key[1], e])
+            perm = rng.permutation(self.n_docs)
+            cum = np.zeros(self.n_docs + 1, dtype=np.int64)
+            np.cumsum(self._doc_len[perm], out=cum[1:])
+            if len(self._epochs) >= 2:
+                self._epochs.pop(min(self._epochs))
+            self._epochs[e] = (perm, cum)
+        return self._epochs[e]
+
+    def read(self, pos: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens [pos, pos+n) of the infinite stream and, per token, a document ordinal."""
+        tokens = np.empty(n, dtype=np.int64)
+        doc_ids = np.empty(n, dtype=np.int64)
+        filled = 0
+        while filled < n:
+            e, p = divmod(pos + filled, self.n_tokens)
+            perm, cum = self._epoch(e)
+            k = int(np.searchsorted(cum, p, side="right")) - 1
+            d = perm[k]
+            off = p - int(cum[k])
+            take = min(n - filled, int(self._doc_len[d]) - off)
+            start = int(self._doc_start[d]) + off
+            tokens[filled : filled + take] = self._tokens[self._doc_shard[d]][start : start + take]
+            doc_ids[filled : filled + take] = e * self.n_docs + k
+            filled += take
+        return tokens, doc_ids
+
+
+def _fingerprint(window: np.ndarray) -> int:
+    digest = hashlib.blake2b(window.tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _uniform(seed: int, i: int, n: int) -> np.ndarray:
+    """n uniform [0, 1) floats keyed by (seed, i): splitmix64, so no generator state to carry."""
+    z = (np.arange(n, dtype=np.uint64) + np.uint64(((seed * 0x9E3779B1 + i) * 0x632BE59BD9B4E019) & (2**64 - 1)))
+    z = z * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+class _Core:
+    """The synchronous producer: state + `next_batch`. Not thread-safe; one owner at a time."""
+
+    def __init__(self, streams, weights, seq_len, local_batch_size, dp_rank, dp_world, seed):
+        self.streams = streams
+        self.weights = np.asarray(weights, dtype=np.float64)
+        self.B, self.rank, self.world, self.seed = local_batch_size, dp_rank, dp_world, seed
+        self.seq_len = seq_len
+        self.seq_index = 0
+        self.positions = np.zeros(len(streams), dtype=np.int64)
+        # Tokens taken per source since the mixture started, globally and per rank.
+        self.taken = np.zeros(len(streams), dtype=np.int64)
+        self.rank_taken = np.zeros((dp_world, len(streams)), dtype=np.int64)
+
+    def _pick_source(self, i: int) -> int:
+        """The source furthest behind its share, with a seeded jitter below one window."""
+        target = self.weights * (self.taken.sum() + self.seq_len)
+        jitter = _uniform(self.seed, i, len(self.streams)) * self.seq_len * self.weights
+        score = target - self.taken + jitter
+        score[self.weights == 0] = -np.inf
+        return int(np.argmax(score))
+
+    def _schedule(self) -> list[tuple[int, int, int]]:
+        """(rank, source, position) for the next global batch, advancing the state.
+
+        Each sequence goes, in order, to the rank with room that has the fewest tokens
+        of its source, so every rank's mix tracks the weights, not only the global one.
+        """
+        B, T, W = self.B, self.seq_len, self.world
+        room = np.full(W, B)
+        plan = []
+        for i in range(self.seq_index, self.seq_index + B * W):
+            s = self._pick_source(i)
+            load = np.where(room > 0, self.rank_taken[:, s], np.iinfo(np.int64).max)
+            r = int(np.argmin(load))
+            plan.append((r, s, int(self.positions[s])))
+            room[r] -= 1
+            self.positions[s] += T
+            self.taken[s] += T
+            self.rank_taken[r, s] += T
+        self.seq_index += B * W
+        return plan
+
+    def next_batch(self) -> Batch:
+        B, T = self.B, self.seq_len
+        inputs = np.empty((B, T), dtype=np.int64)
+        labels = np.empty((B, T), dtype=np.int64)
+        fingerprints = np.empty(B, dtype=np.int64)
+        boundaries = [np.zeros(1, dtype=np.int64)]
+        source_tokens = {s.name: 0 for s in self.streams}
+        mine = [(s, pos) for r, s, pos in self._schedule() if r == self.rank]
+        assert len(mine) == B
+        for row, (s, pos) in enumerate(mine):
+            stream = self.streams[s]
+            window, docs = stream.read(pos, T + 1)
+            inputs[row] = window[:T]
+            same_doc = docs[1:] == docs[:T]
+            labels[row] = np.where(same_doc, window[1:], IGNORE_INDEX)
+            starts = np.flatnonzero(docs[1:T] != docs[: T - 1]) + 1
+            boundaries.append(row * T + starts)
+            boundaries.append(np.array([(row + 1) * T], dtype=np.int64))
+            fingerprints[row] = _fingerprint(window)
+            source_tokens[stream.name] += T
+        return Batch(
+            input_ids=torch.from_numpy(inputs),
+            labels=torch.from_numpy(labels),
+            cu_seqlens=torch.from_numpy(np.concatenate(boundaries)),
+            source_tokens=source_tokens,
+            fingerprints=torch.from_numpy(fingerprints),
+        )
+
+    def get_state(self) -> dict:
+        return {
+            "version": _STATE_VERSION,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "seq_index": self.seq_index,
+            "sources": [s.name for s in self.streams],
+            "positions": self.positions.tolist(),
+            "weights": self.weights.tolist(),
+            "taken": self.taken.tolist(),
+            "rank_taken": self.rank_taken.tolist(),
+        }
+
+    def set_state(self, state: dict) -> None:
+        names = [s.name for s in self.streams]
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"loader state version {state.get('version')!r}: expected {_STATE_VERSION}")
+        if state["sources"] != names:
+            raise ValueError(f"loader state sources {state['sources']}: this dataset has {names}")
+        if state["seed"] != self.seed:
+            raise ValueError(f"loader state seed {state['seed']}: this loader has seed {self.seed}")
+        if state["seq_index"] % (self.B * self.world):
+            raise ValueError(
+                f"loader state seq_index {state['seq_index']}: not a multiple of local_batch_size x dp_world "
+                f"= {self.B * self.world}"
+            )
+        self.seq_len = int(state["seq_len"])
+        self.seq_index = int(state["seq_index"])
+        self.positions = np.asarray(state["positions"], dtype=np.int64)
+        # NOTE: a new mixture restarts the deficit counts, so the schedule does not burst
+        # one source to repay the old mixture; a new world size restarts the per-rank ones.
+        same_mix = np.allclose(state["weights"], self.weights)
+        self.taken = np.asarray(state["taken"], dtype=np.int64) if same_mix else np.zeros_like(self.taken)
+        rank_taken = np.asarray(state["rank_taken"], dtype=np.int64)
+        same_world = same_mix and rank_taken.shape == self.rank_taken.shape
+        self.rank_taken = rank_taken if same_world else np.zeros_like(self.rank_taken)
+
+
+class DataLoader:
+    """Iterator of `Batch` with a background prefetch thread and an exact, resumable state.
+
+    Attributes:
+        wait_seconds: total time the consumer blocked in `__next__` (data-wait metric).
+        source_tokens_total: {source: tokens received by this rank's consumer so far}.
+        weights: {source: normalised mixture weight}.
+    """
+
+    def __init__(self, core: _Core, prefetch: int):
+        self._core = core
+        self._prefetch = prefetch
+        self._state = core.get_state()
+        self.weights = {s.name: float(w) for s, w in zip(core.streams, core.weights)}
+        self.source_tokens_total = {s.name: 0 for s in core.streams}
+        self.wait_seconds = 0.0
+        self._thread: threading.Thread | None = None
+        self._queue: queue.Queue | None = None
+        self._stop = threading.Event()
+
+    @property
+    def seq_len(self) -> int:
+        return int(self._state["seq_len"])
+
+    def __iter__(self) -> "DataLoader":
+        return self
+
+    def __next__(self) -> Batch:
+        t0 = time.perf_counter()
+        if self._prefetch == 0:
+            batch = self._core.next_batch()
+            state = self._core.get_state()
+        else:
+            if self._thread is None:
+                self._start()
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                self._thread = None
+                raise item
+            batch, state = item
+        self.wait_seconds += time.perf_counter() - t0
+        self._state = state
+        for name, n in batch.source_tokens.items():
+            self.source_tokens_total[name] += n
+        return batch
+
+    def _start(self) -> None:
+        self._stop.clear()
+        self._queue = queue.Queue(maxsize=self._prefetch)
+        self._thread = threading.Thread(target=self._produce, name="titan_k3-data-prefetch", daemon=True)
+        self._thread.start()
+
+    def _produce(self) -> None:
+        failed = False
+        while not (self._stop.is_set() or failed):
+            try:
+                item = (self._core.next_batch(), self._core.get_state())
+            except BaseException as e:  # handed to the consumer, raised by __next__
+                item, failed = e, True
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.05)
+                    break
+                except queue.Full:
+                    continue
+
+    def close(self) -> None:
+        """Stop the prefetch thread and drop what it fetched; the state is kept."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            self._queue = None
+        self._core.set_state(self._state)
+
+    def state_dict(self) -> dict:
+        """The position after the last batch the consumer received (JSON-able, same on all ranks)."""
+        return dict(self._state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.close()
+        self._core.set_state(state)
+        self._state = self._core.get_state()
+
+    def set_seq_len(self, seq_len: int) -> None:
+        """Use windows of `seq_len` from the next batch on, continuing at the exact token position."""
+        if seq_len < 1:
+            raise ValueError(f"seq_len={seq_len}: must be >= 1")
+        self.close()
+        state = dict(self._state, seq_len=int(seq_len))
+        self._core.set_state(state)
+        self._state = self._core.get_state()
+
+    def mixture_deviation(self) -> dict[str, float]:
+        """{source: observed token fraction on this rank - configured weight} since start."""
+        total = sum(self.source_tokens_total.values())
+        if total == 0:
+            return {k: 0.0 for k in self.weights}
+        return {k: self.source_tokens_total[k] / total - w for k, w in self.weights.items()}
+
+    def __del__(self):
+        if self._thread is not None:
+            self._stop.set()
+
+
+def _normalise_mixture(dataset: Dataset, split: str, mixture: dict[str, float] | None, streams) -> list[float]:
+    """Weights aligned with `streams`, summing to 1; natural token proportions for None."""
+    names = [s.name for s in streams]
+    if mixture is None:
+        total = sum(s.n_tokens for s in streams)
+        return [s.n_tokens / total for s in streams]
+    unknown = sorted(set(mixture) - set(dataset.source_names))
+    if unknown:
+        raise ValueError(
+            f"mixture: unknown source(s) {unknown}; dataset {str(dataset.path)!r} has {dataset.source_names}"
+        )
+    missing = sorted(set(names) - set(mixture))
+    if missing:
+        raise ValueError(f"mixture: no weight for source(s) {missing}; give every source a weight (0 excludes it)")
+    bad = {k: v for k, v in mixture.items() if not (isinstance(v, (int, float)) and v >= 0 and np.isfinite(v))}
+    total = float(sum(mixture[n] for n in names)) if not bad else 0.0
+    if bad or total <= 0:
+        raise ValueError(
+            f"mixture={mixture}: weights must be finite numbers >= 0 with a positive sum over split {split!r}'s sources {names}"
+        )
+    return [mixture[n] / total for n in names]
+
+
+def build_dataloader(
+    dataset: str,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_world: int,
+    seed: int,
+    split: str = "train",
+    mixture: dict[str, float] | None = None,
+    prefetch: int = 2,
+) -> DataLoader:
+    """A `DataLoader` over ``"embedded"`` or a prepared dataset directory (with index.json).
+
+    Raises ValueError, before any work, for a tokenizer other than the dataset's, a
+    corrupt shard, an unknown split or source, or out-of-range arguments.
+    """
+    for name, value, lo in (("seq_len", seq_len, 1), ("local_batch_size", local_batch_size, 1), ("dp_world", dp_world, 1), ("prefetch", prefetch, 0)):
+        if not isinstance(value, int) or value < lo:
+            raise ValueError(f"{name}={value!r}: must be an integer >= {lo}")
+    if not 0 <= dp_rank < dp_world:
+        raise ValueError(f"dp_rank={dp_rank}: must be in [0, dp_world={dp_world})")
+    if dataset == "embedded":
+        from titan_k3.data.corpus import ensure_embedded_dataset
+
+        path = ensure_embedded_dataset()
+    else:
+        path = Path(dataset)
+    ds = open_dataset(path, tokenizer)
+    by_source: dict[str, list] = {}
+    for shard in ds.split_shards(split):
+        if shard.n_docs:
+            by_source.setdefault(shard.source, []).append(shard)
+    if not by_source:
+        raise ValueError(f"split={split!r} of dataset {str(path)!r}: no documents")
+    streams = [_SourceStream(name, by_source[name], seed) for name in sorted(by_source)]
+    weights = _normalise_mixture(ds, split, mixture, streams)
+    core = _Core(streams, weights, seq_len, local_batch_size, dp_rank, dp_world, seed)
+    return DataLoader(core, prefetch)

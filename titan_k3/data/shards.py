@@ -1,0 +1,258 @@
+"""The binary shard format and the dataset index.
+
+A prepared dataset is a directory::
+
+    index.json                      format version, tokenizer identity, dtype, splits, sources
+    <split>-<source>-NNNNN.bin      token ids of whole documents, each ending with EOS
+                                    (uint16 if vocab <= 65535 else uint32, little-endian)
+    <split>-<source>-NNNNN.idx.npy  int64 [n_docs + 1] document offsets into the .bin
+    <split>-<source>-NNNNN.docs.jsonl   optional provenance, one line per document
+
+Every shard holds documents of one source and one split, so the loader can
+build a per-source stream without per-document source tags.
+
+index.json::
+
+    {"format": "titan_k3-shards", "version": 1,
+     "tokenizer": {"name", "sha256", "vocab_size", "eos_id"},
+     "dtype": "uint16",
+     "splits": {"train": {"shards": [{"file", "offsets", "docs"?, "source", "n_tokens",
+                                      "n_docs", "sha256", "offsets_sha256"}, ...]}, ...},
+     "sources": [{"name", "n_docs", "n_tokens"}, ...]}        (totals over all splits)
+
+Every file is written under a temporary name and renamed, so a reader never sees a
+half-written shard. `open_dataset` checks sizes and offsets always and sha256
+when asked (by default for datasets under 256 MiB), and raises ValueError naming
+the shard and what is wrong.
+
+Does not import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from titan_k3.data.tokenizer import Tokenizer, file_sha256
+
+FORMAT = "titan_k3-shards"
+VERSION = 1
+INDEX_NAME = "index.json"
+_AUTO_SHA_BYTES = 256 << 20
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits (vocab <= 65535), else uint32; little-endian."""
+    return np.dtype("<u2") if vocab_size <= 65535 else np.dtype("<u4")
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_shard(
+    out_dir: str | os.PathLike,
+    stem: str,
+    docs: Sequence[np.ndarray],
+    *,
+    source: str,
+    dtype: np.dtype,
+    provenance: Sequence[dict] | None = None,
+) -> dict:
+    """Write one shard (`stem`.bin + `stem`.idx.npy [+ `stem`.docs.jsonl]) atomically.
+
+    Args:
+        docs: token-id arrays, each already ending with EOS.
+        provenance: one JSON-able dict per document (source, id, content hash...).
+    Returns:
+        The shard's index record.
+    """
+    out_dir = Path(out_dir)
+    if provenance is not None and len(provenance) != len(docs):
+        raise ValueError(f"shard {stem}: {len(provenance)} provenance records for {len(docs)} documents")
+    lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    tokens = np.concatenate([np.asarray(d) for d in docs]) if docs else np.zeros(0, dtype)
+    if tokens.size and int(tokens.max()) > np.iinfo(dtype).max:
+        raise ValueError(f"shard {stem}: token id {int(tokens.max())} does not fit {np.dtype(dtype).name}")
+    bin_name, idx_name = f"{stem}.bin", f"{stem}.idx.npy"
+    _atomic_write_bytes(out_dir / bin_name, tokens.astype(dtype, copy=False).tobytes())
+    idx_tmp = out_dir / f"{idx_name}.tmp{os.getpid()}"
+    with open(idx_tmp, "wb") as f:
+        np.save(f, offsets)
+    os.replace(idx_tmp, out_dir / idx_name)
+    record = {
+        "file": bin_name,
+        "offsets": idx_name,
+        "source": source,
+        "n_tokens": int(offsets[-1]),
+        "n_docs": len(docs),
+        "sha256": file_sha256(out_dir / bin_name),
+        "offsets_sha256": file_sha256(out_dir / idx_name),
+    }
+    if provenance is not None:
+        docs_name = f"{stem}.docs.jsonl"
+        lines = "".join(json.dumps(p, sort_keys=True) + "\n" for p in provenance)
+        _atomic_write_bytes(out_dir / docs_name, lines.encode())
+        record["docs"] = docs_name
+    return record
+
+
+def write_index(
+    out_dir: str | os.PathLike, tokenizer: Tokenizer, splits: dict[str, list[dict]], **extra
+) -> Path:
+    """Write index.json atomically from per-split shard records; sources are totalled here."""
+    out_dir = Path(out_dir)
+    totals: dict[str, dict] = {}
+    for records in splits.values():
+        for r in records:
+            t = totals.setdefault(r["source"], {"name": r["source"], "n_docs": 0, "n_tokens": 0})
+            t["n_docs"] += r["n_docs"]
+            t["n_tokens"] += r["n_tokens"]
+    index = {
+        "format": FORMAT,
+        "version": VERSION,
+        "tokenizer": {
+            "name": tokenizer.name,
+            "sha256": tokenizer.sha256,
+            "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id,
+        },
+        "dtype": token_dtype(tokenizer.vocab_size).name,
+        "splits": {name: {"shards": records} for name, records in splits.items()},
+        "sources": [totals[k] for k in sorted(totals)],
+        **extra,
+    }
+    path = out_dir / INDEX_NAME
+    _atomic_write_bytes(path, (json.dumps(index, indent=1, sort_keys=True) + "\n").encode())
+    return path
+
+
+@dataclass
+class Shard:
+    """One opened shard: `tokens` is a read-only memmap, `offsets` int64 [n_docs + 1]."""
+
+    name: str
+    source: str
+    tokens: np.ndarray
+    offsets: np.ndarray
+
+    @property
+    def n_docs(self) -> int:
+        return len(self.offsets) - 1
+
+
+@dataclass
+class Dataset:
+    """An opened, verified dataset directory."""
+
+    path: Path
+    index: dict
+    shards: dict[str, list[Shard]]
+
+    @property
+    def source_names(self) -> list[str]:
+        return [s["name"] for s in self.index["sources"]]
+
+    def split_shards(self, split: str) -> list[Shard]:
+        if split not in self.shards:
+            raise ValueError(f"split={split!r}: not in dataset {str(self.path)!r}; have {sorted(self.shards)}")
+        return self.shards[split]
+
+
+def _open_shard(root: Path, rec: dict, dtype: np.dtype, verify_sha: bool) -> Shard:
+    name = rec["file"]
+    bin_path, idx_path = root / name, root / rec["offsets"]
+    for p in (bin_path, idx_path):
+        if not p.is_file():
+            raise ValueError(f"shard {name} in {str(root)!r}: file {p.name} is missing")
+    expected = rec["n_tokens"] * dtype.itemsize
+    actual = bin_path.stat().st_size
+    if actual != expected:
+        raise ValueError(
+            f"shard {name} in {str(root)!r}: {actual} bytes, index says {rec['n_tokens']} tokens "
+            f"x {dtype.itemsize} B = {expected} bytes (truncated or corrupt)"
+        )
+    if verify_sha:
+        for key, p in (("sha256", bin_path), ("offsets_sha256", idx_path)):
+            got = file_sha256(p)
+            if got != rec[key]:
+                raise ValueError(
+                    f"shard {name} in {str(root)!r}: {p.name} sha256 {got[:12]}... != index {rec[key][:12]}... (corrupt)"
+                )
+    try:
+        offsets = np.load(idx_path)
+    except Exception as e:
+        raise ValueError(f"shard {name} in {str(root)!r}: unreadable offsets {idx_path.name} ({e})") from None
+    if (
+        offsets.ndim != 1
+        or len(offsets) != rec["n_docs"] + 1
+        or offsets[0] != 0
+        or offsets[-1] != rec["n_tokens"]
+        or np.any(np.diff(offsets) <= 0)
+    ):
+        raise ValueError(
+            f"shard {name} in {str(root)!r}: offsets do not describe {rec['n_docs']} non-empty "
+            f"documents over {rec['n_tokens']} tokens (corrupt)"
+        )
+    tokens = np.memmap(bin_path, dtype=dtype, mode="r") if expected else np.zeros(0, dtype)
+    return Shard(name=name, source=rec["source"], tokens=tokens, offsets=offsets)
+
+
+def open_dataset(
+    path: str | os.PathLike, tokenizer: Tokenizer | None = None, verify: str = "auto"
+) -> Dataset:
+    """Open a dataset directory, checking it against the index (and `tokenizer`, if given).
+
+    Args:
+        verify: "size" (sizes and offsets), "sha256" (also content hashes) or "auto"
+            (sha256 when the shards total under 256 MiB).
+    """
+    if verify not in ("auto", "size", "sha256"):
+        raise ValueError(f"verify={verify!r}: expected 'auto', 'size' or 'sha256'")
+    root = Path(path)
+    index_path = root / INDEX_NAME
+    if not index_path.is_file():
+        raise ValueError(f"dataset {str(root)!r}: no {INDEX_NAME}; expected a prepared dataset directory")
+    try:
+        index = json.loads(index_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"dataset {str(root)!r}: {INDEX_NAME} is not valid JSON ({e})") from None
+    if index.get("format") != FORMAT or index.get("version") != VERSION:
+        raise ValueError(
+            f"dataset {str(root)!r}: format {index.get('format')!r} v{index.get('version')}, "
+            f"expected {FORMAT!r} v{VERSION}"
+        )
+    if tokenizer is not None and index["tokenizer"]["sha256"] != tokenizer.sha256:
+        raise ValueError(
+            f"dataset {str(root)!r}: built with tokenizer {index['tokenizer']['name']!r} "
+            f"(sha256 {index['tokenizer']['sha256'][:12]}...), but the tokenizer given is "
+            f"{tokenizer.name!r} (sha256 {tokenizer.sha256[:12]}...)"
+        )
+    dtype = np.dtype(index["dtype"]).newbyteorder("<")
+    records = [r for split in index["splits"].values() for r in split["shards"]]
+    total = sum(r["n_tokens"] for r in records) * dtype.itemsize
+    verify_sha = verify == "sha256" or (verify == "auto" and total < _AUTO_SHA_BYTES)
+    shards = {
+        split: [_open_shard(root, r, dtype, verify_sha) for r in body["shards"]]
+        for split, body in index["splits"].items()
+    }
+    return Dataset(path=root, index=index, shards=shards)
+
+
+def iter_documents(dataset: Dataset, split: str) -> Iterable[tuple[str, np.ndarray]]:
+    """Yield (source, tokens incl. EOS) for every document of `split`, in shard order."""
+    for shard in dataset.split_shards(split):
+        for i in range(shard.n_docs):
+            yield shard.source, shard.tokens[shard.offsets[i] : shard.offsets[i + 1]]
