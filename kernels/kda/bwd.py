@@ -1,0 +1,281 @@
+"""KDA backward in Triton.
+
+With the forward's chunk quantities (reference.py's docstring), per chunk with
+state h entering it and dh the gradient of the state leaving it:
+
+    O  = Qd h + M U,  Qd = scale exp(b) q       S' = exp(b_last) h + Kd^T U,  Kd = exp(b_last - b) k
+    U  = Ai R,  R = beta v - Xk h,  Xk = beta exp(b) k,  Ai = (I + diag(beta) A)^-1
+
+so that, by chain rule,
+
+    dU  = M^T dO + Kd dh                 dh_in = exp(b_last) dh + Qd^T dO - (Ai Xk)^T dU
+    dR  = Ai^T dU                        dL = -dR U^T (strictly lower),  dA = diag(beta) dL
+    dM  = dO U^T (i >= j)                dv = beta dR,  dXk = -dR h^T
+    dQd = dO h^T,  dKd = U dh^T          d exp(b_last) = rowsum(h * dh)
+
+and every decayed product P_ij = sum_c x_ic y_jc exp(b_ic - b_jc) sends
+dx_i = sum_j dP_ij y_j exp(b_i - b_j), dy_j = sum_i dP_ij x_i exp(b_i - b_j),
+db_i += x_i dx_i, db_j -= y_j dy_j. Finally dg is the reverse cumsum of db in a chunk.
+
+Kernels: `_dstate_kernel` (sequential, last chunk first), `_dchunk_kernel`
+(dense per-chunk terms), `_dintra_kernel` (the decayed products, per 16-row
+block), `_ddecay_kernel` (reverse cumsum and the fused gate's derivative).
+"""
+
+import triton
+import triton.language as tl
+
+from kernels.kda.common import chunk_bounds
+
+
+@triton.jit
+def _dstate_kernel(
+    q, k, b, M, Wk, do, dht, dh, dU, dh0, cu_seqlens, chunk_offsets, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, PREC: tl.constexpr,
+):
+    """Walks one sequence's chunks from last to first for one head and one V tile; BK covers all of K."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    cols = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, cols < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    state_offs = o_k[:, None] * V + cols[None, :]
+    if HAS_DHT:
+        ds = tl.load(dht + i_nh * K * V + state_offs, mask=m_kv, other=0.0).to(tl.float32)
+    else:
+        ds = tl.zeros([BK, BV], dtype=tl.float32)
+    dt = Wk.dtype.element_ty
+    NT = tl.cdiv(eos - bos, BT)
+    for i in range(0, NT):
+        i_t = NT - 1 - i
+        t0 = bos + i_t * BT
+        rows = t0 + o_t
+        m_t = rows < eos
+        tl.store(dh + ((c0 + i_t) * H + i_h) * K * V + state_offs, ds.to(dh.dtype.element_ty), mask=m_kv)
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        offs_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
+        offs_v = rows[:, None] * (H * V) + i_h * V + cols[None, :]
+        last = tl.minimum(t0 + BT, eos) - 1
+        b_last = tl.load(b + last * (H * K) + i_h * K + o_k, mask=m_k, other=0.0)
+        b_t = tl.load(b + offs_k, mask=m_tk, other=0.0)
+        kd = tl.load(k + offs_k, mask=m_tk, other=0.0).to(tl.float32) * tl.exp(tl.where(m_tk, b_last[None, :] - b_t, 0.0))
+        qd = tl.load(q + offs_k, mask=m_tk, other=0.0).to(tl.float32) * tl.exp(b_t) * scale
+        mm = tl.load(M + rows[:, None] * (H * BT) + i_h * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
+        d_o = tl.load(do + offs_v, mask=m_tv, other=0.0)
+        du = tl.dot(tl.trans(mm.to(dt)), d_o.to(dt), input_precision=PREC)
+        du += tl.dot(kd.to(dt), ds.to(dt), input_precision=PREC)
+        tl.store(dU + offs_v, du.to(dU.dtype.element_ty), mask=m_tv)
+        wk = tl.load(Wk + offs_k, mask=m_tk, other=0.0)
+        ds = ds * tl.exp(b_last)[:, None] + tl.dot(tl.trans(qd.to(dt)), d_o.to(dt), input_precision=PREC)
+        ds -= tl.dot(tl.trans(wk), du.to(dt), input_precision=PREC)
+    if HAS_H0:
+        tl.store(dh0 + i_nh * K * V + state_offs, ds, mask=m_kv)
+
+
+@triton.jit
+def _dchunk_kernel(
+    q, k, v, b, beta, A, Ai, h, dh, U, dU, do,
+    dq, dk, dv, db, dbeta, dM, dA,
+    chunk_indices, cu_seqlens, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The dense per-chunk gradient terms; BK covers all of K, V is walked in tiles."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, eos, t0 = chunk_bounds(chunk_indices, cu_seqlens, i_c, BT)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    rows = t0 + o_t
+    m_t, m_k = rows < eos, o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    offs_tt = rows[:, None] * (H * BT) + i_h * BT + o_t[None, :]
+    ai = tl.load(Ai + offs_tt, mask=m_t[:, None], other=0.0)
+    bt = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    dt = k.dtype.element_ty
+    d_qd = tl.zeros([BT, BK], dtype=tl.float32)
+    d_kd = tl.zeros([BT, BK], dtype=tl.float32)
+    d_xk = tl.zeros([BT, BK], dtype=tl.float32)
+    d_exp = tl.zeros([BK], dtype=tl.float32)
+    d_m = tl.zeros([BT, BT], dtype=tl.float32)
+    d_l = tl.zeros([BT, BT], dtype=tl.float32)
+    d_beta = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        cols = i_v * BV + tl.arange(0, BV)
+        m_v = cols < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        m_kv = m_k[:, None] & m_v[None, :]
+        offs_v = rows[:, None] * (H * V) + i_h * V + cols[None, :]
+        offs_s = (i_c * H + i_h) * K * V + o_k[:, None] * V + cols[None, :]
+        s = tl.load(h + offs_s, mask=m_kv, other=0.0)
+        ds = tl.load(dh + offs_s, mask=m_kv, other=0.0)
+        d_o = tl.load(do + offs_v, mask=m_tv, other=0.0)
+        u = tl.load(U + offs_v, mask=m_tv, other=0.0)
+        du = tl.load(dU + offs_v, mask=m_tv, other=0.0)
+        d_qd += tl.dot(d_o.to(dt), tl.trans(s.to(dt)), input_precision=PREC)
+        d_kd += tl.dot(u.to(dt), tl.trans(ds.to(dt)), input_precision=PREC)
+        d_exp += tl.sum(s.to(tl.float32) * ds.to(tl.float32), 1)
+        d_m += tl.dot(d_o.to(dt), tl.trans(u.to(dt)), input_precision=PREC)
+        dr = tl.dot(tl.trans(ai.to(dt)), du.to(dt), input_precision=PREC)
+        vv = tl.load(v + offs_v, mask=m_tv, other=0.0).to(tl.float32)
+        tl.store(dv + offs_v, (dr * bt[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        d_beta += tl.sum(vv * dr, 1)
+        d_xk -= tl.dot(dr.to(dt), tl.trans(s.to(dt)), input_precision=PREC)
+        d_l -= tl.dot(dr.to(dt), tl.trans(u.to(dt)), input_precision=PREC)
+    # Stored as the gradient of the unscaled decayed product q k^T that M scales.
+    tl.store(dM + offs_tt, tl.where(o_t[:, None] >= o_t[None, :], d_m * scale, 0.0), mask=m_t[:, None])
+    d_l = tl.where(o_t[:, None] > o_t[None, :], d_l, 0.0)
+    tl.store(dA + offs_tt, d_l * bt[:, None], mask=m_t[:, None])
+    d_beta += tl.sum(d_l * tl.load(A + offs_tt, mask=m_t[:, None], other=0.0), 1)
+
+    offs_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
+    last = tl.minimum(t0 + BT, eos) - 1
+    b_last = tl.load(b + last * (H * K) + i_h * K + o_k, mask=m_k, other=0.0)
+    b_t = tl.load(b + offs_k, mask=m_tk, other=0.0)
+    e_b = tl.exp(b_t)
+    e_d = tl.exp(tl.where(m_tk, b_last[None, :] - b_t, 0.0))
+    qq = tl.load(q + offs_k, mask=m_tk, other=0.0).to(tl.float32)
+    kk = tl.load(k + offs_k, mask=m_tk, other=0.0).to(tl.float32)
+    kd_dkd = kk * e_d * d_kd
+    xk_dxk = kk * e_b * d_xk
+    d_beta += tl.sum(xk_dxk, 1)
+    tl.store(dbeta + rows * H + i_h, d_beta, mask=m_t)
+    tl.store(dq + offs_k, scale * e_b * d_qd, mask=m_tk)
+    tl.store(dk + offs_k, e_d * d_kd + bt[:, None] * e_b * d_xk, mask=m_tk)
+    d_b = scale * qq * e_b * d_qd - kd_dkd + bt[:, None] * xk_dxk
+    # b_last enters through exp(b_last) h and through every Kd row.
+    d_last = tl.sum(kd_dkd, 0) + tl.exp(b_last) * d_exp
+    d_b += tl.where((rows == last)[:, None], d_last[None, :], 0.0)
+    tl.store(db + offs_k, d_b, mask=m_tk)
+
+
+@triton.jit
+def _dintra_kernel(
+    q, k, b, dM, dA, dq, dk, db, chunk_indices, cu_seqlens,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    BKD: tl.constexpr, PREC: tl.constexpr,
+):
+    """Decayed-product gradients for the 16 rows of block s, as rows (i) and as columns (j).
+
+    dM is the gradient of decayed q k^T (M / scale), dA that of decayed k k^T; adds to the dq, dk, db that
+    `_dchunk_kernel` wrote.
+    """
+    i_cs, i_h = tl.program_id(0), tl.program_id(1)
+    NS: tl.constexpr = BT // BC
+    i_c, i_s = i_cs // NS, i_cs % NS
+    bos, eos, t0 = chunk_bounds(chunk_indices, cu_seqlens, i_c, BT)
+    r0 = t0 + i_s * BC
+    if r0 < eos:
+        o_c = tl.arange(0, BC)
+        rows = r0 + o_c
+        m_rows = rows < eos
+        n_blocks = tl.cdiv(tl.minimum(eos - t0, BT), BC)
+        offs_own = rows[:, None] * (H * BT) + i_h * BT + i_s * BC + o_c[None, :]
+        for i_k in range(0, tl.cdiv(K, BK)):
+            cols = i_k * BK + tl.arange(0, BK)
+            m_k = cols < K
+            m_sk = m_rows[:, None] & m_k[None, :]
+            offs_s = rows[:, None] * (H * K) + i_h * K + cols[None, :]
+            b_s = tl.load(b + offs_s, mask=m_sk, other=0.0)
+            q_s = tl.load(q + offs_s, mask=m_sk, other=0.0).to(tl.float32)
+            k_s = tl.load(k + offs_s, mask=m_sk, other=0.0).to(tl.float32)
+            dq_row = tl.zeros([BC, BK], dtype=tl.float32)
+            dk_row = tl.zeros([BC, BK], dtype=tl.float32)
+            dk_col_m = tl.zeros([BC, BK], dtype=tl.float32)
+            dk_col_a = tl.zeros([BC, BK], dtype=tl.float32)
+            # Rows of block s against earlier blocks c, split at the block's first row r0.
+            b_r = tl.load(b + r0 * (H * K) + i_h * K + cols, mask=m_k, other=0.0)
+            for c in range(0, i_s):
+                rows_c = t0 + c * BC + o_c
+                offs_c = rows_c[:, None] * (H * K) + i_h * K + cols[None, :]
+                k_c = tl.load(k + offs_c, mask=m_k[None, :], other=0.0).to(tl.float32)
+                k_c = k_c * tl.exp(b_r[None, :] - tl.load(b + offs_c, mask=m_k[None, :], other=0.0))
+                offs_tile = rows[:, None] * (H * BT) + i_h * BT + c * BC + o_c[None, :]
+                dm_t = tl.load(dM + offs_tile, mask=m_rows[:, None], other=0.0)
+                da_t = tl.load(dA + offs_tile, mask=m_rows[:, None], other=0.0)
+                dq_row += tl.dot(dm_t, k_c, input_precision=PREC)
+                dk_row += tl.dot(da_t, k_c, input_precision=PREC)
+            e_s = tl.exp(tl.where(m_sk, b_s - b_r[None, :], 0.0))
+            dq_row *= e_s
+            dk_row *= e_s
+            # Rows of block s as columns of later blocks a, split at each block's first row.
+            for a in range(i_s + 1, n_blocks):
+                ra = t0 + a * BC
+                rows_a = ra + o_c
+                m_ak = (rows_a < eos)[:, None] & m_k[None, :]
+                offs_a = rows_a[:, None] * (H * K) + i_h * K + cols[None, :]
+                b_ra = tl.load(b + ra * (H * K) + i_h * K + cols, mask=m_k, other=0.0)
+                e_a = tl.exp(tl.where(m_ak, tl.load(b + offs_a, mask=m_ak, other=0.0) - b_ra[None, :], 0.0))
+                q_a = tl.load(q + offs_a, mask=m_ak, other=0.0).to(tl.float32) * e_a
+                k_a = tl.load(k + offs_a, mask=m_ak, other=0.0).to(tl.float32) * e_a
+                offs_tile = rows_a[:, None] * (H * BT) + i_h * BT + i_s * BC + o_c[None, :]
+                dm_t = tl.load(dM + offs_tile, mask=(rows_a < eos)[:, None], other=0.0)
+                da_t = tl.load(dA + offs_tile, mask=(rows_a < eos)[:, None], other=0.0)
+                e_c = tl.exp(tl.where(m_sk, b_ra[None, :] - b_s, 0.0))
+                dk_col_m += e_c * tl.dot(tl.trans(dm_t), q_a, input_precision=PREC)
+                dk_col_a += e_c * tl.dot(tl.trans(da_t), k_a, input_precision=PREC)
+            tl.store(dq + offs_s, tl.load(dq + offs_s, mask=m_sk, other=0.0) + dq_row, mask=m_sk)
+            tl.store(dk + offs_s, tl.load(dk + offs_s, mask=m_sk, other=0.0) + dk_row + dk_col_m + dk_col_a, mask=m_sk)
+            d_b = q_s * dq_row + k_s * (dk_row - dk_col_m - dk_col_a)
+            tl.store(db + offs_s, tl.load(db + offs_s, mask=m_sk, other=0.0) + d_b, mask=m_sk)
+        # The diagonal block, element-wise over [i, j, k] (i >= j); rows are this program's alone.
+        dm_t = tl.load(dM + offs_own, mask=m_rows[:, None], other=0.0)
+        da_t = tl.load(dA + offs_own, mask=m_rows[:, None], other=0.0)
+        lower = (o_c[:, None] >= o_c[None, :]) & m_rows[:, None] & m_rows[None, :]
+        for i_k in range(0, tl.cdiv(K, BKD)):
+            cols = i_k * BKD + tl.arange(0, BKD)
+            m_sk = m_rows[:, None] & (cols < K)[None, :]
+            offs_s = rows[:, None] * (H * K) + i_h * K + cols[None, :]
+            b_s = tl.load(b + offs_s, mask=m_sk, other=0.0)
+            q_s = tl.load(q + offs_s, mask=m_sk, other=0.0).to(tl.float32)
+            k_s = tl.load(k + offs_s, mask=m_sk, other=0.0).to(tl.float32)
+            e = tl.exp(tl.where(lower[:, :, None], b_s[:, None, :] - b_s[None, :, :], float("-inf")))
+            dq_row = tl.sum(dm_t[:, :, None] * k_s[None, :, :] * e, 1)
+            dk_row = tl.sum(da_t[:, :, None] * k_s[None, :, :] * e, 1)
+            dk_col = tl.sum((dm_t[:, :, None] * q_s[:, None, :] + da_t[:, :, None] * k_s[:, None, :]) * e, 0)
+            tl.store(dq + offs_s, tl.load(dq + offs_s, mask=m_sk, other=0.0) + dq_row, mask=m_sk)
+            tl.store(dk + offs_s, tl.load(dk + offs_s, mask=m_sk, other=0.0) + dk_row + dk_col, mask=m_sk)
+            d_b = q_s * dq_row + k_s * (dk_row - dk_col)
+            tl.store(db + offs_s, tl.load(db + offs_s, mask=m_sk, other=0.0) + d_b, mask=m_sk)
+
+
+@triton.jit
+def _ddecay_kernel(
+    db, g, A_log, dt_bias, dg, dA_log_part, chunk_indices, cu_seqlens, lower_bound,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    HAS_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+):
+    """dg = reverse cumsum of db inside the chunk, then through the fused gate if any.
+
+    With the gate, dg is the raw gate's gradient (also dt_bias's, summed over tokens by the
+    caller) and dA_log_part the per-element contribution to A_log's gradient.
+    """
+    i_c, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, eos, t0 = chunk_bounds(chunk_indices, cu_seqlens, i_c, BT)
+    rows = t0 + tl.arange(0, BT)
+    cols = i_k * BK + tl.arange(0, BK)
+    mask = (rows < eos)[:, None] & (cols < K)[None, :]
+    offs = rows[:, None] * (H * K) + i_h * K + cols[None, :]
+    x = tl.load(db + offs, mask=mask, other=0.0)
+    d = tl.sum(x, 0)[None, :] - tl.cumsum(x, axis=0) + x
+    if HAS_GATE:
+        z = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_DT_BIAS:
+            z += tl.load(dt_bias + i_h * K + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
+        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        if USE_LOWER_BOUND:
+            sg = tl.sigmoid(a * z)
+            d_pre = d * lower_bound * sg * (1.0 - sg)  # d/d(a z)
+            tl.store(dA_log_part + offs, d_pre * a * z, mask=mask)
+            d = d_pre * a
+        else:
+            sp = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
+            tl.store(dA_log_part + offs, -d * a * sp, mask=mask)
+            d = -d * a * tl.sigmoid(z)
+    tl.store(dg + offs, d, mask=mask)

@@ -1,0 +1,62 @@
+"""Shared pieces of the KDA Triton kernels: chunk bookkeeping and small jit helpers.
+
+Every kernel works on the packed layout: tensors are [1, T_total, H, D] with
+`cu_seqlens` [N+1] marking the sequences (a [B, T] batch is B sequences of T).
+A "chunk" is 64 consecutive tokens of one sequence; the last chunk of a
+sequence may be partial (rows at or past `eos` are masked).
+
+Legend: NT total chunks over all sequences, BT chunk size (64), BC sub-block
+size (16), BK / BV tile widths over K / V.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+BT = 64
+BC = 16
+
+
+def chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device) -> tuple:
+    """Returns (cu_seqlens int32 [N+1], chunk_indices int32 [NT, 2], chunk_offsets int32 [N+1], N, NT).
+
+    chunk_indices[c] = (sequence, chunk within that sequence); chunk_offsets[n] is the
+    first global chunk of sequence n. A plain batch needs no host sync; packed
+    documents read their lengths once on the host.
+    """
+    if cu_seqlens is None:
+        nt = triton.cdiv(T, BT)
+        cu = torch.arange(B + 1, device=device, dtype=torch.int32) * T
+        seq = torch.arange(B, device=device, dtype=torch.int32).repeat_interleave(nt)
+        idx = torch.arange(nt, device=device, dtype=torch.int32).repeat(B)
+        offsets = torch.arange(B + 1, device=device, dtype=torch.int32) * nt
+        return cu, torch.stack([seq, idx], 1).contiguous(), offsets, B, B * nt
+    ends = cu_seqlens.tolist()
+    counts = [triton.cdiv(e - s, BT) for s, e in zip(ends[:-1], ends[1:])]
+    pairs = [(n, i) for n, c in enumerate(counts) for i in range(c)]
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    chunk_indices = torch.tensor(pairs if pairs else [(0, 0)], dtype=torch.int32).reshape(-1, 2)
+    return (
+        cu_seqlens.to(device=device, dtype=torch.int32),
+        chunk_indices[: len(pairs)].to(device),
+        torch.tensor(offsets, dtype=torch.int32, device=device),
+        len(counts),
+        len(pairs),
+    )
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs get exact float32 products; bf16/fp16 operands are multiplied in their own type."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def chunk_bounds(chunk_indices, cu_seqlens, i_c, BT: tl.constexpr):
+    """(bos, eos, t0) of global chunk i_c: its sequence's first and end rows and its own first row."""
+    i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+    i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    return bos, eos, bos + i_t * BT

@@ -1,0 +1,298 @@
+"""KDA forward in Triton: chunk-local decay, intra-chunk scores, the WY solve, state passing, output.
+
+The math is written out in reference.py's docstring. Pipeline, per chunk of 64
+tokens (grid over chunks x heads unless noted):
+
+1. `_decay_kernel`     b = chunk-local cumsum of g (optionally g from the fused safe gate)
+2. `_scores_kernel`    M = scale * (decayed q k^T, i >= j), A = (decayed k k^T, i > j), per 16-row block
+3. `_solve_kernel`     Ai = (I + diag(beta) A)^-1 by 16x16 block forward substitution
+4. `_wy_kernel`        Wk = Ai (beta * exp(b) * k), Wv = Ai (beta * v)
+5. `_state_kernel`     sequential over chunks (grid over V tiles x sequences x heads):
+                       h_n stored, U = Wv - Wk h, h <- exp(b_last) h + (exp(b_last - b) k)^T U
+6. `_output_kernel`    o = (scale * exp(b) q) h + M U
+
+Decays are only ever exp of a non-positive number: exp(b_i - b_j) for i >= j,
+split at a reference row r between them as exp(b_i - b_r) * exp(b_r - b_j)
+so that off-diagonal 16x16 blocks become tensor-core products.
+
+Legend: T total tokens (packed), H heads, K/V widths, NT chunks, BT 64, BC 16.
+Buffers are [T, H, *] row-major; states are [NT or N, H, K, V].
+"""
+
+import triton
+import triton.language as tl
+
+from kernels.kda.common import chunk_bounds
+
+
+@triton.jit
+def _decay_kernel(
+    g, b_out, A_log, dt_bias, chunk_indices, cu_seqlens, lower_bound,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    HAS_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+):
+    i_c, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, eos, t0 = chunk_bounds(chunk_indices, cu_seqlens, i_c, BT)
+    rows = t0 + tl.arange(0, BT)
+    cols = i_k * BK + tl.arange(0, BK)
+    mask = (rows < eos)[:, None] & (cols < K)[None, :]
+    offs = rows[:, None] * (H * K) + i_h * K + cols[None, :]
+    x = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_GATE:
+        if HAS_DT_BIAS:
+            x += tl.load(dt_bias + i_h * K + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
+        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        if USE_LOWER_BOUND:
+            x = lower_bound * tl.sigmoid(a * x)
+        else:
+            # softplus with torch's threshold of 20
+            x = -a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        x = tl.where(mask, x, 0.0)
+    tl.store(b_out + offs, tl.cumsum(x, axis=0), mask=mask)
+
+
+@triton.jit
+def _scores_kernel(
+    q, k, b, M, A, chunk_indices, cu_seqlens, scale,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    BKD: tl.constexpr, PREC: tl.constexpr,
+):
+    """One 16-row block s of a chunk: M and A in columns [0, 16(s+1))."""
+    i_cs, i_h = tl.program_id(0), tl.program_id(1)
+    NS: tl.constexpr = BT // BC
+    i_c, i_s = i_cs // NS, i_cs % NS
+    bos, eos, t0 = chunk_bounds(chunk_indices, cu_seqlens, i_c, BT)
+    r0 = t0 + i_s * BC
+    if r0 < eos:
+        o_c = tl.arange(0, BC)
+        rows = r0 + o_c
+        m_rows = rows < eos
+        out = rows[:, None] * (H * BT) + i_h * BT + o_c[None, :]
+        for c in range(0, i_s):
+            rows_c = t0 + c * BC + o_c  # all valid: they precede row r0 < eos
+            acc_m = tl.zeros([BC, BC], dtype=tl.float32)
+            acc_a = tl.zeros([BC, BC], dtype=tl.float32)
+            for i_k in range(0, tl.cdiv(K, BK)):
+                cols = i_k * BK + tl.arange(0, BK)
+                m_k = cols < K
+                m_ak = m_rows[:, None] & m_k[None, :]
+                offs_a = rows[:, None] * (H * K) + i_h * K + cols[None, :]
+                offs_c = rows_c[:, None] * (H * K) + i_h * K + cols[None, :]
+                b_r = tl.load(b + r0 * (H * K) + i_h * K + cols, mask=m_k, other=0.0)
+                b_a = tl.load(b + offs_a, mask=m_ak, other=0.0)
+                b_cc = tl.load(b + offs_c, mask=m_k[None, :], other=0.0)
+                e_a = tl.exp(tl.where(m_ak, b_a - b_r[None, :], 0.0))
+                e_c = tl.exp(b_r[None, :] - b_cc)
+                q_a = tl.load(q + offs_a, mask=m_ak, other=0.0).to(tl.float32) * e_a
+                k_a = tl.load(k + offs_a, mask=m_ak, other=0.0).to(tl.float32) * e_a
+                k_c = tl.load(k + offs_c, mask=m_k[None, :], other=0.0).to(tl.float32) * e_c
+                acc_m += tl.dot(q_a, tl.trans(k_c), input_precision=PREC)
+                acc_a += tl.dot(k_a, tl.trans(k_c), input_precision=PREC)
+            tl.store(M + out + c * BC, acc_m * scale, mask=m_rows[:, None])
+            tl.store(A + out + c * BC, acc_a, mask=m_rows[:, None])
+        # Diagonal block: element-wise over [i, j, k] so that every exponent is b_i - b_j with i >= j.
+        acc_m = tl.zeros([BC, BC], dtype=tl.float32)
+        acc_a = tl.zeros([BC, BC], dtype=tl.float32)
+        lower = (o_c[:, None] >= o_c[None, :]) & m_rows[:, None]
+        for i_k in range(0, tl.cdiv(K, BKD)):
+            cols = i_k * BKD + tl.arange(0, BKD)
+            m_ak = m_rows[:, None] & (cols < K)[None, :]
+            offs_a = rows[:, None] * (H * K) + i_h * K + cols[None, :]
+            b_a = tl.load(b + offs_a, mask=m_ak, other=0.0)
+            q_a = tl.load(q + offs_a, mask=m_ak, other=0.0).to(tl.float32)
+            k_a = tl.load(k + offs_a, mask=m_ak, other=0.0).to(tl.float32)
+            e = tl.exp(tl.where(lower[:, :, None], b_a[:, None, :] - b_a[None, :, :], float("-inf")))
+            k_e = k_a[None, :, :] * e
+            acc_m += tl.sum(q_a[:, None, :] * k_e, 2)
+            acc_a += tl.sum(k_a[:, None, :] * k_e, 2)
+        acc_a = tl.where(o_c[:, None] > o_c[None, :], acc_a, 0.0)
+        tl.store(M + out + i_s * BC, acc_m * scale, mask=m_rows[:, None])
+        tl.store(A + out + i_s * BC, acc_a, mask=m_rows[:, None])
+
+
+@triton.jit
+def _load_tile(A, beta, t0, eos, i_h, s_row, s_col, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """diag(beta) A restricted to the 16x16 block (s_row, s_col) of a chunk."""
+    o_c = tl.arange(0, BC)
+    rows = t0 + s_row * BC + o_c
+    m = rows < eos
+    x = tl.load(A + rows[:, None] * (H * BT) + i_h * BT + s_col * BC + o_c[None, :], mask=m[:, None], other=0.0)
+    return x * tl.load(beta + rows * H + i_h, mask=m, other=0.0).to(tl.float32)[:, None]
+
+
+@triton.jit
+def _invert_diag_blocks(A, beta, t0, eos, i_h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """(I + diag(beta) A)^-1 of the four diagonal 16x16 blocks at once, [4, 16, 16], row by row."""
+    NS: tl.constexpr = BT // BC
+    o_s = tl.arange(0, NS)
+    o_c = tl.arange(0, BC)
+    inv = tl.zeros([NS, BC, BC], dtype=tl.float32) + tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)[None, :, :]
+    for i in range(1, BC):
+        rows = t0 + o_s * BC + i
+        m = (o_c[None, :] < i) & (rows < eos)[:, None]
+        a = tl.load(A + rows[:, None] * (H * BT) + i_h * BT + (o_s * BC)[:, None] + o_c[None, :], mask=m, other=0.0)
+        a = a * tl.load(beta + tl.minimum(rows, eos - 1) * H + i_h).to(tl.float32)[:, None]
+        new = tl.where(o_c == i, 1.0, 0.0)[None, :] - tl.sum(a[:, :, None] * inv, 1)
+        inv = tl.where((o_c == i)[None, :, None], new[:, None, :], inv)
+    return inv
+
+
+@triton.jit
+def _block(x, s, NS: tl.constexpr):
+    """x[s] of a [NS, BC, BC] tensor."""
+    return tl.sum(tl.where((tl.arange(0, NS) == s)[:, None, None], x, 0.0), 0)
+
+
+@triton.jit
+def _store_tile(Ai, x, t0, eos, i_h, s_row, s_col, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    o_c = tl.arange(0, BC)
+    rows = t0 + s_row * BC + o_c
+    tl.store(Ai + rows[:, None] * (H * BT) + i_h * BT + s_col * BC + o_c[None, :], x, mask=(rows < eos)[:, None])
+
+
+@triton.jit
+def _solve_kernel(
+    A, beta, Ai, chunk_indices, cu_seqlens,
+    H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
+):
+    """Ai = (I + diag(beta) A)^-1 for one chunk (A strictly lower), 4x4 blocks of 16."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, eos, t0 = chunk_bounds(chunk_indices, cu_seqlens, i_c, BT)
+    inv = _invert_diag_blocks(A, beta, t0, eos, i_h, H, BT, BC)
+    NS: tl.constexpr = BT // BC
+    i00, i11, i22, i33 = _block(inv, 0, NS), _block(inv, 1, NS), _block(inv, 2, NS), _block(inv, 3, NS)
+    l10 = _load_tile(A, beta, t0, eos, i_h, 1, 0, H, BT, BC)
+    l20 = _load_tile(A, beta, t0, eos, i_h, 2, 0, H, BT, BC)
+    l21 = _load_tile(A, beta, t0, eos, i_h, 2, 1, H, BT, BC)
+    l30 = _load_tile(A, beta, t0, eos, i_h, 3, 0, H, BT, BC)
+    l31 = _load_tile(A, beta, t0, eos, i_h, 3, 1, H, BT, BC)
+    l32 = _load_tile(A, beta, t0, eos, i_h, 3, 2, H, BT, BC)
+    # Block forward substitution: Ai_ac = -Ai_aa sum_{c <= m < a} L_am Ai_mc.
+    i10 = -tl.dot(i11, tl.dot(l10, i00, input_precision=PREC), input_precision=PREC)
+    i21 = -tl.dot(i22, tl.dot(l21, i11, input_precision=PREC), input_precision=PREC)
+    i20 = -tl.dot(i22, tl.dot(l20, i00, input_precision=PREC) + tl.dot(l21, i10, input_precision=PREC),
+                  input_precision=PREC)
+    i32 = -tl.dot(i33, tl.dot(l32, i22, input_precision=PREC), input_precision=PREC)
+    i31 = -tl.dot(i33, tl.dot(l31, i11, input_precision=PREC) + tl.dot(l32, i21, input_precision=PREC),
+                  input_precision=PREC)
+    i30 = -tl.dot(
+        i33,
+        tl.dot(l30, i00, input_precision=PREC) + tl.dot(l31, i10, input_precision=PREC)
+        + tl.dot(l32, i20, input_precision=PREC),
+        input_precision=PREC,
+    )
+    _store_tile(Ai, i00, t0, eos, i_h, 0, 0, H, BT, BC)
+    _store_tile(Ai, i10, t0, eos, i_h, 1, 0, H, BT, BC)
+    _store_tile(Ai, i11, t0, eos, i_h, 1, 1, H, BT, BC)
+    _store_tile(Ai, i20, t0, eos, i_h, 2, 0, H, BT, BC)
+    _store_tile(Ai, i21, t0, eos, i_h, 2, 1, H, BT, BC)
+    _store_tile(Ai, i22, t0, eos, i_h, 2, 2, H, BT, BC)
+    _store_tile(Ai, i30, t0, eos, i_h, 3, 0, H, BT, BC)
+    _store_tile(Ai, i31, t0, eos, i_h, 3, 1, H, BT, BC)
+    _store_tile(Ai, i32, t0, eos, i_h, 3, 2, H, BT, BC)
+    _store_tile(Ai, i33, t0, eos, i_h, 3, 3, H, BT, BC)
+
+
+@triton.jit
+def _wy_kernel(
+    k, v, b, beta, Ai, Wk, Wv, chunk_indices, cu_seqlens,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, eos, t0 = chunk_bounds(chunk_indices, cu_seqlens, i_c, BT)
+    o_t = tl.arange(0, BT)
+    rows = t0 + o_t
+    m_t = rows < eos
+    ai = tl.load(Ai + rows[:, None] * (H * BT) + i_h * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
+    bt = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    dt = Wk.dtype.element_ty
+    for i_v in range(0, tl.cdiv(V, BV)):
+        cols = i_v * BV + tl.arange(0, BV)
+        m = m_t[:, None] & (cols < V)[None, :]
+        offs = rows[:, None] * (H * V) + i_h * V + cols[None, :]
+        x = tl.load(v + offs, mask=m, other=0.0).to(tl.float32) * bt[:, None]
+        tl.store(Wv + offs, tl.dot(ai.to(dt), x.to(dt), input_precision=PREC).to(dt), mask=m)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        cols = i_k * BK + tl.arange(0, BK)
+        m = m_t[:, None] & (cols < K)[None, :]
+        offs = rows[:, None] * (H * K) + i_h * K + cols[None, :]
+        x = tl.load(k + offs, mask=m, other=0.0).to(tl.float32) * tl.exp(tl.load(b + offs, mask=m, other=0.0))
+        x = x * bt[:, None]
+        tl.store(Wk + offs, tl.dot(ai.to(dt), x.to(dt), input_precision=PREC).to(dt), mask=m)
+
+
+@triton.jit
+def _state_kernel(
+    k, b, Wk, Wv, U, h, h0, ht, cu_seqlens, chunk_offsets,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr,
+):
+    """Walks one sequence's chunks in order for one head and one V tile; BK covers all of K."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    cols = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, cols < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    state_offs = o_k[:, None] * V + cols[None, :]
+    if HAS_H0:
+        s = tl.load(h0 + i_nh * K * V + state_offs, mask=m_kv, other=0.0).to(tl.float32)
+    else:
+        s = tl.zeros([BK, BV], dtype=tl.float32)
+    dt = Wk.dtype.element_ty
+    for i_t in range(0, tl.cdiv(eos - bos, BT)):
+        t0 = bos + i_t * BT
+        rows = t0 + o_t
+        m_t = rows < eos
+        tl.store(h + ((c0 + i_t) * H + i_h) * K * V + state_offs, s.to(h.dtype.element_ty), mask=m_kv)
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        offs_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
+        offs_v = rows[:, None] * (H * V) + i_h * V + cols[None, :]
+        wk = tl.load(Wk + offs_k, mask=m_tk, other=0.0)
+        u = tl.load(Wv + offs_v, mask=m_tv, other=0.0).to(tl.float32)
+        u -= tl.dot(wk, s.to(dt), input_precision=PREC)
+        tl.store(U + offs_v, u.to(U.dtype.element_ty), mask=m_tv)
+        last = tl.minimum(t0 + BT, eos) - 1
+        b_last = tl.load(b + last * (H * K) + i_h * K + o_k, mask=m_k, other=0.0)
+        b_t = tl.load(b + offs_k, mask=m_tk, other=0.0)
+        kd = tl.load(k + offs_k, mask=m_tk, other=0.0).to(tl.float32) * tl.exp(tl.where(m_tk, b_last[None, :] - b_t, 0.0))
+        s = s * tl.exp(b_last)[:, None] + tl.dot(tl.trans(kd.to(dt)), u.to(dt), input_precision=PREC)
+    if STORE_FINAL:
+        tl.store(ht + i_nh * K * V + state_offs, s, mask=m_kv)
+
+
+@triton.jit
+def _output_kernel(
+    q, b, h, M, U, o, chunk_indices, cu_seqlens, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, eos, t0 = chunk_bounds(chunk_indices, cu_seqlens, i_c, BT)
+    o_t = tl.arange(0, BT)
+    rows = t0 + o_t
+    m_t = rows < eos
+    cols = i_v * BV + tl.arange(0, BV)
+    m_v = cols < V
+    dt = U.dtype.element_ty
+    acc = tl.zeros([BT, BV], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        offs_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
+        qg = tl.load(q + offs_k, mask=m_tk, other=0.0).to(tl.float32) * tl.exp(tl.load(b + offs_k, mask=m_tk, other=0.0))
+        s = tl.load(h + (i_c * H + i_h) * K * V + o_k[:, None] * V + cols[None, :],
+                    mask=(o_k < K)[:, None] & m_v[None, :], other=0.0)
+        acc += tl.dot((qg * scale).to(dt), s.to(dt), input_precision=PREC)
+    mm = tl.load(M + rows[:, None] * (H * BT) + i_h * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
+    offs_v = rows[:, None] * (H * V) + i_h * V + cols[None, :]
+    m_tv = m_t[:, None] & m_v[None, :]
+    u = tl.load(U + offs_v, mask=m_tv, other=0.0)
+    acc += tl.dot(mm.to(dt), u.to(dt), input_precision=PREC)
+    tl.store(o + offs_v, acc.to(o.dtype.element_ty), mask=m_tv)

@@ -1,0 +1,182 @@
+"""The public `chunk_kda`: the Triton forward and backward behind one autograd Function.
+
+Legend: B batch, T tokens, H heads, K/V widths, N sequences, NT chunks (64 tokens).
+"""
+
+import os
+
+import torch
+import triton
+
+from kernels.kda import bwd, fwd
+from kernels.kda.common import BC, BT, chunk_layout, dot_precision
+from kernels.kda.reference import DEFAULT_GATE_LOWER_BOUND, check_kda_inputs, l2norm
+
+
+def _tiles(K: int, V: int) -> tuple[int, int, int]:
+    """(BK_full, BK, BV): BK_full covers all of K for the state kernels; BK/BV tile the rest."""
+    BK_full = max(16, triton.next_power_of_2(K))
+    BK = min(64, BK_full)
+    BV = min(64 if BK_full <= 128 else 32, max(16, triton.next_power_of_2(V)))
+    return BK_full, BK, BV
+
+
+def kda_forward(q, k, v, g, beta, scale, h0, output_final_state, layout, gate):
+    """Runs the forward kernels on packed [T, H, *] tensors.
+
+    gate: None (g is the log decay) or (A_log [H], dt_bias [H, K] or None, lower_bound or None).
+    Returns o [T, H, V], the final state [N, H, K, V] float32 or None, and what backward needs.
+    """
+    cu, chunk_indices, chunk_offsets, N, NT = layout
+    T, H, K = q.shape
+    V = v.shape[-1]
+    BK_full, BK, BV = _tiles(K, V)
+    prec = dot_precision(q.dtype)
+    dev = q.device
+    b = torch.empty(T, H, K, device=dev, dtype=torch.float32)
+    A_log, dt_bias, lower_bound = gate if gate is not None else (None, None, None)
+    fwd._decay_kernel[(NT, triton.cdiv(K, BK), H)](
+        g, b, A_log, dt_bias, chunk_indices, cu, 0.0 if lower_bound is None else float(lower_bound),
+        H=H, K=K, BT=BT, BK=BK, HAS_GATE=gate is not None, HAS_DT_BIAS=dt_bias is not None,
+        USE_LOWER_BOUND=lower_bound is not None,
+    )
+    M = torch.zeros(T, H, BT, device=dev, dtype=torch.float32)
+    A = torch.zeros(T, H, BT, device=dev, dtype=torch.float32)
+    fwd._scores_kernel[(NT * (BT // BC), H)](
+        q, k, b, M, A, chunk_indices, cu, scale, H=H, K=K, BT=BT, BC=BC, BK=BK, BKD=min(BK, 32), PREC=prec,
+    )
+    Ai = torch.zeros(T, H, BT, device=dev, dtype=torch.float32)
+    fwd._solve_kernel[(NT, H)](A, beta, Ai, chunk_indices, cu, H=H, BT=BT, BC=BC, PREC=prec)
+    Wk = torch.empty_like(k)
+    Wv = torch.empty_like(v)
+    fwd._wy_kernel[(NT, H)](
+        k, v, b, beta, Ai, Wk, Wv, chunk_indices, cu, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, PREC=prec,
+    )
+    h = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
+    U = torch.empty_like(v)
+    final = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+    fwd._state_kernel[(triton.cdiv(V, BV), N * H)](
+        k, b, Wk, Wv, U, h, h0, final, cu, chunk_offsets,
+        H=H, K=K, V=V, BT=BT, BK=BK_full, BV=BV, HAS_H0=h0 is not None, STORE_FINAL=output_final_state,
+        PREC=prec,
+    )
+    o = torch.empty_like(v)
+    fwd._output_kernel[(triton.cdiv(V, BV), NT, H)](
+        q, b, h, M, U, o, chunk_indices, cu, scale, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, PREC=prec,
+    )
+    return o, final, (b, M, A, Ai, Wk, h, U)
+
+
+def kda_backward(q, k, v, g, beta, scale, h0, do, dht, layout, gate, saved):
+    """Runs the backward kernels; returns dq, dk, dv, dg (of the raw gate when fused), dbeta, dh0, dA_log, ddt_bias."""
+    cu, chunk_indices, chunk_offsets, N, NT = layout
+    b, M, A, Ai, Wk, h, U = saved
+    T, H, K = q.shape
+    V = v.shape[-1]
+    BK_full, BK, BV = _tiles(K, V)
+    prec = dot_precision(q.dtype)
+    dev = q.device
+    dh = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
+    dU = torch.empty_like(v)
+    dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if h0 is not None else None
+    bwd._dstate_kernel[(triton.cdiv(V, BV), N * H)](
+        q, k, b, M, Wk, do, dht, dh, dU, dh0, cu, chunk_offsets, scale,
+        H=H, K=K, V=V, BT=BT, BK=BK_full, BV=BV, HAS_DHT=dht is not None, HAS_H0=h0 is not None, PREC=prec,
+    )
+    dq = torch.empty(T, H, K, device=dev, dtype=torch.float32)
+    dk = torch.empty_like(dq)
+    db = torch.empty_like(dq)
+    dv = torch.empty_like(v)
+    dbeta = torch.empty(T, H, device=dev, dtype=torch.float32)
+    dM = torch.zeros(T, H, BT, device=dev, dtype=torch.float32)
+    dA = torch.zeros_like(dM)
+    bwd._dchunk_kernel[(NT, H)](
+        q, k, v, b, beta, A, Ai, h, dh, U, dU, do, dq, dk, dv, db, dbeta, dM, dA, chunk_indices, cu, scale,
+        H=H, K=K, V=V, BT=BT, BK=BK_full, BV=BV, PREC=prec,
+    )
+    bwd._dintra_kernel[(NT * (BT // BC), H)](
+        q, k, b, dM, dA, dq, dk, db, chunk_indices, cu, H=H, K=K, BT=BT, BC=BC, BK=BK, BKD=min(BK, 32), PREC=prec,
+    )
+    A_log, dt_bias, lower_bound = gate if gate is not None else (None, None, None)
+    dg = torch.empty_like(db)
+    dA_part = torch.empty_like(db) if gate is not None else None
+    bwd._ddecay_kernel[(NT, triton.cdiv(K, BK), H)](
+        db, g, A_log, dt_bias, dg, dA_part, chunk_indices, cu, 0.0 if lower_bound is None else float(lower_bound),
+        H=H, K=K, BT=BT, BK=BK, HAS_GATE=gate is not None, HAS_DT_BIAS=dt_bias is not None,
+        USE_LOWER_BOUND=lower_bound is not None,
+    )
+    dA_log = dA_part.sum((0, 2)) if gate is not None else None
+    ddt_bias = dg.sum(0) if dt_bias is not None else None
+    return dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    """Autograd over the Triton kernels; tensors arrive packed as [T, H, *] (see `chunk_kda`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, A_log, dt_bias, scale, output_final_state, layout, lower_bound):
+        gate = None if A_log is None else (A_log, dt_bias, lower_bound)
+        o, final, saved = kda_forward(q, k, v, g, beta, scale, h0, output_final_state, layout, gate)
+        ctx.save_for_backward(q, k, v, g, beta, h0, A_log, dt_bias, *saved)
+        ctx.scale, ctx.layout, ctx.lower_bound = scale, layout, lower_bound
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, h0, A_log, dt_bias, *saved = ctx.saved_tensors
+        gate = None if A_log is None else (A_log, dt_bias, ctx.lower_bound)
+        dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = kda_backward(
+            q, k, v, g, beta, ctx.scale, h0, do.contiguous(), None if dht is None else dht.contiguous(),
+            ctx.layout, gate, saved,
+        )
+        return (
+            dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0,
+            None if dA_log is None else dA_log.to(A_log.dtype),
+            None if ddt_bias is None else ddt_bias.to(dt_bias.dtype),
+            None, None, None, None,
+        )
+
+
+def chunk_kda(
+    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+    A_log=None, dt_bias=None, gate_lower_bound=DEFAULT_GATE_LOWER_BOUND, use_qk_l2norm=False, beta_is_logit=False,
+):
+    """Chunked Kimi Delta Attention (K3_SPEC.md §1.1) in Triton, differentiable.
+
+    q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; K, V <= 256; q, k, v share one dtype
+    (bfloat16, float16 or float32); state math and accumulation are float32.
+    initial_state [N, H, K, V] float32; cu_seqlens int64 [N+1] packs N documents with B == 1.
+    Fused options: A_log [H] (with optional dt_bias [H, K]) turns g into the raw gate of the safe
+    gate g = lb * sigmoid(exp(A_log) (g + dt_bias)), lb = gate_lower_bound (None: the softplus gate);
+    use_qk_l2norm normalises q and k over K (eps 1e-6); beta_is_logit applies a sigmoid to beta.
+    Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] float32 or None).
+    """
+    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"chunk_kda runs Triton kernels and needs CUDA tensors, got device {q.device}; "
+            "use kernels.kda.chunk_kda_reference on CPU"
+        )
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(
+            f"q, k, v must share one dtype among bfloat16/float16/float32, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K**-0.5 if scale is None else float(scale)
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    if beta_is_logit:
+        beta = torch.sigmoid(beta)
+    layout = chunk_layout(B, T, cu_seqlens, q.device)
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+
+    def packed(x):
+        return x.reshape(B * T, *x.shape[2:]).contiguous()
+
+    o, final = ChunkKDAFunction.apply(
+        packed(q), packed(k), packed(v), packed(g), packed(beta), h0, A_log,
+        dt_bias if dt_bias is None else dt_bias.contiguous(), scale, output_final_state, layout,
+        gate_lower_bound if A_log is not None else None,
+    )
+    return o.reshape(B, T, H, V), final
