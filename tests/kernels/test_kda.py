@@ -6,7 +6,7 @@ On a machine without CUDA the Triton kernels run in the interpreter (tests/kerne
 import pytest
 import torch
 
-from kernels.kda import chunk_kda_reference, kda_gate, l2norm, recurrent_kda
+from kernels.kda import chunk_kda, chunk_kda_reference, kda_gate, l2norm, recurrent_kda
 
 
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -171,3 +171,104 @@ def test_reference_bad_input_names_the_argument(change, match):
     args.update(change)
     with pytest.raises(ValueError, match=match):
         chunk_kda_reference(**args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels (the interpreter on CPU), float32, against the float64 recurrence.
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+OUT_TOL, GRAD_TOL = 5e-3, 2e-2
+
+
+def check_triton_against_recurrent(B, T, H, K, V, *, lengths=None, with_h0=True, seed=0, g_min=-5.0, g_edit=None):
+    N = None if lengths is None else len(lengths)
+    q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, N=N, seed=seed, g_min=g_min)
+    if g_edit is not None:
+        g = g_edit(g.clone())
+    h0 = h0 if with_h0 else None
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    o_ref, S_ref, grads_ref = run_with_grads(recurrent_kda, q, k, v, g, beta, h0, cu_seqlens=cu)
+    args = [x.to(DEVICE, torch.float32) for x in (q, k, v, g, beta)]
+    o, S, grads = run_with_grads(
+        chunk_kda, *args, None if h0 is None else h0.to(DEVICE, torch.float32),
+        cu_seqlens=None if cu is None else cu.to(DEVICE),
+    )
+    assert all(torch.isfinite(x).all() for x in (o, S, *grads))
+    assert rel_rms(o.cpu(), o_ref) < OUT_TOL
+    assert rel_rms(S.cpu(), S_ref) < OUT_TOL
+    for name, a, b in zip(GRAD_NAMES, grads, grads_ref):
+        assert rel_rms(a.cpu(), b) < GRAD_TOL, name
+
+
+@pytest.mark.parametrize("B, T, with_h0", [(1, 1, False), (1, 63, True), (2, 65, False), (1, 130, True)])
+def test_chunk_kda_matches_recurrent(B, T, with_h0):
+    check_triton_against_recurrent(B, T, 2, 32, 32, with_h0=with_h0, seed=T)
+
+
+def test_chunk_kda_packed_documents():
+    check_triton_against_recurrent(1, 280, 2, 32, 32, lengths=[1, 15, 64, 200], seed=4)
+
+
+def test_chunk_kda_wide_heads_and_uneven_widths():
+    check_triton_against_recurrent(1, 70, 1, 64, 64, seed=5)
+    check_triton_against_recurrent(1, 70, 1, 24, 40, seed=6)
+
+
+def test_chunk_kda_hard_resets_and_lower_bound_are_finite():
+    """g at the safe-gate lower bound everywhere, and g = -1000 resets inside and at chunk edges."""
+    check_triton_against_recurrent(1, 130, 1, 32, 32, seed=8, g_edit=lambda g: g * 0 - 5.0)
+
+    def resets(g):
+        g[:, [0, 17, 63, 64, 100]] = -1000.0
+        return g
+
+    check_triton_against_recurrent(1, 130, 1, 32, 32, seed=9, g_edit=resets)
+
+
+def test_chunk_kda_fused_options_equal_unfused():
+    B, T, H, K, V = 1, 65, 2, 32, 32
+    q, k, v, g_raw, beta_logit, h0 = (x.float().to(DEVICE) for x in make_inputs(B, T, H, K, V, seed=12))
+    q, k = q * 3, k * 2
+    g_raw, beta_logit = g_raw * 2 + 3, beta_logit * 8 - 4
+    gen = torch.Generator().manual_seed(3)
+    A_log = torch.randn(H, generator=gen).to(DEVICE).requires_grad_(True)
+    dt_bias = torch.randn(H, K, generator=gen).to(DEVICE).requires_grad_(True)
+    for lb in (-5.0, None):
+        fused_fn = lambda *a, **kw: chunk_kda(  # noqa: E731
+            *a, A_log=A_log, dt_bias=dt_bias, gate_lower_bound=lb, use_qk_l2norm=True, beta_is_logit=True, **kw
+        )
+        unfused_fn = lambda q, k, v, g, beta, **kw: chunk_kda(  # noqa: E731
+            l2norm(q), l2norm(k), v, kda_gate(g, A_log, dt_bias, lb), torch.sigmoid(beta), **kw
+        )
+        o_f, S_f, grads_f = run_with_grads(fused_fn, q, k, v, g_raw, beta_logit, h0)
+        dA_f, ddt_f = A_log.grad.clone(), dt_bias.grad.clone()
+        A_log.grad = dt_bias.grad = None
+        o_u, S_u, grads_u = run_with_grads(unfused_fn, q, k, v, g_raw, beta_logit, h0)
+        assert rel_rms(o_f, o_u) < 1e-5 and rel_rms(S_f, S_u) < 1e-5
+        for name, a, b in zip(GRAD_NAMES, grads_f, grads_u):
+            assert rel_rms(a, b) < 1e-4, name
+        assert rel_rms(dA_f, A_log.grad) < 1e-4 and rel_rms(ddt_f, dt_bias.grad) < 1e-4
+        A_log.grad = dt_bias.grad = None
+
+
+def test_chunk_kda_float16_forward():
+    q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 32, 32, seed=10)
+    o_ref, S_ref = recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o, S = chunk_kda(*(x.to(DEVICE, torch.float16) for x in (q, k, v)), g.to(DEVICE), beta.to(DEVICE),
+                     initial_state=h0.to(DEVICE, torch.float32), output_final_state=True)
+    assert o.dtype == torch.float16 and S.dtype == torch.float32
+    assert rel_rms(o.cpu(), o_ref) < 1e-2 and rel_rms(S.cpu(), S_ref) < 1e-2
+
+
+def test_chunk_kda_without_final_state_returns_none():
+    q, k, v, g, beta, _ = (x.float().to(DEVICE) for x in make_inputs(1, 20, 1, 16, 16, seed=14))
+    o, S = chunk_kda(q, k, v, g, beta)
+    assert S is None and o.shape == v.shape
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error without the interpreter")
+def test_chunk_kda_on_cpu_without_interpreter_raises(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.zeros(1, 4, 1, 16)
+    with pytest.raises(ValueError, match="chunk_kda_reference"):
+        chunk_kda(x, x, x, x, torch.zeros(1, 4, 1))
