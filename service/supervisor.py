@@ -257,10 +257,13 @@ class Supervisor:
     # ---- signals ---------------------------------------------------------------------------------
 
     def _kill(self, run_id: str, a: Attempt, sig: signal.Signals) -> None:
-        """Signal the attempt's process group; SIGKILL also reaches descendants in other sessions.
+        """Signal the attempt's trainer processes.
 
-        torchrun starts its workers in sessions of their own; SIGTERM reaches them through
-        torchrun (which forwards it), SIGKILL cannot be forwarded so we send it to each.
+        torchrun starts each worker in a session of its own. SIGTERM goes to those worker
+        groups, so the ranks checkpoint and exit 0 and torchrun then exits with their status
+        (a torchrun that is itself signalled exits non-zero and kills slow workers after 30 s).
+        With no such groups (the 'python' launcher, or torchrun still starting) SIGTERM goes to
+        the attempt's own group. SIGKILL goes to every group and every process ever seen in the tree.
         """
         if not process_alive(a.pid, a.pid_start_time):
             return
@@ -271,10 +274,19 @@ class Supervisor:
         doomed = self._doomed.setdefault(run_id, [])
         known = {p.pid for p in doomed}
         doomed.extend(p for p in tree if p.pid not in known)
-        try:
-            os.killpg(a.pid, sig)
-        except ProcessLookupError:
-            pass
+        groups = set()
+        for p in tree:
+            try:
+                groups.add(os.getpgid(p.pid))
+            except OSError:
+                pass
+        worker_groups = groups - {a.pid}
+        targets = {a.pid} | groups if sig == signal.SIGKILL else (worker_groups or {a.pid})
+        for pgid in targets:
+            try:
+                os.killpg(pgid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
         if sig == signal.SIGKILL:
             self._reap_leftovers(run_id, a)
 
