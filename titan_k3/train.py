@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from titan_k3.checkpoint import build_checkpointer
 from titan_k3.config import ConfigError, JobConfig, help_text, load_job_config
 from titan_k3.metrics.clocks import TwoClocks
 from titan_k3.metrics.events import EventLog
@@ -136,10 +137,19 @@ class Trainer:
                 "dataset": getattr(self.loader, "describe", lambda: {"dataset": cfg.data.dataset})(),
                 "kernels": [c.as_dict() for c in self.impl.choices],
             })
+            self._stdout = sys.stdout
             sys.stdout = Tee(sys.stdout, self.run_dir / "stdout.log")
         self.events = EventLog(self.run_dir / "events.jsonl" if self.rank == 0 else None)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self._report_start()
+        self.checkpointer = build_checkpointer(self)
+        self.checkpointer.load()
+
+    def close(self) -> None:
+        """Stop teeing stdout into the run directory."""
+        if isinstance(sys.stdout, Tee) and getattr(self, "_stdout", None) is not None:
+            sys.stdout.file.close()
+            sys.stdout = self._stdout
 
     # ------------------------------------------------------------------ reporting
     def _report_start(self) -> None:
@@ -271,10 +281,13 @@ class Trainer:
             if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
                 self._log(result, window)
                 window = {"tokens": 0, "training_seconds": 0.0, "data_wait": 0.0}
+            if self.checkpointer.after_step(self.step, last=self.step == cfg.training.steps):
+                break  # a stop signal: the update is finished and saved
             if cfg.debug.crash_at_step == self.step:
                 print(f"debug.crash_at_step = {self.step}: exiting with status 3", flush=True)
                 sys.stdout.flush()
                 os._exit(3)
+        self.checkpointer.close()
         return results
 
     def summary(self, results: list[StepResult]) -> str:
@@ -306,11 +319,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         results = trainer.train()
+        if trainer.rank == 0:
+            print(trainer.summary(results))
     except TrainingStopped as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    if trainer.rank == 0:
-        print(trainer.summary(results))
+    finally:
+        trainer.close()
     return 0
 
 

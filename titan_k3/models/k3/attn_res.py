@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_k3.models.k3.layers import upcast
+
 
 class PseudoQueryMix(nn.Module):
     """Mix N sources [B, T, D] into one input with a learned pseudo-query [D]."""
@@ -29,9 +31,9 @@ class PseudoQueryMix(nn.Module):
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
         if len(sources) == 1:
             return sources[0]
-        v_NBTD = torch.stack(sources).float()
+        v_NBTD = upcast(torch.stack(sources))
         keys = F.rms_norm(v_NBTD, (v_NBTD.shape[-1],), None, self.eps)
-        weights_NBT = torch.softmax(keys @ self.query.float(), dim=0)
+        weights_NBT = torch.softmax(keys @ upcast(self.query), dim=0)
         return (weights_NBT.unsqueeze(-1) * v_NBTD).sum(dim=0).to(sources[0].dtype)
 
 

@@ -9,11 +9,16 @@ from torch import nn
 from kernels.grouped_gemm.reference import situ_glu
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """float64 stays float64 (tests); anything else computes in float32."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, computed in float32, returned in x's dtype."""
-    y = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    """RMSNorm over the last dim, computed in float32 (or float64), returned in x's dtype."""
+    y = F.rms_norm(upcast(x), (x.shape[-1],), None, eps)
     if weight is not None:
-        y = y * weight.float()
+        y = y * upcast(weight)
     return y.to(x.dtype)
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titan_k3.models.k3.args import K3Args
-from titan_k3.models.k3.layers import RMSNorm, SituGluFFN, init_linear
+from titan_k3.models.k3.layers import RMSNorm, SituGluFFN, init_linear, upcast
 
 QB_BINS = 1024
 
@@ -72,7 +72,7 @@ class QuantileBalancedRouter(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (expert ids int64 [T, k], weights float32 [T, k])."""
-        s_TE = torch.sigmoid(x_TD.float() @ self.weight.float().t())
+        s_TE = torch.sigmoid(upcast(x_TD) @ upcast(self.weight).t())
         # NOTE: an activation-checkpoint recompute runs inside backward: it must
         # route with the bias the original forward used and must not update it.
         recompute = torch._C._current_graph_task_id() != -1

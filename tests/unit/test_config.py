@@ -1,0 +1,94 @@
+"""Config loading: defaults < TOML < CLI, one-line errors naming key, value and what is allowed."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_k3.config import ConfigError, config_to_toml, help_text, load_job_config
+from titan_k3.config.manager import field_docs
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_cli_overrides_toml_overrides_defaults(tmp_path):
+    toml = tmp_path / "x.toml"
+    toml.write_text('[training]\nsteps = 7\nseq_len = 256\n[model]\nflavor = "debug"\n')
+    cfg = load_job_config(["--job.config_file", str(toml), "--training.steps", "9"])
+    assert (cfg.training.steps, cfg.training.seq_len, cfg.model.flavor) == (9, 256, "debug")
+    assert cfg.training.grad_accum == 1  # default kept
+    assert load_job_config(["--training.steps=3"]).training.steps == 3
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--training.step", "3"], "unknown config key 'training.step'; did you mean 'training.steps'?"),
+        (["--trainig.steps", "3"], "unknown config section 'trainig' (in 'trainig.steps'); did you mean 'training'?"),
+        (["--training.steps", "three"], "config key 'training.steps' = 'three': expected an integer"),
+        (["--training.steps", "0"], "config key 'training.steps' = 0: must be > 0"),
+        (["--training.seq_len", "100"], "config key 'training.seq_len' = 100: must be a multiple of the KDA chunk size 64"),
+        (["--model.flavor", "k3mini"], "did you mean 'k3-mini'?"),
+        (["--kernels.kda", "trito"], "expected one of 'auto', 'triton', 'torch'; did you mean 'triton'?"),
+        (["--parallelism.expert_parallel_degree", "3", "--model.flavor", "debug"], "must divide the 8 experts"),
+        (["--lr_scheduler.warmup_steps", "50", "--training.steps", "20"], "must be below training.steps = 20"),
+        (["--data.mixture", "code:0"], "config key 'data.mixture'"),
+        (["--training.compute_dtype", "fp8"], "config key 'training.compute_dtype' = 'fp8': expected one of"),
+    ],
+)
+def test_errors_are_one_line_and_name_the_key(argv, expected):
+    with pytest.raises(ConfigError) as e:
+        load_job_config(argv)
+    message = str(e.value)
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_seq_len_not_multiple_allowed_with_torch_kda():
+    assert load_job_config(["--training.seq_len", "100", "--kernels.kda", "torch"]).training.seq_len == 100
+
+
+def test_toml_errors_name_the_file(tmp_path):
+    toml = tmp_path / "bad.toml"
+    toml.write_text("[training]\nsteps = 'many'\n")
+    with pytest.raises(ConfigError, match=r"bad.toml: config key 'training.steps' = 'many': expected an integer"):
+        load_job_config(["--job.config_file", str(toml)])
+    toml.write_text("[training\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_job_config(["--job.config_file", str(toml)])
+    with pytest.raises(ConfigError, match="no such file"):
+        load_job_config(["--job.config_file", str(tmp_path / "missing.toml")])
+
+
+def test_every_field_has_help_and_roundtrips():
+    text = help_text()
+    cfg = load_job_config([])
+    for section, values in __import__("dataclasses").asdict(cfg).items():
+        for key in values:
+            assert f"--{section}.{key} " in text
+    assert len(field_docs()) == sum(len(v) for v in __import__("dataclasses").asdict(cfg).values())
+    again = load_job_config([], toml_text=config_to_toml(cfg))
+    assert again == cfg
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "tomls").glob("*.toml")))
+def test_recipes_validate(recipe):
+    load_job_config(["--job.config_file", str(REPO / "tomls" / recipe)])
+
+
+def test_config_module_is_torch_free():
+    code = "import sys, titan_k3.config, titan_k3.models.k3.args; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_cli_bad_input_exits_2_with_one_line_and_no_run_dir(tmp_path):
+    dump = tmp_path / "runs"
+    out = subprocess.run(
+        [sys.executable, "-m", "titan_k3.train", "--job.dump_folder", str(dump), "--training.seq_len", "100"],
+        capture_output=True, text=True, cwd=REPO,
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("error: config key 'training.seq_len' = 100")
+    assert not dump.exists()

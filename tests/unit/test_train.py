@@ -1,0 +1,65 @@
+"""The trainer end to end on one process: overfit probe, run directory, non-finite handling."""
+
+import json
+
+import pytest
+import torch
+
+from titan_k3.config import load_job_config
+from titan_k3.train import Trainer, TrainingStopped, main
+
+FAST = ["--model.flavor", "debug", "--training.seq_len", "64", "--metrics.log_freq", "1"]
+
+
+def test_overfit_probe_memorises_its_batch(tmp_path):
+    """A shortened tomls/overfit.toml: loss on the repeated batch falls below 5% of its start."""
+    rc = main(["--job.config_file", "tomls/overfit.toml", *FAST, "--job.dump_folder", str(tmp_path), "--job.name", "of",
+               "--training.steps", "30", "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps", "3"])
+    assert rc == 0
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "of" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 30
+    assert losses[-1] < 0.05 * losses[0]
+
+
+def test_run_directory_holds_what_design_promises(tmp_path):
+    assert main([*FAST, "--job.dump_folder", str(tmp_path), "--job.name", "r", "--training.steps", "3"]) == 0
+    run = tmp_path / "r"
+    assert {"config.toml", "manifest.json", "metrics.jsonl", "events.jsonl", "stdout.log"} <= {p.name for p in run.iterdir()}
+    manifest = json.loads((run / "manifest.json").read_text())
+    for key in ("git_commit", "versions", "hardware", "config_hash", "tokenizer", "dataset", "kernels"):
+        assert key in manifest, key
+    resolved = load_job_config(["--job.config_file", str(run / "config.toml")])
+    assert resolved.model.flavor == "debug" and resolved.training.steps == 3
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[-1]["tokens_seen"] == 3 * 64
+    assert all(k in records[-1] for k in ("loss", "lr", "grad_norm", "tokens_per_second_training", "mfu", "moe/1/dead_fraction"))
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    assert any(e["kind"] == "kernel_report" for e in events)
+    assert "tokens per update = 1 batch x 64 seq x 1 accum x 1 dp = 64" in (run / "stdout.log").read_text()
+
+
+def test_strict_refuses_fallbacks_before_creating_anything(tmp_path, capsys):
+    rc = main([*FAST, "--job.dump_folder", str(tmp_path), "--job.strict", "true"])
+    assert rc == 2
+    assert "job.strict = true and kda falls back" in capsys.readouterr().err
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_non_finite_updates_are_skipped_counted_and_stop_the_run(tmp_path):
+    cfg = load_job_config([*FAST, "--job.dump_folder", str(tmp_path), "--job.name", "nan",
+                           "--training.steps", "10", "--training.max_skipped_in_row", "3"])
+    trainer = Trainer(cfg)
+    with torch.no_grad():
+        trainer.model.output.weight[0, 0] = float("nan")
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    try:
+        with pytest.raises(TrainingStopped, match="3 updates in a row had a non-finite loss"):
+            trainer.train()
+    finally:
+        trainer.close()
+    assert trainer.skipped_updates == 3
+    for n, p in trainer.model.named_parameters():
+        torch.testing.assert_close(p, before[n], equal_nan=True, rtol=0, atol=0, msg=n)
+    kinds = [json.loads(x)["kind"] for x in (tmp_path / "nan" / "events.jsonl").read_text().splitlines()]
+    assert kinds.count("nonfinite") == 3 and "stopped" in kinds
