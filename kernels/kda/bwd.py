@@ -83,15 +83,19 @@ def _dstate_kernel(
 def _dchunk_kernel(
     q, k, v, b, beta, A, Ai, h, dh, U, dU, do,
     dq, dk, dv, db, dbeta, dM, dA,
-    chunk_indices, cu_seqlens, scale,
+    chunk_indices, cu_seqlens, scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """The dense per-chunk gradient terms; BK covers all of K, V is walked in tiles."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    """The dense per-chunk gradient terms for one K tile, walking V in tiles.
+
+    The K-independent results (dv, dM, dA and their beta terms) come from the first K
+    tile alone; dbeta is written per K tile ([NK, T, H]) and summed by the caller.
+    """
+    i_c, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, t0 = chunk_bounds(chunk_indices, cu_seqlens, i_c, BT)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
+    o_k = i_k * BK + tl.arange(0, BK)
     rows = t0 + o_t
     m_t, m_k = rows < eos, o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
@@ -121,18 +125,20 @@ def _dchunk_kernel(
         d_qd += tl.dot(d_o.to(dt), tl.trans(s.to(dt)), input_precision=PREC)
         d_kd += tl.dot(u.to(dt), tl.trans(ds.to(dt)), input_precision=PREC)
         d_exp += tl.sum(s.to(tl.float32) * ds.to(tl.float32), 1)
-        d_m += tl.dot(d_o.to(dt), tl.trans(u.to(dt)), input_precision=PREC)
         dr = tl.dot(tl.trans(ai.to(dt)), du.to(dt), input_precision=PREC)
-        vv = tl.load(v + offs_v, mask=m_tv, other=0.0).to(tl.float32)
-        tl.store(dv + offs_v, (dr * bt[:, None]).to(dv.dtype.element_ty), mask=m_tv)
-        d_beta += tl.sum(vv * dr, 1)
         d_xk -= tl.dot(dr.to(dt), tl.trans(s.to(dt)), input_precision=PREC)
-        d_l -= tl.dot(dr.to(dt), tl.trans(u.to(dt)), input_precision=PREC)
-    # Stored as the gradient of the unscaled decayed product q k^T that M scales.
-    tl.store(dM + offs_tt, tl.where(o_t[:, None] >= o_t[None, :], d_m * scale, 0.0), mask=m_t[:, None])
-    d_l = tl.where(o_t[:, None] > o_t[None, :], d_l, 0.0)
-    tl.store(dA + offs_tt, d_l * bt[:, None], mask=m_t[:, None])
-    d_beta += tl.sum(d_l * tl.load(A + offs_tt, mask=m_t[:, None], other=0.0), 1)
+        if i_k == 0:
+            d_m += tl.dot(d_o.to(dt), tl.trans(u.to(dt)), input_precision=PREC)
+            d_l -= tl.dot(dr.to(dt), tl.trans(u.to(dt)), input_precision=PREC)
+            vv = tl.load(v + offs_v, mask=m_tv, other=0.0).to(tl.float32)
+            tl.store(dv + offs_v, (dr * bt[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+            d_beta += tl.sum(vv * dr, 1)
+    if i_k == 0:
+        # Stored as the gradient of the unscaled decayed product q k^T that M scales.
+        tl.store(dM + offs_tt, tl.where(o_t[:, None] >= o_t[None, :], d_m * scale, 0.0), mask=m_t[:, None])
+        d_l = tl.where(o_t[:, None] > o_t[None, :], d_l, 0.0)
+        tl.store(dA + offs_tt, d_l * bt[:, None], mask=m_t[:, None])
+        d_beta += tl.sum(d_l * tl.load(A + offs_tt, mask=m_t[:, None], other=0.0), 1)
 
     offs_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
     last = tl.minimum(t0 + BT, eos) - 1
@@ -145,7 +151,7 @@ def _dchunk_kernel(
     kd_dkd = kk * e_d * d_kd
     xk_dxk = kk * e_b * d_xk
     d_beta += tl.sum(xk_dxk, 1)
-    tl.store(dbeta + rows * H + i_h, d_beta, mask=m_t)
+    tl.store(dbeta + i_k * T * H + rows * H + i_h, d_beta, mask=m_t)
     tl.store(dq + offs_k, scale * e_b * d_qd, mask=m_tk)
     tl.store(dk + offs_k, e_d * d_kd + bt[:, None] * e_b * d_xk, mask=m_tk)
     d_b = scale * qq * e_b * d_qd - kd_dkd + bt[:, None] * xk_dxk

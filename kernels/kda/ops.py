@@ -87,13 +87,15 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, layout, gate, saved):
     dk = torch.empty_like(dq)
     db = torch.empty_like(dq)
     dv = torch.empty_like(v)
-    dbeta = torch.empty(T, H, device=dev, dtype=torch.float32)
+    NK = triton.cdiv(K, BK)
+    dbeta = torch.empty(NK, T, H, device=dev, dtype=torch.float32)
     dM = torch.zeros(T, H, BT, device=dev, dtype=torch.float32)
     dA = torch.zeros_like(dM)
-    bwd._dchunk_kernel[(NT, H)](
-        q, k, v, b, beta, A, Ai, h, dh, U, dU, do, dq, dk, dv, db, dbeta, dM, dA, chunk_indices, cu, scale,
-        H=H, K=K, V=V, BT=BT, BK=BK_full, BV=BV, PREC=prec,
+    bwd._dchunk_kernel[(NT, NK, H)](
+        q, k, v, b, beta, A, Ai, h, dh, U, dU, do, dq, dk, dv, db, dbeta, dM, dA, chunk_indices, cu, scale, T,
+        H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, PREC=prec, num_warps=8,
     )
+    dbeta = dbeta.sum(0)
     bwd._dintra_kernel[(NT * (BT // BC), H)](
         q, k, b, dM, dA, dq, dk, db, chunk_indices, cu, H=H, K=K, BT=BT, BC=BC, BK=BK, BKD=min(BK, 32), PREC=prec,
     )

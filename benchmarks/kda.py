@@ -1,0 +1,198 @@
+"""Chunked KDA on one GPU: ours (kernels.kda.chunk_kda) vs fla's chunk_kda, forward and forward+backward.
+
+Same run, same inputs, same flags, at each shape and gate:
+  plain   g is the precomputed log decay
+  safe    the raw gate with the safe gate fused into the kernel: g = -5 sigmoid(exp(A_log) (g_raw + dt_bias))
+          (fla: use_gate_in_kernel=True, safe_gate=True, lower_bound=-5)
+bf16 inputs, no initial or final state. Ours is checked against fla (relative RMS of
+the output and of dq) before it is timed. The first call of ours (kernel compilation,
+no autotuning) is timed too.
+
+    python benchmarks/kda.py [--shapes b8-t4096-h8,b32-t1024-h8,k3-mini] [--no-fla] [--profile] [--out FILE]
+
+Prints a table and appends dated rows to benchmarks/results/kda.md (or --out).
+"""
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kernels.kda import chunk_kda, kda_gate, l2norm  # noqa: E402
+
+SHAPES = {
+    # name: (B, T, H, K = V)
+    "b8-t4096-h8": (8, 4096, 8, 128),
+    "b32-t1024-h8": (32, 1024, 8, 128),
+    "k3-mini": (8, 4096, 4, 128),
+}
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "kda.md")
+LOWER_BOUND = -5.0
+
+
+def rel_rms(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+
+
+def make_inputs(B, T, H, D):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = l2norm(torch.randn(B, T, H, D, device="cuda", generator=gen))
+    k = l2norm(torch.randn(B, T, H, D, device="cuda", generator=gen))
+    v = torch.randn(B, T, H, D, device="cuda", generator=gen)
+    g_raw = torch.randn(B, T, H, D, device="cuda", generator=gen)
+    beta = torch.sigmoid(torch.randn(B, T, H, device="cuda", generator=gen))
+    A_log = torch.zeros(H, device="cuda")
+    dt = torch.exp(torch.empty(H, D, device="cuda").uniform_(-6.9, -2.3, generator=gen))
+    dt_bias = dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt)
+    g = kda_gate(g_raw, A_log, dt_bias, None)
+    do = torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16()
+    bf = [x.bfloat16() for x in (q, k, v)]
+    return bf, g, g_raw.bfloat16(), beta.bfloat16(), A_log, dt_bias, do
+
+
+def variants(gate, with_fla):
+    """{name: fn(q, k, v, g, beta, A_log, dt_bias) -> o} for one gate."""
+    out = {}
+    if gate == "plain":
+        out["ours"] = lambda q, k, v, g, beta, A_log, dt_bias: chunk_kda(q, k, v, g, beta)[0]
+    else:
+        out["ours"] = lambda q, k, v, g, beta, A_log, dt_bias: chunk_kda(
+            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, gate_lower_bound=LOWER_BOUND
+        )[0]
+    if with_fla:
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+        if gate == "plain":
+            out["fla"] = lambda q, k, v, g, beta, A_log, dt_bias: fla_chunk_kda(q, k, v, g, beta)[0]
+        else:
+            out["fla"] = lambda q, k, v, g, beta, A_log, dt_bias: fla_chunk_kda(
+                q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias.reshape(-1), use_gate_in_kernel=True,
+                safe_gate=True, lower_bound=LOWER_BOUND,
+            )[0]
+    return out
+
+
+def bench_shape(name, shape, with_fla, rep_ms):
+    B, T, H, D = shape
+    (q, k, v), g, g_raw, beta, A_log, dt_bias, do = make_inputs(B, T, H, D)
+    rows = []
+    for gate in ("plain", "safe"):
+        g_in = g if gate == "plain" else g_raw
+        fns = variants(gate, with_fla)
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g_in, beta, A_log, dt_bias)]
+        outs = {}
+        for vname, fn in fns.items():
+            o = fn(*leaves)
+            dq = torch.autograd.grad(o, leaves[0], do)[0]
+            outs[vname] = (o, dq)
+            assert torch.isfinite(o).all() and torch.isfinite(dq).all(), f"{vname} {gate}: non-finite"
+        check = ""
+        if "fla" in outs:
+            e_o, e_dq = rel_rms(outs["ours"][0], outs["fla"][0]), rel_rms(outs["ours"][1], outs["fla"][1])
+            check = f"o {e_o:.1e}, dq {e_dq:.1e}"
+            print(f"  [{name} {gate}] ours vs fla rel-RMS: {check}")
+            if not max(e_o, e_dq) < 3e-2:
+                raise SystemExit(f"ours and fla disagree at {name} {gate}; not timing")
+        times = {}
+        for vname, fn in fns.items():
+            with torch.no_grad():
+                t_f = triton.testing.do_bench(lambda: fn(q, k, v, g_in, beta, A_log, dt_bias), rep=rep_ms)
+
+            def fwd_bwd():
+                fn(*leaves).backward(do)
+
+            t_fb = triton.testing.do_bench(fwd_bwd, grad_to_none=leaves, rep=rep_ms)
+            times[vname] = (t_f, t_fb)
+        rows.append(dict(shape=f"B{B} T{T} H{H} K=V={D}", gate=gate, times=times, check=check, tokens=B * T))
+        print(f"  [{name} {gate}] " + ", ".join(f"{n} fwd {t[0]:.3f} ms fwd+bwd {t[1]:.3f} ms" for n, t in times.items()))
+    return rows
+
+
+def first_call_seconds(shape):
+    """Wall time of the very first forward+backward in this process (kernel compilation included)."""
+    B, T, H, D = shape
+    (q, k, v), g, _, beta, _, _, do = make_inputs(B, T, H, D)
+    leaves = [x.requires_grad_(True) for x in (q, k, v, g, beta)]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    chunk_kda(*leaves)[0].backward(do)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def profile_ours(shape):
+    B, T, H, D = shape
+    (q, k, v), g, _, beta, _, _, do = make_inputs(B, T, H, D)
+    leaves = [x.requires_grad_(True) for x in (q, k, v, g, beta)]
+    for _ in range(3):
+        chunk_kda(*leaves)[0].backward(do)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            chunk_kda(*leaves)[0].backward(do)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+
+
+def environment():
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {
+        "date": datetime.date.today().isoformat(),
+        "commit": commit or "unknown",
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
+    parser.add_argument("--no-fla", action="store_true", help="time ours alone (fla-core not installed)")
+    parser.add_argument("--profile", action="store_true", help="print a per-kernel table of ours")
+    parser.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
+    parser.add_argument("--out", default=RESULTS, help="Markdown file the rows are appended to")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/kda.py needs a CUDA GPU")
+    env = environment()
+    names = args.shapes.split(",")
+    first = first_call_seconds(SHAPES[names[0]])
+    print(f"first call of ours (compile, no autotune): {first:.1f} s")
+    if args.profile:
+        profile_ours(SHAPES[names[0]])
+    rows = [r for name in names for r in bench_shape(name, SHAPES[name], not args.no_fla, args.rep_ms)]
+    header = (
+        "| date | commit | GPU | torch | triton | shape (bf16) | gate | ours fwd ms | ours fwd+bwd ms "
+        "| fwd+bwd Mtok/s | fla fwd ms | fla fwd+bwd ms | fwd ratio | fwd+bwd ratio | ours vs fla rel-RMS | ours first call s |"
+    )
+    lines = []
+    for r in rows:
+        of, ofb = r["times"]["ours"]
+        ff, ffb = r["times"].get("fla", (float("nan"), float("nan")))
+        lines.append(
+            f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | {r['shape']} "
+            f"| {r['gate']} | {of:.3f} | {ofb:.3f} | {r['tokens'] / ofb / 1e3:.2f} | {ff:.3f} | {ffb:.3f} "
+            f"| {ff / of:.2f}x | {ffb / ofb:.2f}x | {r['check']} | {first:.1f} |"
+        )
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    new_file = not os.path.exists(args.out)
+    with open(args.out, "a") as f:
+        if new_file:
+            f.write("# Chunked KDA: medians (triton.testing.do_bench), ratio = fla time / ours\n\n")
+            f.write(header + "\n" + "|---" * (header.count("|") - 1) + "|\n")
+        f.write("\n".join(lines) + "\n")
+    print(header)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

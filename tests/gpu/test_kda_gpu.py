@@ -1,0 +1,78 @@
+"""KDA Triton kernels on a GPU in bfloat16 at the training shape, against float32/float64 references."""
+
+import pytest
+import torch
+
+from kernels.kda import chunk_kda, chunk_kda_reference, l2norm, recurrent_kda
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def rel_rms(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+
+
+def inputs(B, T, H, K, V, N=None, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, T, H, K, device="cuda", generator=gen)
+    k = l2norm(torch.randn(B, T, H, K, device="cuda", generator=gen))
+    v = torch.randn(B, T, H, V, device="cuda", generator=gen)
+    g = -5 * torch.rand(B, T, H, K, device="cuda", generator=gen) ** 4  # mostly slow decay, down to -5
+    beta = torch.rand(B, T, H, device="cuda", generator=gen)
+    h0 = torch.randn(B if N is None else N, H, K, V, device="cuda", generator=gen) * 0.1
+    return [x.to(dtype) for x in (q, k, v, g, beta)] + [h0]
+
+
+def grads_of(fn, xs, h0, do, dS, **kw):
+    leaves = [x.detach().clone().requires_grad_(True) for x in (*xs, h0)]
+    o, S = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True, **kw)
+    ((o.float() * do).sum() + (S.float() * dS).sum()).backward()
+    return o, S, [x.grad for x in leaves]
+
+
+def test_bf16_forward_at_training_shape():
+    *xs, h0 = inputs(8, 4096, 8, 128, 128)
+    with torch.no_grad():
+        o, S = chunk_kda(*xs, initial_state=h0, output_final_state=True)
+        o_ref, S_ref = chunk_kda_reference(*(x.float() for x in xs), initial_state=h0, output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    assert rel_rms(o, o_ref) < 1e-2
+    assert rel_rms(S, S_ref) < 1e-2
+
+
+@pytest.mark.parametrize("lengths", [None, [1, 15, 64, 200, 4000, 3912]])
+def test_bf16_gradients(lengths):
+    if lengths is None:
+        B, T, N, cu = 2, 4096, None, None
+    else:
+        B, T, N = 1, sum(lengths), len(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    *xs, h0 = inputs(B, T, 8, 128, 128, N=N, seed=1)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    do = torch.randn(B, T, 8, 128, device="cuda", generator=gen)
+    dS = torch.randn(h0.shape, device="cuda", generator=gen)
+    o, S, grads = grads_of(chunk_kda, xs, h0, do, dS, cu_seqlens=cu)
+    o_ref, S_ref, grads_ref = grads_of(chunk_kda_reference, [x.float() for x in xs], h0, do, dS, cu_seqlens=cu)
+    assert rel_rms(o, o_ref) < 1e-2 and rel_rms(S, S_ref) < 1e-2
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "h0"], grads, grads_ref):
+        assert torch.isfinite(a).all(), name
+        assert rel_rms(a, b) < 2e-2, name
+
+
+def test_float32_small_against_float64_recurrence():
+    *xs, h0 = inputs(2, 300, 2, 64, 64, dtype=torch.float64, seed=3)
+    do = torch.randn(2, 300, 2, 64, device="cuda", dtype=torch.float64)
+    dS = torch.randn(h0.shape, device="cuda", dtype=torch.float64)
+    o_ref, S_ref, grads_ref = grads_of(recurrent_kda, xs, h0.double(), do, dS)
+    o, S, grads = grads_of(chunk_kda, [x.float() for x in xs], h0, do.float(), dS.float())
+    assert rel_rms(o, o_ref) < 5e-3 and rel_rms(S, S_ref) < 5e-3
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "h0"], grads, grads_ref):
+        assert rel_rms(a, b) < 2e-2, name
+
+
+def test_hard_resets_bf16_finite():
+    *xs, h0 = inputs(2, 1000, 4, 128, 128, seed=4)
+    xs[3][:, ::37] = -1000.0
+    o, S, grads = grads_of(chunk_kda, xs, h0, torch.randn(2, 1000, 4, 128, device="cuda"), torch.randn_like(h0))
+    assert all(torch.isfinite(x).all() for x in (o, S, *grads))
