@@ -23,11 +23,12 @@ from titan_k3.checkpoint import build_checkpointer
 from titan_k3.config import ConfigError, JobConfig, help_text, load_job_config
 from titan_k3.metrics.clocks import TwoClocks
 from titan_k3.metrics.events import EventLog
-from titan_k3.metrics.moe_stats import expert_load_stats
+from titan_k3.metrics.reporter import MetricsReporter
 from titan_k3.metrics.run_dir import Tee, prepare_run_dir, run_dir_path
 from titan_k3.models.k3.args import count_params, flops_per_token, get_flavor
 from titan_k3.models.k3.impl import resolve_impl
 from titan_k3.models.k3.model import K3Model
+from titan_k3.parallel import CompileWatch, clip_grad_norm_, init_weights, parallelize, setup_distributed
 from titan_k3.optim import LRSchedule, ParamSpec, build_optimizers, qk_clip_
 
 IGNORE_INDEX = -100
@@ -68,12 +69,6 @@ class Trainer:
         self.device = _device(cfg)
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.rank = int(os.environ.get("RANK", 0))
-        if self.world_size > 1:
-            raise ConfigError(
-                f"WORLD_SIZE={self.world_size}: multi-process training needs titan_k3.parallel, which this build lacks"
-            )
-        self.dp_rank, self.dp_world = 0, 1
-        self.dp_group = None
         t = cfg.training
 
         from titan_k3.data.loader import build_dataloader
@@ -86,6 +81,8 @@ class Trainer:
                 f"config key 'model.vocab_size' = {vocab}: below the tokenizer's vocabulary of {self.tokenizer.vocab_size}"
             )
         self.args = get_flavor(cfg.model.flavor, vocab)
+        self.dist = setup_distributed(cfg.parallelism, self.device, self.args.n_experts)
+        self.dp_rank, self.dp_world, self.dp_group = self.dist.dp_rank, self.dist.dp_world, self.dist.dp_group
         self.loader = build_dataloader(
             cfg.data.dataset, self.tokenizer, t.seq_len, t.local_batch_size, self.dp_rank, self.dp_world,
             t.seed, mixture=_mixture(cfg.data.mixture), prefetch=cfg.data.prefetch,
@@ -100,8 +97,9 @@ class Trainer:
         torch.manual_seed(t.seed)
         with torch.device("meta"):
             model = K3Model(self.args, self.impl, cfg.model.qb_eta)
+        self.impl.choices += parallelize(model, self.dist.dims, self.dist.mesh, cfg, self.device)
         model.to_empty(device=self.device)
-        model.init_weights(seed=t.seed)
+        init_weights(model, lambda: K3Model(self.args, self.impl, cfg.model.qb_eta), t.seed, self.device)
         for router in model.moe_routers().values():
             router.update_enabled = cfg.model.qb_update
             router.dp_group = self.dp_group
@@ -130,6 +128,8 @@ class Trainer:
 
         # Everything above can still refuse the job; only now does the run directory appear.
         self.run_dir = run_dir_path(cfg)
+        self.reporter = MetricsReporter(cfg, rank=self.rank, device=self.device, flops_per_token=self.flops_per_token,
+                                        n_devices=self.world_size, group=self.dp_group)
         if self.rank == 0:
             prepare_run_dir(cfg, {
                 "flavor": cfg.model.flavor, "vocab_size": vocab,
@@ -140,13 +140,14 @@ class Trainer:
             self._stdout = sys.stdout
             sys.stdout = Tee(sys.stdout, self.run_dir / "stdout.log")
         self.events = EventLog(self.run_dir / "events.jsonl" if self.rank == 0 else None)
-        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.reporter.start(self.run_dir, self.events)
         self._report_start()
         self.checkpointer = build_checkpointer(self)
         self.checkpointer.load()
 
     def close(self) -> None:
-        """Stop teeing stdout into the run directory."""
+        """Stop the metric sinks and teeing stdout into the run directory."""
+        self.reporter.close()
         if isinstance(sys.stdout, Tee) and getattr(self, "_stdout", None) is not None:
             sys.stdout.file.close()
             sys.stdout = self._stdout
@@ -163,44 +164,14 @@ class Trainer:
         print(f"tokens per update = {t.local_batch_size} batch x {t.seq_len} seq x {t.grad_accum} accum x "
               f"{self.dp_world} dp = {self.tokens_per_update}")
         print(f"optimizers: {self.optimizers.param_groups_summary()}")
-        for c in self.impl.choices:
-            line = f"kernel {c.op}: {c.chosen}" + (f" (FALLBACK from '{c.requested}': {c.reason})" if c.fallback else "")
-            print(line)
-            if c.fallback:
-                self.events.emit("fallback", line, step=0, **c.as_dict())
-        self.events.emit("kernel_report", "kernels chosen", step=0, kernels=[c.as_dict() for c in self.impl.choices])
+        self.reporter.report_kernels(self.impl.choices)
 
     def _log(self, result: StepResult, window: dict) -> None:
-        import json
-
-        c, t = self.clocks, self.cfg.training
-        record = {
-            "step": self.step,
-            "loss": result.loss,
-            "lr": self._last_lr,
-            "grad_norm": result.grad_norm,
-            "tokens_seen": self.tokens_seen,
-            "skipped_updates": self.skipped_updates,
-            "training_seconds": c.training_seconds,
-            "session_seconds": c.session_seconds,
-            "tokens_per_second_training": window["tokens"] / max(window["training_seconds"], 1e-9),
-            "tokens_per_second_session": self.tokens_seen / max(c.session_seconds, 1e-9),
-            "data_wait_fraction": window["data_wait"] / max(window["training_seconds"], 1e-9),
-        }
-        record["mfu"] = record["tokens_per_second_training"] * self.flops_per_token / (self.cfg.metrics.peak_tflops * 1e12)
-        if self.device.type == "cuda":
-            record["memory_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            record["memory_peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
-        for layer, router in self.model.moe_routers().items():
-            for key, value in expert_load_stats(router.load_counts, router.qb_bias).items():
-                record[f"moe/{layer}/{key}"] = value
-            router.load_counts.zero_()
-        if self.rank == 0:
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-            print(f"step {self.step:>6} | loss {result.loss:.4f} | lr {record['lr']:.2e} | gnorm {result.grad_norm:.3f} | "
-                  f"tok/s {record['tokens_per_second_training']:,.0f} (session {record['tokens_per_second_session']:,.0f}) | "
-                  f"mfu {100 * record['mfu']:.2f}%", flush=True)
+        self.reporter.log(
+            step=self.step, loss=result.loss, grad_norm=result.grad_norm, lr=self._last_lr, tokens_seen=self.tokens_seen,
+            skipped_updates=self.skipped_updates, clocks=self.clocks, window=window, routers=self.model.moe_routers(),
+            source_tokens=getattr(self.loader, "source_tokens_total", None),
+        )
 
     # ------------------------------------------------------------------ the step
     def _next_batch(self):
@@ -230,8 +201,10 @@ class Trainer:
             loss_sum += out.loss_sum.detach().float()
         loss = (self._all_reduce(loss_sum) / global_valid).item()
         params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.reporter.is_log_step(self.step + 1):
+            self.reporter.capture_grads(self.model.named_parameters())
         max_norm = cfg.training.max_norm if cfg.training.max_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True).item()
+        grad_norm = clip_grad_norm_(params, max_norm).item()
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         self._last_lr = self.optimizers.lr
         if skipped:

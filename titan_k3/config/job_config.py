@@ -130,6 +130,8 @@ class ActivationCheckpoint:
 class Compile:
     enable: bool = False
     """torch.compile each transformer block."""
+    backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """torch.compile backend; aot_eager traces and partitions like inductor without code generation (CPU tests)."""
 
 
 @dataclass
@@ -212,6 +214,8 @@ class Data:
 class Debug:
     crash_at_step: int = -1
     """Exit with status 3 right after this update (tests of restarts); -1 never."""
+    kill_in_save_at_step: int = -1
+    """Exit with status 3 inside the checkpoint save of this update, after its files are written and before the rename (tests of atomic saves); -1 never."""
     deterministic: bool = False
     """Ask torch for deterministic algorithms."""
 

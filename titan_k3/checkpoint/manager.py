@@ -1,0 +1,414 @@
+"""Save and resume a run with torch.distributed.checkpoint (DCP): atomic, async, reshardable.
+
+What one checkpoint (`checkpoints/step-N/`) holds:
+
+    DCP files + .metadata   "model.*"  the model state dict as it lives (DTensor shards under FSDP2,
+                                       plain tensors otherwise), incl. the persistent Quantile Balancing
+                                       buffers layers.N.ffn.router.qb_bias
+                            "optim.*"  Optimizers.state_dict(): {"muon"|"adamw": {"state": {param name:
+                                       {...}}, "param_groups": [...]}}, keyed by parameter name
+    meta.json               step, tokens seen, skipped updates, LR schedule state, model args, world
+                            sizes (rank 0; human-readable; the exporter reads the model args from it)
+    rank-R.pt               per rank R: the data loader position and the torch CPU/CUDA RNG states
+
+DCP stores every tensor by its global shape, so a checkpoint saved on W ranks
+loads on any other number of ranks (resharding). The data loader's state is
+global by construction (titan_k3/data/loader.py: the stream does not depend on
+the ranks, and every rank holds the same state), so a different dp_world
+continues at the same global sequence index; the loader itself refuses, with a
+clear message, a position that is not a whole number of new global batches.
+RNG states are per rank: on another world size, rank R takes rank R's saved
+state when there was one, and otherwise keeps its seeded state.
+
+Saving (every `interval` updates, at the last update, and on SIGTERM) writes
+under `step-N.tmp-<nonce>`; when DCP's coordinator has written `.metadata`
+(which happens after every rank's data is written) rank 0 renames the dir to
+`step-N`, moves `latest`, then applies retention. In async mode the tensors
+are staged to host memory during the call and written by a background thread
+while training continues; the next save (and the end of the run) waits for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+import warnings
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from titan_k3.checkpoint import layout
+
+META_FILE = "meta.json"
+META_VERSION = 1
+# Trainer attributes that make up the train state, saved in meta.json.
+TRAIN_STATE_KEYS = ("step", "tokens_seen", "skipped_updates", "skipped_in_row")
+_MAX_LISTED = 5
+# NOTE: a single-process run saves and loads with no_dist; DCP still warns about it on every call.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank}.pt"
+
+
+@dataclass
+class _Pending:
+    """A save whose files are still being written (async) or not yet committed."""
+
+    step: int
+    tmp: Path
+    future: Future | None
+    started: float
+    stage_seconds: float
+
+
+class StopRequest:
+    """SIGTERM (and SIGINT when asked) sets a flag; the loop finishes its update, saves and exits 0.
+
+    The handler only records the signal: stopping between two updates is what
+    keeps the checkpoint consistent. Installed only from the main thread.
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for s in signals:
+                self._previous[s] = signal.signal(s, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        self.signum = signum
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+
+class CheckpointManager:
+    """Saves and loads one run's checkpoints.
+
+    Args:
+        cfg: the [checkpoint] section.
+        folder: run_dir / cfg.folder.
+        model, optimizers, schedule, loader: the trainer's objects (optimizers is an
+            `Optimizers`, schedule an `LRSchedule`, loader has state_dict/load_state_dict).
+        train_state: object whose TRAIN_STATE_KEYS attributes are saved and restored (the Trainer).
+        meta: JSON-able facts stored in meta.json (model args, flavor, ...).
+        events: an EventLog (rank 0 writes; others print nothing).
+    """
+
+    def __init__(self, cfg, folder: Path, *, model: torch.nn.Module, optimizers, schedule, loader,
+                 train_state, meta: dict[str, Any], events, rank: int = 0, world_size: int = 1,
+                 dp_rank: int = 0, dp_world: int = 1, kill_in_save_at_step: int = -1):
+        self.cfg = cfg
+        self.folder = Path(folder)
+        self.model, self.optimizers, self.schedule, self.loader = model, optimizers, schedule, loader
+        self.train_state = train_state
+        self.meta = meta
+        self.events = events
+        self.rank, self.world_size, self.dp_rank, self.dp_world = rank, world_size, dp_rank, dp_world
+        self.distributed = dist.is_available() and dist.is_initialized()
+        # NOTE: async writes run collectives from a background thread; a group of their own
+        # (gloo, CPU) keeps them from interleaving with the training collectives.
+        self.group = dist.new_group(backend="gloo") if self.distributed else None
+        self.stop = StopRequest()
+        self._pending: _Pending | None = None
+        self._last_saved_step: int | None = None
+        self._kill_in_save_at_step = kill_in_save_at_step
+
+    # ------------------------------------------------------------------ state dicts
+    def _model_state(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def _dcp_state(self) -> dict[str, Any]:
+        return {"model": self._model_state(), "optim": self.optimizers.state_dict()}
+
+    def _train_state(self) -> dict[str, int]:
+        return {k: int(getattr(self.train_state, k)) for k in TRAIN_STATE_KEYS}
+
+    def _rank_state(self) -> dict[str, Any]:
+        rng = {"torch_cpu": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["torch_cuda"] = torch.cuda.get_rng_state()
+        return {"rank": self.rank, "dp_rank": self.dp_rank, "dp_world": self.dp_world,
+                "loader": self.loader.state_dict(), "rng": rng}
+
+    # ------------------------------------------------------------------ saving
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cfg.enable)
+
+    def after_step(self, step: int, last: bool) -> bool:
+        """Call after every update: commits finished async saves, saves on schedule or on SIGTERM.
+
+        Returns True when the run must stop now (a stop signal arrived on any rank).
+        """
+        if self._pending is not None and self._pending.future is not None and self._all_done():
+            self._finalize()
+        stop = self._stop_agreed()
+        if self.enabled and (stop or last or step % self.cfg.interval == 0):
+            self.save(step)
+        if stop:
+            name = signal.Signals(self.stop.signum).name if self.stop.signum else "a stop signal"
+            self.events.emit("stopped", f"{name} received: stopping after update {step}"
+                             + (" with a checkpoint" if self.enabled else " (checkpoints disabled)"), step=step)
+        return stop
+
+    def save(self, step: int) -> None:
+        """Save the state after update `step` (blocking, or async per cfg.async_mode)."""
+        if self._last_saved_step == step:
+            return
+        self.wait()
+        t0 = time.perf_counter()
+        tmp = self._agree_tmp_dir(step)
+        tmp.mkdir(parents=True, exist_ok=True)
+        torch.save(self._rank_state(), tmp / rank_file(self.rank))
+        if self.rank == 0:
+            meta = {"version": META_VERSION, "step": step, "train": self._train_state(),
+                    "schedule": self.schedule.state_dict(), "world_size": self.world_size,
+                    "dp_world": self.dp_world, "saved_unix": time.time(), **self.meta}
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
+        state = self._dcp_state()
+        kw = dict(checkpoint_id=str(tmp), process_group=self.group, no_dist=not self.distributed)
+        if self.cfg.async_mode == "async":
+            future = dcp.async_save(state, **kw)
+            # NOTE: newer torch returns an AsyncSaveResponse (staging + upload futures) for some stagers.
+            future = getattr(future, "upload_completion", future)
+        else:
+            dcp.save(state, **kw)
+            future = None
+        self._pending = _Pending(step, tmp, future, t0, time.perf_counter() - t0)
+        self._last_saved_step = step
+        if self._kill_in_save_at_step == step:
+            self._die_before_commit(step)
+        if future is None:
+            self._finalize()
+
+    def _die_before_commit(self, step: int) -> None:
+        """debug.kill_in_save_at_step (tests): exit like a kill once the files are written, before the rename."""
+        if self._pending.future is not None:
+            self._pending.future.result()
+        print(f"debug.kill_in_save_at_step = {step}: exiting with status 3 before the commit", flush=True)
+        os._exit(3)
+
+    def wait(self) -> None:
+        """Block until a pending async save is written, then commit it (all ranks call this)."""
+        if self._pending is not None:
+            self._finalize()
+
+    def _all_done(self) -> bool:
+        """Whether the pending async save has finished writing; rank 0's future decides (it finishes last)."""
+        done = torch.tensor([int(self._pending.future.done())])
+        if self.distributed:
+            dist.broadcast(done, src=0, group=self.group)
+        return bool(done.item())
+
+    def _finalize(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending.future is not None:
+            pending.future.result()
+        if self.rank != 0:
+            return
+        final = layout.commit(pending.tmp, pending.step)
+        deleted = layout.apply_retention(self.folder, self.cfg.keep_latest_k)
+        seconds = time.perf_counter() - pending.started
+        size = sum(f.stat().st_size for f in final.iterdir() if f.is_file())
+        self.events.emit(
+            "checkpoint_saved",
+            f"saved {final} ({size / 2**20:.1f} MiB, {self.cfg.async_mode}: blocked {pending.stage_seconds:.2f}s, "
+            f"total {seconds:.2f}s)" + (f"; deleted steps {deleted}" if deleted else ""),
+            step=pending.step, path=str(final), bytes=size, mode=self.cfg.async_mode,
+            blocking_seconds=pending.stage_seconds, seconds=seconds, deleted_steps=deleted,
+        )
+
+    def _agree_tmp_dir(self, step: int) -> Path:
+        names = [layout.new_tmp_dir(self.folder, step).name]
+        if self.distributed:
+            dist.broadcast_object_list(names, src=0, group=self.group)
+        return self.folder / names[0]
+
+    def _stop_agreed(self) -> bool:
+        """A stop signal on any rank stops every rank after the same update."""
+        flag = torch.tensor([int(self.stop.requested)])
+        if self.distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        """Wait for and commit a pending save; restore the signal handlers."""
+        self.wait()
+        self.stop.restore()
+
+    # ------------------------------------------------------------------ loading
+    def load(self) -> int | None:
+        """Resume from this run's checkpoint, else initialise the model from initial_load_path.
+
+        Returns the step resumed from, or None when the run starts fresh.
+        """
+        if self.rank == 0:
+            removed = layout.remove_leftovers(self.folder)
+            if removed:
+                self.events.emit("checkpoint_discarded",
+                                 f"removed {len(removed)} incomplete save(s) of an interrupted run: {', '.join(removed)}",
+                                 step=0, removed=removed)
+        self._barrier()
+        if not self.enabled:
+            return self._load_initial()
+        path, note = layout.resolve(self.folder, self.cfg.load_step)
+        if path is None:
+            if note:
+                raise ValueError(f"{self.folder}: {note}")
+            return self._load_initial()
+        if note:
+            self.events.emit("checkpoint_fallback", note, step=0, path=str(path))
+        return self.load_from(path)
+
+    def load_from(self, path: Path) -> int:
+        """Load the full training state of checkpoint dir `path` (all ranks)."""
+        meta = json.loads((path / META_FILE).read_text())
+        state = self._dcp_state()
+        check_compatible(path, state)
+        dcp.load(state, checkpoint_id=str(path), process_group=self.group, no_dist=not self.distributed)
+        set_model_state_dict(self.model, state["model"])
+        self.optimizers.load_state_dict(state["optim"])
+        self.schedule.load_state_dict(meta["schedule"])
+        for k in TRAIN_STATE_KEYS:
+            setattr(self.train_state, k, int(meta["train"][k]))
+        note = self._load_rank_state(path, meta)
+        step = int(meta["step"])
+        self._last_saved_step = step
+        self.events.emit("resumed", f"resumed from {path} at update {step}" + (f"; {note}" if note else ""),
+                         step=step, path=str(path), saved_world_size=meta["world_size"],
+                         world_size=self.world_size)
+        return step
+
+    def _load_rank_state(self, path: Path, meta: dict) -> str:
+        same_world = meta["world_size"] == self.world_size and meta["dp_world"] == self.dp_world
+        own = path / rank_file(self.rank)
+        # NOTE: the loader state is the same on every rank, so rank 0's serves any new world size.
+        loader_src = own if same_world else path / rank_file(0)
+        loader_state = torch.load(loader_src, weights_only=False)["loader"]
+        try:
+            self.loader.load_state_dict(loader_state)
+        except ValueError as e:
+            raise ValueError(f"checkpoint {path}: data loader position does not fit this run: {e}") from None
+        if own.is_file():
+            rng = torch.load(own, weights_only=False)["rng"]
+            torch.set_rng_state(rng["torch_cpu"])
+            random.setstate(rng["python"])
+            if "torch_cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["torch_cuda"])
+        if same_world:
+            return ""
+        return (f"saved on {meta['world_size']} ranks (dp {meta['dp_world']}), loaded on {self.world_size} "
+                f"(dp {self.dp_world}): model and optimizer resharded; data continues at the global position "
+                f"(per-rank mixture counters restart); ranks without a saved RNG state keep their seeded one")
+
+    def _load_initial(self) -> int | None:
+        src = self.cfg.initial_load_path
+        if not src:
+            return None
+        load_model_weights(self.model, Path(src), process_group=self.group)
+        self.events.emit("initial_load", f"model weights initialised from {src} (optimizer and data start fresh)",
+                         step=0, path=src)
+        return None
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.group)
+
+
+# ---------------------------------------------------------------------- helpers
+def flat_tensor_shapes(state: dict[str, Any], prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """{DCP key: global shape} for every tensor of a nested state dict (DCP joins keys with '.')."""
+    out = {}
+    for k, v in state.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flat_tensor_shapes(v, key + "."))
+        elif isinstance(v, torch.Tensor):
+            out[key] = tuple(v.shape)
+    return out
+
+
+def check_compatible(path: Path, state: dict[str, Any], *, model_only: bool = False) -> None:
+    """Raise one ValueError listing the first mismatched keys and shapes between `path` and `state`.
+
+    Reads only DCP's metadata, so a checkpoint of another model stops before any tensor is read.
+    """
+    if not (path / layout.DCP_METADATA).is_file():
+        raise ValueError(f"checkpoint {path}: not a complete checkpoint (no {layout.DCP_METADATA})")
+    saved = {k: tuple(m.size) for k, m in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+             if isinstance(m, TensorStorageMetadata)}
+    want = flat_tensor_shapes(state)
+    if model_only:
+        saved = {k: v for k, v in saved.items() if k.startswith("model.")}
+    problems = [f"{k}: checkpoint {list(saved[k])} vs this run {list(s)}"
+                for k, s in want.items() if k in saved and saved[k] != s]
+    problems += [f"{k}: missing from the checkpoint (this run {list(s)})" for k, s in want.items() if k not in saved]
+    problems += [f"{k}: not in this run (checkpoint {list(s)})" for k, s in saved.items() if k not in want]
+    if problems:
+        listed = "; ".join(problems[:_MAX_LISTED])
+        more = f" (+{len(problems) - _MAX_LISTED} more)" if len(problems) > _MAX_LISTED else ""
+        raise ValueError(
+            f"checkpoint {path} does not match this model/optimizer ({len(problems)} mismatches): {listed}{more}"
+        )
+
+
+def load_model_weights(model: torch.nn.Module, src: Path, process_group=None) -> None:
+    """Model-only load: a DCP step dir, a checkpoints folder (its `latest`), or an exported K3 dir."""
+    if (src / "config.json").is_file():
+        from titan_k3.checkpoint.hf import import_state_dict
+
+        _, full = import_state_dict(src)
+        current = get_model_state_dict(model)
+        want = {k: tuple(v.shape) for k, v in current.items()}
+        got = {k: tuple(v.shape) for k, v in full.items()}
+        if want != got:
+            bad = [f"{k}: export {list(got.get(k, ()))} vs model {list(s)}" for k, s in want.items() if got.get(k) != s]
+            bad += [f"{k}: not in this model" for k in got if k not in want]
+            raise ValueError(f"initial_load_path {src} does not match this model: {'; '.join(bad[:_MAX_LISTED])}")
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+        return
+    if not (src / layout.DCP_METADATA).is_file():
+        path, note = layout.resolve(src, -1)
+        if path is None:
+            raise ValueError(f"config key 'checkpoint.initial_load_path' = '{src}': no checkpoint there {note}".strip())
+        src = path
+    state = {"model": get_model_state_dict(model)}
+    check_compatible(src, state, model_only=True)
+    distributed = dist.is_available() and dist.is_initialized()
+    dcp.load(state, checkpoint_id=str(src), process_group=process_group, no_dist=not distributed)
+    set_model_state_dict(model, state["model"])
+
+
+def build_checkpointer(trainer) -> CheckpointManager:
+    """The trainer's CheckpointManager (reads the trainer's attributes; see Trainer.__init__)."""
+    cfg = trainer.cfg
+    meta = {"flavor": cfg.model.flavor, "model_args": asdict(trainer.args), "qb_eta": cfg.model.qb_eta,
+            "tokenizer": getattr(trainer.tokenizer, "name", "")}
+    return CheckpointManager(
+        cfg.checkpoint, trainer.run_dir / cfg.checkpoint.folder, model=trainer.model, optimizers=trainer.optimizers,
+        schedule=trainer.schedule, loader=trainer.loader, train_state=trainer, meta=meta, events=trainer.events,
+        rank=trainer.rank, world_size=trainer.world_size, dp_rank=trainer.dp_rank, dp_world=trainer.dp_world,
+        kill_in_save_at_step=getattr(cfg.debug, "kill_in_save_at_step", -1),
+    )
+
