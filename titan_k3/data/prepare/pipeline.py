@@ -1,0 +1,379 @@
+"""The prepare pipeline: three resumable stages over a work directory.
+
+  A  per work unit, in worker processes: read -> normalise -> rule filters ->
+     content hash, MinHash signature, benchmark n-gram check. One result file per
+     unit (metadata + signatures, and the texts separately), renamed into place
+     when complete.
+  B  in order, in the main process: exact dedup (first occurrence wins, across
+     sources) -> near dedup (LSH) -> decontamination -> decisions.jsonl, the
+     train/validation split, and a fixed plan of which documents go in which shard.
+  C  per planned shard, in worker processes: tokenise, append EOS, write the shard
+     (temporary names, renamed) and then its completion record.
+  Then index.json (last, so its presence means the dataset is complete), report.md
+  and stats.json; the work directory is removed.
+
+A killed run resumes on rerun: finished units and shards are kept, the rest is
+redone; B is deterministic and cheap, so it simply reruns unless its result is
+saved. The shard plan depends only on the inputs and the config, so a resumed run
+writes the same shards as an uninterrupted one.
+
+Debug knob: TITAN_K3_PREPARE_CRASH_AFTER=<stage>:<k> (stage a or c) raises after
+k tasks of that stage complete in this run, to test resumption.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import time
+from collections import Counter, defaultdict
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+
+from titan_k3.data.prepare.config import FilterConfig, PrepareConfig
+from titan_k3.data.prepare.dedup import BenchmarkNgrams, NearDuplicateIndex, minhash_signature
+from titan_k3.data.prepare.quality import normalize, rule_filter, word_hashes, words
+from titan_k3.data.prepare.report import write_report
+from titan_k3.data.prepare.sources import plan_units, read_unit
+from titan_k3.data.shards import INDEX_NAME, token_dtype, write_index, write_shard
+from titan_k3.data.tokenizer import load_tokenizer
+
+DECISIONS = ("accepted", "too_short", "low_quality", "exact_duplicate", "near_duplicate", "contaminated")
+WORK_DIR = ".prepare-work"
+_CRASH_ENV = "TITAN_K3_PREPARE_CRASH_AFTER"
+
+
+def _dump(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(tmp, path)
+
+
+def _load(path: Path):
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- worker side
+
+_WORKER_CACHE: dict = {}
+
+
+def _benchmarks(paths: tuple[str, ...], n: int) -> BenchmarkNgrams:
+    key = ("bench", paths, n)
+    if key not in _WORKER_CACHE:
+        _WORKER_CACHE[key] = BenchmarkNgrams(list(paths), n)
+    return _WORKER_CACHE[key]
+
+
+def stage_a_unit(unit: dict, cfg: dict, out_stem: str) -> dict:
+    """Read, normalise, filter and fingerprint one work unit; write `out_stem`.meta / .text."""
+    filters = FilterConfig(**{**cfg["filters"], **cfg["source_filters"]})
+    near = cfg["near_dedup"]
+    bench = _benchmarks(tuple(cfg["decontamination"]["benchmarks"]), cfg["decontamination"]["n"])
+    clock = Counter()
+    metas, texts, sigs = [], [], []
+    bytes_in = 0
+    t = time.perf_counter()
+    for doc_id, raw in read_unit(unit):
+        t = _tick(clock, "read", t)
+        bytes_in += len(raw.encode("utf-8"))
+        text = normalize(raw)
+        t = _tick(clock, "normalize", t)
+        toks = words(text)
+        wh = word_hashes(toks)
+        meta = {"id": doc_id, "sha256": hashlib.sha256(text.encode()).hexdigest(), "chars": len(text)}
+        verdict = rule_filter(text, toks, wh, filters)
+        t = _tick(clock, "filter", t)
+        if verdict:
+            meta["decision"], meta["reason"] = verdict
+        else:
+            if near["enable"]:
+                meta["sig"] = len(sigs)
+                sigs.append(minhash_signature(wh, near["shingle"], near["num_perm"]))
+            t = _tick(clock, "minhash", t)
+            meta["contam"] = bench.first_hit(toks, wh)
+            meta["text"] = len(texts)
+            texts.append(text)
+            t = _tick(clock, "decontaminate", t)
+        metas.append(meta)
+    sig_arr = np.stack(sigs) if sigs else np.zeros((0, near["num_perm"]), np.uint32)
+    out = Path(out_stem)
+    _dump(out.with_name(out.name + ".text"), texts)
+    _dump(out.with_name(out.name + ".meta"), {"docs": metas, "sigs": sig_arr, "bytes": bytes_in})
+    return {"bytes": bytes_in, "docs": len(metas), "clock": dict(clock)}
+
+
+def _tick(clock: Counter, name: str, t0: float) -> float:
+    t1 = time.perf_counter()
+    clock[name] += t1 - t0
+    return t1
+
+
+def stage_c_shard(task: dict, tokenizer_spec: str, tokenizer_sha: str, out_dir: str, work_dir: str) -> dict:
+    """Tokenise one planned shard, write it, then its completion record."""
+    key = ("tok", tokenizer_spec)
+    if key not in _WORKER_CACHE:
+        _WORKER_CACHE[key] = load_tokenizer(tokenizer_spec)
+    tok = _WORKER_CACHE[key]
+    if tok.sha256 != tokenizer_sha:
+        raise ValueError(f"tokenizer {tokenizer_spec!r} changed during prepare (sha256 {tok.sha256[:12]}...)")
+    t0 = time.perf_counter()
+    texts, loaded = [], {}
+    for unit_stem, idx in task["items"]:
+        if unit_stem not in loaded:
+            loaded = {unit_stem: _load(Path(work_dir) / "a" / f"{unit_stem}.text")}
+        texts.append(loaded[unit_stem][idx])
+    t1 = time.perf_counter()
+    dtype = token_dtype(tok.vocab_size)
+    # NOTE: one text at a time: batch encoders start their own threads, and the
+    # parallelism here is the worker processes.
+    docs = [np.asarray(tok.encode(t) + [tok.eos_id], dtype=dtype) for t in texts]
+    t2 = time.perf_counter()
+    record = write_shard(out_dir, task["stem"], docs, source=task["source"], dtype=dtype, provenance=task["provenance"])
+    _write_text(Path(work_dir) / "c" / f"{task['stem']}.json", json.dumps(record))
+    t3 = time.perf_counter()
+    n_bytes = sum(len(t.encode("utf-8")) for t in texts)
+    return {"bytes": n_bytes, "clock": {"load": t1 - t0, "tokenize": t2 - t1, "write": t3 - t2}}
+
+
+# ---------------------------------------------------------------- main side
+
+
+def _crash_after(stage: str) -> int | None:
+    spec = os.environ.get(_CRASH_ENV, "")
+    name, _, k = spec.partition(":")
+    return int(k) if name == stage and k else None
+
+
+class _Serial:
+    """The in-process executor for workers = 1: a pool of one only adds start-up time."""
+
+    def submit(self, fn, *args):
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:
+            fut.set_exception(e)
+        return fut
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        pass
+
+
+def _make_pool(workers: int):
+    if workers == 1:
+        return _Serial()
+    # NOTE: forkserver: workers fork from a clean server that preloaded this module,
+    # so they start fast and never inherit the caller's threads (as fork would).
+    ctx = get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+
+
+def _run_parallel(pool, fn, jobs: list[tuple], stage: str) -> list[dict]:
+    """Run fn(*job) for every job on the pool; results in completion order."""
+    crash = _crash_after(stage)
+    results: list[dict] = []
+    pending = {pool.submit(fn, *job) for job in jobs}
+    try:
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in done:
+                results.append(fut.result())
+                if crash is not None and len(results) >= crash:
+                    raise RuntimeError(f"{_CRASH_ENV}: debug crash in stage {stage} after {len(results)} tasks")
+    finally:
+        for fut in pending:
+            fut.cancel()
+    return results
+
+
+def _unit_stem(unit: dict) -> str:
+    return f"{unit['source']}-{unit['index']:06d}"
+
+
+def _is_validation(sha: str, fraction: float) -> bool:
+    return int(sha[:12], 16) % 1_000_000 < fraction * 1_000_000
+
+
+def stage_b(cfg: PrepareConfig, units: list[dict], work: Path, out: Path) -> dict:
+    """Global decisions in input order; writes decisions.jsonl and returns the shard plan and counts."""
+    near = NearDuplicateIndex(cfg.near_dedup.threshold, cfg.near_dedup.num_perm) if cfg.near_dedup.enable else None
+    first_seen: dict[str, str] = {}
+    names: list[str] = []
+    counts: dict[str, Counter] = defaultdict(Counter)
+    rules: Counter = Counter()
+    contam: dict[str, dict] = defaultdict(lambda: {"docs": 0, "examples": []})
+    accepted: dict[tuple[str, str], list] = defaultdict(list)
+    lines = []
+    for unit in units:
+        stem = _unit_stem(unit)
+        meta = _load(work / "a" / f"{stem}.meta")
+        for doc in meta["docs"]:
+            ref = f"{unit['source']}/{doc['id']}"
+            rec = {"source": unit["source"], "id": doc["id"], "sha256": doc["sha256"]}
+            decision, reason = doc.get("decision"), doc.get("reason", {})
+            if decision is None and doc["sha256"] in first_seen:
+                decision, reason = "exact_duplicate", {"duplicate_of": first_seen[doc["sha256"]]}
+            elif decision is None:
+                first_seen[doc["sha256"]] = ref
+                if near is not None:
+                    names.append(ref)
+                    hit = near.check_and_add(len(names) - 1, meta["sigs"][doc["sig"]])
+                    if hit is not None:
+                        decision, reason = "near_duplicate", {"duplicate_of": names[hit[0]], "jaccard": round(hit[1], 4)}
+            if decision is None and doc["contam"] is not None:
+                decision, reason = "contaminated", doc["contam"]
+                entry = contam[reason["benchmark"]]
+                entry["docs"] += 1
+                if len(entry["examples"]) < 3:
+                    entry["examples"].append(reason["ngram"])
+            if decision is None:
+                decision = "accepted"
+                split = "validation" if _is_validation(doc["sha256"], cfg.validation_fraction) else "train"
+                reason = {"split": split}
+                accepted[(split, unit["source"])].append((stem, doc["text"], doc["chars"], rec))
+            if decision in ("too_short", "low_quality"):
+                rules[reason["rule"]] += 1
+            counts[unit["source"]][decision] += 1
+            lines.append(json.dumps({**rec, "decision": decision, "reason": reason}, sort_keys=True))
+    _write_text(out / "decisions.jsonl", "\n".join(lines) + ("\n" if lines else ""))
+    return {
+        "plan": _plan_shards(accepted, int(cfg.shard_mb * 1e6)),
+        "counts": {k: dict(v) for k, v in counts.items()},
+        "rules": dict(rules),
+        "contamination": dict(contam),
+    }
+
+
+def _plan_shards(accepted: dict, shard_chars: int) -> list[dict]:
+    plan = []
+    for (split, source) in sorted(accepted):
+        items, prov, chars, k = [], [], 0, 0
+        for stem, idx, n_chars, rec in accepted[(split, source)]:
+            items.append((stem, idx))
+            prov.append(rec)
+            chars += n_chars
+            if chars >= shard_chars:
+                plan.append({"stem": f"{split}-{source}-{k:05d}", "split": split, "source": source, "items": items, "provenance": prov})
+                items, prov, chars, k = [], [], 0, k + 1
+        if items:
+            plan.append({"stem": f"{split}-{source}-{k:05d}", "split": split, "source": source, "items": items, "provenance": prov})
+    return plan
+
+
+def prepare(cfg: PrepareConfig, force: bool = False, log=print) -> Path:
+    """Run (or resume) the pipeline; returns the output directory."""
+    pool = _make_pool(cfg.workers)
+    try:
+        return _prepare(cfg, force, log, pool)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _prepare(cfg: PrepareConfig, force: bool, log, pool) -> Path:
+    out = Path(cfg.output)
+    work = out / WORK_DIR
+    fingerprint = cfg.fingerprint()
+    if (out / INDEX_NAME).is_file() and not force:
+        done = json.loads((out / INDEX_NAME).read_text()).get("prepare", {}).get("config_sha256")
+        if done != fingerprint:
+            raise ValueError(f"output={str(out)!r} holds a dataset prepared with another config; choose another output or --force")
+        log(f"prepare: {out} is already complete")
+        return out
+    if force and out.exists():
+        shutil.rmtree(out)
+    (work / "a").mkdir(parents=True, exist_ok=True)
+    (work / "c").mkdir(exist_ok=True)
+    cfg_path = work / "config.json"
+    if cfg_path.is_file() and json.loads(cfg_path.read_text())["fingerprint"] != fingerprint:
+        raise ValueError(f"output={str(out)!r} holds an unfinished prepare with another config; choose another output or --force")
+    _write_text(cfg_path, json.dumps({"fingerprint": fingerprint, "config": asdict(cfg)}, indent=1))
+
+    tok = load_tokenizer(cfg.tokenizer)
+    BenchmarkNgrams(cfg.decontamination.benchmarks, cfg.decontamination.n)  # bad benchmark files fail before any work
+    timings: dict[str, dict] = {}
+    units = [u for s in cfg.sources for u in plan_units(s, int(cfg.unit_mb * 1e6))]
+    base = asdict(cfg)
+    jobs = []
+    for u in units:
+        stem = work / "a" / _unit_stem(u)
+        if not stem.with_name(stem.name + ".meta").is_file():
+            src = next(s for s in cfg.sources if s.name == u["source"])
+            jobs.append((u, {**base, "source_filters": src.filters}, str(stem)))
+    log(f"prepare: stage A: {len(jobs)} of {len(units)} work units to process with {cfg.workers} workers")
+    t0 = time.perf_counter()
+    res_a = _run_parallel(pool, stage_a_unit, jobs, "a")
+    timings["A"] = _stage_timing(res_a, time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    b_path = work / "b.pkl"
+    if b_path.is_file():
+        result_b = _load(b_path)
+    else:
+        result_b = stage_b(cfg, units, work, out)
+        _dump(b_path, result_b)
+    timings["B"] = {"wall_s": time.perf_counter() - t0}
+
+    plan = result_b["plan"]
+    jobs = [
+        (task, cfg.tokenizer, tok.sha256, str(out), str(work))
+        for task in plan
+        if not (work / "c" / f"{task['stem']}.json").is_file()
+    ]
+    log(f"prepare: stage C: {len(jobs)} of {len(plan)} shards to tokenize and write")
+    t0 = time.perf_counter()
+    res_c = _run_parallel(pool, stage_c_shard, jobs, "c")
+    timings["C"] = _stage_timing(res_c, time.perf_counter() - t0)
+
+    records: dict[str, list[dict]] = {"train": [], "validation": []}
+    for task in plan:
+        records[task["split"]].append(json.loads((work / "c" / f"{task['stem']}.json").read_text()))
+    stats = {
+        "config_sha256": fingerprint,
+        "counts": result_b["counts"],
+        "rules": result_b["rules"],
+        "contamination": result_b["contamination"],
+        "benchmarks": BenchmarkNgrams(cfg.decontamination.benchmarks, cfg.decontamination.n).stats,
+        "timings": timings,
+    }
+    tokens: Counter = Counter()
+    for split_records in records.values():
+        for r in split_records:
+            tokens[r["source"]] += r["n_tokens"]
+    stats["tokens"] = dict(tokens)
+    _write_text(out / "stats.json", json.dumps(stats, indent=1, sort_keys=True))
+    write_report(out / "report.md", cfg, stats)
+    write_index(
+        out,
+        tok,
+        records,
+        mixture={s.name: s.weight for s in cfg.sources},
+        prepare={"config_sha256": fingerprint, "decisions": "decisions.jsonl", "report": "report.md"},
+    )
+    shutil.rmtree(work)
+    log(f"prepare: wrote {out} ({sum(tokens.values())} tokens); report: {out / 'report.md'}")
+    return out
+
+
+def _stage_timing(results: list[dict], wall: float) -> dict:
+    clock: Counter = Counter()
+    for r in results:
+        clock.update(r["clock"])
+    n_bytes = sum(r["bytes"] for r in results)
+    return {"wall_s": wall, "bytes": n_bytes, "worker_s": dict(clock), "tasks": len(results)}

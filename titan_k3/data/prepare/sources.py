@@ -1,0 +1,154 @@
+"""Input sources: directories of text files, JSONL (optionally zstd) and Parquet, cut into work units.
+
+A work unit is a deterministic slice of one source that a worker reads on its own:
+a group of text files (one document per file), a byte range of a plain ``.jsonl``
+file (one document per line; a line belongs to the range holding its first byte),
+a whole ``.jsonl.zst`` file, or a whole ``.parquet`` file.
+
+Document ids: the JSONL/Parquet ``id_key`` field when present, else ``<file>:<line>``
+(zstd), ``<file>@<byte offset>`` (plain JSONL), ``<file>#<row>`` (Parquet), or the
+file's path relative to the source (text files). Text is decoded as UTF-8 with
+invalid bytes replaced.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Iterator
+
+from titan_k3.data.prepare.config import SourceConfig
+
+
+def _kind(path: Path) -> str:
+    name = path.name.lower()
+    if name.endswith(".jsonl"):
+        return "jsonl"
+    if name.endswith((".jsonl.zst", ".jsonl.zstd")):
+        return "jsonl.zst"
+    if name.endswith(".parquet"):
+        return "parquet"
+    return "text"
+
+
+def _files(src: SourceConfig) -> tuple[Path, list[Path]]:
+    root = Path(src.path)
+    if root.is_file():
+        return root.parent, [root]
+    files = sorted(
+        p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    )
+    return root, files
+
+
+def plan_units(src: SourceConfig, unit_bytes: int) -> list[dict]:
+    """The source's work units, in a fixed order."""
+    root, files = _files(src)
+    units: list[dict] = []
+    group: list[str] = []
+    group_bytes = 0
+
+    def flush():
+        nonlocal group, group_bytes
+        if group:
+            units.append({"kind": "text", "root": str(root), "files": group})
+        group, group_bytes = [], 0
+
+    for f in files:
+        kind, rel, size = _kind(f), f.relative_to(root).as_posix(), f.stat().st_size
+        if kind == "text":
+            group.append(rel)
+            group_bytes += size
+            if group_bytes >= unit_bytes:
+                flush()
+            continue
+        flush()
+        if kind == "jsonl":
+            for start in range(0, max(size, 1), unit_bytes):
+                units.append({"kind": kind, "root": str(root), "files": [rel], "start": start, "end": min(start + unit_bytes, size)})
+        else:
+            units.append({"kind": kind, "root": str(root), "files": [rel]})
+    flush()
+    for k, u in enumerate(units):
+        u.update(source=src.name, text_key=src.text_key, id_key=src.id_key, index=k)
+    return units
+
+
+def _record(obj, where: str, text_key: str, id_key: str, default_id: str) -> tuple[str, str]:
+    if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
+        raise ValueError(f"{where}: expected a JSON object with a string field {text_key!r}")
+    doc_id = obj.get(id_key)
+    return (str(doc_id) if doc_id is not None else default_id), obj[text_key]
+
+
+def _jsonl_range(path: Path, rel: str, start: int, end: int, text_key: str, id_key: str) -> Iterator[tuple[str, str]]:
+    with open(path, "rb") as f:
+        pos = start
+        if start > 0:
+            f.seek(start - 1)
+            if f.read(1) != b"\n":  # the line in progress belongs to the previous unit
+                pos = start + len(f.readline())
+        else:
+            f.seek(0)
+        while pos < end:
+            line = f.readline()
+            if not line:
+                break
+            if line.strip():
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}@{pos}: invalid JSON ({e})") from None
+                yield _record(obj, f"{path}@{pos}", text_key, id_key, f"{rel}@{pos}")
+            pos += len(line)
+
+
+def _jsonl_zst(path: Path, rel: str, text_key: str, id_key: str) -> Iterator[tuple[str, str]]:
+    try:
+        import zstandard
+    except ImportError:
+        raise ValueError(f"{path}: reading .jsonl.zst needs the 'zstandard' package (pip install zstandard)") from None
+    with open(path, "rb") as raw:
+        reader = io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(raw), encoding="utf-8", errors="replace")
+        for lineno, line in enumerate(reader, 1):
+            if line.strip():
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: invalid JSON ({e})") from None
+                yield _record(obj, f"{path}:{lineno}", text_key, id_key, f"{rel}:{lineno}")
+
+
+def _parquet(path: Path, rel: str, text_key: str, id_key: str) -> Iterator[tuple[str, str]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{path}: reading Parquet needs the 'pyarrow' package (pip install pyarrow)") from None
+    pf = pq.ParquetFile(path)
+    if text_key not in pf.schema_arrow.names:
+        raise ValueError(f"{path}: no column {text_key!r}; columns are {pf.schema_arrow.names}")
+    columns = [text_key] + ([id_key] if id_key in pf.schema_arrow.names else [])
+    row = 0
+    for batch in pf.iter_batches(columns=columns):
+        texts = batch.column(text_key).to_pylist()
+        ids = batch.column(id_key).to_pylist() if len(columns) == 2 else [None] * len(texts)
+        for doc_id, text in zip(ids, texts):
+            if text is not None:
+                yield (str(doc_id) if doc_id is not None else f"{rel}#{row}"), text
+            row += 1
+
+
+def read_unit(unit: dict) -> Iterator[tuple[str, str]]:
+    """Yield (document id, raw text) for every document of a work unit, in order."""
+    root = Path(unit["root"])
+    for rel in unit["files"]:
+        path = root / rel
+        if unit["kind"] == "text":
+            yield rel, path.read_bytes().decode("utf-8", errors="replace")
+        elif unit["kind"] == "jsonl":
+            yield from _jsonl_range(path, rel, unit["start"], unit["end"], unit["text_key"], unit["id_key"])
+        elif unit["kind"] == "jsonl.zst":
+            yield from _jsonl_zst(path, rel, unit["text_key"], unit["id_key"])
+        else:
+            yield from _parquet(path, rel, unit["text_key"], unit["id_key"])
