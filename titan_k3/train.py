@@ -28,8 +28,8 @@ from titan_k3.metrics.run_dir import Tee, prepare_run_dir, run_dir_path
 from titan_k3.models.k3.args import count_params, flops_per_token, get_flavor
 from titan_k3.models.k3.impl import resolve_impl
 from titan_k3.models.k3.model import K3Model
-from titan_k3.parallel import CompileWatch, clip_grad_norm_, init_weights, parallelize, setup_distributed
 from titan_k3.optim import LRSchedule, ParamSpec, build_optimizers, qk_clip_
+from titan_k3.parallel import CompileWatch, clip_grad_norm_, init_weights, parallelize, setup_distributed
 
 IGNORE_INDEX = -100
 
@@ -140,6 +140,7 @@ class Trainer:
             self._stdout = sys.stdout
             sys.stdout = Tee(sys.stdout, self.run_dir / "stdout.log")
         self.events = EventLog(self.run_dir / "events.jsonl" if self.rank == 0 else None)
+        self.compile_watch = CompileWatch(self.events) if cfg.compile.enable else None
         self.reporter.start(self.run_dir, self.events)
         self._report_start()
         self.checkpointer = build_checkpointer(self)
@@ -246,6 +247,8 @@ class Trainer:
             window["training_seconds"] += self.clocks.training_seconds - t0
             window["data_wait"] += getattr(self.loader, "wait_seconds", 0.0) - wait0
             results.append(result)
+            if self.compile_watch is not None:
+                self.compile_watch.check(self.step)
             if self.skipped_in_row >= cfg.training.max_skipped_in_row:
                 message = (f"{self.skipped_in_row} updates in a row had a non-finite loss or grad norm "
                            f"(limit training.max_skipped_in_row = {cfg.training.max_skipped_in_row}); stopping")

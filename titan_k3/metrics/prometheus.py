@@ -1,0 +1,128 @@
+"""Rank 0's Prometheus endpoint: the metric names (one place, the dashboards rely on them) and the exporter.
+
+Every metric carries a `run` label. The exporter owns a dedicated
+CollectorRegistry, so several trainers (or tests) in one process never share
+state, and it serves that registry over HTTP from a daemon thread.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
+
+GIB = 2**30
+
+# name as exposed -> (type, labels besides `run`, help)
+NAMES: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "titan_k3_step": ("gauge", (), "Optimizer updates done."),
+    "titan_k3_loss": ("gauge", (), "Training loss (mean over valid targets) at the last log step."),
+    "titan_k3_learning_rate": ("gauge", (), "Learning rate of the last update."),
+    "titan_k3_tokens_per_second": ("gauge", ("clock",), "Tokens/s: clock=training (last window) or session (since start)."),
+    "titan_k3_mfu": ("gauge", (), "Model FLOP utilisation of the last window against metrics.peak_tflops."),
+    "titan_k3_grad_norm": ("gauge", ("group",), "Gradient L2 norm before clipping; group=global or a parameter group."),
+    "titan_k3_memory_bytes": ("gauge", ("kind",), "Memory: kind=peak_allocated, peak_reserved (accelerator) or host_rss."),
+    "titan_k3_tokens_total": ("counter", (), "Tokens trained on (all data-parallel ranks)."),
+    "titan_k3_skipped_updates_total": ("counter", (), "Updates skipped for a non-finite loss or grad norm."),
+    "titan_k3_expert_load_fraction": ("gauge", ("layer", "expert"), "Share of routed selections per expert in the last window."),
+    "titan_k3_dead_expert_fraction": ("gauge", ("layer",), "Fraction of experts under 10% of the uniform share."),
+    "titan_k3_expert_maxvio": ("gauge", ("layer",), "Max expert load over the mean load, minus 1."),
+    "titan_k3_invariant_violations_total": ("counter", ("check",), "Invariant violations by check."),
+    "titan_k3_kernel_fallback": ("gauge", ("op",), "1 when the op runs a fallback instead of the fast path asked for."),
+    "titan_k3_data_wait_fraction": ("gauge", (), "Share of the training clock spent waiting for batches."),
+}
+
+_MOE_KEY = re.compile(r"^moe/(\d+)/(load|dead_fraction|maxvio)$")
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - the base class's signature
+        pass
+
+
+class PrometheusExporter:
+    """Gauges and counters in a private registry; `serve(port)` exposes them (port 0: any free port)."""
+
+    def __init__(self, run: str):
+        self.run = run
+        self.registry = CollectorRegistry()
+        self.metrics: dict[str, Gauge | Counter] = {}
+        for name, (kind, labels, doc) in NAMES.items():
+            cls = Counter if kind == "counter" else Gauge
+            # NOTE: prometheus_client appends '_total' to counters itself.
+            base = name[: -len("_total")] if kind == "counter" else name
+            self.metrics[name] = cls(base, doc, ("run", *labels), registry=self.registry)
+        self._counted: dict[str, float] = {"titan_k3_tokens_total": 0.0, "titan_k3_skipped_updates_total": 0.0}
+        self._server: WSGIServer | None = None
+        self.port: int | None = None
+
+    def _m(self, name: str, **labels):
+        return self.metrics[name].labels(run=self.run, **labels)
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+        """Start the HTTP endpoint on a daemon thread; returns the bound port."""
+        self._server = make_server(addr, port, make_wsgi_app(self.registry), _ThreadingWSGIServer, handler_class=_QuietHandler)
+        self.port = self._server.server_port
+        threading.Thread(target=self._server.serve_forever, name="prometheus", daemon=True).start()
+        return self.port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def set_kernels(self, choices) -> None:
+        """choices: KernelChoice-like objects with .op and .fallback."""
+        for c in choices:
+            self._m("titan_k3_kernel_fallback", op=c.op).set(1.0 if c.fallback else 0.0)
+
+    def declare_checks(self, checks) -> None:
+        """Expose every invariant's counter at 0 from the start."""
+        for check in checks:
+            self._m("titan_k3_invariant_violations_total", check=check)
+
+    def violation(self, check: str) -> None:
+        self._m("titan_k3_invariant_violations_total", check=check).inc()
+
+    def update(self, record: dict) -> None:
+        """Set every metric from one metrics.jsonl record (the keys MetricsReporter writes)."""
+        self._m("titan_k3_step").set(record["step"])
+        self._m("titan_k3_loss").set(record["loss"])
+        self._m("titan_k3_learning_rate").set(record["lr"])
+        self._m("titan_k3_tokens_per_second", clock="training").set(record["tokens_per_second_training"])
+        self._m("titan_k3_tokens_per_second", clock="session").set(record["tokens_per_second_session"])
+        self._m("titan_k3_mfu").set(record["mfu"])
+        self._m("titan_k3_data_wait_fraction").set(record["data_wait_fraction"])
+        self._m("titan_k3_grad_norm", group="global").set(record["grad_norm"])
+        for key, value in record.items():
+            if key.startswith("grad_norm/"):
+                self._m("titan_k3_grad_norm", group=key.split("/", 1)[1]).set(value)
+        for kind in ("peak_allocated", "peak_reserved", "host_rss"):
+            gib = record.get(f"memory_{kind}_gib", record.get(f"{kind}_gib"))
+            if gib is not None:
+                self._m("titan_k3_memory_bytes", kind=kind).set(gib * GIB)
+        for name, key in (("titan_k3_tokens_total", "tokens_seen"), ("titan_k3_skipped_updates_total", "skipped_updates")):
+            delta = record[key] - self._counted[name]
+            if delta > 0:
+                self._m(name).inc(delta)
+                self._counted[name] = record[key]
+        for key, value in record.items():
+            match = _MOE_KEY.match(key)
+            if not match:
+                continue
+            layer, stat = match.groups()
+            if stat == "load":
+                for expert, share in enumerate(value):
+                    self._m("titan_k3_expert_load_fraction", layer=layer, expert=str(expert)).set(share)
+            elif stat == "dead_fraction":
+                self._m("titan_k3_dead_expert_fraction", layer=layer).set(value)
+            else:
+                self._m("titan_k3_expert_maxvio", layer=layer).set(value)
