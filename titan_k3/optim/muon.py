@@ -19,7 +19,8 @@ import math
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from titan_k3.optim.spec import ParamSpec, check_spec
 
@@ -176,6 +177,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        sharded = []
         for group in self.param_groups:
             spec = _spec_of_group(group)
             lr, wd = group["lr"], group["weight_decay"]
@@ -185,6 +187,9 @@ class PerHeadMuon(torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
+                if _row_sharded(p):
+                    sharded.append((p, group, spec))
+                    continue
                 update = muon_update(
                     p.grad, state["momentum_buffer"], spec,
                     momentum=group["momentum"], nesterov=group["nesterov"],
@@ -193,7 +198,113 @@ class PerHeadMuon(torch.optim.Optimizer):
                 if wd != 0:
                     p.mul_(1.0 - lr * wd)
                 p.add_(update, alpha=-lr)
+        if sharded:
+            self._step_sharded(sharded)
         return loss
+
+    def _step_sharded(self, items: list) -> None:
+        """Muon on dim-0-sharded DTensors (FSDP2, EP), working on local shards only.
+
+        Momentum and weight decay are elementwise, so they run on the local
+        shard. A parameter whose blocks (heads, experts) each lie whole on one
+        shard is orthogonalised locally with no communication. Any other
+        parameter is gathered once to one owner rank of its shard group
+        (owners taken round robin), orthogonalised there while the other
+        owners work on theirs, and the update is scattered back.
+        """
+        local_updates, remote = {}, []
+        for p, group, spec in items:
+            grad, buf = p.grad.to_local(), self.state[p]["momentum_buffer"].to_local()
+            buf.mul_(group["momentum"]).add_(grad)
+            direction = grad.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
+            local_spec = _local_block_spec(p, spec)
+            if local_spec is not None:
+                local_updates[p] = _orthogonalise_local(direction, local_spec, group["ns_steps"], self.ns_dtype)
+            else:
+                remote.append((p, group, spec, direction))
+        local_updates.update(_owner_orthogonalise(remote, self.ns_dtype))
+        for p, group, _ in items:
+            lr, wd = group["lr"], group["weight_decay"]
+            local = p.to_local()
+            if wd != 0:
+                local.mul_(1.0 - lr * wd)
+            local.add_(local_updates[p], alpha=-lr)
+
+
+def _row_sharded(p: torch.Tensor) -> bool:
+    """A DTensor whose only non-replicated placements shard dim 0 (FSDP2's layout, EP's expert split)."""
+    if not isinstance(p, DTensor):
+        return False
+    placements = [pl for pl in p.placements if not isinstance(pl, Replicate)]
+    return all(isinstance(pl, Shard) and pl.dim == 0 for pl in placements)
+
+
+def _shard_dim(p: DTensor) -> int | None:
+    """The one mesh dim that shards p (None when several do: only whole experts can then stay local)."""
+    dims = [i for i, pl in enumerate(p.placements) if isinstance(pl, Shard)]
+    return dims[0] if len(dims) == 1 else None
+
+
+def _local_block_spec(p: DTensor, spec: ParamSpec) -> ParamSpec | None:
+    """The spec of p's local shard if every block of it lies whole on one rank, else None."""
+    if spec.per_expert:
+        return spec  # dim 0 is the expert index: any row range holds whole experts
+    dim = _shard_dim(p)
+    if dim is None:
+        return None
+    rows, world = p.shape[0], p.device_mesh.size(dim)
+    chunk, head_rows = -(-rows // world), rows // spec.num_heads
+    if chunk % head_rows:
+        return None
+    local_rows = p.to_local().shape[0]
+    return ParamSpec(use_muon=True, num_heads=max(local_rows // head_rows, 1))
+
+
+def _orthogonalise_local(direction, spec: ParamSpec, ns_steps: int, ns_dtype) -> torch.Tensor:
+    if direction.numel() == 0:
+        return direction.clone()
+    return orthogonalise(direction, spec, ns_steps=ns_steps, ns_dtype=ns_dtype)
+
+
+def _owner_orthogonalise(remote: list, ns_dtype) -> dict:
+    """Gather each direction to its owner, orthogonalise it there, scatter the update back.
+
+    FSDP2 splits dim 0 like torch.chunk: rank i holds rows [i*c, min((i+1)*c, n)),
+    c = ceil(n / world), possibly none; shards travel padded to c rows.
+    All gathers are issued before any owner computes, so owners work in parallel.
+    """
+    plans, works = [], []
+    counters: dict = {}
+    for p, group, spec, direction in remote:
+        dim = _shard_dim(p)
+        assert dim is not None, f"cannot gather a parameter sharded on several mesh dims: {p.placements}"
+        mesh = p.device_mesh
+        pg, world, me = mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
+        owner = counters.setdefault(id(pg), 0) % world
+        counters[id(pg)] += 1
+        chunk = -(-p.shape[0] // world)
+        padded = direction.new_zeros((chunk, *direction.shape[1:]))
+        padded[: direction.shape[0]] = direction
+        gathered = [torch.empty_like(padded) for _ in range(world)] if me == owner else None
+        works.append(dist.gather(padded, gathered, dst=dist.get_global_rank(pg, owner), group=pg, async_op=True))
+        plans.append((p, group, spec, direction, pg, world, me, owner, chunk, gathered))
+    for work in works:
+        work.wait()
+    works, outputs = [], {}
+    for p, group, spec, direction, pg, world, me, owner, chunk, gathered in plans:
+        pieces = None
+        if me == owner:
+            full = torch.cat(gathered)[: p.shape[0]]
+            update = orthogonalise(full, spec, ns_steps=group["ns_steps"], ns_dtype=ns_dtype)
+            padded_update = update.new_zeros((chunk * world, *update.shape[1:]))
+            padded_update[: update.shape[0]] = update
+            pieces = list(padded_update.chunk(world))
+        out = direction.new_empty((chunk, *direction.shape[1:]))
+        works.append(dist.scatter(out, pieces, src=dist.get_global_rank(pg, owner), group=pg, async_op=True))
+        outputs[p] = (out, direction.shape[0])
+    for work in works:
+        work.wait()
+    return {p: out[:rows] for p, (out, rows) in outputs.items()}
 
 
 def _spec_of_group(group: dict[str, Any]) -> ParamSpec:

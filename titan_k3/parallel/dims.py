@@ -1,0 +1,94 @@
+"""Parallel degrees from [parallelism] + the world size, and the one DeviceMesh they describe.
+
+Data parallelism is `dp_replicate x dp_shard` (HSDP when both exceed 1).
+Expert parallelism is folded over the data-parallel shard ranks: the routed
+experts are split over `ep` consecutive ranks, and what remains of
+`dp_shard` (`efsdp = dp_shard / ep`) shards each rank's experts further.
+
+Mesh dimensions (one `DeviceMesh`, built once, the others are flattened views):
+    ep == 1:  ("dp_replicate", "dp_shard")          flattened: "dp"
+    ep  > 1:  ("dp_replicate", "efsdp", "ep")       flattened: "dp_shard" = efsdp x ep, "dp" = all
+Dense parameters shard over "dp_shard" (and replicate over "dp_replicate");
+routed experts are DTensors sharded over "ep" that FSDP shards over "efsdp".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan_k3.config import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    ep: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, parallelism, world_size: int, n_experts: int) -> "ParallelDims":
+        """Resolve -1 and check every degree; a bad one is a one-line ConfigError."""
+        rep, shard, ep = (
+            parallelism.data_parallel_replicate_degree,
+            parallelism.data_parallel_shard_degree,
+            parallelism.expert_parallel_degree,
+        )
+        if rep < 1 or world_size % rep:
+            raise ConfigError(
+                f"config key 'parallelism.data_parallel_replicate_degree' = {rep}: must divide the world size {world_size}"
+            )
+        if shard == -1:
+            shard = world_size // rep
+        if shard < 1 or rep * shard != world_size:
+            raise ConfigError(
+                f"config key 'parallelism.data_parallel_shard_degree' = {shard}: replicate {rep} x shard {shard} "
+                f"must equal the world size {world_size} (use -1 for the rest)"
+            )
+        if ep < 1 or shard % ep:
+            raise ConfigError(
+                f"config key 'parallelism.expert_parallel_degree' = {ep}: must divide the data-parallel shard degree {shard}"
+            )
+        if n_experts % ep:
+            raise ConfigError(
+                f"config key 'parallelism.expert_parallel_degree' = {ep}: must divide the number of experts {n_experts}"
+            )
+        return cls(rep, shard, ep, world_size)
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks that shard each rank's group of experts (what remains of dp_shard after ep)."""
+        return self.dp_shard // self.ep
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def describe(self) -> str:
+        text = f"world {self.world_size} = dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard}"
+        if self.ep > 1:
+            text += f" (experts: ep {self.ep} x efsdp {self.efsdp})"
+        return text
+
+    def build_mesh(self, device_type: str):
+        """The world DeviceMesh with the flattened dims named in the module docstring."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.ep > 1:
+            mesh = init_device_mesh(
+                device_type, (self.dp_replicate, self.efsdp, self.ep), mesh_dim_names=("dp_replicate", "efsdp", "ep")
+            )
+            mesh["efsdp", "ep"]._flatten("dp_shard")
+            mesh["dp_replicate", "efsdp", "ep"]._flatten("dp")
+        else:
+            mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+            mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh
+
+    def dense_mesh(self, mesh):
+        """Mesh FSDP shards dense parameters over: (dp_replicate, dp_shard) for HSDP, else dp_shard."""
+        return mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]
+
+    def expert_mesh(self, mesh):
+        """Mesh FSDP shards the experts' local groups over: (dp_replicate, efsdp) for HSDP, else efsdp."""
+        return mesh["dp_replicate", "efsdp"] if self.dp_replicate > 1 else mesh["efsdp"]

@@ -1,0 +1,135 @@
+"""What the trainer needs around parallelize: process group + mesh, sharded init, grad clipping, compile report.
+
+Under torchrun (WORLD_SIZE in the environment, even 1) the run is
+distributed: the process group is NCCL on CUDA and gloo on CPU, the model is
+FSDP2-sharded. Without torchrun it is a plain single process (no mesh).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from itertools import chain
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from titan_k3.parallel.dims import ParallelDims
+
+
+@dataclass
+class Distributed:
+    dims: ParallelDims
+    mesh: object | None
+    """The world DeviceMesh (None for a plain single process)."""
+    dp_rank: int
+    dp_world: int
+    dp_group: dist.ProcessGroup | None
+    """All data-parallel ranks: loss / token counts, QB histograms, QK-Clip maxima."""
+
+
+def setup_distributed(parallelism_cfg, device: torch.device, n_experts: int) -> Distributed:
+    """Init the process group and the mesh under torchrun; a plain single process otherwise."""
+    if "WORLD_SIZE" not in os.environ:
+        return Distributed(ParallelDims.from_config(parallelism_cfg, 1, n_experts), None, 0, 1, None)
+    world = int(os.environ["WORLD_SIZE"])
+    dims = ParallelDims.from_config(parallelism_cfg, world, n_experts)  # refuse before any collective
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    mesh = dims.build_mesh(device.type)
+    dp = mesh["dp"]
+    return Distributed(dims, mesh, dp.get_local_rank(), dp.size(), dp.get_group())
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, build: Callable[[], nn.Module], seed: int, device: torch.device) -> None:
+    """Initialise `model` exactly as a single process would, sharded or not.
+
+    A sharded model is filled from a full twin initialised with the same seed
+    on this device (DTensor random init on CPU is not the single-process
+    stream), each rank keeping its own shard.
+    NOTE: the twin costs one full copy of the model on each device for the
+    duration of init; fine up to k3-mini, not for the full k3 card.
+    """
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        model.init_weights(seed=seed)
+        return
+    from torch.distributed.tensor import distribute_tensor
+
+    with torch.device("meta"):
+        twin = build()
+    twin.to_empty(device=device)
+    twin.init_weights(seed=seed)
+    source = dict(chain(twin.named_parameters(), twin.named_buffers()))
+    for name, target in chain(model.named_parameters(), model.named_buffers()):
+        full = source[name].to(target.dtype)
+        if isinstance(target, DTensor):
+            shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+            target.to_local().copy_(shard.to_local())
+        else:
+            target.copy_(full)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Global gradient norm over all shards of all parameters (any mix of meshes); scale grads to max_norm.
+
+    Each sharded gradient's local sum of squares is summed over the mesh dims
+    that shard it (not those that replicate it), grouped so that there is one
+    all-reduce per (mesh, dims) pair. Returns the norm as a float32 scalar.
+    Same rule as torch.nn.utils.clip_grad_norm_: grads *= min(1, max_norm / (norm + 1e-6)).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not any(isinstance(g, DTensor) for g in grads):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    sums: dict = {}
+    for g in grads:
+        if isinstance(g, DTensor):
+            dims = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, Shard))
+            key, local = (id(g.device_mesh), dims), g.to_local()
+            mesh = g.device_mesh
+        else:
+            key, local, mesh, dims = ("plain", ()), g, None, ()
+        if key not in sums:
+            sums[key] = [torch.zeros((), dtype=torch.float32, device=local.device), mesh, dims]
+        sums[key][0] += local.float().pow(2).sum()
+    total = None
+    for square, mesh, dims in sums.values():
+        for i in dims:
+            dist.all_reduce(square, group=mesh.get_group(i))
+        total = square if total is None else total + square
+    norm = total.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.dtype))
+    return norm
+
+
+class CompileWatch:
+    """Reports graph breaks and recompiles of the compiled blocks through the event log when they change."""
+
+    def __init__(self, events):
+        self.events = events
+        self.last: tuple[int, int, int] = (0, 0, 0)
+
+    def check(self, step: int) -> None:
+        from torch._dynamo.utils import counters
+
+        breaks = sum(counters["graph_break"].values())
+        graphs = counters["stats"]["unique_graphs"]
+        recompiles = sum(v for k, v in counters["recompiles"].items()) if "recompiles" in counters else 0
+        now = (breaks, graphs, recompiles)
+        if now == self.last:
+            return
+        self.last = now
+        reasons = [f"{n}x {reason}" for reason, n in counters["graph_break"].most_common(5)]
+        self.events.emit(
+            "compile", f"torch.compile: {graphs} graphs, {breaks} graph breaks, {recompiles} recompiles"
+            + (f"; breaks: {'; '.join(reasons)}" if reasons else ""), step=step,
+            graphs=graphs, graph_breaks=breaks, recompiles=recompiles, break_reasons=reasons,
+        )

@@ -1,0 +1,149 @@
+"""parallelize: FP8 -> expert parallelism -> activation checkpointing -> per-block compile -> FSDP2.
+
+Applied to a K3Model on the meta device (or any device), before weights are
+initialised. Parameter names never change (no wrapper modules): AC and
+compile act on each block in place, EP swaps the experts' callable, so
+optimizer hints and checkpoints see the same names with or without them.
+Every decision that can differ from what was asked (FP8 per linear shape,
+compile) is returned as a KernelChoice for the kernel report.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from titan_k3.config import ConfigError
+from titan_k3.models.k3.impl import KernelChoice
+from titan_k3.parallel.dims import ParallelDims
+from titan_k3.parallel.expert_parallel import ExpertParallel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg, device: torch.device) -> list[KernelChoice]:
+    """Apply every technique the config asks for, in the order of the module docstring.
+
+    `mesh` is None when the run is a plain single process (no FSDP).
+    Returns the kernel-report entries; with job.strict any fallback raises ConfigError.
+    """
+    choices: list[KernelChoice] = []
+    if cfg.float8.enable:
+        choices += apply_float8(model, cfg.float8, device)
+    if dims.ep > 1:
+        apply_ep(model, mesh["ep"])
+    if cfg.activation_checkpoint.mode != "none":
+        apply_ac(model, cfg.activation_checkpoint.mode)
+    if cfg.compile.enable:
+        apply_compile(model, cfg.compile.backend)
+        choices.append(KernelChoice("compile", cfg.compile.backend, cfg.compile.backend, False, "per block"))
+    if mesh is not None:
+        apply_fsdp(model, dims, mesh, param_dtype=DTYPES[cfg.training.compute_dtype])
+    fallbacks = [c for c in choices if c.fallback]
+    if cfg.job.strict and fallbacks:
+        raise ConfigError(f"job.strict = true and {fallbacks[0].op} falls back to '{fallbacks[0].chosen}': {fallbacks[0].reason}")
+    return choices
+
+
+def apply_float8(model: nn.Module, float8_cfg, device: torch.device) -> list[KernelChoice]:
+    """torchao FP8 training for the block linears with in and out features >= min_dim; one report line per shape."""
+    recipe, min_dim = float8_cfg.recipe, float8_cfg.min_dim
+    if device.type != "cuda":
+        return [KernelChoice("float8", recipe, "bf16", True, "no CUDA device: torchao FP8 matmuls need an H100-class GPU")]
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    decisions: dict[str, bool] = {}
+
+    def wanted(module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear) or not fqn.startswith("layers."):
+            return False
+        ok = module.in_features >= min_dim and module.out_features >= min_dim and module.in_features % 16 == 0 \
+            and module.out_features % 16 == 0
+        decisions[fqn] = ok
+        return ok
+
+    convert_to_float8_training(model, module_filter_fn=wanted, config=Float8LinearConfig.from_recipe_name(recipe))
+    shapes = Counter()
+    for fqn, ok in decisions.items():
+        lin = model.get_submodule(fqn)
+        shapes[(lin.in_features, lin.out_features, ok)] += 1
+    return [
+        KernelChoice(
+            f"float8 {i}x{o} ({n} linears)", recipe, recipe if ok else "bf16", False,
+            "" if ok else f"below float8.min_dim = {min_dim} (measured slower: benchmarks/results/fp8.md)",
+        )
+        for (i, o, ok), n in sorted(shapes.items())
+    ]
+
+
+def apply_ep(model: nn.Module, ep_mesh) -> None:
+    """Shard every LatentMoE's w1/w3/w2 over the "ep" mesh (Shard(0): whole experts) and route through all-to-all."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    for block in model.layers.values():
+        if not block.is_moe:
+            continue
+        moe = block.ffn
+        for name in ("w1", "w3", "w2"):
+            full = getattr(moe, name)
+            local = full.detach().chunk(ep, dim=0)[rank]
+            moe.register_parameter(name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
+        moe.experts_fn = ExpertParallel(moe.experts_fn, ep_mesh.get_group(), moe.router.n_experts)
+
+
+def apply_ac(model: nn.Module, mode: str) -> None:
+    """Recompute blocks in backward: every block ("full") or every other one ("selective").
+
+    NOTE: QB-safe because the router detects the recompute (it runs inside
+    backward) and reuses the bias of the original forward without updating it.
+    """
+    for i, block in model.layers.items():
+        if mode == "full" or int(i) % 2 == 1:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def apply_compile(model: nn.Module, backend: str) -> None:
+    """torch.compile each block in place (names unchanged); graph breaks are reported by CompileWatch."""
+    for block in model.layers.values():
+        block.compile(backend=backend)
+
+
+def apply_fsdp(model: nn.Module, dims: ParallelDims, mesh, param_dtype: torch.dtype) -> None:
+    """FSDP2 per block and at the root; reduce in float32; no gradient division (the loss is already global).
+
+    Under EP the experts of a MoE block are their own FSDP group over the
+    expert mesh (their DTensors already split over "ep"); the rest of the
+    MoE and the block shard over the dense mesh. Routers keep float32
+    parameters so routing does not depend on the compute dtype.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    dense = dims.dense_mesh(mesh)
+    for block in model.layers.values():
+        if block.is_moe:
+            moe = block.ffn
+            fully_shard(moe.router, mesh=dense, mp_policy=fp32)
+            if dims.ep > 1:
+                rest = [m for m in (moe.w_down, moe.latent_norm, moe.w_up, moe.shared) if m is not None]
+                fully_shard(rest, mesh=dense, mp_policy=mp)
+                fully_shard(moe, mesh=dims.expert_mesh(mesh), mp_policy=mp)
+        fully_shard(block, mesh=dense, mp_policy=mp)
+    fully_shard(model, mesh=dense, mp_policy=mp)
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            _sum_gradients(module)
+
+
+def _sum_gradients(module) -> None:
+    """Make FSDP sum gradients instead of averaging them (torch 2.11 and 2.13 spell it differently)."""
+    if hasattr(module, "set_force_sum_reduction_for_comms"):
+        # NOTE: a divide factor alone makes FSDP use PREMUL_SUM, which gloo lacks.
+        module.set_force_sum_reduction_for_comms(True)
+    module.set_gradient_divide_factor(1.0)
