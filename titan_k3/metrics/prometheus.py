@@ -111,8 +111,9 @@ class PrometheusExporter:
                 self._m("titan_k3_memory_bytes", kind=kind).set(gib * GIB)
         for name, key in (("titan_k3_tokens_total", "tokens_seen"), ("titan_k3_skipped_updates_total", "skipped_updates")):
             delta = record[key] - self._counted[name]
+            counter = self._m(name)  # NOTE: creating the child exposes the series at 0 from the first report.
             if delta > 0:
-                self._m(name).inc(delta)
+                counter.inc(delta)
                 self._counted[name] = record[key]
         for key, value in record.items():
             match = _MOE_KEY.match(key)

@@ -1,0 +1,159 @@
+"""One real CPU training run under a controlled clock, scraped over HTTP while it runs.
+
+The fixture drives the trainer's clocks with a fake `now`: every update costs
+exactly 2 s, every report 1 s and every checkpoint hook 5 s (standing in for
+evaluation and checkpointing, which run outside the training clock). The
+records must show exactly that accounting, and the summarizer's steady rate
+must be the exact arithmetic over the recorded windows.
+"""
+
+import json
+import shutil
+import socket
+import subprocess
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from titan_k3.config import load_job_config
+from titan_k3.metrics.clocks import TwoClocks
+from titan_k3.metrics.prometheus import NAMES
+from titan_k3.tools.summarize import main as summarize_main
+from titan_k3.tools.summarize import summarize
+
+STEPS, LOG_FREQ, SEQ, STEP_S, REPORT_S, HOOK_S = 4, 2, 64, 2.0, 1.0, 5.0
+
+
+class FakeNow:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from titan_k3.train import Trainer
+
+    root = tmp_path_factory.mktemp("runs")
+    port = _free_port()
+    cfg = load_job_config([
+        "--job.config_file", "tomls/smoke.toml", "--model.flavor", "debug", "--training.seq_len", str(SEQ),
+        "--training.steps", str(STEPS), "--metrics.log_freq", str(LOG_FREQ), "--job.dump_folder", str(root),
+        "--job.name", "clocked", "--metrics.prometheus_port", str(port),
+    ])
+    trainer = Trainer(cfg)
+    now = FakeNow()
+    trainer.clocks = TwoClocks(now=now)
+    scrapes = []
+    step, log, hook = trainer.train_step, trainer._log, trainer.checkpointer.after_step
+
+    def timed_step():
+        out = step()
+        now.t += STEP_S
+        return out
+
+    def timed_log(*a, **kw):
+        log(*a, **kw)
+        now.t += REPORT_S
+        scrapes.append(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
+
+    def timed_hook(*a, **kw):
+        now.t += HOOK_S
+        return hook(*a, **kw)
+
+    trainer.train_step, trainer._log, trainer.checkpointer.after_step = timed_step, timed_log, timed_hook
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    run_dir = root / "clocked"
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return run_dir, records, scrapes
+
+
+def test_training_clock_excludes_reporting_and_hooks_session_clock_includes_them(run):
+    _, records, _ = run
+    assert [r["step"] for r in records] == [2, 4]
+    tokens_per_step = SEQ
+    for r in records:
+        s = r["step"]
+        assert r["training_seconds"] == pytest.approx(STEP_S * s)
+        # At the report of step s: s updates, the s-1 hooks before it, and the earlier reports.
+        session = STEP_S * s + HOOK_S * (s - 1) + REPORT_S * (s // LOG_FREQ - 1)
+        assert r["session_seconds"] == pytest.approx(session)
+        assert r["tokens_per_second_training"] == pytest.approx(tokens_per_step / STEP_S)
+        assert r["tokens_per_second_session"] == pytest.approx(tokens_per_step * s / session)
+
+
+def test_records_hold_every_promised_key(run):
+    _, records, _ = run
+    r = records[-1]
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_seen", "skipped_updates", "training_seconds", "session_seconds",
+                "tokens_per_second_training", "tokens_per_second_session", "data_wait_fraction", "mfu", "host_rss_gib",
+                "nonfinite_events", "grad_norm/embedding", "grad_norm/attention", "grad_norm/experts", "grad_norm/router",
+                "grad_norm/head", "grad_norm/other"):
+        assert key in r, key
+    assert any(k.startswith("tokens_per_source/") for k in r)
+    assert sum(v for k, v in r.items() if k.startswith("tokens_per_source/")) == r["tokens_seen"]
+    groups = sum(r[f"grad_norm/{g}"] ** 2 for g in ("embedding", "attention", "experts", "router", "head", "other"))
+    assert groups ** 0.5 == pytest.approx(r["grad_norm"], rel=1e-4)
+    for layer in (1, 2, 3):
+        load = r[f"moe/{layer}/load"]
+        assert len(load) == 8 and sum(load) == pytest.approx(1.0)
+        for stat in ("dead_fraction", "maxvio", "load_cv", "entropy", "qb_range"):
+            assert f"moe/{layer}/{stat}" in r
+
+
+def test_summarizer_steady_rate_is_the_window_arithmetic(run, tmp_path):
+    run_dir, records, _ = run
+    _, numbers = summarize(run_dir, warmup_step=2)
+    # Only the window 2 -> 4 starts at or after step 2.
+    expected = (records[1]["tokens_seen"] - records[0]["tokens_seen"]) / (records[1]["training_seconds"] - records[0]["training_seconds"])
+    assert numbers["steady_windows"] == 1
+    assert numbers["steady_tokens_per_second_training"] == pytest.approx(expected)
+    assert numbers["tokens_per_second_session"] == pytest.approx(records[-1]["tokens_seen"] / records[-1]["session_seconds"])
+    assert numbers["probe"] == "smoke"
+    assert summarize_main([str(run_dir), "--out", str(tmp_path / "s")]) == 0
+    assert {"summary.md", "loss.png", "throughput.png", "grad_norm.png", "expert_load.png"} <= {p.name for p in (tmp_path / "s").iterdir()}
+    assert "**Probe:** smoke" in (tmp_path / "s" / "summary.md").read_text()
+
+
+def test_endpoint_serves_parseable_exposition_during_the_run(run):
+    _, records, scrapes = run
+    assert len(scrapes) == 2
+    families = {f.name: f for f in text_string_to_metric_families(scrapes[-1])}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+
+    def value(name, **labels):
+        return samples[(name, tuple(sorted({"run": "clocked", **labels}.items())))]
+
+    assert value("titan_k3_tokens_per_second", clock="training") == pytest.approx(records[-1]["tokens_per_second_training"])
+    assert value("titan_k3_tokens_per_second", clock="session") == pytest.approx(records[-1]["tokens_per_second_session"])
+    assert value("titan_k3_mfu") == pytest.approx(records[-1]["mfu"])
+    assert value("titan_k3_grad_norm", group="global") == pytest.approx(records[-1]["grad_norm"])
+    assert value("titan_k3_grad_norm", group="experts") == pytest.approx(records[-1]["grad_norm/experts"])
+    assert value("titan_k3_expert_load_fraction", layer="1", expert="0") == pytest.approx(records[-1]["moe/1/load"][0])
+    assert value("titan_k3_tokens_total") == records[-1]["tokens_seen"]
+    assert value("titan_k3_step") == STEPS
+    assert value("titan_k3_kernel_fallback", op="kda") == 1.0  # auto on a CPU falls back to the torch reference
+    assert value("titan_k3_memory_bytes", kind="host_rss") > 0
+    exposed = {s[0] for s in samples}
+    for name in NAMES:
+        if name != "titan_k3_invariant_violations_total":
+            assert name in exposed, name
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed (system dependency)")
+def test_promtool_accepts_the_exposition(run):
+    _, _, scrapes = run
+    out = subprocess.run(["promtool", "check", "metrics"], input=scrapes[-1], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
