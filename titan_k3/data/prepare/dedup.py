@@ -11,6 +11,7 @@ Both work on the word hashes of `quality.words` / `quality.word_hashes`:
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -23,12 +24,19 @@ _MINHASH_SEED = 1
 _CHUNK = 4096  # shingles per update_batch call: bounds its [chunk, num_perm] temporary
 
 
+@functools.lru_cache(maxsize=4)
+def _template(num_perm: int) -> MinHash:
+    # NOTE: MinHash draws its permutations on every construction; we reuse one set.
+    return MinHash(num_perm=num_perm, seed=_MINHASH_SEED)
+
+
 def minhash_signature(wh: np.ndarray, shingle: int, num_perm: int) -> np.ndarray:
     """uint32 [num_perm] MinHash of the word `shingle`-grams (a shorter text: one shingle of all words)."""
     shingles = ngram_hashes(wh, min(shingle, max(len(wh), 1))) if len(wh) else np.zeros(1, dtype=np.uint64)
     # NOTE: datasketch's default scheme (affine32) takes 32-bit input hashes.
     shingles = (shingles ^ (shingles >> np.uint64(32))) & np.uint64(0xFFFFFFFF)
-    m = MinHash(num_perm=num_perm, seed=_MINHASH_SEED, hashfunc=int)
+    template = _template(num_perm)
+    m = MinHash(num_perm, _MINHASH_SEED, hashfunc=int, permutations=template.permutations, scheme=template.scheme)
     for i in range(0, len(shingles), _CHUNK):
         m.update_batch(shingles[i : i + _CHUNK].tolist())
     return np.asarray(m.hashvalues, dtype=np.uint32)
@@ -42,7 +50,7 @@ class NearDuplicateIndex:
         self.num_perm = num_perm
         self._lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
         self._sigs: dict[int, np.ndarray] = {}
-        self._scheme = MinHash(num_perm=num_perm, seed=_MINHASH_SEED).scheme
+        self._scheme = _template(num_perm).scheme
 
     def check_and_add(self, key: int, sig: np.ndarray) -> tuple[int, float] | None:
         """(earliest key with Jaccard >= threshold, its Jaccard) or None, in which case `key` is added."""

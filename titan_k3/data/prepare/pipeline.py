@@ -88,6 +88,7 @@ def stage_a_unit(unit: dict, cfg: dict, out_stem: str) -> dict:
     clock = Counter()
     metas, texts, sigs = [], [], []
     bytes_in = 0
+    cpu0 = time.process_time()
     t = time.perf_counter()
     for doc_id, raw in read_unit(unit):
         t = _tick(clock, "read", t)
@@ -115,7 +116,7 @@ def stage_a_unit(unit: dict, cfg: dict, out_stem: str) -> dict:
     out = Path(out_stem)
     _dump(out.with_name(out.name + ".text"), texts)
     _dump(out.with_name(out.name + ".meta"), {"docs": metas, "sigs": sig_arr, "bytes": bytes_in})
-    return {"bytes": bytes_in, "docs": len(metas), "clock": dict(clock)}
+    return {"bytes": bytes_in, "docs": len(metas), "clock": dict(clock), "cpu_s": time.process_time() - cpu0}
 
 
 def _tick(clock: Counter, name: str, t0: float) -> float:
@@ -132,6 +133,7 @@ def stage_c_shard(task: dict, tokenizer_spec: str, tokenizer_sha: str, out_dir: 
     tok = _WORKER_CACHE[key]
     if tok.sha256 != tokenizer_sha:
         raise ValueError(f"tokenizer {tokenizer_spec!r} changed during prepare (sha256 {tok.sha256[:12]}...)")
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
     texts, loaded = [], {}
     for unit_stem, idx in task["items"]:
@@ -148,7 +150,8 @@ def stage_c_shard(task: dict, tokenizer_spec: str, tokenizer_sha: str, out_dir: 
     _write_text(Path(work_dir) / "c" / f"{task['stem']}.json", json.dumps(record))
     t3 = time.perf_counter()
     n_bytes = sum(len(t.encode("utf-8")) for t in texts)
-    return {"bytes": n_bytes, "clock": {"load": t1 - t0, "tokenize": t2 - t1, "write": t3 - t2}}
+    clock = {"load": t1 - t0, "tokenize": t2 - t1, "write": t3 - t2}
+    return {"bytes": n_bytes, "clock": clock, "cpu_s": time.process_time() - cpu0}
 
 
 # ---------------------------------------------------------------- main side
@@ -376,4 +379,5 @@ def _stage_timing(results: list[dict], wall: float) -> dict:
     for r in results:
         clock.update(r["clock"])
     n_bytes = sum(r["bytes"] for r in results)
-    return {"wall_s": wall, "bytes": n_bytes, "worker_s": dict(clock), "tasks": len(results)}
+    cpu = sum(r["cpu_s"] for r in results)
+    return {"wall_s": wall, "bytes": n_bytes, "worker_s": dict(clock), "cpu_s": cpu, "tasks": len(results)}

@@ -71,7 +71,8 @@ def write_report(path: Path, cfg: PrepareConfig, stats: dict) -> None:
         mb = t.get("bytes", 0) / 1e6
         rate = f"{mb / t['wall_s']:.2f}" if t.get("bytes") and t["wall_s"] > 0 else "-"
         detail = ", ".join(f"{k} {v:.1f}s" for k, v in t.get("worker_s", {}).items()) or "-"
-        rows.append([stage, f"{t['wall_s']:.2f}", f"{mb:.1f}" if mb else "-", rate, detail])
-    lines += _table(["stage", "wall s", "MB", "MB/s", "worker time by step"], rows)
+        cpu = f"{t['cpu_s']:.1f}" if "cpu_s" in t else "-"
+        rows.append([stage, f"{t['wall_s']:.2f}", f"{mb:.1f}" if mb else "-", rate, cpu, detail])
+    lines += _table(["stage", "wall s", "MB", "MB/s", "worker CPU s", "worker time by step"], rows)
     lines += ["Decisions for every document are in `decisions.jsonl`; shard provenance in `*.docs.jsonl`.", ""]
     path.write_text("\n".join(lines))
