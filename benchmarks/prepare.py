@@ -125,6 +125,7 @@ def main() -> None:
     ap.add_argument("--no-record", action="store_true", help="do not append to benchmarks/results/prepare.md")
     args = ap.parse_args()
 
+    commit = _git("rev-parse", "--short", "HEAD") + ("+dirty" if _git("status", "--porcelain", "--", "titan_k3/data", "benchmarks/prepare.py") else "")
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="titan_k3-prepare-bench-"))
     t0 = time.perf_counter()
     sources, bench = make_corpus(root / "corpus", args.mb)
@@ -155,7 +156,7 @@ def main() -> None:
         print(f"  decisions: {row['decisions']}; tokens: {row['tokens']}")
 
     if not args.no_record:
-        record(rows, corpus_mb, args.tokenizer)
+        record(rows, corpus_mb, args.tokenizer, commit)
     if not args.keep:
         shutil.rmtree(root)
 
@@ -174,7 +175,7 @@ def summarize(workers: int, wall: float, stats: dict, load: float) -> dict:
     }
 
 
-def record(rows: list[dict], corpus_mb: float, tokenizer: str) -> None:
+def record(rows: list[dict], corpus_mb: float, tokenizer: str, commit: str) -> None:
     import datasketch
     import tokenizers
 
@@ -194,7 +195,6 @@ def record(rows: list[dict], corpus_mb: float, tokenizer: str) -> None:
             + header
         )
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    commit = _git("rev-parse", "--short", "HEAD")
     with open(RESULTS, "a") as f:
         for r in rows:
             tm = r["timings"]
