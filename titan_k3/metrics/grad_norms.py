@@ -34,7 +34,8 @@ def param_group(name: str) -> str:
 
 def _is_moe_param(name: str) -> bool:
     tail = name.split(".ffn.", 1)[1]
-    return tail.split(".", 1)[0] in ("w1", "w3", "w2", "w_down", "w_up", "latent_norm", "shared")
+    # NOTE: routed experts are bare 3-D parameters ("ffn.w1"); a dense FFN's are Linears ("ffn.w1.weight").
+    return tail in ("w1", "w3", "w2") or tail.split(".", 1)[0] in ("w_down", "w_up", "latent_norm", "shared")
 
 
 def _local_and_reduce_groups(grad: torch.Tensor) -> tuple[torch.Tensor, tuple]:

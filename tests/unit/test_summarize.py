@@ -1,0 +1,66 @@
+"""The summarizer's arithmetic on hand-written records: time-weighted windows, warm-up, restarts, probes."""
+
+import json
+
+import pytest
+
+from titan_k3.tools.summarize import main, probe_of, steady_state, summarize
+
+
+def _rec(step, tokens, train_s, session_s, loss=2.0, **kw):
+    return {"step": step, "tokens_seen": tokens, "training_seconds": train_s, "session_seconds": session_s, "loss": loss,
+            "lr": 1e-3, "grad_norm": 1.0, "skipped_updates": 0, "tokens_per_second_training": 0.0,
+            "tokens_per_second_session": 0.0, "mfu": kw.pop("mfu", 0.0), **kw}
+
+
+RECORDS = [
+    _rec(10, 1000, 50.0, 60.0, mfu=0.01),   # window 0 -> 10 holds a slow first step (compile, autotune)
+    _rec(20, 2000, 60.0, 75.0, mfu=0.05),   # 10 -> 20: 1000 tokens in 10 s
+    _rec(30, 3000, 80.0, 100.0, mfu=0.025),  # 20 -> 30: 1000 tokens in 20 s
+    _rec(40, 4000, 90.0, 120.0, mfu=0.05),  # 30 -> 40: 1000 tokens in 10 s
+]
+
+
+def test_steady_rate_is_time_weighted_over_windows_after_warmup():
+    steady = steady_state(RECORDS, warmup_step=10)
+    assert steady.windows == 3
+    assert steady.tokens_per_second == pytest.approx(3000 / 40)  # not the mean of the rates (83.3)
+    assert steady.mfu == pytest.approx((0.05 * 10 + 0.025 * 20 + 0.05 * 10) / 40)
+    assert steady_state(RECORDS, warmup_step=0).tokens_per_second == pytest.approx(4000 / 90)
+    assert steady_state(RECORDS, warmup_step=15).windows == 2  # the window starting at 10 is excluded
+
+
+def test_a_restart_opens_no_window_across_it():
+    resumed = RECORDS[:2] + [_rec(30, 3000, 5.0, 8.0), _rec(40, 4000, 15.0, 20.0)]  # clocks restart after step 20
+    steady = steady_state(resumed, warmup_step=10)
+    assert steady.windows == 2
+    assert steady.tokens_per_second == pytest.approx(2000 / 20)
+
+
+def _run_dir(tmp_path, description, records):
+    (tmp_path / "config.toml").write_text(f'[job]\ndescription = "{description}"\n[training]\nsteps = 40\n')
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "events.jsonl").write_text(json.dumps({"kind": "invariant_violation", "step": 5}) + "\n")
+    return tmp_path
+
+
+def test_overfit_probe_answer_and_markdown(tmp_path):
+    records = [dict(r, loss=10.0 / (1 + i * 100)) for i, r in enumerate(RECORDS)]
+    text, numbers = summarize(_run_dir(tmp_path, "overfit: memorise one repeated batch", records), warmup_step=10)
+    assert numbers["probe"] == "overfit"
+    assert "**Answer:** yes" in text
+    assert numbers["events"] == {"invariant_violation": 1}
+    assert numbers["tokens_per_second_session"] == pytest.approx(4000 / 120)
+    assert numbers["loss_start"] == 10.0
+
+
+def test_probe_from_description_or_recipe_name():
+    assert probe_of({"job": {"description": "stability: successive batches"}}) == "stability"
+    assert probe_of({"job": {"config_file": "tomls/pilot.toml"}}) == "throughput"
+    assert probe_of({"job": {"description": "my experiment"}}) is None
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main([str(tmp_path)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+    assert main([str(tmp_path), "--warmup-step", "-1"]) == 2
