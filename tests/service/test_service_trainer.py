@@ -7,25 +7,9 @@ the service killed and restarted -> the live run is re-adopted.
 
 from __future__ import annotations
 
-import importlib.util
-
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import DEBUG_OVERRIDES, wait_until
-
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("titan_k3.train") is None,
-                                reason="titan_k3.train (the trainer CLI) is not in this checkout")
-
-
-def _trainer_source() -> str:
-    spec = importlib.util.find_spec("titan_k3.train")
-    return open(spec.origin).read() if spec and spec.origin else ""
-
-
-# NOTE: the trainer grows these in steps; the checkpoint assertions run as soon as it saves on SIGTERM
-# and resumes (until then the flows still check everything the service itself does).
-TRAINER_CHECKPOINTS = "SIGTERM" in _trainer_source() and "checkpoint" in _trainer_source()
 
 LONG = {**DEBUG_OVERRIDES, "training.steps": 400, "metrics.log_freq": 1,
         "checkpoint.enable": True, "checkpoint.interval": 1000}
@@ -50,7 +34,7 @@ def test_create_running_metrics_stop(make_service):
     r = svc.create(name="real", toml="", overrides=LONG)
     assert r.status_code == 201, r.text
     svc.wait_state("real", ("running",))
-    wait_until(lambda: metric_step(svc, "real") >= 2, 120, "trainer metrics at /metrics")
+    wait_until(lambda: metric_step(svc, "real") >= 2, 300, "trainer metrics at /metrics")
     m = run_samples(svc.metrics_text(), "real")
     assert m["titan_k3_service_run_state"][(("state", "running"),)] == 1
     for name in ("titan_k3_run_loss", "titan_k3_run_lr", "titan_k3_run_grad_norm", "titan_k3_run_mfu",
@@ -62,10 +46,8 @@ def test_create_running_metrics_stop(make_service):
 
     r = svc.client.post("/v1/runs/real/stop", headers=svc.auth)
     assert r.status_code == 202
-    run = svc.wait_state("real", ("stopped",), timeout=90)
+    run = svc.wait_state("real", ("stopped",), timeout=300)
     assert len(run["attempts"]) == 1 and run["attempts"][0]["ended_at"] is not None
-    if not TRAINER_CHECKPOINTS:
-        return
     assert run["exit_codes"] == [0], svc.client.get("/v1/runs/real/logs", params={"tail": 40}).text
     assert run["latest_checkpoint"] is not None and run["latest_checkpoint"].startswith("step-")
     assert (svc.state_dir / "runs" / "real" / "checkpoints" / run["latest_checkpoint"]).is_dir()
@@ -77,12 +59,9 @@ def test_crash_is_restarted_and_resumes_from_the_checkpoint(make_service):
     overrides = {**DEBUG_OVERRIDES, "metrics.log_freq": 1, "checkpoint.enable": True, "checkpoint.interval": 2,
                  "debug.crash_at_step": 4}
     assert svc.create(name="crash", toml="", overrides=overrides, restart_limit=1).status_code == 201
-    run = svc.wait_state("crash", ("finished", "failed"), timeout=150)
+    run = svc.wait_state("crash", ("finished", "failed"), timeout=400)
     logs = svc.client.get("/v1/runs/crash/logs", params={"tail": 400}).text
     assert "debug.crash_at_step = 4" in logs and "=== attempt 2 ===" in logs
-    if not TRAINER_CHECKPOINTS:  # each attempt starts over and crashes again at step 4
-        assert run["state"] == "failed" and len(run["attempts"]) == 2 and 0 not in run["exit_codes"]
-        return
     assert run["state"] == "finished", logs
     assert len(run["attempts"]) == 2 and run["exit_codes"][0] != 0 and run["exit_codes"][1] == 0
     assert run["restarts_total"] == 1
@@ -97,7 +76,7 @@ def test_crash_is_restarted_and_resumes_from_the_checkpoint(make_service):
 def test_service_restart_readopts_a_live_run(make_service):
     svc = make_service(fake=False)
     assert svc.create(name="adopt", toml="", overrides=LONG).status_code == 201
-    wait_until(lambda: metric_step(svc, "adopt") >= 2, 120, "trainer metrics")
+    wait_until(lambda: metric_step(svc, "adopt") >= 2, 300, "trainer metrics")
     before = svc.run("adopt")
     svc.kill()
 
@@ -107,11 +86,9 @@ def test_service_restart_readopts_a_live_run(make_service):
     assert run["state"] == "running", run
     assert [a["pid"] for a in run["attempts"]] == [a["pid"] for a in before["attempts"]]
     step = metric_step(svc2, "adopt")
-    wait_until(lambda: metric_step(svc2, "adopt") > step, 60, "the adopted run to keep training")
+    wait_until(lambda: metric_step(svc2, "adopt") > step, 180, "the adopted run to keep training")
     assert svc2.client.post("/v1/runs/adopt/stop", headers=svc2.auth).status_code == 202
-    run = svc2.wait_state("adopt", ("stopped",), timeout=90)
+    run = svc2.wait_state("adopt", ("stopped",), timeout=300)
     assert len(run["exit_codes"]) == 1 and run["exit_codes"][0] is not None  # read from the wrapper's exit file
-    if not TRAINER_CHECKPOINTS:
-        return
     assert run["exit_codes"] == [0]
     assert run["latest_checkpoint"] is not None
