@@ -82,6 +82,7 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, layout, gate, saved):
     bwd._dstate_kernel[(triton.cdiv(V, BV), N * H)](
         q, k, b, M, Wk, do, dht, dh, dU, dh0, cu, chunk_offsets, scale,
         H=H, K=K, V=V, BT=BT, BK=BK_full, BV=BV, HAS_DHT=dht is not None, HAS_H0=h0 is not None, PREC=prec,
+        num_warps=8, num_stages=1,
     )
     dq = torch.empty(T, H, K, device=dev, dtype=torch.float32)
     dk = torch.empty_like(dq)
@@ -93,7 +94,7 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, layout, gate, saved):
     dA = torch.zeros_like(dM)
     bwd._dchunk_kernel[(NT, NK, H)](
         q, k, v, b, beta, A, Ai, h, dh, U, dU, do, dq, dk, dv, db, dbeta, dM, dA, chunk_indices, cu, scale, T,
-        H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, PREC=prec, num_warps=8,
+        H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, PREC=prec, num_warps=8, num_stages=2,
     )
     dbeta = dbeta.sum(0)
     bwd._dintra_kernel[(NT * (BT // BC), H)](
