@@ -47,7 +47,7 @@ class ServiceProc:
     """One `python -m service` process; restartable over the same state dir."""
 
     def __init__(self, state_dir: Path, *, fake: bool, gpus: int = 0, max_running: int = 0,
-                 grace_seconds: float = 30.0, step_seconds: float = 0.2, extra_env: dict[str, str] | None = None):
+                 grace_seconds: float = 120.0, step_seconds: float = 0.2, extra_env: dict[str, str] | None = None):
         self.state_dir = state_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

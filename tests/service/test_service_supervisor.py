@@ -1,0 +1,82 @@
+"""Supervisor pieces without a server: pid-reuse-safe liveness, recovery after a restart, argv."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import psutil
+
+from service.registry import Attempt, Registry
+from service.settings import Settings
+from service.supervisor import Supervisor, launch_command, process_alive
+
+
+def sleeper() -> tuple[subprocess.Popen, float]:
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    return p, psutil.Process(p.pid).create_time()
+
+
+def test_process_alive_needs_the_recorded_start_time():
+    p, start = sleeper()
+    try:
+        assert process_alive(p.pid, start)
+        assert not process_alive(p.pid, start - 5.0)  # same pid, another process (a reused pid)
+    finally:
+        p.kill()
+        p.wait()
+    assert not process_alive(p.pid, start)
+
+
+def test_recover_readopts_live_attempts_and_settles_the_rest(tmp_path):
+    settings = Settings(state_dir=tmp_path, token="x", gpus=2)
+    reg = Registry(tmp_path / "registry.sqlite3")
+    live, start = sleeper()
+    try:
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        cases = {
+            # run id: (state, pid, start time, exit-file text, stop requested)
+            "alive": ("running", live.pid, start, None, False),
+            "reused-pid": ("running", live.pid, start - 5.0, None, False),
+            "ended-ok": ("running", dead.pid, 1.0, "0", False),
+            "stopped-while-away": ("stopping", dead.pid, 1.0, "0", True),
+            "crashed-while-away": ("running", dead.pid, 1.0, "1", False),
+            "vanished": ("running", dead.pid, 1.0, None, False),
+        }
+        for i, (run_id, (state, pid, t0, exit_text, stop)) in enumerate(cases.items()):
+            reg.insert_run(run_id, "inline", {}, 1, 1, 2)
+            exit_path = tmp_path / f"{run_id}.exit"
+            if exit_text is not None:
+                exit_path.write_text(exit_text + "\n")
+            reg.add_attempt(Attempt(run_id, 1, pid, t0, time.time(), None, None, [i % 2], "", str(exit_path)))
+            reg.update_run(run_id, state=state, assigned_gpus=[i % 2], stop_requested_at=time.time() if stop else None)
+        Supervisor(settings, reg).recover()
+        got = {r.id: r for r in reg.list()}
+        assert {k: r.state for k, r in got.items()} == {
+            "alive": "running", "reused-pid": "lost", "ended-ok": "finished", "stopped-while-away": "stopped",
+            "crashed-while-away": "lost", "vanished": "lost"}
+        assert got["alive"].assigned_gpus == [0] and got["alive"].attempts[0].ended_at is None
+        assert got["ended-ok"].attempts[0].exit_code == 0 and got["vanished"].attempts[0].exit_code is None
+        assert all(r.assigned_gpus == [] for k, r in got.items() if k != "alive")
+        assert Supervisor(settings, reg).used_gpus() == {0}
+    finally:
+        live.kill()
+        live.wait()
+        reg.close()
+
+
+def test_launch_command_is_an_argument_list_with_overrides_verbatim(tmp_path):
+    settings = Settings(state_dir=tmp_path, token="x", gpus=0)
+    reg = Registry(tmp_path / "registry.sqlite3")
+    reg.insert_run("r1", "inline", {"job.description": "a b; rm -rf / $(x)", "training.steps": "6"}, 2, 0, 0)
+    run = reg.get("r1")
+    argv = launch_command(settings, run, tmp_path / "runs" / "r1")
+    assert argv[:8] == [settings.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "-m", "titan_k3.train"]
+    i = argv.index("--job.description")
+    assert argv[i + 1] == "a b; rm -rf / $(x)"
+    assert argv[argv.index("--job.name") + 1] == "r1"
+    assert argv[argv.index("--job.dump_folder") + 1] == str(tmp_path / "runs")
+    reg.close()
