@@ -16,7 +16,9 @@ import triton
 from kernels.grouped_gemm.reference import route_permutation
 from kernels.grouped_gemm.triton_gemm import (
     INTERPRET,
+    grouped_mm_dual_kernel,
     grouped_mm_kernel,
+    grouped_wgrad_dual_kernel,
     grouped_wgrad_kernel,
     row_tiles_upper_bound,
 )
@@ -57,7 +59,8 @@ def _launch_mm(a, b, offsets, out, gather=None, a2=None, b2=None):
         return out
     if a2 is not None:
         assert a2.stride() == a.stride() and b2.stride() == b.stride()
-    grouped_mm_kernel[_mm_grid(n_rows, n_experts, n_cols)](
+    kernel = grouped_mm_kernel if a2 is None else grouped_mm_dual_kernel
+    kernel[_mm_grid(n_rows, n_experts, n_cols)](
         a, a if a2 is None else a2, b, b if b2 is None else b2, out, offsets,
         offsets if gather is None else gather,
         n_rows, red, n_cols,
@@ -79,7 +82,8 @@ def _launch_wgrad(a, b, offsets, out, gather=None, b2=None, out2=None):
     def grid(meta):
         return (n_experts * triton.cdiv(red, meta["BLOCK_K"]) * triton.cdiv(n_cols, meta["BLOCK_N"]),)
 
-    grouped_wgrad_kernel[grid](
+    kernel = grouped_wgrad_kernel if b2 is None else grouped_wgrad_dual_kernel
+    kernel[grid](
         a, b, b if b2 is None else b2, out, out if out2 is None else out2, offsets,
         offsets if gather is None else gather,
         b.shape[0], red, n_cols,

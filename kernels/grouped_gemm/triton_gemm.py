@@ -19,27 +19,37 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _cfg(block_m, block_n, block_k, warps, stages, names=("BLOCK_M", "BLOCK_N", "BLOCK_K")):
+    return triton.Config(dict(zip(names, (block_m, block_n, block_k))), num_warps=warps, num_stages=stages)
+
+
+# NOTE: candidate tiles were chosen by ptxas stack usage for sm_90 (cuobjdump
+# -res-usage): a tile whose epilogue holds 64 float32 values per thread next
+# to a second accumulator (or g and u) spills hundreds of bytes per thread and
+# ran ~8x slower on an H200. Kernels with such epilogues get tiles of 32
+# values per thread; the plain GEMM keeps the large tiles.
 def mm_configs():
-    """Autotune candidates for the row-tiled kernels (one small config in the interpreter)."""
+    """Autotune candidates for the plain row-tiled GEMM (one small config in the interpreter)."""
     if INTERPRET:
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4)]
-    return [
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-    ]
+        return [_cfg(32, 32, 32, 4, 1)]
+    return [_cfg(128, 128, 64, 8, 3), _cfg(128, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 4)]
 
 
-def wgrad_configs():
-    """Autotune candidates for the per-expert weight-gradient kernels."""
+def epilogue_configs():
+    """Candidates for the row-tiled kernels with two accumulators or a GLU epilogue."""
     if INTERPRET:
-        return [triton.Config({"BLOCK_K": 32, "BLOCK_N": 32, "BLOCK_R": 32}, num_warps=4)]
-    return [
-        triton.Config({"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_R": 64}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_K": 64, "BLOCK_N": 128, "BLOCK_R": 64}, num_warps=4, num_stages=4),
-        triton.Config({"BLOCK_K": 128, "BLOCK_N": 64, "BLOCK_R": 64}, num_warps=4, num_stages=4),
-    ]
+        return [_cfg(32, 32, 32, 4, 1)]
+    return [_cfg(128, 64, 64, 8, 3), _cfg(64, 128, 64, 8, 3), _cfg(64, 64, 64, 4, 3)]
+
+
+def wgrad_configs(dual: bool):
+    """Candidates for the per-expert weight-gradient kernels (two outputs when dual)."""
+    names = ("BLOCK_K", "BLOCK_N", "BLOCK_R")
+    if INTERPRET:
+        return [_cfg(32, 32, 32, 4, 1, names)]
+    if dual:
+        return [_cfg(128, 64, 64, 8, 3, names), _cfg(64, 128, 64, 8, 3, names), _cfg(64, 64, 64, 4, 4, names)]
+    return [_cfg(128, 128, 64, 8, 3, names), _cfg(64, 128, 64, 4, 4, names), _cfg(128, 64, 64, 4, 4, names)]
 
 
 def row_tiles_upper_bound(n_rows: int, n_experts: int, block_m: int) -> int:
@@ -87,9 +97,8 @@ def _mm_accumulate(acc, a_ptr, b_ptr, a_rows, row_mask, cols, col_mask, k_end, K
     return acc
 
 
-@triton.autotune(configs=mm_configs(), key=["K", "M", "N_EXPERTS", "GATHER", "DUAL"])
 @triton.jit
-def grouped_mm_kernel(
+def _grouped_mm_kernel(
     a_ptr, a2_ptr, b_ptr, b2_ptr, c_ptr, offsets_ptr, gather_ptr,
     n_rows, K, M,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
@@ -126,9 +135,8 @@ def grouped_mm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-@triton.autotune(configs=wgrad_configs(), key=["K", "M", "N_EXPERTS", "GATHER", "DUAL"])
 @triton.jit
-def grouped_wgrad_kernel(
+def _grouped_wgrad_kernel(
     a_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr, offsets_ptr, gather_ptr,
     n_rows, K, M,
     stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
@@ -171,3 +179,11 @@ def grouped_wgrad_kernel(
     tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
     if DUAL:
         tl.store(c2_ptr + c_off, acc2.to(c2_ptr.dtype.element_ty), mask=c_mask)
+
+
+_KEY = ["K", "M", "N_EXPERTS", "GATHER", "DUAL"]
+# One jitted body, tuned separately for the single- and two-accumulator uses.
+grouped_mm_kernel = triton.autotune(configs=mm_configs(), key=_KEY)(_grouped_mm_kernel)
+grouped_mm_dual_kernel = triton.autotune(configs=epilogue_configs(), key=_KEY)(_grouped_mm_kernel)
+grouped_wgrad_kernel = triton.autotune(configs=wgrad_configs(dual=False), key=_KEY)(_grouped_wgrad_kernel)
+grouped_wgrad_dual_kernel = triton.autotune(configs=wgrad_configs(dual=True), key=_KEY)(_grouped_wgrad_kernel)

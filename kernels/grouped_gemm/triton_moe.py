@@ -8,7 +8,7 @@ expert, E experts, L latent width, F expert hidden width.
 import triton
 import triton.language as tl
 
-from kernels.grouped_gemm.triton_gemm import INTERPRET, mm_configs, row_tile
+from kernels.grouped_gemm.triton_gemm import INTERPRET, epilogue_configs, row_tile
 
 
 @triton.jit
@@ -18,7 +18,7 @@ def _tanh(z):
     return 2.0 * tl.sigmoid(2.0 * z) - 1.0
 
 
-@triton.autotune(configs=mm_configs(), key=["L", "F", "N_EXPERTS", "STORE_GU"])
+@triton.autotune(configs=epilogue_configs(), key=["L", "F", "N_EXPERTS", "STORE_GU"])
 @triton.jit
 def glu_up_kernel(
     x_ptr, w1_ptr, w3_ptr, h_ptr, g_ptr, u_ptr, offsets_ptr, token_ptr,
@@ -37,33 +37,36 @@ def glu_up_kernel(
     pid = tl.program_id(0)
     n_col_tiles = tl.cdiv(F, BLOCK_N)
     expert, row_start, row_end = row_tile(pid // n_col_tiles, offsets_ptr, n_rows, N_EXPERTS, E_POW2, BLOCK_M)
-    rows = row_start + tl.arange(0, BLOCK_M)
-    row_mask = rows < row_end
+    local = tl.arange(0, BLOCK_M)
+    row_mask = local < row_end - row_start
     cols = (pid % n_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < F
-    x_rows = tl.load(token_ptr + rows, mask=row_mask, other=0).to(tl.int64) * stride_xt
+    tokens = tl.load(token_ptr + row_start + local, mask=row_mask, other=0)
+    x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_xt
     k_end = tl.where((expert >= 0) & (row_start < row_end), L, 0)
     w_off = tl.maximum(expert, 0).to(tl.int64) * stride_we
+    w1_tile = w1_ptr + w_off + cols[None, :] * stride_wf
+    w3_tile = w3_ptr + w_off + cols[None, :] * stride_wf
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < L
-        a = tl.load(x_ptr + x_rows[:, None] + ks[None, :] * stride_xl, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b_off = w_off + ks[:, None] * stride_wl + cols[None, :] * stride_wf
+        a = tl.load(x_rows + ks[None, :] * stride_xl, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b_mask = k_mask[:, None] & col_mask[None, :]
-        acc_g = tl.dot(a, tl.load(w1_ptr + b_off, mask=b_mask, other=0.0), acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, tl.load(w3_ptr + b_off, mask=b_mask, other=0.0), acc_u, input_precision=PRECISION)
+        acc_g = tl.dot(a, tl.load(w1_tile + ks[:, None] * stride_wl, mask=b_mask, other=0.0), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, tl.load(w3_tile + ks[:, None] * stride_wl, mask=b_mask, other=0.0), acc_u, input_precision=PRECISION)
     h = 4.0 * _tanh(acc_g * 0.25) * tl.sigmoid(acc_g) * (25.0 * _tanh(acc_u * 0.04))
-    s_off = rows.to(tl.int64)[:, None] * stride_s + cols[None, :]
+    base = row_start.to(tl.int64) * stride_s
+    s_off = local[:, None] * stride_s + cols[None, :]
     s_mask = row_mask[:, None] & col_mask[None, :]
-    tl.store(h_ptr + s_off, h.to(h_ptr.dtype.element_ty), mask=s_mask)
+    tl.store(h_ptr + base + s_off, h.to(h_ptr.dtype.element_ty), mask=s_mask)
     if STORE_GU:
-        tl.store(g_ptr + s_off, acc_g.to(g_ptr.dtype.element_ty), mask=s_mask)
-        tl.store(u_ptr + s_off, acc_u.to(u_ptr.dtype.element_ty), mask=s_mask)
+        tl.store(g_ptr + base + s_off, acc_g.to(g_ptr.dtype.element_ty), mask=s_mask)
+        tl.store(u_ptr + base + s_off, acc_u.to(u_ptr.dtype.element_ty), mask=s_mask)
 
 
-@triton.autotune(configs=mm_configs(), key=["L", "F", "N_EXPERTS"])
+@triton.autotune(configs=epilogue_configs(), key=["L", "F", "N_EXPERTS"])
 @triton.jit
 def glu_bwd_kernel(
     dout_ptr, w2_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, offsets_ptr,
@@ -81,25 +84,27 @@ def glu_bwd_kernel(
     pid = tl.program_id(0)
     n_col_tiles = tl.cdiv(F, BLOCK_N)
     expert, row_start, row_end = row_tile(pid // n_col_tiles, offsets_ptr, n_rows, N_EXPERTS, E_POW2, BLOCK_M)
-    rows = row_start + tl.arange(0, BLOCK_M)
-    row_mask = rows < row_end
+    # NOTE: 64-bit row bases as scalars, 32-bit offsets inside the tile: int64
+    # offset tiles next to the accumulator and g, u spill registers.
+    local = tl.arange(0, BLOCK_M)
+    row_mask = local < row_end - row_start
     cols = (pid % n_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < F
     k_end = tl.where((expert >= 0) & (row_start < row_end), L, 0)
-    w_off = tl.maximum(expert, 0).to(tl.int64) * stride_we
+    dout_tile = dout_ptr + row_start.to(tl.int64) * stride_do + local[:, None] * stride_do
+    w2_tile = w2_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we + cols[None, :] * stride_wf
     dh = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < L
-        a = tl.load(dout_ptr + rows.to(tl.int64)[:, None] * stride_do + ks[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w2_ptr + w_off + ks[:, None] * stride_wl + cols[None, :] * stride_wf,
-                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        a = tl.load(dout_tile + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w2_tile + ks[:, None] * stride_wl, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         dh = tl.dot(a, b, dh, input_precision=PRECISION)
-    s_off = rows.to(tl.int64)[:, None] * stride_s + cols[None, :]
+    base = row_start.to(tl.int64) * stride_s
+    s_off = local[:, None] * stride_s + cols[None, :]
     s_mask = row_mask[:, None] & col_mask[None, :]
-    g = tl.load(g_ptr + s_off, mask=s_mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + s_off, mask=s_mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + base + s_off, mask=s_mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + base + s_off, mask=s_mask, other=0.0).to(tl.float32)
     tg = _tanh(g * 0.25)
     sg = tl.sigmoid(g)
     tu = _tanh(u * 0.04)
@@ -107,8 +112,8 @@ def glu_bwd_kernel(
     act_u = 25.0 * tu
     d_act_g = (1.0 - tg * tg) * sg + act_g * (1.0 - sg)
     d_act_u = 1.0 - tu * tu
-    tl.store(dg_ptr + s_off, (dh * act_u * d_act_g).to(dg_ptr.dtype.element_ty), mask=s_mask)
-    tl.store(du_ptr + s_off, (dh * act_g * d_act_u).to(du_ptr.dtype.element_ty), mask=s_mask)
+    tl.store(dg_ptr + base + s_off, (dh * act_u * d_act_g).to(dg_ptr.dtype.element_ty), mask=s_mask)
+    tl.store(du_ptr + base + s_off, (dh * act_g * d_act_u).to(du_ptr.dtype.element_ty), mask=s_mask)
 
 
 def combine_block_sizes(width: int) -> tuple[int, int]:
