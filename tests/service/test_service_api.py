@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import DEBUG_OVERRIDES, REPO, TOKEN, wait_until
+from service_harness import REPO, TOKEN, wait_until
 from titan_k3.config import ConfigError, load_job_config
 
 INLINE = '[model]\nflavor = "debug"\n[training]\nsteps = 6\nseq_len = 64\n[metrics]\nlog_freq = 1\n'

@@ -18,7 +18,7 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import REPO
+from service_harness import REPO
 from service.exporter import LABELLED, TRAINER_KEYS, ServiceCollector, generic_name
 from service.registry import Attempt, Registry
 from service.rundir import RunFilesCache

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TOKEN
+from service_harness import TOKEN
 
 ST = shutil.which("st") or shutil.which("schemathesis", path=str(Path(sys.executable).parent))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import DEBUG_OVERRIDES, wait_until
+from service_harness import DEBUG_OVERRIDES, wait_until
 
 LONG = {**DEBUG_OVERRIDES, "training.steps": 400, "metrics.log_freq": 1,
         "checkpoint.enable": True, "checkpoint.interval": 1000}

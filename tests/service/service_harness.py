@@ -1,0 +1,137 @@
+"""Test harness: a real `python -m service` (uvicorn) on loopback, over a temporary state dir.
+
+`ServiceProc` starts the service as a subprocess so tests can kill and restart
+it (re-adoption); on teardown every training it launched is killed by pid and
+process start time, so no test leaves processes behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+TOKEN = "test-token-0123456789"
+DEBUG_OVERRIDES = {"model.flavor": "debug", "training.steps": 6, "training.seq_len": 64}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+class ServiceProc:
+    """One `python -m service` process; restartable over the same state dir."""
+
+    def __init__(self, state_dir: Path, *, fake: bool, gpus: int = 0, max_running: int = 0,
+                 grace_seconds: float = 120.0, step_seconds: float = 0.2, extra_env: dict[str, str] | None = None):
+        self.state_dir = state_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(self.port),
+                     "--state-dir", str(state_dir), "--gpus", str(gpus), "--max-running", str(max_running),
+                     "--grace-seconds", str(grace_seconds)]
+        self.env = {**os.environ, "K3_SERVICE_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1",
+                    "FAKE_TRAINER_STEP_SECONDS": str(step_seconds), "OMP_NUM_THREADS": "1",
+                    **(extra_env or {})}
+        if fake:
+            self.args += ["--launcher", "python", "--trainer-module", "fake_trainer"]
+            self.env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(REPO), self.env.get("PYTHONPATH", "")])
+        self.proc: subprocess.Popen | None = None
+        self.client = httpx.Client(base_url=self.url, timeout=30)
+        self.auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    def start(self) -> "ServiceProc":
+        log = open(self.state_dir.parent / f"service-{self.port}-{time.monotonic_ns()}.log", "wb")
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(self.args, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.log_path = Path(log.name)
+
+        def up() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"service exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                return self.client.get("/healthz").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(up, 30, "the service to answer /healthz")
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the service alone (its trainings live on in their own sessions)."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def create(self, **body) -> httpx.Response:
+        return self.client.post("/v1/runs", json=body, headers=self.auth)
+
+    def run(self, run_id: str) -> dict:
+        r = self.client.get(f"/v1/runs/{run_id}")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def wait_state(self, run_id: str, states: tuple[str, ...], timeout: float = 60) -> dict:
+        def check():
+            run = self.run(run_id)
+            return run if run["state"] in states else None
+
+        try:
+            return wait_until(check, timeout, f"run {run_id} to reach {states}", interval=0.2)
+        except AssertionError:
+            logs = self.client.get(f"/v1/runs/{run_id}/logs", params={"tail": 60}).text
+            raise AssertionError(f"run {run_id} is {self.run(run_id)['state']}, wanted {states}; logs:\n{logs}") from None
+
+    def metrics_text(self) -> str:
+        return self.client.get("/metrics").text
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.client.close()
+        kill_recorded_attempts(self.state_dir)
+
+
+def kill_recorded_attempts(state_dir: Path) -> None:
+    """Kill every attempt the registry knows of (matching pid and start time) and its descendants."""
+    db = state_dir / "registry.sqlite3"
+    if not db.exists():
+        return
+    with sqlite3.connect(db) as con:
+        rows = con.execute("SELECT pid, pid_start_time FROM attempts WHERE ended_at IS NULL").fetchall()
+    for pid, start in rows:
+        try:
+            p = psutil.Process(pid)
+            if abs(p.create_time() - start) > 0.05:
+                continue
+            for child in p.children(recursive=True) + [p]:
+                child.kill()
+        except psutil.Error:
+            pass
