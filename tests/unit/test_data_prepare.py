@@ -208,9 +208,10 @@ def _files(out):
     return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file() and p.name not in ("report.md", "stats.json")}
 
 
-def test_killed_and_rerun_prepare_matches_uninterrupted(tmp_path, tokenizer_path, monkeypatch):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_killed_and_rerun_prepare_matches_uninterrupted(tmp_path, tokenizer_path, monkeypatch, workers):
     sources = _corpus(tmp_path)
-    kw = dict(unit_mb=0.004, shard_mb=0.006, validation_fraction=0.1, workers=2)
+    kw = dict(unit_mb=0.004, shard_mb=0.006, validation_fraction=0.1, workers=workers)
     whole, _ = run(tmp_path, tokenizer_path, sources, out="whole", **kw)
     assert len([p for p in whole.glob("*.bin")]) >= 4 and len(json.loads((whole / "index.json").read_text())["splits"]["validation"]["shards"])
     resumed = tmp_path / "resumed"
@@ -221,6 +222,12 @@ def test_killed_and_rerun_prepare_matches_uninterrupted(tmp_path, tokenizer_path
         assert not (resumed / "index.json").exists()
     assert list(resumed.glob("*.bin"))  # the crash in stage C left finished shards behind
     monkeypatch.delenv("TITAN_K3_PREPARE_CRASH_AFTER")
+    if workers == 1:  # inputs edited under an unfinished prepare: refuse to mix old and new
+        extra = tmp_path / "in" / "web" / "late.jsonl"
+        write_jsonl(extra, [("late", prose(90, 77))])
+        with pytest.raises(ValueError, match="input files changed"):
+            run(tmp_path, tokenizer_path, sources, out="resumed", **kw)
+        extra.unlink()
     run(tmp_path, tokenizer_path, sources, out="resumed", **kw)
     assert _files(resumed) == _files(whole)
     assert not (resumed / ".prepare-work").exists() and not list(resumed.glob("*.tmp*"))

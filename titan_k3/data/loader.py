@@ -289,6 +289,7 @@ class DataLoader:
         return batch
 
     def _start(self) -> None:
+        self._core.set_state(self._state)  # the consumer's position is the truth
         self._stop.clear()
         self._queue = queue.Queue(maxsize=self._prefetch)
         self._thread = threading.Thread(target=self._produce, name="titan_k3-data-prefetch", daemon=True)

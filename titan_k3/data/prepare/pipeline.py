@@ -30,7 +30,7 @@ import pickle
 import shutil
 import time
 from collections import Counter, defaultdict
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict
 from multiprocessing import get_context
 from pathlib import Path
@@ -163,24 +163,10 @@ def _crash_after(stage: str) -> int | None:
     return int(k) if name == stage and k else None
 
 
-class _Serial:
-    """The in-process executor for workers = 1: a pool of one only adds start-up time."""
-
-    def submit(self, fn, *args):
-        fut: Future = Future()
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as e:
-            fut.set_exception(e)
-        return fut
-
-    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
-        pass
-
-
-def _make_pool(workers: int):
+def _make_pool(workers: int) -> ProcessPoolExecutor | None:
+    """None for workers = 1 (run in process: a pool of one only adds start-up time)."""
     if workers == 1:
-        return _Serial()
+        return None
     # NOTE: forkserver: workers fork from a clean server that preloaded this module,
     # so they start fast and never inherit the caller's threads (as fork would).
     ctx = get_context("forkserver")
@@ -188,22 +174,40 @@ def _make_pool(workers: int):
     return ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
 
 
-def _run_parallel(pool, fn, jobs: list[tuple], stage: str) -> list[dict]:
-    """Run fn(*job) for every job on the pool; results in completion order."""
+def _run_parallel(pool: ProcessPoolExecutor | None, fn, jobs: list[tuple], stage: str) -> list[dict]:
+    """Run fn(*job) for every job (on the pool, if any); results in completion order."""
     crash = _crash_after(stage)
     results: list[dict] = []
+
+    def done(result: dict) -> None:
+        results.append(result)
+        if crash is not None and len(results) >= crash:
+            raise RuntimeError(f"{_CRASH_ENV}: debug crash in stage {stage} after {len(results)} tasks")
+
+    if pool is None:
+        for job in jobs:
+            done(fn(*job))
+        return results
     pending = {pool.submit(fn, *job) for job in jobs}
     try:
         while pending:
-            done, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in done:
-                results.append(fut.result())
-                if crash is not None and len(results) >= crash:
-                    raise RuntimeError(f"{_CRASH_ENV}: debug crash in stage {stage} after {len(results)} tasks")
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                done(fut.result())
     finally:
         for fut in pending:
             fut.cancel()
     return results
+
+
+def _input_signature(units: list[dict]) -> str:
+    """sha256 over every input file's path, size and mtime, in unit order."""
+    digest = hashlib.sha256()
+    for u in units:
+        for rel in u["files"]:
+            st = (Path(u["root"]) / rel).stat()
+            digest.update(f"{u['source']}|{u['root']}|{rel}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
 
 
 def _unit_stem(unit: dict) -> str:
@@ -214,48 +218,58 @@ def _is_validation(sha: str, fraction: float) -> bool:
     return int(sha[:12], 16) % 1_000_000 < fraction * 1_000_000
 
 
+class _Decider:
+    """The global stages in order: exact dedup -> near dedup -> decontamination."""
+
+    def __init__(self, cfg: PrepareConfig):
+        self.near = NearDuplicateIndex(cfg.near_dedup.threshold, cfg.near_dedup.num_perm) if cfg.near_dedup.enable else None
+        self.first_seen: dict[str, str] = {}  # content sha256 -> first "source/id"
+        self.refs: list[str] = []  # near-dedup key -> "source/id"
+
+    def decide(self, ref: str, doc: dict, sigs: np.ndarray) -> tuple[str, dict]:
+        if doc.get("decision"):
+            return doc["decision"], doc["reason"]
+        if doc["sha256"] in self.first_seen:
+            return "exact_duplicate", {"duplicate_of": self.first_seen[doc["sha256"]]}
+        self.first_seen[doc["sha256"]] = ref
+        if self.near is not None:
+            self.refs.append(ref)
+            hit = self.near.check_and_add(len(self.refs) - 1, sigs[doc["sig"]])
+            if hit is not None:
+                return "near_duplicate", {"duplicate_of": self.refs[hit[0]], "jaccard": round(hit[1], 4)}
+        if doc["contam"] is not None:
+            return "contaminated", doc["contam"]
+        return "accepted", {}
+
+
 def stage_b(cfg: PrepareConfig, units: list[dict], work: Path, out: Path) -> dict:
     """Global decisions in input order; writes decisions.jsonl and returns the shard plan and counts."""
-    near = NearDuplicateIndex(cfg.near_dedup.threshold, cfg.near_dedup.num_perm) if cfg.near_dedup.enable else None
-    first_seen: dict[str, str] = {}
-    names: list[str] = []
+    decider = _Decider(cfg)
     counts: dict[str, Counter] = defaultdict(Counter)
     rules: Counter = Counter()
     contam: dict[str, dict] = defaultdict(lambda: {"docs": 0, "examples": []})
     accepted: dict[tuple[str, str], list] = defaultdict(list)
-    lines = []
-    for unit in units:
-        stem = _unit_stem(unit)
-        meta = _load(work / "a" / f"{stem}.meta")
-        for doc in meta["docs"]:
-            ref = f"{unit['source']}/{doc['id']}"
-            rec = {"source": unit["source"], "id": doc["id"], "sha256": doc["sha256"]}
-            decision, reason = doc.get("decision"), doc.get("reason", {})
-            if decision is None and doc["sha256"] in first_seen:
-                decision, reason = "exact_duplicate", {"duplicate_of": first_seen[doc["sha256"]]}
-            elif decision is None:
-                first_seen[doc["sha256"]] = ref
-                if near is not None:
-                    names.append(ref)
-                    hit = near.check_and_add(len(names) - 1, meta["sigs"][doc["sig"]])
-                    if hit is not None:
-                        decision, reason = "near_duplicate", {"duplicate_of": names[hit[0]], "jaccard": round(hit[1], 4)}
-            if decision is None and doc["contam"] is not None:
-                decision, reason = "contaminated", doc["contam"]
-                entry = contam[reason["benchmark"]]
-                entry["docs"] += 1
-                if len(entry["examples"]) < 3:
-                    entry["examples"].append(reason["ngram"])
-            if decision is None:
-                decision = "accepted"
-                split = "validation" if _is_validation(doc["sha256"], cfg.validation_fraction) else "train"
-                reason = {"split": split}
-                accepted[(split, unit["source"])].append((stem, doc["text"], doc["chars"], rec))
-            if decision in ("too_short", "low_quality"):
-                rules[reason["rule"]] += 1
-            counts[unit["source"]][decision] += 1
-            lines.append(json.dumps({**rec, "decision": decision, "reason": reason}, sort_keys=True))
-    _write_text(out / "decisions.jsonl", "\n".join(lines) + ("\n" if lines else ""))
+    decisions_tmp = out / f"decisions.jsonl.tmp{os.getpid()}"
+    with open(decisions_tmp, "w") as sink:
+        for unit in units:
+            stem, source = _unit_stem(unit), unit["source"]
+            meta = _load(work / "a" / f"{stem}.meta")
+            for doc in meta["docs"]:
+                rec = {"source": source, "id": doc["id"], "sha256": doc["sha256"]}
+                decision, reason = decider.decide(f"{source}/{doc['id']}", doc, meta["sigs"])
+                if decision == "accepted":
+                    split = "validation" if _is_validation(doc["sha256"], cfg.validation_fraction) else "train"
+                    reason = {"split": split}
+                    accepted[(split, source)].append((stem, doc["text"], doc["chars"], rec))
+                elif decision == "contaminated":
+                    entry = contam[reason["benchmark"]]
+                    entry["docs"] += 1
+                    entry["examples"] = (entry["examples"] + [reason["ngram"]])[:3]
+                elif decision in ("too_short", "low_quality"):
+                    rules[reason["rule"]] += 1
+                counts[source][decision] += 1
+                sink.write(json.dumps({**rec, "decision": decision, "reason": reason}, sort_keys=True) + "\n")
+    os.replace(decisions_tmp, out / "decisions.jsonl")
     return {
         "plan": _plan_shards(accepted, int(cfg.shard_mb * 1e6)),
         "counts": {k: dict(v) for k, v in counts.items()},
@@ -286,7 +300,8 @@ def prepare(cfg: PrepareConfig, force: bool = False, log=print) -> Path:
     try:
         return _prepare(cfg, force, log, pool)
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _prepare(cfg: PrepareConfig, force: bool, log, pool) -> Path:
@@ -306,12 +321,14 @@ def _prepare(cfg: PrepareConfig, force: bool, log, pool) -> Path:
     cfg_path = work / "config.json"
     if cfg_path.is_file() and json.loads(cfg_path.read_text())["fingerprint"] != fingerprint:
         raise ValueError(f"output={str(out)!r} holds an unfinished prepare with another config; choose another output or --force")
-    _write_text(cfg_path, json.dumps({"fingerprint": fingerprint, "config": asdict(cfg)}, indent=1))
-
     tok = load_tokenizer(cfg.tokenizer)
     BenchmarkNgrams(cfg.decontamination.benchmarks, cfg.decontamination.n)  # bad benchmark files fail before any work
-    timings: dict[str, dict] = {}
     units = [u for s in cfg.sources for u in plan_units(s, int(cfg.unit_mb * 1e6))]
+    inputs = _input_signature(units)
+    if cfg_path.is_file() and json.loads(cfg_path.read_text()).get("inputs") != inputs:
+        raise ValueError(f"output={str(out)!r}: the input files changed since the unfinished prepare; rerun with --force")
+    _write_text(cfg_path, json.dumps({"fingerprint": fingerprint, "inputs": inputs, "config": asdict(cfg)}, indent=1))
+    timings: dict[str, dict] = {}
     base = asdict(cfg)
     jobs = []
     for u in units:
