@@ -23,6 +23,7 @@ from titan_k3.checkpoint import build_checkpointer
 from titan_k3.config import ConfigError, JobConfig, help_text, load_job_config
 from titan_k3.metrics.clocks import TwoClocks
 from titan_k3.metrics.events import EventLog
+from titan_k3.invariants import InvariantRunner, InvariantViolationError
 from titan_k3.metrics.reporter import MetricsReporter
 from titan_k3.metrics.run_dir import Tee, prepare_run_dir, run_dir_path
 from titan_k3.models.k3.args import count_params, flops_per_token, get_flavor
@@ -142,6 +143,9 @@ class Trainer:
         self.events = EventLog(self.run_dir / "events.jsonl" if self.rank == 0 else None)
         self.compile_watch = CompileWatch(self.events) if cfg.compile.enable else None
         self.reporter.start(self.run_dir, self.events)
+        self.invariants = InvariantRunner(cfg.invariants, self.events, group=self.dp_group, rank=self.rank, device=self.device,
+                                          seq_len=t.seq_len, on_violation=self.reporter.violation)
+        self.qk_clip_max_logits: dict[int, torch.Tensor] = {}
         self._report_start()
         self.checkpointer = build_checkpointer(self)
         self.checkpointer.load()
@@ -204,8 +208,12 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.reporter.is_log_step(self.step + 1):
             self.reporter.capture_grads(self.model.named_parameters())
+        self.invariants.before_clip(self.step + 1, batches=batches, model=self.model, optimizers=self.optimizers,
+                                    normaliser=global_valid, local_valid=n_valid, loader=self.loader,
+                                    qk_clip_max_logits=self.qk_clip_max_logits)
         max_norm = cfg.training.max_norm if cfg.training.max_norm > 0 else float("inf")
         grad_norm = clip_grad_norm_(params, max_norm).item()
+        self.invariants.after_clip(grad_norm)
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         self._last_lr = self.optimizers.lr
         if skipped:
@@ -224,8 +232,9 @@ class Trainer:
     @torch.no_grad()
     def _qk_clip(self) -> None:
         tau = self.cfg.optimizer.qk_clip_tau
-        for layer in self.model.mla_layers().values():
+        for i, layer in self.model.mla_layers().items():
             max_logit = self._all_reduce(layer.pop_max_logit(), dist.ReduceOp.MAX if self.dp_group else None)
+            self.qk_clip_max_logits[i] = max_logit
             if tau > 0:
                 qk_clip_(layer.wq_b.weight, layer.wkv_b.weight, max_logit, n_heads=layer.n_heads,
                          nope_dim=layer.nope, rope_dim=layer.rope, v_dim=layer.v_dim, tau=tau)
@@ -297,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         results = trainer.train()
         if trainer.rank == 0:
             print(trainer.summary(results))
-    except TrainingStopped as e:
+    except (TrainingStopped, InvariantViolationError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from titan_k3.config import ConfigError, JobConfig
+from titan_k3.invariants.checks import CHECKS
 from titan_k3.metrics.clocks import TwoClocks
 from titan_k3.metrics.events import EventLog
 from titan_k3.metrics.grad_norms import grad_norms_by_group
@@ -53,6 +54,7 @@ class MetricsReporter:
         self.exporter: PrometheusExporter | None = None
         if m.prometheus_port and rank == 0:
             self.exporter = PrometheusExporter(cfg.job.name or "run")
+            self.exporter.declare_checks(CHECKS)
             try:
                 self.exporter.serve(m.prometheus_port)
             except OSError as e:
@@ -73,6 +75,11 @@ class MetricsReporter:
             self.writer.close()
         if self.exporter is not None:
             self.exporter.close()
+
+    def violation(self, check: str) -> None:
+        """Count one invariant violation on the endpoint (rank 0 only serves one)."""
+        if self.exporter is not None:
+            self.exporter.violation(check)
 
     # ------------------------------------------------------------------ start-up
     def report_kernels(self, choices) -> None:

@@ -1,0 +1,255 @@
+"""The invariant checks, each a function of explicit inputs (tensors, counts, a process group).
+
+Every check is collective over `group` (all its ranks call it with the same
+tensor shapes) and returns the violations it found, identical on every rank,
+so that every rank can report or abort the same way. With `group=None` (one
+process) the cross-rank checks have nothing to compare and return [].
+
+Names: data.disjoint_sequences, data.source_mix, replicas.checksums,
+gradient_scale.grad_norm_agreement, gradient_scale.grad_norm_audit,
+gradient_scale.loss_normaliser, gradient_scale.ep_token_counts,
+gradient_scale.expert_grad_scale.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+CHECKS = (
+    "data.disjoint_sequences",
+    "data.source_mix",
+    "replicas.checksums",
+    "gradient_scale.grad_norm_agreement",
+    "gradient_scale.grad_norm_audit",
+    "gradient_scale.loss_normaliser",
+    "gradient_scale.ep_token_counts",
+    "gradient_scale.expert_grad_scale",
+)
+
+
+@dataclass
+class Violation:
+    check: str
+    """One of CHECKS."""
+    metric: float
+    """The number that broke the invariant (duplicates, relative error, ratio, ...)."""
+    message: str
+    details: dict = field(default_factory=dict)
+
+
+def _world(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _gather(x: torch.Tensor, group) -> torch.Tensor:
+    """[W, *x.shape] on x's device: every rank's x (same shape on every rank)."""
+    out = [torch.empty_like(x) for _ in range(_world(group))]
+    dist.all_gather(out, x.contiguous(), group=group)
+    return torch.stack(out)
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def check_disjoint_sequences(fingerprints: torch.Tensor, group) -> list[Violation]:
+    """fingerprints int64 [N]: this rank's sequences in this update; no sequence may sit on two ranks."""
+    if group is None:
+        return []
+    all_WN = _gather(fingerprints.to(torch.int64).cpu(), group)
+    owner: dict[int, int] = {}
+    shared: dict[int, set[int]] = {}
+    for rank, row in enumerate(all_WN.tolist()):
+        for fp in set(row):
+            if fp in owner:
+                shared.setdefault(fp, {owner[fp]}).add(rank)
+            else:
+                owner[fp] = rank
+    if not shared:
+        return []
+    ranks = sorted(set().union(*shared.values()))
+    return [Violation(
+        "data.disjoint_sequences", float(len(shared)),
+        f"{len(shared)} of {len(owner)} sequences of this update are trained on by more than one data-parallel rank "
+        f"(ranks {ranks}): the ranks read overlapping data",
+        {"ranks": ranks},
+    )]
+
+
+def check_source_mix(source_tokens: dict[str, int], weights: dict[str, float], group, slack_tokens: float) -> list[Violation]:
+    """Cumulative tokens per source (this rank's) summed over `group` must track the configured weights.
+
+    A source violates when |observed - weight x total| > slack_tokens + 2% of the total.
+    """
+    names = sorted(weights)
+    local = torch.tensor([float(source_tokens.get(n, 0)) for n in names], dtype=torch.float64)
+    if group is not None:
+        dist.all_reduce(local, group=group)
+    total = float(local.sum())
+    if total == 0:
+        return []
+    off = {n: float(local[i]) - weights[n] * total for i, n in enumerate(names)}
+    bad = {n: d for n, d in off.items() if abs(d) > slack_tokens + 0.02 * total}
+    if not bad:
+        return []
+    worst = max(bad, key=lambda n: abs(bad[n]))
+    share = (off[worst] + weights[worst] * total) / total
+    return [Violation(
+        "data.source_mix", abs(bad[worst]) / total,
+        f"source '{worst}' is {100 * share:.1f}% of the {total:,.0f} tokens trained on, configured {100 * weights[worst]:.1f}%",
+        {"deviation_tokens": bad},
+    )]
+
+
+# ---------------------------------------------------------------------------- replicas
+
+_BIT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def checksum(t: torch.Tensor) -> torch.Tensor:
+    """int64 scalar over the exact bits of t, sensitive to position (two's-complement wrap-around is fine)."""
+    t = t.detach().contiguous()
+    if t.dtype == torch.bool:
+        t = t.to(torch.int8)
+    bits = t.view(_BIT_VIEW[t.element_size()]).flatten().to(torch.int64) if t.is_floating_point() else t.flatten().to(torch.int64)
+    position = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 65521 + 1
+    return (bits * position).sum() + bits.numel()
+
+
+def check_replicas(named: dict[str, torch.Tensor], group) -> list[Violation]:
+    """Every tensor in `named` (same names on every rank) must be bit-identical on every rank of `group`."""
+    if group is None or not named:
+        return []
+    names = sorted(named)
+    local = torch.stack([checksum(named[n]).cpu() for n in names])
+    all_WN = _gather(local, group)
+    differs = (all_WN != all_WN[0]).any(dim=0)
+    if not differs.any():
+        return []
+    bad = [n for n, d in zip(names, differs.tolist()) if d]
+    ranks = [r for r in range(all_WN.shape[0]) if (all_WN[r] != all_WN[0]).any()]
+    return [Violation(
+        "replicas.checksums", float(len(bad)),
+        f"{len(bad)} replicated tensors differ across ranks (rank(s) {ranks} disagree with rank 0): {', '.join(bad[:6])}"
+        + (" ..." if len(bad) > 6 else ""),
+        {"tensors": bad, "ranks": ranks},
+    )]
+
+
+# ---------------------------------------------------------------------------- gradient scale
+
+
+def check_grad_norm_agreement(grad_norm: float, group, rtol: float = 1e-6) -> list[Violation]:
+    """The global grad norm each rank clipped with must be the same on every rank."""
+    if group is None:
+        return []
+    norms = _gather(torch.tensor([grad_norm], dtype=torch.float64), group).flatten()
+    spread = float(norms.max() - norms.min())
+    scale = max(float(norms.abs().max()), 1e-30)
+    if not math.isfinite(spread) or spread <= rtol * scale:
+        return []
+    return [Violation(
+        "gradient_scale.grad_norm_agreement", spread / scale,
+        f"ranks clipped with different global grad norms {[round(x, 6) for x in norms.tolist()]}",
+    )]
+
+
+def gathered_grad_norm(grads: Iterable[torch.Tensor]) -> float:
+    """L2 norm of the fully gathered gradients (DTensors are materialised one at a time; collective)."""
+    fulls = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]
+    if not fulls:
+        return 0.0
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in fulls:
+        by_device.setdefault(g.device, []).append(g)
+    total = 0.0
+    for group in by_device.values():
+        norms = torch._foreach_norm(group)
+        total += float(torch.stack([n.double() for n in norms]).square().sum())
+    return math.sqrt(total)
+
+
+def check_grad_norm_audit(reported: float, gathered: float, rtol: float = 1e-3) -> list[Violation]:
+    """The clipped-with norm must equal the norm of the fully gathered gradient."""
+    if not (math.isfinite(reported) and math.isfinite(gathered)):
+        return []  # a non-finite update is skipped and reported as such
+    err = abs(reported - gathered) / max(gathered, 1e-30)
+    if err <= rtol:
+        return []
+    return [Violation(
+        "gradient_scale.grad_norm_audit", err,
+        f"global grad norm {reported:.6g} differs from the norm of the gathered gradient {gathered:.6g} ({100 * err:.2f}%)",
+    )]
+
+
+def check_loss_normaliser(normaliser: float, local_valid: int, group) -> list[Violation]:
+    """The loss divisor must be the count of valid targets of this update summed over every rank."""
+    total = torch.tensor([float(local_valid)], dtype=torch.float64)
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    expected = float(total)
+    if normaliser == expected or expected == 0:  # an update without targets is clamped to 1; nothing to compare
+        return []
+    return [Violation(
+        "gradient_scale.loss_normaliser", normaliser / expected if expected else float("inf"),
+        f"loss divided by {normaliser:g} valid targets, but the update has {expected:g} over all ranks "
+        f"(is it a local count instead of the global one?)",
+    )]
+
+
+def check_ep_token_counts(send_counts_W: torch.Tensor, recv_counts_W: torch.Tensor, routed_tokens: int, top_k: int,
+                          group) -> list[Violation]:
+    """Expert-parallel dispatch: rows sent to each rank and received from each rank, and tokens routed here.
+
+    Invariants: what rank s sends to rank r is what r receives from s, and the
+    rows dispatched over the group equal the rows received equal k x tokens routed.
+    """
+    sends_WW = _gather(send_counts_W.to(torch.int64).cpu(), group) if group is not None else send_counts_W[None].cpu()
+    recvs_WW = _gather(recv_counts_W.to(torch.int64).cpu(), group) if group is not None else recv_counts_W[None].cpu()
+    routed = torch.tensor([routed_tokens], dtype=torch.int64)
+    if group is not None:
+        dist.all_reduce(routed, group=group)
+    dispatched, received, expected = int(sends_WW.sum()), int(recvs_WW.sum()), top_k * int(routed)
+    mismatched = (sends_WW != recvs_WW.t()).nonzero().tolist()
+    if not mismatched and dispatched == received == expected:
+        return []
+    return [Violation(
+        "gradient_scale.ep_token_counts", float(max(abs(dispatched - expected), abs(received - expected))),
+        f"expert dispatch lost or duplicated rows: dispatched {dispatched}, received {received}, "
+        f"k x routed = {expected}" + (f"; sender->receiver pairs disagreeing: {mismatched[:4]}" if mismatched else ""),
+    )]
+
+
+def check_expert_grad_scale(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], group,
+                            rtol: float = 1e-3) -> list[Violation]:
+    """Local expert gradients vs the single-process gradients recomputed for the same experts.
+
+    The ratio of norms (summed over the group) must be 1: an expert gradient
+    averaged over the wrong group or divided by a local count shows as a ratio
+    like 1/W or W.
+    """
+    sq = torch.zeros(2, dtype=torch.float64)
+    worst, worst_err = "", 0.0
+    for name, g in grads.items():
+        ref = reference[name].to(g.dtype)
+        sq[0] += float(torch.linalg.vector_norm(g.double()) ** 2)
+        sq[1] += float(torch.linalg.vector_norm(ref.double()) ** 2)
+        err = float(torch.linalg.vector_norm((g - ref).double()) / torch.linalg.vector_norm(ref.double()).clamp(min=1e-30))
+        if err > worst_err:
+            worst, worst_err = name, err
+    flag = torch.tensor([worst_err], dtype=torch.float64)
+    if group is not None:
+        dist.all_reduce(sq, group=group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    ratio = float((sq[0] / sq[1].clamp(min=1e-300)).sqrt())
+    if float(flag) <= rtol:
+        return []
+    return [Violation(
+        "gradient_scale.expert_grad_scale", ratio,
+        f"expert gradients are {ratio:.4g}x the single-process gradients (worst relative error {float(flag):.3g}"
+        + (f" in {worst}" if worst_err == float(flag) and worst else "") + ")",
+    )]
