@@ -64,8 +64,8 @@ def test_bf16_is_deterministic_and_all_ignored_is_zero():
 
 
 def test_peak_memory_is_far_below_materialised_logits():
-    n, v = 4096, 163840
-    h, weight, targets = _inputs(n, 512, v, torch.bfloat16)
+    n, d, v = 4096, 128, 163840
+    h, weight, targets = _inputs(n, d, v, torch.bfloat16)
     h.requires_grad_(True)
     weight.requires_grad_(True)
     torch.cuda.synchronize()
@@ -75,9 +75,10 @@ def test_peak_memory_is_far_below_materialised_logits():
     loss.backward()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    # One 512-row chunk of bf16 logits plus float32 dW and dH: under half of
-    # what the full bf16 logits alone would take.
-    assert peak < n * v * 2 * 0.5, peak
+    # One 512-row chunk of bf16 logits (1/8 of all of them) plus dW and dH in
+    # float32 and in bf16: about a third of what the full bf16 logits take.
+    full_logits = n * v * 2
+    assert peak < 0.35 * full_logits, (peak, full_logits)
 
 
 def test_compiles_without_graph_break_on_cuda():

@@ -127,6 +127,28 @@ def test_fused_matches_float64_ground_truth(small_block, n, d, v, chunk_rows, dt
     assert got[2].dtype == dtype and got[3].dtype == dtype
 
 
+@pytest.mark.parametrize("programs_per_sm", [None, 3])
+def test_row_kernel_matches_float64_softmax_grad(monkeypatch, small_block, programs_per_sm):
+    """The row kernel alone, one program per row or a few programs looping over rows."""
+    monkeypatch.setattr(ce_rows_module, "PROGRAMS_PER_SM", programs_per_sm)
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(11, 77, generator=gen) * 4
+    targets = torch.randint(0, 77, (11,), generator=gen)
+    targets[[1, 6]] = IGNORE
+    x64 = logits.double().requires_grad_(True)
+    torch.nn.functional.cross_entropy(x64, targets, ignore_index=IGNORE, reduction="sum").backward()
+    ref_loss = torch.nn.functional.cross_entropy(logits.double(), targets, ignore_index=IGNORE, reduction="none")
+    loss = torch.full((11,), float("nan"))
+    grad = logits.clone()
+    ce_rows_module.ce_rows(grad, targets, loss, IGNORE, write_grad=True)
+    assert torch.allclose(loss.double(), ref_loss, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(grad.double(), x64.grad, rtol=1e-5, atol=1e-6)
+    loss_only = torch.full((11,), float("nan"))
+    untouched = logits.clone()
+    ce_rows_module.ce_rows(untouched, targets, loss_only, IGNORE, write_grad=False)
+    assert torch.equal(untouched, logits) and torch.equal(loss_only, loss)
+
+
 def test_fused_all_ignored_gives_zero_loss_and_grads(small_block):
     h, weight, targets = _inputs(9, 8, 40)
     targets[:] = IGNORE
