@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 
 from service.registry import ACTIVE, RESUMABLE, Attempt, Registry, Run
-from service.settings import Settings
+from service.settings import TOKEN_ENV, Settings
 
 log = logging.getLogger("service.supervisor")
 
@@ -200,7 +200,9 @@ class Supervisor:
         exit_path.unlink(missing_ok=True)
         cmd = [self.settings.python, "-m", "service.child", str(exit_path), "--",
                *launch_command(self.settings, run, run_dir)]
-        env = {**os.environ, **self.settings.child_env, "PYTHONUNBUFFERED": "1",
+        # NOTE: the bearer token stays in the service; trainings never need it.
+        env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+        env = {**env, **self.settings.child_env, "PYTHONUNBUFFERED": "1",
                "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus), "TITAN_K3_RUN_ID": run.id}
         # NOTE: the service package must be importable by the wrapper whatever the child's cwd.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parent.parent),

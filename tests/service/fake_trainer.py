@@ -28,10 +28,15 @@ def main(argv: list[str]) -> int:
     ckpt_dir = run_dir / cfg.checkpoint.folder
     step_seconds = float(os.environ.get("FAKE_TRAINER_STEP_SECONDS", "0.2"))
     stop = {"requested": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
+    if os.environ.get("FAKE_TRAINER_IGNORE_SIGTERM") == "1":  # a hung trainer: only SIGKILL ends it
+        signal.signal(signal.SIGTERM, lambda *_: None)
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
 
     (run_dir / "config.toml").write_text(config_to_toml(cfg))
-    (run_dir / "manifest.json").write_text(json.dumps({"name": cfg.job.name, "trainer": "fake", "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+    manifest = {"name": cfg.job.name, "trainer": "fake", "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "token_in_env": "K3_SERVICE_TOKEN" in os.environ}
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
     events = open(run_dir / "events.jsonl", "a")
     metrics = open(run_dir / "metrics.jsonl", "a")
     stdout_log = open(run_dir / "stdout.log", "a")

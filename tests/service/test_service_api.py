@@ -8,10 +8,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service_harness import REPO, TOKEN, wait_until
+from service_harness import DEBUG_OVERRIDES, REPO, TOKEN, wait_until
 from titan_k3.config import ConfigError, load_job_config
 
 INLINE = '[model]\nflavor = "debug"\n[training]\nsteps = 6\nseq_len = 64\n[metrics]\nlog_freq = 1\n'
@@ -187,6 +188,7 @@ def test_gpu_queue_assigns_cuda_visible_devices(fake_service):
 
     wait_until(lambda: manifest("gpu-a"), 30, "gpu-a manifest")
     assert manifest("gpu-a")["cuda_visible_devices"] == str(a["assigned_gpus"][0])
+    assert manifest("gpu-a")["token_in_env"] is False  # the bearer token never reaches a training
     assert fake_service.create(name="too-many", toml=INLINE, gpus=3).status_code == 422
     fake_service.client.post("/v1/runs/gpu-a/stop", headers=fake_service.auth)
     c = fake_service.wait_state("gpu-c", ("running",))
@@ -226,3 +228,33 @@ def test_fifty_concurrent_creates_lose_and_duplicate_nothing(make_service):
     for run_id in ids + ["same"]:
         assert svc.client.post(f"/v1/runs/{run_id}/stop", headers=svc.auth).status_code == 202
     wait_until(lambda: all(r["state"] == "stopped" for r in svc.client.get("/v1/runs").json()), 60, "all stopped")
+
+
+def test_recipe_by_name(fake_service):
+    recipes = fake_service.client.get("/v1/recipes").json()
+    assert "smoke" in recipes
+    r = fake_service.create(recipe="smoke", name="from-recipe", overrides={**DEBUG_OVERRIDES, "metrics.log_freq": 1})
+    assert r.status_code == 201, r.text
+    run = fake_service.wait_state("from-recipe", ("finished",))
+    assert run["recipe"] == "smoke" and run["latest_metrics"]["step"] == 6
+    submitted = (fake_service.state_dir / "runs" / "from-recipe" / "submitted.toml").read_text()
+    assert submitted == (REPO / "tomls" / "smoke.toml").read_text()
+    r = fake_service.create(recipe="no-such-recipe")
+    assert r.status_code == 422 and "smoke" in r.json()["detail"]
+    assert fake_service.create(recipe="smoke", toml=INLINE).status_code == 422
+    assert fake_service.create().status_code == 422
+
+
+def test_stop_escalates_to_sigkill_after_the_grace_period(make_service):
+    svc = make_service("hung", fake=True, grace_seconds=1.0, extra_env={"FAKE_TRAINER_IGNORE_SIGTERM": "1"})
+    assert svc.create(name="hung", toml=INLINE, overrides={"training.steps": 4000}).status_code == 201
+    run = svc.wait_state("hung", ("running",))
+    pid = run["attempts"][0]["pid"]
+    # The manifest is written after the trainer installed its SIGTERM handler.
+    wait_until(lambda: (svc.state_dir / "runs" / "hung" / "manifest.json").exists(), 30, "the trainer to start")
+    tree = [pid] + [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    assert svc.client.post("/v1/runs/hung/stop", headers=svc.auth).json()["state"] == "stopping"
+    run = svc.wait_state("hung", ("stopped",), timeout=30)
+    assert run["exit_codes"] == [-9]
+    wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                               for p in tree), 10, "every process of the attempt to be gone")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
 import time
@@ -32,6 +33,8 @@ def test_process_alive_needs_the_recorded_start_time():
 def test_recover_readopts_live_attempts_and_settles_the_rest(tmp_path):
     settings = Settings(state_dir=tmp_path, token="x", gpus=2)
     reg = Registry(tmp_path / "registry.sqlite3")
+    with sqlite3.connect(tmp_path / "registry.sqlite3") as con:
+        assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     live, start = sleeper()
     try:
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -80,3 +83,18 @@ def test_launch_command_is_an_argument_list_with_overrides_verbatim(tmp_path):
     assert argv[argv.index("--job.name") + 1] == "r1"
     assert argv[argv.index("--job.dump_folder") + 1] == str(tmp_path / "runs")
     reg.close()
+
+
+def test_token_from_file_env_or_generated(tmp_path, monkeypatch):
+    from service.settings import parse_args
+
+    monkeypatch.setenv("K3_SERVICE_TOKEN", "from-env")
+    assert parse_args(["--state-dir", str(tmp_path / "a"), "--gpus", "0"]).ensure_token() == "from-env"
+    (tmp_path / "tok").write_text("from-file\n")
+    s = parse_args(["--state-dir", str(tmp_path / "a"), "--gpus", "0", "--token-file", str(tmp_path / "tok")])
+    assert s.ensure_token() == "from-file" and s.host == "127.0.0.1"
+    monkeypatch.delenv("K3_SERVICE_TOKEN")
+    s = parse_args(["--state-dir", str(tmp_path / "b"), "--gpus", "0"])
+    token = s.ensure_token()
+    assert len(token) >= 32 and (tmp_path / "b" / "token").stat().st_mode & 0o077 == 0
+    assert parse_args(["--state-dir", str(tmp_path / "b"), "--gpus", "0"]).ensure_token() == token
