@@ -4,13 +4,9 @@ Tolerances are relative RMS errors. Float32 kernels accumulate in float32 like
 the reference, so forward errors sit near 1e-6; the bound 1e-3 leaves room for
 summation-order differences across block sizes without hiding a wrong row.
 Gradients chain two or three float32 GEMMs plus the GLU derivative, so their
-bound is 5e-3.
+bound is 5e-3. float16 operands carry ~5e-4 rounding each, so their bound is 5e-3.
+Kernels run in Triton's CPU interpreter when there is no GPU (tests/kernels/conftest.py).
 """
-
-import os
-
-if not os.path.exists("/dev/nvidia0"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
@@ -86,6 +82,20 @@ def test_reference_moe_matches_naive(dtype, tol, skew):
     assert rel_rms(y, naive_moe(x, w1, w3, w2, idx, prob)) < tol
 
 
+def test_route_permutation_groups_slots_stably():
+    gen = torch.Generator().manual_seed(10)
+    idx = torch.randint(0, 7, (50, 3), generator=gen)
+    idx[:, :] = torch.where(idx == 4, 5, idx)  # expert 4 stays empty
+    order, offsets = reference.route_permutation(idx, 9)
+    flat = idx.reshape(-1)
+    assert offsets.dtype == torch.int32
+    assert torch.equal(offsets, torch.bincount(flat, minlength=9).cumsum(0).to(torch.int32))
+    assert torch.equal(flat[order], flat.sort().values)
+    starts = [0] + offsets[:-1].tolist()
+    for e, (s, end) in enumerate(zip(starts, offsets.tolist())):
+        assert (order[s:end].diff() > 0).all(), e  # stable: original slot order within an expert
+
+
 def test_reference_moe_grads_match_naive():
     x, w1, w3, w2, idx, prob = make_moe(19, 6, 2, 8, 12, torch.float64, seed=3, skew=True)
     gen = torch.Generator().manual_seed(4)
@@ -121,18 +131,19 @@ GROUPED_CASES = [
 ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n_rows,red,n_cols,ends", GROUPED_CASES)
-def test_grouped_mm_matches_loop(n_rows, red, n_cols, ends):
+def test_grouped_mm_matches_loop(n_rows, red, n_cols, ends, dtype):
     gen = torch.Generator().manual_seed(n_rows)
-    x = torch.randn(n_rows, red, generator=gen).to(DEVICE).requires_grad_()
-    w = torch.randn(len(ends), red, n_cols, generator=gen).to(DEVICE).requires_grad_()
+    x = torch.randn(n_rows, red, generator=gen).to(DEVICE, dtype).requires_grad_()
+    w = torch.randn(len(ends), red, n_cols, generator=gen).to(DEVICE, dtype).requires_grad_()
     offsets = torch.tensor(ends, dtype=torch.int32, device=DEVICE)
-    dy = torch.randn(n_rows, n_cols, generator=gen).to(DEVICE)
+    dy = torch.randn(n_rows, n_cols, generator=gen).to(DEVICE, dtype)
     y = grouped_mm(x, w, offsets)
     dx, dw = torch.autograd.grad(y, (x, w), dy)
     want, (want_dx, want_dw) = float64_grads(reference.grouped_mm, (x, w, offsets), dy)
-    assert y.dtype == torch.float32
-    assert rel_rms(y, want) < 1e-3
+    assert y.dtype == dtype
+    assert rel_rms(y, want) < (1e-3 if dtype == torch.float32 else 5e-3)
     assert rel_rms(dx, want_dx) < 5e-3
     assert rel_rms(dw, want_dw) < 5e-3
     tail = ends[-1]
