@@ -21,14 +21,21 @@ def _tiles(K: int, V: int) -> tuple[int, int, int]:
     return BK_full, BK, BV
 
 
-def kda_forward(q, k, v, g, beta, scale, h0, output_final_state, layout, gate):
-    """Runs the forward kernels on packed [T, H, *] tensors.
+def _max_chunks(T: int, batch: int, cu_seqlens) -> int:
+    """Chunks over all sequences, or for packed documents an upper bound known from shapes alone."""
+    if cu_seqlens is None:
+        return batch * triton.cdiv(T // batch, BT)
+    return triton.cdiv(T, BT) + cu_seqlens.shape[0] - 1
+
+
+def kda_forward(q, k, v, g, beta, scale, h0, output_final_state, batch, cu_seqlens, gate):
+    """Runs the forward kernels on packed [T, H, *] tensors (`batch` sequences of T / batch, or cu_seqlens).
 
     gate: None (g is the log decay) or (A_log [H], dt_bias [H, K] or None, lower_bound or None).
     Returns o [T, H, V], the final state [N, H, K, V] float32 or None, and what backward needs.
     """
-    cu, chunk_indices, chunk_offsets, N, NT = layout
     T, H, K = q.shape
+    cu, chunk_indices, chunk_offsets, N, NT = chunk_layout(batch, T // batch, cu_seqlens, q.device)
     V = v.shape[-1]
     BK_full, BK, BV = _tiles(K, V)
     prec = dot_precision(q.dtype)
@@ -52,7 +59,7 @@ def kda_forward(q, k, v, g, beta, scale, h0, output_final_state, layout, gate):
     fwd._wy_kernel[(NT, H)](
         k, v, b, beta, Ai, Wk, Wv, chunk_indices, cu, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, PREC=prec,
     )
-    h = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
+    h = torch.empty(_max_chunks(T, batch, cu_seqlens), H, K, V, device=dev, dtype=q.dtype)
     U = torch.empty_like(v)
     final = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     fwd._state_kernel[(triton.cdiv(V, BV), N * H)](
@@ -67,16 +74,16 @@ def kda_forward(q, k, v, g, beta, scale, h0, output_final_state, layout, gate):
     return o, final, (b, M, A, Ai, Wk, h, U)
 
 
-def kda_backward(q, k, v, g, beta, scale, h0, do, dht, layout, gate, saved):
+def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, cu_seqlens, gate, saved):
     """Runs the backward kernels; returns dq, dk, dv, dg (of the raw gate when fused), dbeta, dh0, dA_log, ddt_bias."""
-    cu, chunk_indices, chunk_offsets, N, NT = layout
     b, M, A, Ai, Wk, h, U = saved
     T, H, K = q.shape
+    cu, chunk_indices, chunk_offsets, N, NT = chunk_layout(batch, T // batch, cu_seqlens, q.device)
     V = v.shape[-1]
     BK_full, BK, BV = _tiles(K, V)
     prec = dot_precision(q.dtype)
     dev = q.device
-    dh = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
+    dh = torch.empty_like(h)
     dU = torch.empty_like(v)
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if h0 is not None else None
     bwd._dstate_kernel[(triton.cdiv(V, BV), N * H)](
@@ -113,31 +120,90 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, layout, gate, saved):
     return dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias
 
 
-class ChunkKDAFunction(torch.autograd.Function):
-    """Autograd over the Triton kernels; tensors arrive packed as [T, H, *] (see `chunk_kda`)."""
+# The autograd wrapper is a pair of custom ops so that torch.compile sees one opaque call (no graph
+# break). Absent optional outputs are empty tensors: a custom op returns a fixed tuple of tensors.
+_EMPTY = (0,)
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, A_log, dt_bias, scale, output_final_state, layout, lower_bound):
-        gate = None if A_log is None else (A_log, dt_bias, lower_bound)
-        o, final, saved = kda_forward(q, k, v, g, beta, scale, h0, output_final_state, layout, gate)
-        ctx.save_for_backward(q, k, v, g, beta, h0, A_log, dt_bias, *saved)
-        ctx.scale, ctx.layout, ctx.lower_bound = scale, layout, lower_bound
-        return o, final
 
-    @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, g, beta, h0, A_log, dt_bias, *saved = ctx.saved_tensors
-        gate = None if A_log is None else (A_log, dt_bias, ctx.lower_bound)
-        dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = kda_backward(
-            q, k, v, g, beta, ctx.scale, h0, do.contiguous(), None if dht is None else dht.contiguous(),
-            ctx.layout, gate, saved,
-        )
-        return (
-            dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0,
-            None if dA_log is None else dA_log.to(A_log.dtype),
-            None if ddt_bias is None else ddt_bias.to(dt_bias.dtype),
-            None, None, None, None,
-        )
+@torch.library.custom_op("kernels_kda::chunk_fwd", mutates_args=())
+def _chunk_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    h0: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None, batch: int, scale: float, output_final_state: bool, lower_bound: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor]:
+    gate = None if A_log is None else (A_log, dt_bias, lower_bound)
+    o, final, saved = kda_forward(q, k, v, g, beta, scale, h0, output_final_state, batch, cu_seqlens, gate)
+    return (o, q.new_empty(_EMPTY, dtype=torch.float32) if final is None else final, *saved)
+
+
+@_chunk_fwd_op.register_fake
+def _(q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens, batch, scale, output_final_state, lower_bound):
+    T, H, K = q.shape
+    V = v.shape[-1]
+    N = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    f32 = dict(dtype=torch.float32)
+    return (
+        torch.empty_like(v),
+        q.new_empty((N, H, K, V) if output_final_state else _EMPTY, **f32),
+        q.new_empty(T, H, K, **f32),
+        *(q.new_empty(T, H, BT, **f32) for _ in range(3)),
+        torch.empty_like(k),
+        q.new_empty(_max_chunks(T, batch, cu_seqlens), H, K, V),
+        torch.empty_like(v),
+    )
+
+
+@torch.library.custom_op("kernels_kda::chunk_bwd", mutates_args=())
+def _chunk_bwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    h0: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None, b: torch.Tensor, M: torch.Tensor, A: torch.Tensor, Ai: torch.Tensor,
+    Wk: torch.Tensor, h: torch.Tensor, U: torch.Tensor, do: torch.Tensor, dht: torch.Tensor | None,
+    batch: int, scale: float, lower_bound: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    gate = None if A_log is None else (A_log, dt_bias, lower_bound)
+    dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = kda_backward(
+        q, k, v, g, beta, scale, h0, do.contiguous(), None if dht is None else dht.contiguous(),
+        batch, cu_seqlens, gate, (b, M, A, Ai, Wk, h, U),
+    )
+
+    def or_empty(x, like):
+        return q.new_empty(_EMPTY) if x is None else x.to(like.dtype)
+
+    return (dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype),
+            or_empty(dh0, h0), or_empty(dA_log, A_log), or_empty(ddt_bias, dt_bias))
+
+
+@_chunk_bwd_op.register_fake
+def _(q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens, b, M, A, Ai, Wk, h, U, do, dht, batch, scale, lower_bound):
+    def like_or_empty(x):
+        return q.new_empty(_EMPTY) if x is None else torch.empty_like(x)
+
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta), like_or_empty(h0), like_or_empty(A_log), like_or_empty(dt_bias))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens, batch, scale, output_final_state, lower_bound = inputs
+    ctx.save_for_backward(q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens, *output[2:])
+    ctx.batch, ctx.scale, ctx.lower_bound, ctx.output_final_state = batch, scale, lower_bound, output_final_state
+
+
+def _backward(ctx, do, dht, *_unused):
+    q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens, *saved = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(v)
+    dht = dht if ctx.output_final_state else None
+    dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = _chunk_bwd_op(
+        q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens, *saved, do, dht, ctx.batch, ctx.scale, ctx.lower_bound,
+    )
+    return (dq, dk, dv, dg, dbeta, None if h0 is None else dh0, None if A_log is None else dA_log,
+            None if dt_bias is None else ddt_bias, None, None, None, None, None)
+
+
+_chunk_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def chunk_kda(
@@ -171,15 +237,14 @@ def chunk_kda(
         q, k = l2norm(q), l2norm(k)
     if beta_is_logit:
         beta = torch.sigmoid(beta)
-    layout = chunk_layout(B, T, cu_seqlens, q.device)
     h0 = None if initial_state is None else initial_state.float().contiguous()
 
     def packed(x):
         return x.reshape(B * T, *x.shape[2:]).contiguous()
 
-    o, final = ChunkKDAFunction.apply(
+    o, final, *_ = _chunk_fwd_op(
         packed(q), packed(k), packed(v), packed(g), packed(beta), h0, A_log,
-        dt_bias if dt_bias is None else dt_bias.contiguous(), scale, output_final_state, layout,
-        gate_lower_bound if A_log is not None else None,
+        None if dt_bias is None else dt_bias.contiguous(), cu_seqlens, B, scale, output_final_state,
+        None if A_log is None or gate_lower_bound is None else float(gate_lower_bound),
     )
-    return o.reshape(B, T, H, V), final
+    return o.reshape(B, T, H, V), (final if output_final_state else None)

@@ -272,3 +272,22 @@ def test_chunk_kda_on_cpu_without_interpreter_raises(monkeypatch):
     x = torch.zeros(1, 4, 1, 16)
     with pytest.raises(ValueError, match="chunk_kda_reference"):
         chunk_kda(x, x, x, x, torch.zeros(1, 4, 1))
+
+
+def test_chunk_kda_compiles_without_graph_break():
+    """The custom ops trace under torch.compile(fullgraph=True) and give eager's values and gradients."""
+    q, k, v, g, beta, h0 = (x.float().to(DEVICE) for x in make_inputs(1, 20, 1, 16, 16, seed=15))
+
+    def loss(q, k, v, g, beta, h0):
+        o, S = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm=True)
+        return (o * o).sum() + S.sum()
+
+    leaves = [x.requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    l_c = compiled(*leaves)
+    grads_c = torch.autograd.grad(l_c, leaves)
+    l_e = loss(*leaves)
+    grads_e = torch.autograd.grad(l_e, leaves)
+    assert torch.allclose(l_c, l_e)
+    for name, a, b in zip(GRAD_NAMES, grads_c, grads_e):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
