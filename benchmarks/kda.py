@@ -160,6 +160,7 @@ def main():
     parser.add_argument("--profile", action="store_true", help="print a per-kernel table of ours")
     parser.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
     parser.add_argument("--out", default=RESULTS, help="Markdown file the rows are appended to")
+    parser.add_argument("--commit", default="", help="commit to record when the tree has no git metadata")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kda.py needs a CUDA GPU")
@@ -169,29 +170,29 @@ def main():
     print(f"first call of ours (compile, no autotune): {first:.1f} s")
     if args.profile:
         profile_ours(SHAPES[names[0]])
-    rows = [r for name in names for r in bench_shape(name, SHAPES[name], not args.no_fla, args.rep_ms)]
     header = (
         "| date | commit | GPU | torch | triton | shape (bf16) | gate | ours fwd ms | ours fwd+bwd ms "
         "| fwd+bwd Mtok/s | fla fwd ms | fla fwd+bwd ms | fwd ratio | fwd+bwd ratio | ours vs fla rel-RMS | ours first call s |"
     )
-    lines = []
-    for r in rows:
-        of, ofb = r["times"]["ours"]
-        ff, ffb = r["times"].get("fla", (float("nan"), float("nan")))
-        lines.append(
-            f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | {r['shape']} "
-            f"| {r['gate']} | {of:.3f} | {ofb:.3f} | {r['tokens'] / ofb / 1e3:.2f} | {ff:.3f} | {ffb:.3f} "
-            f"| {ff / of:.2f}x | {ffb / ofb:.2f}x | {r['check']} | {first:.1f} |"
-        )
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    new_file = not os.path.exists(args.out)
-    with open(args.out, "a") as f:
-        if new_file:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    if not os.path.exists(args.out):
+        with open(args.out, "w") as f:
             f.write("# Chunked KDA: medians (triton.testing.do_bench), ratio = fla time / ours\n\n")
             f.write(header + "\n" + "|---" * (header.count("|") - 1) + "|\n")
-        f.write("\n".join(lines) + "\n")
     print(header)
-    print("\n".join(lines))
+    # NOTE: rows are appended shape by shape, so a run cut short (fla's first-call autotune is long) keeps what it measured.
+    for name in names:
+        for r in bench_shape(name, SHAPES[name], not args.no_fla, args.rep_ms):
+            of, ofb = r["times"]["ours"]
+            ff, ffb = r["times"].get("fla", (float("nan"), float("nan")))
+            line = (
+                f"| {env['date']} | {args.commit or env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} "
+                f"| {r['shape']} | {r['gate']} | {of:.3f} | {ofb:.3f} | {r['tokens'] / ofb / 1e3:.2f} | {ff:.3f} "
+                f"| {ffb:.3f} | {ff / of:.2f}x | {ffb / ofb:.2f}x | {r['check']} | {first:.1f} |"
+            )
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
+            print(line)
 
 
 if __name__ == "__main__":
