@@ -123,9 +123,13 @@ def _fingerprint(window: np.ndarray) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def _uniform(seed: int, i: int, n: int) -> np.ndarray:
-    """n uniform [0, 1) floats keyed by (seed, i): splitmix64, so no generator state to carry."""
-    z = (np.arange(n, dtype=np.uint64) + np.uint64(((seed * 0x9E3779B1 + i) * 0x632BE59BD9B4E019) & (2**64 - 1)))
+def _uniform(seed: int, first: int, rows: int, cols: int) -> np.ndarray:
+    """[rows, cols] uniform [0, 1) floats; row r keyed by (seed, first + r) alone (splitmix64), so
+    a value never depends on how the stream was cut into batches."""
+    base = (np.arange(first, first + rows, dtype=np.uint64) * np.uint64(0x632BE59BD9B4E019)) ^ np.uint64(
+        (seed * 0x9E3779B1 * 0x632BE59BD9B4E019 + 0x5DEECE66D) & (2**64 - 1)
+    )
+    z = base[:, None] + np.arange(cols, dtype=np.uint64)[None, :] * np.uint64(0xD1B54A32D192ED03)
     z = z * np.uint64(0x9E3779B97F4A7C15)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
@@ -147,11 +151,10 @@ class _Core:
         self.taken = np.zeros(len(streams), dtype=np.int64)
         self.rank_taken = np.zeros((dp_world, len(streams)), dtype=np.int64)
 
-    def _pick_source(self, i: int) -> int:
+    def _pick_source(self, jitter: np.ndarray) -> int:
         """The source furthest behind its share, with a seeded jitter below one window."""
         target = self.weights * (self.taken.sum() + self.seq_len)
-        jitter = _uniform(self.seed, i, len(self.streams)) * self.seq_len * self.weights
-        score = target - self.taken + jitter
+        score = target - self.taken + jitter * self.seq_len * self.weights
         score[self.weights == 0] = -np.inf
         return int(np.argmax(score))
 
@@ -164,8 +167,9 @@ class _Core:
         B, T, W = self.B, self.seq_len, self.world
         room = np.full(W, B)
         plan = []
-        for i in range(self.seq_index, self.seq_index + B * W):
-            s = self._pick_source(i)
+        jitter = _uniform(self.seed, self.seq_index, B * W, len(self.streams))
+        for j in range(B * W):
+            s = self._pick_source(jitter[j])
             load = np.where(room > 0, self.rank_taken[:, s], np.iinfo(np.int64).max)
             r = int(np.argmin(load))
             plan.append((r, s, int(self.positions[s])))
