@@ -1,0 +1,71 @@
+"""Invariant checks in one process: the pieces the multi-process tests rely on, and the abort path."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from titan_k3.invariants import InvariantRunner, InvariantViolationError, replicated_state
+from titan_k3.invariants import checks as C
+from titan_k3.metrics.events import EventLog
+
+
+def test_checksum_sees_one_bit_and_a_permutation():
+    x = torch.randn(1000)
+    flipped = x.clone()
+    flipped.view(torch.int32)[123] ^= 1
+    assert C.checksum(x) == C.checksum(x.clone())
+    assert C.checksum(x) != C.checksum(flipped)
+    assert C.checksum(x) != C.checksum(x.flip(0))
+    assert C.checksum(torch.tensor([True, False])) != C.checksum(torch.tensor([False, True]))
+    assert C.checksum(x.to(torch.bfloat16)) == C.checksum(x.to(torch.bfloat16).clone())
+
+
+def test_source_mix_flags_a_source_far_from_its_weight():
+    weights = {"code": 0.5, "prose": 0.5}
+    assert C.check_source_mix({"code": 5100, "prose": 4900}, weights, None, slack_tokens=64) == []
+    (v,) = C.check_source_mix({"code": 9000, "prose": 1000}, weights, None, slack_tokens=64)
+    assert v.check == "data.source_mix" and "source 'code' is 90.0%" in v.message
+
+
+def test_grad_norm_audit_and_normaliser_in_one_process():
+    assert C.check_grad_norm_audit(5.0, C.gathered_grad_norm([torch.full((4,), 2.5)])) == []
+    (v,) = C.check_grad_norm_audit(2.5, 5.0)
+    assert v.check == "gradient_scale.grad_norm_audit" and v.metric == pytest.approx(0.5)
+    assert C.check_loss_normaliser(100.0, 100, None) == []
+    (v,) = C.check_loss_normaliser(50.0, 100, None)
+    assert v.metric == 0.5
+
+
+def test_ep_counts_in_one_process():
+    assert C.check_ep_token_counts(torch.tensor([8]), torch.tensor([8]), routed_tokens=4, top_k=2, group=None) == []
+    (v,) = C.check_ep_token_counts(torch.tensor([7]), torch.tensor([7]), routed_tokens=4, top_k=2, group=None)
+    assert "dispatched 7, received 7, k x routed = 8" in v.message
+
+
+def test_replicated_state_skips_per_rank_accumulators():
+    from titan_k3.models.k3.args import get_flavor
+    from titan_k3.models.k3.impl import reference_impl
+    from titan_k3.models.k3.model import K3Model
+
+    with torch.device("meta"):
+        model = K3Model(get_flavor("debug"), reference_impl())
+    names = set(replicated_state(model, qk_clip_max_logits={3: torch.ones(2)}))
+    assert "buffer:layers.1.ffn.router.qb_bias" in names and "qk_clip:3.max_logit" in names
+    assert not any(n.endswith(("load_counts", "max_logit")) and n.startswith("buffer:") for n in names)
+
+
+def test_abort_raises_after_reporting(tmp_path):
+    cfg = SimpleNamespace(enable=True, interval=1, abort=True)
+    counted = []
+    runner = InvariantRunner(cfg, EventLog(tmp_path / "events.jsonl"), group=None, rank=0, device=torch.device("cpu"),
+                             seq_len=8, on_violation=counted.append)
+    model = torch.nn.Linear(2, 2)
+    model(torch.randn(3, 2)).sum().backward()
+    batch = SimpleNamespace(fingerprints=torch.arange(2))
+    runner.before_clip(1, batches=[batch], model=model, optimizers=None, normaliser=torch.tensor(3.0),
+                       local_valid=torch.tensor(6))
+    with pytest.raises(InvariantViolationError, match="gradient_scale.loss_normaliser violated at step 1"):
+        runner.after_clip(C.gathered_grad_norm([p.grad for p in model.parameters()]))
+    assert counted == ["gradient_scale.loss_normaliser"]
+    assert '"check": "gradient_scale.loss_normaliser"' in (tmp_path / "events.jsonl").read_text()
