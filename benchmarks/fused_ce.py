@@ -86,32 +86,27 @@ def commit() -> str:
 
 
 def sweep_row_kernel(logits_src, targets_C):
-    """Time the Triton row kernel alone (loss + in-place gradient) on one chunk per launch config.
+    """Time the Triton row kernel alone (loss + in-place gradient) on one chunk per (block, warps).
 
-    Returns [(block, warps, programs_per_sm, ms)]. Outputs must be bit-identical across
-    programs per SM (same arithmetic per row) and close across blocks (another summation order).
+    Returns [(block, warps, ms)]; the losses must agree across configs (only the summation order differs).
     """
     loss_C = torch.empty(logits_src.shape[0], dtype=torch.float32, device=logits_src.device)
     buf = torch.empty_like(logits_src)
-    expected = {}
+    first_loss = None
     copy_ms = triton.testing.do_bench(lambda: buf.copy_(logits_src), return_mode="median")
     results = []
-    for programs_per_sm in (None, 1, 2, 4):
-        for block, warps in ((4096, 8), (8192, 8), (8192, 16), (16384, 16)):
-            ce_rows_module.BLOCK_V, ce_rows_module.NUM_WARPS = block, warps
-            ce_rows_module.PROGRAMS_PER_SM = programs_per_sm
+    for block, warps in ((2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)):
+        ce_rows_module.BLOCK_V, ce_rows_module.NUM_WARPS = block, warps
 
-            def run():
-                buf.copy_(logits_src)
-                ce_rows_module.ce_rows(buf, targets_C, loss_C, IGNORE, True)
+        def run():
+            buf.copy_(logits_src)
+            ce_rows_module.ce_rows(buf, targets_C, loss_C, IGNORE, True)
 
-            run()
-            first = expected.setdefault((block, warps), (buf.clone(), loss_C.clone()))
-            assert torch.equal(buf, first[0]) and torch.equal(loss_C, first[1]), (block, warps, programs_per_sm)
-            base_loss = next(iter(expected.values()))[1]
-            assert torch.allclose(loss_C, base_loss, rtol=1e-5, atol=1e-5), (block, warps, programs_per_sm)
-            ms = triton.testing.do_bench(run, return_mode="median") - copy_ms
-            results.append((block, warps, programs_per_sm, ms))
+        run()
+        first_loss = loss_C.clone() if first_loss is None else first_loss
+        assert torch.allclose(loss_C, first_loss, rtol=1e-5, atol=1e-5), (block, warps)
+        ms = triton.testing.do_bench(run, return_mode="median") - copy_ms
+        results.append((block, warps, ms))
     return results
 
 
@@ -136,12 +131,12 @@ def main():
     logits = hc @ weight.t()
     sweep = sweep_row_kernel(logits, targets[:c].contiguous())
     chunk_bytes = c * v * 2
-    for block, warps, pps, ms in sweep:
-        print(f"row kernel block {block} warps {warps} programs/SM {pps}: {ms:.3f} ms "
+    for block, warps, ms in sweep:
+        print(f"row kernel block {block} warps {warps}: {ms:.3f} ms "
               f"({3 * chunk_bytes / ms / 1e6:.0f} GB/s counting 2 reads + 1 write)", flush=True)
-    block, warps, pps, _ = min(sweep, key=lambda r: r[3])
-    ce_rows_module.BLOCK_V, ce_rows_module.NUM_WARPS, ce_rows_module.PROGRAMS_PER_SM = block, warps, pps
-    best_row_kernel = f"block {block}, {warps} warps, programs/SM {pps}"
+    block, warps, _ = min(sweep, key=lambda r: r[2])
+    ce_rows_module.BLOCK_V, ce_rows_module.NUM_WARPS = block, warps
+    best_row_kernel = f"block {block}, {warps} warps"
     print(f"chosen row kernel: {best_row_kernel}", flush=True)
 
     # Breakdown of the same chunk: the three matmuls.
