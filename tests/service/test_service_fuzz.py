@@ -16,7 +16,9 @@ import pytest
 
 from service_harness import TOKEN
 
-ST = shutil.which("st") or shutil.which("schemathesis", path=str(Path(sys.executable).parent))
+# NOTE: the interpreter's own scripts first ('st' elsewhere on PATH may be another program).
+ST = next((str(p) for p in (Path(sys.executable).parent / n for n in ("schemathesis", "st")) if p.exists()),
+          shutil.which("schemathesis"))
 
 
 @pytest.mark.skipif(ST is None, reason="schemathesis is not installed (pip install -e '.[dev]')")
