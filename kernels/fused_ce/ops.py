@@ -143,6 +143,10 @@ def linear_cross_entropy(
     bounds the rows whose logits exist at one time. Needs CUDA tensors, or
     TRITON_INTERPRET=1 on CPU; the CPU path of a model is
     `kernels.fused_ce.reference.linear_cross_entropy`.
+
+    With grad enabled the forward does the gradient work too, so evaluate under
+    `torch.no_grad()`, and keep this call out of activation checkpointing (a
+    recompute would redo all three matmuls).
     """
     check_inputs(h, weight, targets)
     if not h.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
