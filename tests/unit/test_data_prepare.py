@@ -2,8 +2,13 @@
 input formats, resumption after a crash, and the loader reading the result."""
 
 import json
+import os
 import random
 import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -241,6 +246,25 @@ def test_killed_and_rerun_prepare_matches_uninterrupted(tmp_path, tokenizer_path
     assert abs(seen["web"] / sum(seen.values()) - 0.6) < 0.05
     text = tok.decode(next(loader).input_ids[0].tolist())
     assert any(w in text for w in WORDS[:2000])
+
+
+def test_sigkilled_cli_resumes(tmp_path, tokenizer_path):
+    sources = _corpus(tmp_path)
+    args = ["--unit_mb", "0.004", "--shard_mb", "0.006", "--tokenizer", tokenizer_path, "--workers", "1"]
+    args += [f"--source={s.name}={s.path}:{s.weight}" for s in sources]
+    whole, _ = run(tmp_path, tokenizer_path, sources, out="whole", unit_mb=0.004, shard_mb=0.006)
+    out = tmp_path / "killed"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan_k3.data.prepare", "--output", str(out), *args],
+        env=dict(env, TITAN_K3_PREPARE_CRASH_AFTER="c:2:kill"), capture_output=True, text=True,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert (out / ".prepare-work").is_dir() and not (out / "index.json").exists()
+    (out / "train-web-00003.bin.tmp999").write_bytes(b"partial")  # as if killed mid-write
+    proc = subprocess.run([sys.executable, "-m", "titan_k3.data.prepare", "--output", str(out), *args], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert _files(out) == _files(whole)
 
 
 def test_rerun_of_complete_output_and_config_change(tmp_path, tokenizer_path):

@@ -17,8 +17,10 @@ redone; B is deterministic and cheap, so it simply reruns unless its result is
 saved. The shard plan depends only on the inputs and the config, so a resumed run
 writes the same shards as an uninterrupted one.
 
-Debug knob: TITAN_K3_PREPARE_CRASH_AFTER=<stage>:<k> (stage a or c) raises after
-k tasks of that stage complete in this run, to test resumption.
+Debug knob: TITAN_K3_PREPARE_CRASH_AFTER=<stage>:<k>[:kill] (stage a or c) raises
+after k tasks of that stage complete in this run, or with ``:kill`` sends the
+process SIGKILL (no cleanup runs), to test resumption. A rerun first deletes the
+temporary files a killed run left behind.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -157,10 +160,10 @@ def stage_c_shard(task: dict, tokenizer_spec: str, tokenizer_sha: str, out_dir: 
 # ---------------------------------------------------------------- main side
 
 
-def _crash_after(stage: str) -> int | None:
-    spec = os.environ.get(_CRASH_ENV, "")
-    name, _, k = spec.partition(":")
-    return int(k) if name == stage and k else None
+def _crash_after(stage: str) -> tuple[int, bool] | None:
+    """(after how many tasks, kill instead of raise) from the debug knob, for `stage`."""
+    name, k, *mode = os.environ.get(_CRASH_ENV, "").split(":") + [""]
+    return (int(k), mode[0] == "kill") if name == stage and k else None
 
 
 def _make_pool(workers: int) -> ProcessPoolExecutor | None:
@@ -181,7 +184,9 @@ def _run_parallel(pool: ProcessPoolExecutor | None, fn, jobs: list[tuple], stage
 
     def done(result: dict) -> None:
         results.append(result)
-        if crash is not None and len(results) >= crash:
+        if crash is not None and len(results) >= crash[0]:
+            if crash[1]:
+                os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"{_CRASH_ENV}: debug crash in stage {stage} after {len(results)} tasks")
 
     if pool is None:
@@ -318,6 +323,8 @@ def _prepare(cfg: PrepareConfig, force: bool, log, pool) -> Path:
         shutil.rmtree(out)
     (work / "a").mkdir(parents=True, exist_ok=True)
     (work / "c").mkdir(exist_ok=True)
+    for stale in [*out.glob("*.tmp*"), *(work / "a").glob("*.tmp*"), *(work / "c").glob("*.tmp*")]:
+        stale.unlink()  # a killed run's partial files: their tasks are redone below
     cfg_path = work / "config.json"
     if cfg_path.is_file() and json.loads(cfg_path.read_text())["fingerprint"] != fingerprint:
         raise ValueError(f"output={str(out)!r} holds an unfinished prepare with another config; choose another output or --force")
