@@ -1,4 +1,4 @@
-"""The public `chunk_kda`: the Triton forward and backward behind one autograd Function.
+"""The public `chunk_kda`: the Triton forward and backward as two custom ops joined by autograd.
 
 Legend: B batch, T tokens, H heads, K/V widths, N sequences, NT chunks (64 tokens).
 """
@@ -218,6 +218,8 @@ def chunk_kda(
     Fused options: A_log [H] (with optional dt_bias [H, K]) turns g into the raw gate of the safe
     gate g = lb * sigmoid(exp(A_log) (g + dt_bias)), lb = gate_lower_bound (None: the softplus gate);
     use_qk_l2norm normalises q and k over K (eps 1e-6); beta_is_logit applies a sigmoid to beta.
+    The gate runs inside the decay kernels (forward and backward); the L2 norm and the sigmoid
+    run as PyTorch ops just before them, so that all three equal the unfused computation.
     Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] float32 or None).
     """
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
