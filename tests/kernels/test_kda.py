@@ -266,6 +266,12 @@ def test_chunk_kda_without_final_state_returns_none():
     assert S is None and o.shape == v.shape
 
 
+def test_chunk_kda_rejects_mixed_dtypes():
+    x = torch.zeros(1, 4, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="share one dtype"):
+        chunk_kda(x, x, x.double(), x, torch.zeros(1, 4, 1, device=DEVICE))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error without the interpreter")
 def test_chunk_kda_on_cpu_without_interpreter_raises(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
