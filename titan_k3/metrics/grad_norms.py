@@ -67,7 +67,8 @@ def grad_norms_by_group(named_params: Iterable[tuple[str, torch.nn.Parameter]]) 
         key = tuple(id(g) for g in groups)
         if key not in by_reduction:
             by_reduction[key] = (groups, torch.zeros(len(GROUPS), dtype=torch.float64, device=local.device))
-        sq = torch.linalg.vector_norm(local.float()).double() ** 2 if local.numel() else local.new_zeros((), dtype=torch.float64)
+        # NOTE: float64 accumulation: a float32 norm of a large CPU tensor can be off by 1e-4 relative.
+        sq = torch.linalg.vector_norm(local, dtype=torch.float64) ** 2 if local.numel() else local.new_zeros((), dtype=torch.float64)
         by_reduction[key][1][GROUPS.index(param_group(name))] += sq
     total = torch.zeros(len(GROUPS), dtype=torch.float64)
     for groups, sq_G in by_reduction.values():
