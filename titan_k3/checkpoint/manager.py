@@ -376,7 +376,7 @@ def check_compatible(path: Path, state: dict[str, Any], *, model_only: bool = Fa
 def load_model_weights(model: torch.nn.Module, src: Path, process_group=None) -> None:
     """Model-only load: a DCP step dir, a checkpoints folder (its `latest`), or an exported K3 dir."""
     if (src / "config.json").is_file():
-        from titan_k3.checkpoint.hf import import_state_dict
+        from titan_k3.checkpoint.export import import_state_dict
 
         _, full = import_state_dict(src)
         current = get_model_state_dict(model)

@@ -1,0 +1,127 @@
+"""Export a checkpoint to the published K3 layout, and import it back.
+
+    python -m titan_k3.checkpoint.export --checkpoint RUN_DIR/checkpoints/step-N --out DIR
+        [--dtype bfloat16|float32] [--max-shard-mb 5000]
+
+The export reads the DCP checkpoint shard by shard (peak memory is one output
+shard, not the model), maps names with hf.NAME_MAP, and writes
+`model-0000i-of-0000n.safetensors`, `model.safetensors.index.json` and
+`config.json`. `import_state_dict(DIR)` returns (K3Args, titan_k3 state dict in
+float32), which `K3Model.load_state_dict` and `checkpoint.initial_load_path` take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from titan_k3.checkpoint.hf import (
+    args_from_dict,
+    args_from_hf_config,
+    dcp_tensor_sizes,
+    from_hf,
+    hf_config,
+    read_dcp_tensors,
+    to_hf,
+)
+from titan_k3.checkpoint.manager import META_FILE
+
+INDEX_FILE = "model.safetensors.index.json"
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def export_checkpoint(checkpoint: Path, out: Path, *, dtype: str = "bfloat16", max_shard_bytes: int = 5 * 2**30) -> dict:
+    """Write the export of checkpoint dir `checkpoint` into `out`; returns the index dict."""
+    from safetensors.torch import save_file
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}; allowed: {', '.join(DTYPES)}")
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes}; must be > 0")
+    checkpoint = Path(checkpoint)
+    meta_path = checkpoint / META_FILE
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{meta_path}: not a titan_k3 checkpoint dir (expected checkpoints/step-N)")
+    meta = json.loads(meta_path.read_text())
+    args = args_from_dict(meta["model_args"])
+    out_dtype = DTYPES[dtype]
+
+    # Plan shards on the DCP metadata: consecutive tensors until the byte budget is used.
+    sizes = dcp_tensor_sizes(checkpoint)
+    shards: list[list[str]] = [[]]
+    used = 0
+    for key, (size, _) in sizes.items():
+        nbytes = size.numel() * out_dtype.itemsize
+        if shards[-1] and used + nbytes > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(key)
+        used += nbytes
+
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map, total = {}, 0
+    n = len(shards)
+    for i, keys in enumerate(shards, start=1):
+        name = f"model-{i:05d}-of-{n:05d}.safetensors"
+        tensors = {}
+        for key, tensor in read_dcp_tensors(checkpoint, keys=keys).items():
+            for hf_name, t, note in to_hf(key.removeprefix("model."), tensor):
+                tensors[hf_name] = t.to(torch.float32 if note == "float32" else out_dtype).contiguous()
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        for hf_name, t in tensors.items():
+            weight_map[hf_name] = name
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total, "source_step": meta["step"]}, "weight_map": weight_map}
+    _write_json(out / INDEX_FILE, index)
+    _write_json(out / "config.json", hf_config(args, dtype=dtype, qb_eta=meta.get("qb_eta")))
+    return index
+
+
+def import_state_dict(src: Path) -> tuple:
+    """(K3Args, {titan_k3 name: float32 tensor}) from an export directory."""
+    from safetensors.torch import load_file
+
+    src = Path(src)
+    config = json.loads((src / "config.json").read_text())
+    args = args_from_hf_config(config)
+    index = json.loads((src / INDEX_FILE).read_text())
+    weights = {}
+    for file in sorted(set(index["weight_map"].values())):
+        weights.update(load_file(str(src / file)))
+    if weights.keys() != index["weight_map"].keys():
+        missing = sorted(index["weight_map"].keys() - weights.keys())[:3]
+        raise ValueError(f"{src}: the index lists tensors the shards lack, e.g. {missing}")
+    return args, {k: v.to(torch.float32) for k, v in from_hf(weights).items()}
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m titan_k3.checkpoint.export", description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", required=True, type=Path, help="a checkpoint dir: RUN_DIR/checkpoints/step-N")
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weight dtype (default bfloat16)")
+    p.add_argument("--max-shard-mb", type=int, default=5120, help="largest safetensors shard, MiB (default 5120)")
+    a = p.parse_args(argv)
+    try:
+        index = export_checkpoint(a.checkpoint, a.out, dtype=a.dtype, max_shard_bytes=a.max_shard_mb * 2**20)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    files = sorted(set(index["weight_map"].values()))
+    print(f"exported {a.checkpoint} -> {a.out}: {len(index['weight_map'])} tensors, "
+          f"{index['metadata']['total_size'] / 2**20:.1f} MiB in {len(files)} file(s), {a.dtype}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
