@@ -24,6 +24,8 @@ Per-run trainer metrics, read from the latest line of <run>/metrics.jsonl
   titan_k3_run_moe_maxvio_by_layer{run,layer}          moe/<layer>/maxvio
   titan_k3_run_moe_load_cv_by_layer{run,layer}         moe/<layer>/load_cv
   titan_k3_run_moe_entropy_by_layer{run,layer}         moe/<layer>/entropy
+  titan_k3_run_tokens_by_source{run,source}            tokens_per_source/<source>
+  titan_k3_run_moe_expert_load{run,layer,expert}       moe/<layer>/load (a list: each expert's share)
 From <run>/events.jsonl
   titan_k3_run_events_total{run,kind}             events by kind
   titan_k3_run_invariant_violations_total{run,check}
@@ -45,12 +47,18 @@ RUN_PREFIX = "titan_k3_run_"
 RECENT_FINISHED_RUNS = 50
 """Runs not queued or active are exported only while among the most recently updated (bounded series)."""
 
-# Keys the trainer contract promises in every metrics.jsonl line ('<layer>', '<group>' stand for any name).
+# Numeric keys of the trainer's metrics.jsonl lines ('<layer>', '<group>', '<source>' stand for any name);
+# memory_peak_allocated_gib appears on CUDA only.
 TRAINER_KEYS = (
     "step", "loss", "lr", "grad_norm", "tokens_per_second_training", "tokens_per_second_session", "mfu",
     "memory_peak_allocated_gib", "tokens_seen", "skipped_updates", "grad_norm/<group>",
     "moe/<layer>/dead_fraction", "moe/<layer>/maxvio", "moe/<layer>/load_cv", "moe/<layer>/entropy",
+    "tokens_per_source/<source>", "host_rss_gib", "data_wait_fraction",
 )
+# List-valued keys the trainer writes (one number per expert).
+TRAINER_LIST_KEYS = ("moe/<layer>/load",)
+EXPERT_LOAD = "titan_k3_run_moe_expert_load"
+_EXPERT_LOAD_KEY = re.compile(r"^moe/([^/]+)/load$")
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,8 @@ LABELLED = (
              "Coefficient of variation of expert load, per MoE layer"),
     Labelled("titan_k3_run_moe_entropy_by_layer", re.compile(r"^moe/([^/]+)/entropy$"), "layer",
              "Entropy of the expert load distribution, per MoE layer"),
+    Labelled("titan_k3_run_tokens_by_source", re.compile(r"^tokens_per_source/([^/]+)$"), "source",
+             "Tokens trained on per data source"),
 )
 
 SERVICE_NAMES = (
@@ -82,7 +92,7 @@ SERVICE_NAMES = (
     "titan_k3_service_run_restarts", "titan_k3_service_run_attempts",
     "titan_k3_run_events", "titan_k3_run_invariant_violations",
 )
-_RESERVED = frozenset(SERVICE_NAMES) | {lab.name for lab in LABELLED}
+_RESERVED = frozenset(SERVICE_NAMES) | {lab.name for lab in LABELLED} | {EXPERT_LOAD}
 
 
 def generic_name(key: str) -> str:
@@ -123,6 +133,8 @@ class ServiceCollector(Collector):
         violations = CounterMetricFamily("titan_k3_run_invariant_violations", "Invariant violations by check",
                                          labels=["run", "check"])
         labelled = {lab.name: GaugeMetricFamily(lab.name, lab.doc, labels=["run", lab.label]) for lab in LABELLED}
+        expert_load = GaugeMetricFamily(EXPERT_LOAD, "Each expert's share of routed tokens in the last log window",
+                                        labels=["run", "layer", "expert"])
         generic: dict[str, GaugeMetricFamily] = {}
         for run in shown:
             state.add_metric([run.id, run.state], 1)
@@ -134,7 +146,12 @@ class ServiceCollector(Collector):
             for check, n in files.violations_by_check().items():
                 violations.add_metric([run.id, check], n)
             self._add_trainer_metrics(run.id, files.latest_metrics(), generic, labelled)
-        yield from (state, restarts, attempts, events, violations)
+            for key, loads in files.latest_vectors().items():
+                m = _EXPERT_LOAD_KEY.match(key)
+                if m:
+                    for expert, share in enumerate(loads):
+                        expert_load.add_metric([run.id, m.group(1), str(expert)], share)
+        yield from (state, restarts, attempts, events, violations, expert_load)
         yield from labelled.values()
         yield from generic.values()
 

@@ -58,9 +58,19 @@ class JsonlFollower:
         return out
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def numeric(record: dict[str, Any]) -> dict[str, float]:
-    """The int/float entries of a metrics record (bools and strings dropped)."""
-    return {k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    """The int/float entries of a metrics record (bools, strings and lists dropped)."""
+    return {k: float(v) for k, v in record.items() if _is_number(v)}
+
+
+def vectors(record: dict[str, Any]) -> dict[str, list[float]]:
+    """The list-of-number entries of a metrics record (e.g. per-expert load shares)."""
+    return {k: [float(x) for x in v] for k, v in record.items()
+            if isinstance(v, list) and v and all(_is_number(x) for x in v)}
 
 
 class RunFiles:
@@ -73,6 +83,7 @@ class RunFiles:
         self._events = JsonlFollower(run_dir / "events.jsonl")
         self._history: deque[dict[str, float]] = deque(maxlen=HISTORY_POINTS)
         self._latest: dict[str, float] = {}
+        self._latest_vectors: dict[str, list[float]] = {}
         self._event_counts: Counter[str] = Counter()
         self._violations: Counter[str] = Counter()
         self._recent_events: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
@@ -85,6 +96,7 @@ class RunFiles:
                 if values:
                     self._history.append(values)
                     self._latest = values
+                    self._latest_vectors = vectors(rec)
             for ev in self._events.poll():
                 kind = str(ev.get("kind", "unknown"))
                 self._event_counts[kind] += 1
@@ -97,6 +109,11 @@ class RunFiles:
         self.refresh()
         with self._lock:
             return dict(self._latest)
+
+    def latest_vectors(self) -> dict[str, list[float]]:
+        self.refresh()
+        with self._lock:
+            return dict(self._latest_vectors)
 
     def history(self, tail: int, keys: list[str] | None) -> list[dict[str, float]]:
         self.refresh()

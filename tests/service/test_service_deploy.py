@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service_harness import REPO
-from service.exporter import LABELLED, TRAINER_KEYS, ServiceCollector, generic_name
+from service.exporter import EXPERT_LOAD, LABELLED, TRAINER_KEYS, TRAINER_LIST_KEYS, ServiceCollector, generic_name
 from service.registry import Attempt, Registry
 from service.rundir import RunFilesCache
 from titan_k3.config import load_job_config
@@ -42,14 +42,14 @@ def test_every_yaml_and_json_in_deploy_parses():
         json.loads(path.read_text())
 
 
+def _fill(key: str) -> str:
+    for hole, value in {"<group>": "muon", "<layer>": "3", "<source>": "code"}.items():
+        key = key.replace(hole, value)
+    return key
+
+
 def contract_record() -> dict[str, float]:
-    fill = {"<group>": "muon", "<layer>": "3"}
-    out = {}
-    for i, key in enumerate(TRAINER_KEYS):
-        for hole, value in fill.items():
-            key = key.replace(hole, value)
-        out[key] = float(i + 1)
-    return out
+    return {_fill(key): float(i + 1) for i, key in enumerate(TRAINER_KEYS)}
 
 
 def service_emitted(tmp_path: Path) -> set[str]:
@@ -57,7 +57,8 @@ def service_emitted(tmp_path: Path) -> set[str]:
     runs = tmp_path / "runs"
     run_dir = runs / "r"
     run_dir.mkdir(parents=True)
-    (run_dir / "metrics.jsonl").write_text(json.dumps(contract_record()) + "\n")
+    lists = {_fill(key): [0.25, 0.75] for key in TRAINER_LIST_KEYS}
+    (run_dir / "metrics.jsonl").write_text(json.dumps({**contract_record(), **lists}) + "\n")
     events = [{"time": 0.0, "step": 1, "kind": k, "message": "m", "check": "replica_params_equal"}
               for k in ("invariant_violation", "fallback", "checkpoint_saved")]
     (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
@@ -109,7 +110,7 @@ def test_dashboard_and_alerts_query_only_emitted_metrics(tmp_path):
     emitted = service_emitted(tmp_path)
     # The mapping is what the docstring says: one gauge per contract key, the labelled families.
     assert {generic_name(k) for k in contract_record()} <= emitted
-    assert {lab.name for lab in LABELLED} <= emitted
+    assert {lab.name for lab in LABELLED} | {EXPERT_LOAD} <= emitted
     trainer = trainer_exporter_names()
     queried = queried_names()
     dashboard = json.loads((DEPLOY / "grafana/dashboards/titan_k3.json").read_text())

@@ -42,6 +42,9 @@ def test_create_running_metrics_stop(make_service):
         assert name in m, name
     assert set(m["titan_k3_run_tokens_per_second_by_clock"]) == {(("clock", "training"),), (("clock", "session"),)}
     assert m["titan_k3_run_moe_dead_fraction_by_layer"], "expert-load metrics missing"
+    loads = m["titan_k3_run_moe_expert_load"]  # per (layer, expert) from the moe/<layer>/load lists
+    layers = {dict(k)["layer"] for k in loads}
+    assert layers and all(abs(sum(v for k, v in loads.items() if dict(k)["layer"] == la) - 1) < 1e-3 for la in layers)
     assert 0 < m["titan_k3_run_loss"][()] < 20
 
     r = svc.client.post("/v1/runs/real/stop", headers=svc.auth)
