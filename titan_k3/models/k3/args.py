@@ -169,15 +169,20 @@ def count_params(a: K3Args) -> ParamCount:
 
 
 def flops_per_token(a: K3Args, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token.
+    """Training FLOPs (forward + backward) per token; MFU divides tokens/s x this by the peak.
 
-    6 * (active matmul parameters) + causal MLA attention + chunked KDA terms.
-    MLA: each query attends to (T+1)/2 keys on average; scores and values cost
-    2*(qk + v) FLOPs per head per key in forward, x3 for forward + backward.
-    KDA per head and token (chunk C, widths K, V), forward: the state read,
-    the WY correction and the state update (3 x 2KV), the intra-chunk
-    scores, WY matrices and value mixing (2C(2K + 2V) over the chunk, per
-    token), and the triangular solve (2C^2/3); x3 for forward + backward.
+    Terms (a multiply-add is 2 FLOPs; backward costs twice the forward, so x3):
+    - 6 * N_active: every matmul weight a token passes through (all layers'
+      projections, the k routed + shared experts, the router, the head; the
+      input embedding is a lookup and inactive experts are skipped).
+    - MLA, per layer and head: scores q.k (2 * (nope + rope)) and value mixing
+      (2 * v) against the (T+1)/2 keys a causal query sees on average.
+    - KDA, per layer, head and token (chunk C, key width K, value width V):
+      the inter-chunk state read, WY correction and state update (3 x 2KV);
+      the intra-chunk decayed scores, WY matrices and value mixing
+      (2C(2K + 2V)); the unit-triangular C x C solve (2C^2/3).
+    tests/unit/test_metrics_units.py checks the total against
+    torch.utils.flop_counter on the debug flavor (within 5%).
     """
     dense_flops = 6 * count_params(a).active
     ctx = (seq_len + 1) / 2
