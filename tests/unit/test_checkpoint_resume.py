@@ -38,7 +38,7 @@ def _start(dump: Path, name: str, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _finish(proc: subprocess.Popen, timeout: float = 240) -> int:
+def _finish(proc: subprocess.Popen, timeout: float = 900) -> int:
     try:
         return proc.wait(timeout=timeout)
     finally:
@@ -95,7 +95,7 @@ def runs(tmp_path_factory):
         "sigterm": _start(dump, "sigterm", "--checkpoint.interval", "1000", "--training.steps", "1000"),
     }
     # True SIGKILL once the second checkpoint is committed (6 updates of margin before the run would end).
-    killed_at, deadline = None, time.time() + 240
+    killed_at, deadline = None, time.time() + 900
     while killed_at is None and time.time() < deadline and first["sigkill"].poll() is None:
         latest = _latest(dump / "sigkill")
         if latest is not None and int(latest.split("-")[1]) >= 2:

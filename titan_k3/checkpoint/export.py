@@ -96,7 +96,7 @@ def import_state_dict(src: Path) -> tuple:
     if weights.keys() != index["weight_map"].keys():
         missing = sorted(index["weight_map"].keys() - weights.keys())[:3]
         raise ValueError(f"{src}: the index lists tensors the shards lack, e.g. {missing}")
-    return args, {k: v.to(torch.float32) for k, v in from_hf(weights).items()}
+    return args, {k: v.to(torch.float32) for k, v in from_hf(weights, set(args.mla_layers)).items()}
 
 
 def _write_json(path: Path, obj: dict) -> None:

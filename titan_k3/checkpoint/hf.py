@@ -24,6 +24,8 @@ from titan_k3.models.k3.args import K3Args
 # ---------------------------------------------------------------------------
 # The one mapping table. {i}: layer index, {e}: expert index. "experts" rows split
 # one [E, in, out] stack (x @ w[e]) into E nn.Linear weights [out, in] = w[e].T.
+# "kda" / "mla" rows apply to that attention kind only: both kinds have an o_proj and a
+# g_proj, so the import reads the kind of layer i from config.json.
 #
 #   titan_k3 name                  published name                                    note
 NAME_MAP: list[tuple[str, str, str]] = [
@@ -36,29 +38,29 @@ NAME_MAP: list[tuple[str, str, str]] = [
     ("layers.{i}.attn_mix.query",     "model.layers.{i}.attn_res.query",                 ""),
     ("layers.{i}.ffn_mix.query",      "model.layers.{i}.mlp_res.query",                  ""),
     # Kimi Delta Attention layers
-    ("layers.{i}.attn.q_proj.weight", "model.layers.{i}.self_attn.q_proj.weight",        ""),
-    ("layers.{i}.attn.k_proj.weight", "model.layers.{i}.self_attn.k_proj.weight",        ""),
-    ("layers.{i}.attn.v_proj.weight", "model.layers.{i}.self_attn.v_proj.weight",        ""),
-    ("layers.{i}.attn.q_conv",        "model.layers.{i}.self_attn.q_conv1d.weight",      ""),
-    ("layers.{i}.attn.k_conv",        "model.layers.{i}.self_attn.k_conv1d.weight",      ""),
-    ("layers.{i}.attn.v_conv",        "model.layers.{i}.self_attn.v_conv1d.weight",      ""),
-    ("layers.{i}.attn.A_log",         "model.layers.{i}.self_attn.A_log",                ""),
-    ("layers.{i}.attn.dt_bias",       "model.layers.{i}.self_attn.dt_bias",              ""),
-    ("layers.{i}.attn.f_a.weight",    "model.layers.{i}.self_attn.f_a_proj.weight",      ""),
-    ("layers.{i}.attn.f_b.weight",    "model.layers.{i}.self_attn.f_b_proj.weight",      ""),
-    ("layers.{i}.attn.b_proj.weight", "model.layers.{i}.self_attn.b_proj.weight",        ""),
-    ("layers.{i}.attn.g_proj.weight", "model.layers.{i}.self_attn.g_proj.weight",        ""),
-    ("layers.{i}.attn.o_norm",        "model.layers.{i}.self_attn.o_norm.weight",        ""),
-    ("layers.{i}.attn.o_proj.weight", "model.layers.{i}.self_attn.o_proj.weight",        ""),
+    ("layers.{i}.attn.q_proj.weight", "model.layers.{i}.self_attn.q_proj.weight",        "kda"),
+    ("layers.{i}.attn.k_proj.weight", "model.layers.{i}.self_attn.k_proj.weight",        "kda"),
+    ("layers.{i}.attn.v_proj.weight", "model.layers.{i}.self_attn.v_proj.weight",        "kda"),
+    ("layers.{i}.attn.q_conv",        "model.layers.{i}.self_attn.q_conv1d.weight",      "kda"),
+    ("layers.{i}.attn.k_conv",        "model.layers.{i}.self_attn.k_conv1d.weight",      "kda"),
+    ("layers.{i}.attn.v_conv",        "model.layers.{i}.self_attn.v_conv1d.weight",      "kda"),
+    ("layers.{i}.attn.A_log",         "model.layers.{i}.self_attn.A_log",                "kda"),
+    ("layers.{i}.attn.dt_bias",       "model.layers.{i}.self_attn.dt_bias",              "kda"),
+    ("layers.{i}.attn.f_a.weight",    "model.layers.{i}.self_attn.f_a_proj.weight",      "kda"),
+    ("layers.{i}.attn.f_b.weight",    "model.layers.{i}.self_attn.f_b_proj.weight",      "kda"),
+    ("layers.{i}.attn.b_proj.weight", "model.layers.{i}.self_attn.b_proj.weight",        "kda"),
+    ("layers.{i}.attn.g_proj.weight", "model.layers.{i}.self_attn.g_proj.weight",        "kda"),
+    ("layers.{i}.attn.o_norm",        "model.layers.{i}.self_attn.o_norm.weight",        "kda"),
+    ("layers.{i}.attn.o_proj.weight", "model.layers.{i}.self_attn.o_proj.weight",        "kda"),
     # gated NoPE MLA layers
-    ("layers.{i}.attn.wq_a.weight",   "model.layers.{i}.self_attn.q_a_proj.weight",      ""),
-    ("layers.{i}.attn.q_norm.weight", "model.layers.{i}.self_attn.q_a_layernorm.weight", ""),
-    ("layers.{i}.attn.wq_b.weight",   "model.layers.{i}.self_attn.q_b_proj.weight",      ""),
-    ("layers.{i}.attn.wkv_a.weight",  "model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight", ""),
-    ("layers.{i}.attn.kv_norm.weight", "model.layers.{i}.self_attn.kv_a_layernorm.weight", ""),
-    ("layers.{i}.attn.wkv_b.weight",  "model.layers.{i}.self_attn.kv_b_proj.weight",     ""),
-    ("layers.{i}.attn.w_gate.weight", "model.layers.{i}.self_attn.g_proj.weight",        ""),
-    ("layers.{i}.attn.wo.weight",     "model.layers.{i}.self_attn.o_proj.weight",        ""),
+    ("layers.{i}.attn.wq_a.weight",   "model.layers.{i}.self_attn.q_a_proj.weight",      "mla"),
+    ("layers.{i}.attn.q_norm.weight", "model.layers.{i}.self_attn.q_a_layernorm.weight", "mla"),
+    ("layers.{i}.attn.wq_b.weight",   "model.layers.{i}.self_attn.q_b_proj.weight",      "mla"),
+    ("layers.{i}.attn.wkv_a.weight",  "model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight", "mla"),
+    ("layers.{i}.attn.kv_norm.weight", "model.layers.{i}.self_attn.kv_a_layernorm.weight", "mla"),
+    ("layers.{i}.attn.wkv_b.weight",  "model.layers.{i}.self_attn.kv_b_proj.weight",     "mla"),
+    ("layers.{i}.attn.w_gate.weight", "model.layers.{i}.self_attn.g_proj.weight",        "mla"),
+    ("layers.{i}.attn.wo.weight",     "model.layers.{i}.self_attn.o_proj.weight",        "mla"),
     # dense FFN layers (the first first_k_dense_replace)
     ("layers.{i}.ffn.w1.weight",      "model.layers.{i}.mlp.gate_proj.weight",           ""),
     ("layers.{i}.ffn.w3.weight",      "model.layers.{i}.mlp.up_proj.weight",             ""),
@@ -99,8 +101,11 @@ def to_hf(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor, str]
     raise ValueError(f"no published name for parameter {name!r}: add it to NAME_MAP in {__file__}")
 
 
-def from_hf(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Published names -> titan_k3 state dict (expert matrices stacked back to [E, in, out])."""
+def from_hf(weights: dict[str, torch.Tensor], mla_layers: set[int]) -> dict[str, torch.Tensor]:
+    """Published names -> titan_k3 state dict (expert matrices stacked back to [E, in, out]).
+
+    `mla_layers`: 0-based indices of the MLA layers (the others are KDA).
+    """
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in weights.items():
@@ -108,7 +113,10 @@ def from_hf(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             m = pattern.match(name)
             if m is None:
                 continue
-            ours = ours.replace("{i}", m.groupdict().get("i") or "")
+            layer = m.groupdict().get("i")
+            if note in ("kda", "mla") and (int(layer) in mla_layers) != (note == "mla"):
+                continue
+            ours = ours.replace("{i}", layer or "")
             if note == "experts":
                 experts.setdefault(ours, {})[int(m.group("e"))] = tensor.t()
             else:

@@ -1,0 +1,144 @@
+"""Export to the published K3 layout and import back: names, config.json, shards, exact round trips."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from titan_k3.checkpoint.export import INDEX_FILE, export_checkpoint, import_state_dict, main
+from titan_k3.checkpoint.hf import args_from_hf_config, from_hf, hf_config, to_hf
+from titan_k3.checkpoint.manager import CheckpointManager, load_model_weights
+from titan_k3.config import load_job_config
+from titan_k3.metrics.events import EventLog
+from titan_k3.models.k3.args import FLAVORS, get_flavor
+from titan_k3.models.k3.impl import resolve_impl
+from titan_k3.models.k3.model import K3Model
+from titan_k3.optim import LRSchedule, ParamSpec, build_optimizers
+from dataclasses import asdict
+
+
+def _impl():
+    cfg = load_job_config(["--kernels.kda", "torch", "--kernels.experts", "torch", "--kernels.loss", "torch",
+                           "--kernels.attention", "math"])
+    return resolve_impl(cfg.kernels, torch.device("cpu"))
+
+
+def _trained_like_model(seed: int = 0) -> K3Model:
+    model = K3Model(get_flavor("debug", 512), _impl(), 1.0)
+    model.init_weights(seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for router in model.moe_routers().values():
+            router.qb_bias.copy_(torch.randn(router.qb_bias.shape, generator=gen))
+        for p in model.parameters():  # break the init's structure (zeros, ones) so every mapping is seen
+            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A real step dir written by the CheckpointManager from a debug model."""
+    root = tmp_path_factory.mktemp("export")
+    model = _trained_like_model()
+    hints = model.optim_hints()
+    opts = build_optimizers(model.named_parameters(), lambda n, _p: ParamSpec(**hints[n]), lr=1e-3)
+    sched = LRSchedule(opts, base_lr=1e-3, total_steps=4, warmup_steps=1, decay_type="cosine",
+                       decay_ratio=None, min_lr_factor=0.1)
+    loader = SimpleNamespace(state_dict=lambda: {}, load_state_dict=lambda s: None)
+    cfg = SimpleNamespace(enable=True, interval=1, folder="checkpoints", keep_latest_k=0, async_mode="disabled",
+                          load_step=-1, initial_load_path="")
+    state = SimpleNamespace(step=3, tokens_seen=0, skipped_updates=0, skipped_in_row=0)
+    manager = CheckpointManager(cfg, root / "checkpoints", model=model, optimizers=opts, schedule=sched, loader=loader,
+                                train_state=state, meta={"model_args": asdict(model.args), "qb_eta": 1.0},
+                                events=EventLog(None))
+    manager.save(3)
+    manager.close()
+    return root / "checkpoints" / "step-3", model
+
+
+def _logits(model: K3Model) -> torch.Tensor:
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        return model.eval()(ids, cu_seqlens=torch.tensor([0, 40, 64, 128]))
+
+
+@pytest.mark.parametrize("flavor", ["debug", "tiny", "k3-mini"])
+def test_every_tensor_has_a_published_name_and_maps_back(flavor):
+    with torch.device("meta"):
+        model = K3Model(get_flavor(flavor, 1024), _impl(), 1.0)
+    state = model.state_dict()
+    exported = {}
+    for name, t in state.items():
+        for hf_name, ht, _ in to_hf(name, t):
+            assert hf_name not in exported, hf_name
+            exported[hf_name] = ht
+    assert all(k.startswith(("model.", "lm_head.")) for k in exported)
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight" in exported
+    back = from_hf(exported, set(model.args.mla_layers))
+    assert back.keys() == state.keys()
+    assert all(back[k].shape == state[k].shape for k in state)
+
+
+@pytest.mark.parametrize("flavor", sorted(FLAVORS))
+def test_config_json_describes_the_args_exactly(flavor):
+    args = get_flavor(flavor)
+    config = json.loads(json.dumps(hf_config(args)))
+    assert config["model_type"] == "kimi_k3"
+    assert args_from_hf_config(config) == args
+    lin = config["linear_attn_config"]
+    assert sorted(lin["kda_layers"] + lin["full_attn_layers"]) == list(range(1, args.n_layers + 1))
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "n_routed_experts",
+                "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", "first_k_dense_replace",
+                "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        assert key in config
+
+
+def test_float32_export_round_trips_every_tensor_and_the_outputs(checkpoint, tmp_path):
+    step_dir, model = checkpoint
+    index = export_checkpoint(step_dir, tmp_path, dtype="float32", max_shard_bytes=200_000)
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and all((tmp_path / f).is_file() for f in files)
+    assert files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    args, state = import_state_dict(tmp_path)
+    assert args == model.args
+    original = model.state_dict()
+    assert state.keys() == original.keys()
+    for k in original:
+        assert torch.equal(state[k], original[k]), k
+    fresh = K3Model(args, _impl(), 1.0)
+    fresh.load_state_dict(state)
+    assert torch.equal(_logits(fresh), _logits(model))
+
+
+def test_bf16_export_is_exact_in_bf16_and_keeps_the_routing_bias_in_float32(checkpoint, tmp_path):
+    step_dir, model = checkpoint
+    assert main(["--checkpoint", str(step_dir), "--out", str(tmp_path)]) == 0
+    config = json.loads((tmp_path / "config.json").read_text())
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    assert config["torch_dtype"] == "bfloat16"
+    from safetensors import safe_open
+
+    dtypes = {}
+    for file in set(index["weight_map"].values()):
+        with safe_open(str(tmp_path / file), "pt") as f:
+            dtypes.update({k: f.get_slice(k).get_dtype() for k in f.keys()})
+    bias = [k for k in dtypes if k.endswith("e_score_correction_bias")]
+    assert bias and all(dtypes[k] == "F32" for k in bias)
+    assert all(dtypes[k] == "BF16" for k in dtypes if k not in bias)
+    _, state = import_state_dict(tmp_path)
+    for k, v in model.state_dict().items():
+        want = v if k.endswith("qb_bias") else v.to(torch.bfloat16).float()
+        assert torch.equal(state[k], want), k
+    # An export directory is a valid model-only initial load.
+    fresh = K3Model(model.args, _impl(), 1.0)
+    load_model_weights(fresh, tmp_path)
+    assert torch.equal(fresh.layers["1"].ffn.w2, state["layers.1.ffn.w2"])
+
+
+def test_export_refuses_a_dir_that_is_not_a_checkpoint(tmp_path, capsys):
+    assert main(["--checkpoint", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert "not a titan_k3 checkpoint dir" in capsys.readouterr().err
