@@ -2,7 +2,7 @@
 
 create -> running -> metrics at /metrics -> stop (checkpoint written, state stopped);
 a crash at a step -> relaunched and resumed from the checkpoint;
-the service killed and restarted -> the live run is re-adopted.
+the service killed and restarted -> the live (two-rank) run is re-adopted, then stopped cleanly.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def test_crash_is_restarted_and_resumes_from_the_checkpoint(make_service):
 
 def test_service_restart_readopts_a_live_run(make_service):
     svc = make_service(fake=False)
-    assert svc.create(name="adopt", toml="", overrides=LONG).status_code == 201
+    # Two ranks: the stop after re-adoption must reach both torchrun workers (each in its own session).
+    assert svc.create(name="adopt", toml="", overrides=LONG, nproc_per_node=2).status_code == 201
     wait_until(lambda: metric_step(svc, "adopt") >= 2, 300, "trainer metrics")
     before = svc.run("adopt")
     svc.kill()
