@@ -27,6 +27,7 @@ from service.rundir import RunFilesCache, tail_lines
 from service.schemas import AttemptOut, Health, RunCreate, RunOut
 from service.settings import Settings
 from service.supervisor import Conflict, Supervisor
+from titan_k3.config import load_job_config
 
 log = logging.getLogger("service")
 STATIC = Path(__file__).resolve().parent / "static"
@@ -65,8 +66,6 @@ class Service:
     # ---- create ----------------------------------------------------------------------------------
 
     def create(self, req: RunCreate) -> Run:
-        from titan_k3.config import ConfigError, load_job_config
-
         if (req.recipe is None) == (req.toml is None):
             raise HTTPException(422, "give exactly one of 'recipe' (a name under tomls/) or 'toml' (inline text)")
         try:
@@ -92,10 +91,9 @@ class Service:
         for key, value in overrides.items():
             argv += [f"--{key}", value]
         try:
+            # The trainer's own loader and checks (ConfigError is a ValueError): its message, verbatim.
             cfg = load_job_config(argv, toml_text=toml_text)
             self._check_paths(cfg)
-        except ConfigError as e:
-            raise HTTPException(422, str(e)) from None
         except ValueError as e:
             raise HTTPException(422, str(e)) from None
 

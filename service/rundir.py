@@ -17,6 +17,8 @@ from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
+import tomli
+
 HISTORY_POINTS = 4000
 RECENT_EVENTS = 20
 
@@ -146,9 +148,19 @@ class RunFiles:
         with self._lock:
             return dict(self._event_counts)
 
+    def checkpoint_folder(self) -> Path:
+        """checkpoint.folder from the resolved config.toml (relative: the service refuses others)."""
+        try:
+            folder = tomli.loads((self.dir / "config.toml").read_text()).get("checkpoint", {}).get("folder")
+        except (OSError, tomli.TOMLDecodeError):
+            folder = None
+        if not isinstance(folder, str) or not folder or Path(folder).is_absolute() or ".." in Path(folder).parts:
+            folder = "checkpoints"
+        return self.dir / folder
+
     def latest_checkpoint(self) -> str | None:
-        """The step directory named by checkpoints/latest, when it exists."""
-        latest = self.dir / "checkpoints" / "latest"
+        """The step directory named by <checkpoint folder>/latest, when it exists."""
+        latest = self.checkpoint_folder() / "latest"
         try:
             name = latest.read_text().strip()
         except OSError:

@@ -143,12 +143,14 @@ def test_run_lifecycle_logs_metrics_and_stream(fake_service):
 
 
 def test_stop_then_resume_continues_from_the_checkpoint(fake_service):
-    assert fake_service.create(toml=CKPT, name="pausable", overrides={"training.steps": 400}).status_code == 201
+    body = {"toml": CKPT, "name": "pausable", "overrides": {"training.steps": 400, "checkpoint.folder": "state/ckpt"}}
+    assert fake_service.create(**body).status_code == 201
     wait_until(lambda: fake_service.run("pausable")["latest_metrics"].get("step", 0) >= 3, 30, "3 steps")
     r = fake_service.client.post("/v1/runs/pausable/stop", headers=fake_service.auth)
     assert r.status_code == 202 and r.json()["state"] in ("stopping", "stopped")
     run = fake_service.wait_state("pausable", ("stopped",))
     stopped_at = int(run["latest_checkpoint"].removeprefix("step-"))
+    assert (fake_service.state_dir / "runs" / "pausable" / "state" / "ckpt" / run["latest_checkpoint"]).is_dir()
     assert stopped_at >= 3 and run["exit_codes"] == [0]
     assert fake_service.client.post("/v1/runs/pausable/resume", headers=fake_service.auth).status_code == 202
     wait_until(lambda: len(fake_service.run("pausable")["attempts"]) == 2, 30, "the second attempt")
