@@ -211,7 +211,7 @@ def _moe_fwd_op(
             PRECISION=_precision(x.dtype),
         )
     out = _launch_mm(h, w2, offsets, torch.empty(n_slots, latent, **new))
-    y = _launch_combine(out, inverse, weight, torch.empty(n_tokens, latent, **new), n_slots // max(n_tokens, 1))
+    y = _launch_combine(out, inverse, weight, torch.empty(n_tokens, latent, **new), weight.shape[1])
     return y, g, u, h, out
 
 
@@ -232,7 +232,7 @@ def _moe_bwd_op(
     n_tokens, latent = x.shape
     n_experts, _, hidden = w1.shape
     n_slots = token.shape[0]
-    top_k = n_slots // max(n_tokens, 1)
+    top_k = weight.shape[1]
     new = dict(device=x.device, dtype=x.dtype)
     dy = dy.contiguous()
     d_out = torch.empty(n_slots, latent, **new)

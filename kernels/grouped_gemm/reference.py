@@ -90,6 +90,6 @@ def moe_experts(
     inverse_S = torch.empty_like(order_S)
     inverse_S[order_S] = torch.arange(order_S.numel(), device=order_S.device)
     acc = torch.float64 if dt == torch.float64 else torch.float32
-    out_TKL = out_SL[inverse_S].view(n_tokens, top_k, -1).to(acc)
+    out_TKL = out_SL[inverse_S].view(n_tokens, top_k, x_TL.shape[1]).to(acc)
     y_TL = (out_TKL * topk_weight_TK.to(acc).unsqueeze(-1)).sum(dim=1)
     return y_TL.to(dt)

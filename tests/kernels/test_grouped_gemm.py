@@ -191,6 +191,18 @@ def test_moe_experts_matches_float64_reference(skew):
     assert torch.equal(moe_experts(*inputs, idx, prob), y)
 
 
+@pytest.mark.parametrize("fn", [moe_experts, reference.moe_experts], ids=["triton", "reference"])
+def test_moe_experts_empty_batch(fn):
+    """No tokens (an empty microbatch shard): zero-size output, zero weight gradients."""
+    x, w1, w3, w2, idx, prob = make_moe(0, 4, 2, 16, 24, torch.float32, seed=11)
+    params = [t.detach().to(DEVICE).requires_grad_() for t in (x, w1, w3, w2, prob)]
+    y = fn(*params[:4], idx.to(DEVICE), params[4])
+    grads = torch.autograd.grad(y.sum(), params)
+    assert y.shape == (0, 16)
+    assert [g.shape for g in grads] == [p.shape for p in params]
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
 def test_moe_experts_rejects_bad_input():
     x, w1, w3, w2, idx, prob = make_moe(8, 4, 2, 16, 16, torch.float32, seed=8)
     with pytest.raises(ValueError, match="topk_idx_TK"):
