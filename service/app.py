@@ -254,6 +254,16 @@ def create_app(settings: Settings) -> FastAPI:
     def list_recipes() -> list[str]:
         return svc.recipes()
 
+    @app.get("/v1/prometheus/targets")
+    def prometheus_targets() -> JSONResponse:
+        """Prometheus HTTP service discovery: the rank-0 endpoint of every active run that opened one."""
+        groups = []
+        for run in svc.registry.list(ACTIVE):
+            port = svc.files.get(run.id).config_value("metrics", "prometheus_port")
+            if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
+                groups.append({"targets": [f"{settings.advertise_host}:{port}"], "labels": {"run": run.id}})
+        return JSONResponse(groups)
+
     @app.get("/metrics", response_class=PlainTextResponse)
     def metrics() -> Response:
         return Response(generate_latest(svc.metrics), media_type=CONTENT_TYPE_LATEST)

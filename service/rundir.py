@@ -148,12 +148,16 @@ class RunFiles:
         with self._lock:
             return dict(self._event_counts)
 
+    def config_value(self, section: str, key: str) -> Any:
+        """A value of the resolved config.toml the trainer wrote; None before it exists."""
+        try:
+            return tomli.loads((self.dir / "config.toml").read_text()).get(section, {}).get(key)
+        except (OSError, tomli.TOMLDecodeError, AttributeError):
+            return None
+
     def checkpoint_folder(self) -> Path:
         """checkpoint.folder from the resolved config.toml (relative: the service refuses others)."""
-        try:
-            folder = tomli.loads((self.dir / "config.toml").read_text()).get("checkpoint", {}).get("folder")
-        except (OSError, tomli.TOMLDecodeError):
-            folder = None
+        folder = self.config_value("checkpoint", "folder")
         if not isinstance(folder, str) or not folder or Path(folder).is_absolute() or ".." in Path(folder).parts:
             folder = "checkpoints"
         return self.dir / folder

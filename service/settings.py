@@ -6,6 +6,7 @@ import argparse
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -33,6 +34,9 @@ class Settings:
     """Registry, run directories and the generated token live here."""
     host: str = "127.0.0.1"
     port: int = 8080
+    advertise_host: str = ""
+    """Host name Prometheus reaches trainings at (service discovery); empty: the bind host, or this
+    machine's name when bound to all interfaces."""
     token: str = ""
     """Bearer token for mutating endpoints; empty means read it from the state dir (generated once)."""
     recipes_dir: Path = REPO_ROOT / "tomls"
@@ -61,6 +65,8 @@ class Settings:
         self.data_roots = [Path(p).resolve() for p in self.data_roots]
         if self.gpus < 0:
             self.gpus = detect_gpus()
+        if not self.advertise_host:
+            self.advertise_host = socket.gethostname() if self.host in ("0.0.0.0", "::") else self.host
 
     @property
     def runs_dir(self) -> Path:
@@ -85,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--host", default=os.environ.get("K3_SERVICE_HOST", "127.0.0.1"),
                    help="bind address (loopback by default; 0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=int, default=int(os.environ.get("K3_SERVICE_PORT", "8080")))
+    p.add_argument("--advertise-host", default=os.environ.get("K3_SERVICE_ADVERTISE_HOST", ""),
+                   help="host name in /v1/prometheus/targets (default: the bind host, or the machine's name)")
     p.add_argument("--state-dir", default=os.environ.get("K3_SERVICE_STATE_DIR", "./k3-service"))
     p.add_argument("--token-file", default=os.environ.get("K3_SERVICE_TOKEN_FILE", ""),
                    help=f"file holding the bearer token (else ${TOKEN_ENV}, else <state-dir>/token, generated)")
@@ -104,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         if not token:
             p.error(f"--token-file {a.token_file!r}: file is empty")
     return Settings(
-        state_dir=Path(a.state_dir), host=a.host, port=a.port, token=token, recipes_dir=Path(a.recipes_dir),
+        state_dir=Path(a.state_dir), host=a.host, port=a.port, advertise_host=a.advertise_host, token=token, recipes_dir=Path(a.recipes_dir),
         gpus=a.gpus, max_running=a.max_running, launcher=a.launcher, trainer_module=a.trainer_module,
         grace_seconds=a.grace_seconds, max_body_bytes=a.max_body_bytes, data_roots=[Path(d) for d in a.data_root],
     )

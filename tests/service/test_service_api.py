@@ -260,3 +260,15 @@ def test_stop_escalates_to_sigkill_after_the_grace_period(make_service):
     assert run["exit_codes"] == [-9]
     wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                                for p in tree), 10, "every process of the attempt to be gone")
+
+
+def test_prometheus_service_discovery_lists_live_trainer_endpoints(fake_service):
+    body = {"toml": INLINE, "name": "with-port", "overrides": {"training.steps": 400, "metrics.prometheus_port": 9555}}
+    assert fake_service.create(**body).status_code == 201
+    assert fake_service.create(toml=INLINE, name="no-port", overrides={"training.steps": 400}).status_code == 201
+    expected = [{"targets": ["127.0.0.1:9555"], "labels": {"run": "with-port"}}]
+    wait_until(lambda: fake_service.client.get("/v1/prometheus/targets").json() == expected, 30, "the target")
+    for name in ("with-port", "no-port"):
+        fake_service.client.post(f"/v1/runs/{name}/stop", headers=fake_service.auth)
+        fake_service.wait_state(name, ("stopped",))
+    assert fake_service.client.get("/v1/prometheus/targets").json() == []
