@@ -1,0 +1,36 @@
+"""Validation loss on the held-out split, distributed, outside the training clock.
+
+The evaluated set is the first `n_batches` global batches of a freshly built
+validation loader, so every evaluation sees the same sequences; each data-
+parallel rank takes its share, and the summed loss and the valid-target count
+are all-reduced in float64, so the result does not depend on the number of
+ranks beyond summation order.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+
+@torch.no_grad()
+def validation_loss(model, batches: Iterable, device: torch.device, dp_group=None, autocast=None) -> dict[str, float]:
+    """Mean next-token loss over `batches` (of all ranks in `dp_group`) -> {"val_loss", "val_tokens"}."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    try:
+        for b in batches:
+            ctx = autocast if autocast is not None else torch.autocast(device.type, enabled=False)
+            with ctx:
+                out = model(b.input_ids.to(device), b.labels.to(device), b.cu_seqlens.to(device))
+            totals[0] += out.loss_sum.double()
+            totals[1] += out.n_valid.double()
+    finally:
+        model.train(was_training)
+    if dp_group is not None:
+        dist.all_reduce(totals, group=dp_group)
+    loss_sum, n_valid = totals.tolist()
+    return {"val_loss": loss_sum / max(n_valid, 1.0), "val_tokens": n_valid}

@@ -1,0 +1,1 @@
+"""Tools over run directories: summaries, sweeps, scaling-law fits."""
