@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from titan_k3.optim.spec import ParamSpec, check_spec
 
@@ -236,12 +237,17 @@ def _row_sharded(p: torch.Tensor) -> bool:
     if not isinstance(p, DTensor):
         return False
     placements = [pl for pl in p.placements if not isinstance(pl, Replicate)]
-    return all(isinstance(pl, Shard) and pl.dim == 0 for pl in placements)
+    return all(_is_shard(pl) and pl.dim == 0 for pl in placements)
+
+
+def _is_shard(placement) -> bool:
+    # NOTE: FSDP2 + EP puts a _StridedShard on the FSDP dim; it subclasses Shard in some torch versions only.
+    return isinstance(placement, (Shard, _StridedShard))
 
 
 def _shard_dim(p: DTensor) -> int | None:
     """The one mesh dim that shards p (None when several do: only whole experts can then stay local)."""
-    dims = [i for i, pl in enumerate(p.placements) if isinstance(pl, Shard)]
+    dims = [i for i, pl in enumerate(p.placements) if _is_shard(pl)]
     return dims[0] if len(dims) == 1 else None
 
 

@@ -104,7 +104,18 @@ def apply_ac(model: nn.Module, mode: str) -> None:
     """
     for i, block in model.layers.items():
         if mode == "full" or int(i) % 2 == 1:
-            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+            block.forward = _checkpointed(block.forward)
+
+
+def _checkpointed(forward):
+    @functools.wraps(forward)
+    def run(*args):
+        # NOTE: the residual stream appends to its list of sources after the
+        # block returns; the recompute must see the list as it was, so pass a copy.
+        args = tuple(list(a) if isinstance(a, list) else a for a in args)
+        return checkpoint(forward, *args, use_reentrant=False)
+
+    return run
 
 
 def apply_compile(model: nn.Module, backend: str) -> None:

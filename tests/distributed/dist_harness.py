@@ -1,0 +1,104 @@
+"""Run the real Trainer in N local gloo processes (or one plain process) and collect per-step numbers.
+
+Every run sees the same global batch: GLOBAL_BATCH sequences per microbatch,
+split by the loader over the data-parallel ranks (local_batch_size =
+GLOBAL_BATCH / W). Recorded per step: loss, grad norm, the fingerprints of
+every sequence this rank trained on, the largest MLA logit that QK-Clip saw,
+and (distributed) whether the routing state is bit-identical on all ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+GLOBAL_BATCH = 4
+STEPS = 5
+BASE_ARGS = [
+    "--model.flavor", "debug", "--training.seq_len", "32", "--training.grad_accum", "2",
+    "--training.steps", str(STEPS), "--training.device", "cpu", "--training.compute_dtype", "float32",
+    "--kernels.kda", "torch", "--kernels.experts", "torch", "--kernels.loss", "torch", "--kernels.attention", "math",
+    "--lr_scheduler.warmup_steps", "1", "--optimizer.qk_clip_tau", "0.05", "--metrics.log_freq", "1000",
+]
+
+
+def run_trainer(argv: list[str], dump: str, name: str, steps: int = STEPS) -> dict:
+    """Build a Trainer from BASE_ARGS + argv and run `steps` updates; return what it saw."""
+    from titan_k3.config import load_job_config
+    from titan_k3.train import Trainer
+
+    cfg = load_job_config(BASE_ARGS + argv + ["--job.dump_folder", dump, "--job.name", name])
+    trainer = Trainer(cfg)
+    seen, max_logits = [], []
+    next_batch = trainer._next_batch
+
+    def recording_next_batch():
+        batch = next_batch()
+        seen.append(batch.fingerprints.tolist())
+        return batch
+
+    trainer._next_batch = recording_next_batch
+    for layer in trainer.model.mla_layers().values():
+        pop = layer.pop_max_logit
+
+        def recording_pop(pop=pop):
+            value = pop()
+            max_logits.append(float(value.max()))
+            return value
+
+        layer.pop_max_logit = recording_pop
+    out = {"loss": [], "grad_norm": [], "fingerprints": [], "routing_identical": [], "max_logit": max_logits}
+    try:
+        for _ in range(steps):
+            result = trainer.train_step()
+            out["loss"].append(result.loss)
+            out["grad_norm"].append(result.grad_norm)
+            out["fingerprints"].append(seen[-cfg.training.grad_accum:])
+            if trainer.dp_group is not None:
+                out["routing_identical"].append(_routing_identical(trainer))
+        out["qb_bias"] = torch.cat([r.qb_bias for r in trainer.model.moe_routers().values()]).clone()
+    finally:
+        trainer.close()
+    return out
+
+
+def _routing_identical(trainer) -> bool:
+    state = torch.cat([r.qb_bias for r in trainer.model.moe_routers().values()])
+    gathered = [torch.empty_like(state) for _ in range(dist.get_world_size(trainer.dp_group))]
+    dist.all_gather(gathered, state, group=trainer.dp_group)
+    return all(torch.equal(g, state) for g in gathered)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, runs: list, dump: str, result_file: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = {}
+        for name, argv, steps in runs:
+            local = ["--training.local_batch_size", str(GLOBAL_BATCH // world)]
+            results[name] = run_trainer(argv + local, dump, name, steps)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, results)
+        if rank == 0:
+            torch.save(gathered, result_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(world: int, runs: list[tuple[str, list[str], int]], tmp_path) -> list[dict]:
+    """Run each (name, argv, steps) in turn in `world` spawned processes; returns one result dict per rank."""
+    result_file = str(tmp_path / "results.pt")
+    mp.spawn(_worker, args=(world, _free_port(), runs, str(tmp_path), result_file), nprocs=world, join=True)
+    return torch.load(result_file, weights_only=False)
