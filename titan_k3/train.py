@@ -104,6 +104,8 @@ class Trainer:
         for router in model.moe_routers().values():
             router.update_enabled = cfg.model.qb_update
             router.dp_group = self.dp_group
+        if self.device.type == "cuda" and t.compute_dtype == "bfloat16":
+            model.loss_dtype = torch.bfloat16
         self.model = model.train()
 
         hints = model.optim_hints()

@@ -42,8 +42,8 @@ class Model:
 
 @dataclass
 class Kernels:
-    kda: Literal["auto", "triton", "torch"] = "auto"
-    """KDA implementation: triton kernel, torch chunked reference, or auto (triton on CUDA)."""
+    kda: Literal["auto", "triton", "fla", "torch"] = "auto"
+    """KDA implementation: our triton kernel, flash-linear-attention's chunk_kda, torch chunked reference, or auto (triton on CUDA)."""
     experts: Literal["auto", "triton", "grouped_mm", "torch"] = "auto"
     """Routed-expert implementation: triton grouped GEMM, torch._grouped_mm, torch loop, or auto."""
     loss: Literal["auto", "triton", "torch"] = "auto"

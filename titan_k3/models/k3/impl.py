@@ -82,15 +82,39 @@ def _pick(op: str, requested: str, on_cuda: bool, fast: tuple[str, str, str], re
     return fn, KernelChoice(op, requested, fast[2], False)
 
 
+def fla_chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                  A_log=None, dt_bias=None, gate_lower_bound=-5.0, use_qk_l2norm=False, beta_is_logit=False):
+    """flash-linear-attention's chunk_kda behind our chunk_kda signature (its in-kernel gate and L2 norm)."""
+    from fla.ops.kda import chunk_kda
+
+    if beta_is_logit:
+        beta = torch.sigmoid(beta.float()).to(q.dtype)
+    gate = {}
+    if A_log is not None:
+        gate = dict(A_log=A_log.float(), dt_bias=dt_bias.float().reshape(-1), use_gate_in_kernel=True,
+                    safe_gate=gate_lower_bound is not None, lower_bound=gate_lower_bound)
+    return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                     use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens, **gate)
+
+
 def resolve_impl(kernels_cfg, device: torch.device) -> Impl:
     """Turn the [kernels] config section into callables, recording each choice."""
     on_cuda = device.type == "cuda"
-    kda, c_kda = _pick("kda", kernels_cfg.kda, on_cuda, ("kernels.kda", "chunk_kda", "triton"), kda_reference.chunk_kda_reference)
+    if kernels_cfg.kda == "fla":
+        try:
+            import fla.ops.kda  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"config key 'kernels.kda' = 'fla': flash-linear-attention is not importable ({e})") from None
+        kda, c_kda = fla_chunk_kda, KernelChoice("kda", "fla", "fla", False)
+    else:
+        kda, c_kda = _pick("kda", kernels_cfg.kda, on_cuda, ("kernels.kda", "chunk_kda", "triton"), kda_reference.chunk_kda_reference)
     loss, c_loss = _pick("loss", kernels_cfg.loss, on_cuda, ("kernels.fused_ce", "linear_cross_entropy", "triton"), ce_reference.linear_cross_entropy)
     if kernels_cfg.experts == "grouped_mm":
-        experts, why = _triton_fn("kernels.grouped_gemm", "moe_experts_torch_grouped_mm")
-        c_exp = KernelChoice("experts", "grouped_mm", "grouped_mm", experts is None, why)
-        experts = experts or gg_reference.moe_experts
+        if not on_cuda:
+            raise ValueError("config key 'kernels.experts' = 'grouped_mm': torch._grouped_mm needs a CUDA device")
+        from kernels.grouped_gemm.torch_grouped_mm import moe_experts_torch_grouped_mm
+
+        experts, c_exp = moe_experts_torch_grouped_mm, KernelChoice("experts", "grouped_mm", "grouped_mm", False)
     else:
         experts, c_exp = _pick(
             "experts", kernels_cfg.experts, on_cuda, ("kernels.grouped_gemm", "moe_experts", "triton"), gg_reference.moe_experts

@@ -62,6 +62,8 @@ class K3Model(nn.Module):
         self.final_mix = PseudoQueryMix(args.dim, args.norm_eps)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.loss_dtype: torch.dtype | None = None
+        """Dtype of the head + loss inputs (bf16 training casts here: the fused loss is outside autocast)."""
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -96,7 +98,10 @@ class K3Model(nn.Module):
         h_BTD = self.hidden(input_ids_BT, cu_seqlens)
         if labels_BT is None:
             return self.output(h_BTD)
-        loss_sum, n_valid = self.impl.loss(h_BTD.flatten(0, 1), self.output.weight, labels_BT.flatten())
+        h_ND, w_VD = h_BTD.flatten(0, 1), self.output.weight
+        if self.loss_dtype is not None:
+            h_ND, w_VD = h_ND.to(self.loss_dtype), w_VD.to(self.loss_dtype)
+        loss_sum, n_valid = self.impl.loss(h_ND, w_VD, labels_BT.flatten())
         return LossOutput(loss_sum, n_valid)
 
     def moe_routers(self) -> dict[int, nn.Module]:
