@@ -1,0 +1,169 @@
+"""k3-mini training throughput on one GPU: our full recipe, ablations, and the eager peer in the same run.
+
+    PYTHONPATH=. python benchmarks/train_throughput.py --out OUTDIR [--variants ours,peer,...] [--seq 4096 --batch 8]
+
+Each variant trains k3-mini (vocab 163,840) on the embedded corpus's real
+tokens: warm-up steps, then timed steps (CUDA-synchronised wall time per
+step, median and mean). Reported: steady tokens/s, MFU against the datasheet
+peak (989 TFLOP/s) with the FLOP count of `flops_per_token`, peak memory,
+seconds from variant start to the end of its first step, ratio to the peer.
+Prints a table last and appends dated rows to OUTDIR/train_throughput.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from titan_k3.config import load_job_config  # noqa: E402
+from titan_k3.models.k3.args import flops_per_token, get_flavor  # noqa: E402
+
+VARIANTS = {
+    # name: CLI overrides on top of the k3-mini base (our full recipe: Muon, QB, clipping, QK-Clip)
+    "ours": [],
+    "ours-fla-kda": ["--kernels.kda", "fla"],
+    "ours-grouped_mm": ["--kernels.experts", "grouped_mm"],
+    "ours-torch-loss": ["--kernels.loss", "torch"],
+    "ours-adamw": ["--optimizer.name", "adamw"],
+    "ours-compile": ["--compile.enable", "true"],
+    "ours-ac-full": ["--activation_checkpoint.mode", "full"],
+}
+
+
+def base_args(seq: int, batch: int, out: Path, name: str) -> list[str]:
+    return ["--model.flavor", "k3-mini", "--model.vocab_size", "163840", "--training.seq_len", str(seq),
+            "--training.local_batch_size", str(batch), "--training.compute_dtype", "bfloat16",
+            "--training.steps", "1000", "--metrics.log_freq", "1000", "--invariants.enable", "false",
+            "--job.dump_folder", str(out / "runs"), "--job.name", name]
+
+
+def time_steps(step_fn, warmup: int, steps: int) -> tuple[float, list[float]]:
+    t0 = time.perf_counter()
+    step_fn()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    for _ in range(warmup - 1):
+        step_fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step_fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return first, times
+
+
+def run_variant(name: str, seq: int, batch: int, warmup: int, steps: int, out: Path, profile: bool) -> dict:
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    if name == "peer":
+        from benchmarks.peer_eager import PeerTrainer
+        from titan_k3.data.loader import build_dataloader
+        from titan_k3.data.tokenizer import load_tokenizer
+
+        peer = PeerTrainer()
+        loader = build_dataloader("embedded", load_tokenizer("embedded"), seq, batch, 0, 1, 0)
+        step_fn = lambda: peer.train_step(next(loader))  # noqa: E731
+        holder = peer
+    else:
+        from titan_k3.train import Trainer
+
+        trainer = Trainer(load_job_config(base_args(seq, batch, out, f"{name}-{seq}") + VARIANTS[name]))
+        step_fn = trainer.train_step
+        holder = trainer
+    build_s = time.perf_counter() - start
+    first, times = time_steps(step_fn, warmup, steps)
+    median = statistics.median(times)
+    tokens = seq * batch
+    tok_s = tokens / median
+    fpt = flops_per_token(get_flavor("k3-mini", 163840), seq)
+    result = {
+        "variant": name, "seq": seq, "batch": batch, "median_ms": 1e3 * median, "mean_ms": 1e3 * statistics.mean(times),
+        "tokens_per_s": tok_s, "mfu": tok_s * fpt / 989e12, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "start_to_first_step_s": build_s + first, "steps_timed": steps,
+    }
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as prof
+
+        with prof(activities=[ProfilerActivity.CUDA]) as p:
+            step_fn()
+            torch.cuda.synchronize()
+        table = p.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        (out / f"profile-{name}-{seq}.txt").write_text(table)
+        result["profile"] = f"profile-{name}-{seq}.txt"
+    if hasattr(holder, "close"):
+        holder.close()
+    del holder, step_fn
+    gc.collect()
+    return result
+
+
+def environment() -> dict:
+    import triton
+
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {"date": time.strftime("%Y-%m-%d"), "commit": commit or "unknown", "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": triton.__version__}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default="ours,peer")
+    p.add_argument("--seq", type=int, nargs="+", default=[4096])
+    p.add_argument("--batch", type=int, nargs="+", default=[8])
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--deadline-s", type=float, default=1e9, help="skip variants that start after this many seconds")
+    p.add_argument("--profile", default="ours", help="variants to profile (one step, torch.profiler)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    env, t0, rows = environment(), time.perf_counter(), []
+    for seq, batch in zip(args.seq, args.batch):
+        for name in args.variants.split(","):
+            if time.perf_counter() - t0 > args.deadline_s:
+                rows.append({"variant": name, "seq": seq, "batch": batch, "error": "skipped: deadline"})
+                continue
+            try:
+                rows.append(run_variant(name, seq, batch, args.warmup, args.steps, args.out, name in args.profile.split(",")))
+            except Exception as e:  # one failing variant must not lose the others' numbers
+                rows.append({"variant": name, "seq": seq, "batch": batch, "error": f"{type(e).__name__}: {e}"})
+                traceback.print_exc()
+            print(json.dumps(rows[-1]), flush=True)
+    peer = {(r["seq"]): r["tokens_per_s"] for r in rows if r["variant"] == "peer" and "tokens_per_s" in r}
+    lines = []
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | "
+                         f"{r['variant']} | B{r['batch']} T{r['seq']} | — | — | — | — | — | — | {r['error'][:120]} |")
+            continue
+        ratio = f"{r['tokens_per_s'] / peer[r['seq']]:.2f}x" if r["seq"] in peer else "no peer in run"
+        lines.append(f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | {r['variant']} | "
+                     f"B{r['batch']} T{r['seq']} | {r['median_ms']:.1f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
+                     f"{r['peak_gib']:.1f} | {r['start_to_first_step_s']:.1f} | {ratio} | |")
+    header = ("| date | commit | GPU | torch | triton | variant | shape | median ms/step | tokens/s | MFU (989) | "
+              "peak GiB | start→first step s | vs peer | note |\n|" + "---|" * 14)
+    table = header + "\n" + "\n".join(lines)
+    with open(args.out / "train_throughput.md", "a") as f:
+        f.write(table + "\n")
+    (args.out / "train_throughput.json").write_text(json.dumps({"env": env, "rows": rows}, indent=2))
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
