@@ -1,6 +1,6 @@
 """Schemathesis fuzzes the OpenAPI schema of a running service: no request may get a 5xx.
 
-Bounded: --max-time 25 s, at most one training at a time (fake trainer), the SSE stream
+Bounded: --max-time 20 s, at most one training at a time (fake trainer), the SSE stream
 excluded (it follows a live run by design; test_service_api covers it).
 """
 
@@ -24,7 +24,7 @@ ST = next((str(p) for p in (Path(sys.executable).parent / n for n in ("schemathe
 @pytest.mark.skipif(ST is None, reason="schemathesis is not installed (pip install -e '.[dev]')")
 def test_openapi_fuzz_finds_no_server_error(make_service, tmp_path):
     svc = make_service("fuzz", fake=True, gpus=1, max_running=1, step_seconds=0.01)
-    cmd = [ST, "run", f"{svc.url}/openapi.json", "--checks", "not_a_server_error", "--max-time", "25",
+    cmd = [ST, "run", f"{svc.url}/openapi.json", "--checks", "not_a_server_error", "--max-time", "20",
            "--seed", "7", "--workers", "1", "--phases", "examples,coverage,fuzzing", "--request-timeout", "10",
            "--exclude-path-regex", "/logs/stream$", "-H", f"Authorization: Bearer {TOKEN}",
            "--suppress-health-check", "all", "--report", "junit", "--report-dir", str(tmp_path / "report")]
