@@ -98,3 +98,24 @@ def test_token_from_file_env_or_generated(tmp_path, monkeypatch):
     token = s.ensure_token()
     assert len(token) >= 32 and (tmp_path / "b" / "token").stat().st_mode & 0o077 == 0
     assert parse_args(["--state-dir", str(tmp_path / "b"), "--gpus", "0"]).ensure_token() == token
+
+
+def test_every_string_config_key_is_classified_for_path_checks():
+    """A new string key may be a path a request could point outside the state dir: decide, then list it here."""
+    import dataclasses
+    import typing
+
+    from titan_k3.config import JobConfig
+
+    checked = {"checkpoint.folder", "checkpoint.initial_load_path", "eval.tasks", "data.dataset", "data.tokenizer"}
+    reserved = {"job.config_file", "job.dump_folder", "job.name"}  # set by the service, refused as overrides
+    not_paths = {"job.description", "model.name", "model.flavor", "data.mixture"}
+    strings = set()
+    for section in dataclasses.fields(JobConfig):
+        cls = typing.get_type_hints(JobConfig)[section.name]
+        for name, tp in typing.get_type_hints(cls).items():
+            if tp is str:
+                strings.add(f"{section.name}.{name}")
+    assert strings == checked | reserved | not_paths, (
+        f"unclassified: {sorted(strings - checked - reserved - not_paths)}; "
+        "paths must be checked in service/app.py Service._check_paths")
