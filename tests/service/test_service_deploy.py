@@ -145,6 +145,15 @@ def test_grafana_provisioning_points_at_the_dashboard():
     assert f"./grafana/dashboards:{provider['providers'][0]['options']['path']}" in mounts
     for port in (p for s in compose["services"].values() for p in s.get("ports", [])):
         assert port.startswith("127.0.0.1:"), f"compose publishes {port} beyond loopback"
+    for mount in (v for s in compose["services"].values() for v in s.get("volumes", [])):
+        if mount.startswith("./"):
+            assert (DEPLOY / mount.split(":")[0]).exists(), mount
+    build = compose["services"]["k3-service"]["build"]
+    assert (DEPLOY / build["context"] / build["dockerfile"]).resolve() == DEPLOY / "Dockerfile"
+    for line in (DEPLOY / "Dockerfile").read_text().splitlines():
+        if line.startswith("COPY "):
+            sources = line.split()[1:-1]
+            assert any((REPO / src.rstrip("*")).exists() for src in sources), line
 
 
 def test_kubernetes_and_slurm_launch_torchrun_with_c10d_and_valid_configs():
