@@ -140,8 +140,8 @@ class Float8:
     """Convert eligible linears to torchao FP8 training."""
     recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     """torchao Float8LinearConfig recipe."""
-    min_dim: int = 2048
-    """Only linears whose in and out features are both at least this size are converted (smaller ones measured slower)."""
+    min_dim: int = 8192
+    """Only linears whose in and out features are both at least this size are converted (up to 4096 measured slower on H200: benchmarks/results/fp8.md)."""
 
 
 @dataclass
@@ -194,6 +194,8 @@ class Eval:
     """Validation loss every this many updates (and at the end); 0 disables it."""
     steps: int = 4
     """Validation batches per evaluation."""
+    batch_size: int = 8
+    """Validation sequences per batch over all data-parallel ranks (a multiple of their number), so the value does not depend on it."""
     tasks: str = ""
     """Comma-separated multiple-choice task files (JSONL) scored at each evaluation."""
 
