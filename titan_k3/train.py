@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from titan_k3.checkpoint import build_checkpointer
 from titan_k3.config import ConfigError, JobConfig, help_text, load_job_config
+from titan_k3.eval.runner import Evaluator, format_metrics
 from titan_k3.metrics.clocks import TwoClocks
 from titan_k3.metrics.events import EventLog
 from titan_k3.invariants import InvariantRunner, InvariantViolationError
@@ -128,6 +129,8 @@ class Trainer:
         self.skipped_updates = 0
         self.skipped_in_row = 0
         self._fixed = None
+        self.evaluator = Evaluator(cfg, self.tokenizer, self.device, dp_rank=self.dp_rank, dp_world=self.dp_world,
+                                   dp_group=self.dp_group)
 
         # Everything above can still refuse the job; only now does the run directory appear.
         self.run_dir = run_dir_path(cfg)
@@ -173,12 +176,19 @@ class Trainer:
         print(f"optimizers: {self.optimizers.param_groups_summary()}")
         self.reporter.report_kernels(self.impl.choices)
 
-    def _log(self, result: StepResult, window: dict) -> None:
+    def _log(self, result: StepResult, window: dict, evals: dict | None = None) -> None:
         self.reporter.log(
             step=self.step, loss=result.loss, grad_norm=result.grad_norm, lr=self._last_lr, tokens_seen=self.tokens_seen,
             skipped_updates=self.skipped_updates, clocks=self.clocks, window=window, routers=self.model.moe_routers(),
-            source_tokens=getattr(self.loader, "source_tokens_total", None),
+            source_tokens=getattr(self.loader, "source_tokens_total", None), extra=evals,
         )
+
+    def _evaluate(self) -> dict:
+        """Validation loss and task scores (titan_k3/eval/runner.py), on every rank, outside the training clock."""
+        evals = self.evaluator.run(self.model)
+        if self.rank == 0:
+            print(f"eval step {self.step} | {format_metrics(evals)}", flush=True)
+        return evals
 
     # ------------------------------------------------------------------ the step
     def _next_batch(self):
@@ -265,8 +275,11 @@ class Trainer:
                            f"(limit training.max_skipped_in_row = {cfg.training.max_skipped_in_row}); stopping")
                 self.events.emit("stopped", message, step=self.step)
                 raise TrainingStopped(message)
-            if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
-                self._log(result, window)
+            last = self.step == cfg.training.steps
+            # An evaluation step is always a log step: its metrics go into that step's metrics.jsonl record.
+            evals = self._evaluate() if self.evaluator.due(self.step, last) else None
+            if evals is not None or self.step % cfg.metrics.log_freq == 0 or last:
+                self._log(result, window, evals)
                 window = {"tokens": 0, "training_seconds": 0.0, "data_wait": 0.0}
             if self.checkpointer.after_step(self.step, last=self.step == cfg.training.steps):
                 break  # a stop signal: the update is finished and saved

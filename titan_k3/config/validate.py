@@ -93,6 +93,7 @@ def validate(cfg: JobConfig) -> None:
     _positive("invariants.interval", cfg.invariants.interval)
     _non_negative("eval.interval", cfg.eval.interval)
     _positive("eval.steps", cfg.eval.steps)
+    _positive("eval.batch_size", cfg.eval.batch_size)
     _non_negative("data.prefetch", cfg.data.prefetch)
     if cfg.data.mixture:
         for part in cfg.data.mixture.split(","):

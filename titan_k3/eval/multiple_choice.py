@@ -2,9 +2,10 @@
 
 A task is a JSONL file, one example per line: {"context": str, "choices": [str],
 "gold": int}. Each choice is scored by the summed log-probability of its tokens
-given the context; `acc` takes the highest sum, `acc_norm` the highest sum per
-byte of the choice text (lm-eval's length normalisation). The same files feed
-the data pipeline's decontamination.
+given the context (context and choice tokenised separately, then joined);
+`acc` takes the highest sum, `acc_norm` the highest sum per character of the
+choice text (lm-eval's length normalisation). Ties go to the first choice. The
+same files feed the data pipeline's decontamination.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+
+IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
@@ -33,33 +36,70 @@ def load_task(path: str | Path) -> list[Example]:
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
+        where = f"task file {str(path)!r} line {n}"
         try:
             rec = json.loads(line)
-            ex = Example(str(rec["context"]), tuple(str(c) for c in rec["choices"]), int(rec["gold"]))
+            if not isinstance(rec, dict) or not isinstance(rec["choices"], list) or not isinstance(rec["gold"], int):
+                raise TypeError("not an object, or choices not a list, or gold not an integer")
+            ex = Example(str(rec["context"]), tuple(str(c) for c in rec["choices"]), rec["gold"])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"task file {str(path)!r} line {n}: expected {{context, choices, gold}} ({e})") from None
-        if not 0 <= ex.gold < len(ex.choices) or len(ex.choices) < 2:
-            raise ValueError(f"task file {str(path)!r} line {n}: gold {ex.gold} with {len(ex.choices)} choices")
+            raise ValueError(f"{where}: expected {{\"context\": str, \"choices\": [str, ...], \"gold\": int}} ({e})") from None
+        if len(ex.choices) < 2 or not 0 <= ex.gold < len(ex.choices):
+            raise ValueError(f"{where}: gold = {ex.gold} with {len(ex.choices)} choices (need >= 2 choices, 0 <= gold < choices)")
+        if not ex.context or not all(ex.choices):
+            raise ValueError(f"{where}: empty context or choice (a choice is scored given a non-empty context)")
         examples.append(ex)
     if not examples:
         raise ValueError(f"task file {str(path)!r}: no examples")
     return examples
 
 
-LogLikelihood = Callable[[Sequence[int], Sequence[int]], float]
+def task_name(path: str | Path) -> str:
+    """The name a task's metrics carry: its file name without `.jsonl`."""
+    return Path(path).name.removesuffix(".jsonl")
 
 
-@torch.no_grad()
-def model_loglikelihood(model, device: torch.device, max_len: int) -> LogLikelihood:
-    """log p(continuation | context) under `model` (left-truncated to `max_len` tokens)."""
+LogLikelihood = Callable[[Sequence[int], Sequence[Sequence[int]]], list[float]]
+"""(context tokens, [continuation tokens per choice]) -> log p(continuation | context) per choice."""
 
-    def score(context: Sequence[int], continuation: Sequence[int]) -> float:
-        ids = (list(context) + list(continuation))[-(max_len + 1):]
-        n_cont = min(len(continuation), len(ids) - 1)
-        x = torch.tensor(ids[:-1], device=device)[None]
-        logits = model(x)[0, -n_cont:].double()
-        targets = torch.tensor(ids[-n_cont:], device=device)
-        return float(torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).sum())
+
+def model_loglikelihood(model, device: torch.device, max_len: int, pad_to: int = 1, autocast=None) -> LogLikelihood:
+    """log p(continuation | context) under `model`, one forward per choice.
+
+    The row is context + continuation, left-truncated to `max_len` inputs and
+    right-padded to a multiple of `pad_to` (the KDA kernels want whole chunks;
+    the model is causal, so padding after the last target changes nothing).
+    Only the continuation's targets carry labels, so the model's own loss path
+    returns -log p(continuation) without materialising [T, V] logits.
+    Every rank of a sharded model must call it with the same inputs.
+    """
+    if max_len < 1 or pad_to < 1:
+        raise ValueError(f"max_len={max_len}, pad_to={pad_to}: both must be >= 1")
+
+    @torch.no_grad()
+    def score(context: Sequence[int], continuations: Sequence[Sequence[int]]) -> list[float]:
+        if not context or not all(continuations):
+            raise ValueError("model_loglikelihood: context and every continuation need at least one token")
+        was_training = model.training
+        model.eval()
+        try:
+            return [_one(list(context) + list(cont), len(cont)) for cont in continuations]
+        finally:
+            model.train(was_training)
+
+    def _one(ids: list[int], n_cont: int) -> float:
+        ids = ids[-(max_len + 1):]
+        T = len(ids) - 1
+        n_cont = min(n_cont, T)
+        T_pad = -(-T // pad_to) * pad_to
+        x = torch.zeros(1, T_pad, dtype=torch.long)
+        y = torch.full((1, T_pad), IGNORE_INDEX, dtype=torch.long)
+        x[0, :T] = torch.tensor(ids[:-1])
+        y[0, T - n_cont:T] = torch.tensor(ids[T - n_cont + 1:])
+        ctx = autocast if autocast is not None else torch.autocast(device.type, enabled=False)
+        with ctx:
+            out = model(x.to(device), y.to(device))
+        return -float(out.loss_sum.double())
 
     return score
 
@@ -68,10 +108,13 @@ def score_task(examples: Sequence[Example], encode: Callable[[str], list[int]], 
     """-> {"acc", "acc_norm", "n"} over the examples."""
     correct = correct_norm = 0
     for ex in examples:
-        ctx = encode(ex.context)
-        scores = [loglikelihood(ctx, encode(choice)) for choice in ex.choices]
-        per_byte = [s / max(1, len(c.encode())) for s, c in zip(scores, ex.choices)]
-        correct += int(max(range(len(scores)), key=scores.__getitem__) == ex.gold)
-        correct_norm += int(max(range(len(per_byte)), key=per_byte.__getitem__) == ex.gold)
+        scores = loglikelihood(encode(ex.context), [encode(choice) for choice in ex.choices])
+        per_char = [s / len(c) for s, c in zip(scores, ex.choices)]
+        correct += int(_argmax(scores) == ex.gold)
+        correct_norm += int(_argmax(per_char) == ex.gold)
     n = len(examples)
     return {"acc": correct / n, "acc_norm": correct_norm / n, "n": float(n)}
+
+
+def _argmax(values: Sequence[float]) -> int:
+    return max(range(len(values)), key=values.__getitem__)

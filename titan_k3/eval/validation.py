@@ -9,10 +9,36 @@ ranks beyond summation order.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
+
+
+def validation_batches(dataset: str, tokenizer, seq_len: int, global_batch: int, n_batches: int,
+                       dp_rank: int, dp_world: int, seed: int) -> Iterator:
+    """This rank's share of the first `n_batches` global batches of `global_batch` validation sequences.
+
+    The loader is built afresh on every call, so the same seed always yields the
+    same sequences; it gives global sequence i of a batch to one rank only, and
+    the ranks' shares together are exactly the single-rank batch. The mixture is
+    the validation split's natural token proportions.
+    """
+    if global_batch % dp_world:
+        raise ValueError(f"eval batch of {global_batch} sequences: must be a multiple of the {dp_world} data-parallel ranks")
+    from titan_k3.data.loader import build_dataloader
+
+    loader = build_dataloader(dataset, tokenizer, seq_len, global_batch // dp_world, dp_rank, dp_world, seed,
+                              split="validation", prefetch=0)
+    return _take(loader, n_batches)
+
+
+def _take(loader, n: int) -> Iterator:
+    try:
+        for _ in range(n):
+            yield next(loader)
+    finally:
+        loader.close()
 
 
 @torch.no_grad()

@@ -129,8 +129,10 @@ class MetricsReporter:
                 )
 
     def log(self, *, step: int, loss: float, grad_norm: float, lr: float, tokens_seen: int, skipped_updates: int,
-            clocks: TwoClocks, window: dict, routers: dict, source_tokens: dict[str, int] | None = None) -> dict:
-        """window: {tokens, training_seconds, data_wait} since the last log step. Returns the record."""
+            clocks: TwoClocks, window: dict, routers: dict, source_tokens: dict[str, int] | None = None,
+            extra: dict[str, float] | None = None) -> dict:
+        """window: {tokens, training_seconds, data_wait} since the last log step; extra: more keys for the
+        record (the evaluation's val_loss, eval/<task>/acc...). Returns the record."""
         win_seconds = max(window["training_seconds"], 1e-9)
         record = {
             "step": step,
@@ -165,6 +167,7 @@ class MetricsReporter:
             for name, value in zip(names, totals.tolist()):
                 record[f"tokens_per_source/{name}"] = int(value)
         self._moe(routers, record, step)
+        record.update(extra or {})
         if self.rank == 0:
             self._write(record)
         return record

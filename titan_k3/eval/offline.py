@@ -1,0 +1,147 @@
+"""Evaluate saved checkpoints: `python -m titan_k3.eval`.
+
+    python -m titan_k3.eval --checkpoint RUN_DIR/checkpoints/step-N [--tasks a.jsonl,b.jsonl] [--val-steps K] [--json]
+    python -m titan_k3.eval --runs RUN_DIR [--tasks ...] [--val-steps K] [--json]
+
+The model is rebuilt from the run's resolved `config.toml` (the run directory
+is the checkpoint folder's parent) and only its weights are loaded. Defaults
+come from the run's [eval] section, so `--checkpoint` on the step the trainer
+evaluated reproduces the val_loss it logged (same seed, same sequences, one
+process). `--runs` evaluates every complete checkpoint of the run, oldest
+first, and writes RUN_DIR/eval_table.md: the benchmarks across tokens.
+Prints a table (or JSON with `--json`). Exit status 2 with one line on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from titan_k3.checkpoint import layout, load_model_weights
+from titan_k3.config import JobConfig, load_job_config
+from titan_k3.eval.runner import Evaluator, task_names
+
+TABLE_NAME = "eval_table.md"
+
+
+def run_dir_of(checkpoint: Path) -> Path:
+    """RUN_DIR for RUN_DIR/<checkpoint.folder>/step-N."""
+    return checkpoint.resolve().parent.parent
+
+
+def load_run_config(run_dir: Path) -> JobConfig:
+    path = run_dir / "config.toml"
+    if not path.is_file():
+        raise ValueError(f"run directory {str(run_dir)!r}: no config.toml (is it a titan_k3 run directory?)")
+    return load_job_config([], toml_text=path.read_text())
+
+
+def build_model(cfg: JobConfig, device: torch.device):
+    """(model, tokenizer, kernel fallbacks) as the trainer builds them, on one device, weights not loaded."""
+    from titan_k3.data.tokenizer import load_tokenizer
+    from titan_k3.models.k3.args import get_flavor
+    from titan_k3.models.k3.impl import resolve_impl
+    from titan_k3.models.k3.model import K3Model
+
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    # NOTE: the trainer's rule for the vocabulary (titan_k3/train.py): the tokenizer's, rounded up to 64.
+    vocab = cfg.model.vocab_size or -(-tokenizer.vocab_size // 64) * 64
+    impl = resolve_impl(cfg.kernels, device)
+    with torch.device(device):
+        model = K3Model(get_flavor(cfg.model.flavor, vocab), impl, cfg.model.qb_eta)
+    return model.eval(), tokenizer, impl.fallbacks
+
+
+def _checkpoint_tokens(step_dir: Path) -> int | None:
+    try:
+        return int(json.loads((step_dir / "meta.json").read_text())["train"]["tokens_seen"])
+    except (FileNotFoundError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _step_of(step_dir: Path) -> int:
+    name = step_dir.name
+    if not layout.is_complete(step_dir):
+        raise ValueError(f"checkpoint {str(step_dir)!r}: not a complete step-N checkpoint directory")
+    return int(name.split("-", 1)[1])
+
+
+def evaluate_checkpoints(step_dirs: list[Path], cfg: JobConfig, device: torch.device, *, tasks: str | None,
+                         val_steps: int | None, note=print) -> list[dict]:
+    """One row per checkpoint: {"step", "tokens", "checkpoint", **metrics}."""
+    model, tokenizer, fallbacks = build_model(cfg, device)
+    for choice in fallbacks:
+        note(f"note: kernel {choice.op}: {choice.chosen} (fallback from '{choice.requested}': {choice.reason})")
+    evaluator = Evaluator(cfg, tokenizer, device, val_steps=val_steps, tasks=tasks)
+    rows = []
+    for step_dir in step_dirs:
+        step = _step_of(step_dir)
+        load_model_weights(model, step_dir)
+        rows.append({"step": step, "tokens": _checkpoint_tokens(step_dir), "checkpoint": str(step_dir),
+                     **evaluator.run(model)})
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Steps down, metrics across: val_loss, then acc / acc_norm per task."""
+    tasks = sorted({t for r in rows for t in task_names(r)})
+    head = ["step", "tokens"] + (["val_loss"] if any("val_loss" in r for r in rows) else [])
+    head += [f"{t} {m}" for t in tasks for m in ("acc", "acc_norm")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [str(r["step"]), "?" if r["tokens"] is None else f"{r['tokens']:,}"]
+        if "val_loss" in head:
+            cells.append(f"{r['val_loss']:.4f}" if "val_loss" in r else "")
+        cells += [f"{r[f'eval/{t}/{m}']:.3f}" if f"eval/{t}/{m}" in r else "" for t in tasks for m in ("acc", "acc_norm")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ValueError(f"--device={spec!r}: expected 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device={spec!r}: no CUDA device is visible")
+    return device
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m titan_k3.eval", description=__doc__.splitlines()[0])
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--checkpoint", type=Path, help="a step dir: RUN_DIR/checkpoints/step-N")
+    where.add_argument("--runs", type=Path, metavar="RUN_DIR", help="every checkpoint of this run; writes RUN_DIR/eval_table.md")
+    parser.add_argument("--tasks", default=None, help="comma-separated task files (JSONL); default: the run's eval.tasks")
+    parser.add_argument("--val-steps", type=int, default=None, help="validation batches (0: none); default: the run's eval.steps")
+    parser.add_argument("--device", default="auto", help="'auto' (CUDA when visible), 'cpu', 'cuda' or 'cuda:N'")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    args = parser.parse_args(argv)
+    try:
+        device = _device(args.device)
+        if args.checkpoint is not None:
+            run_dir = run_dir_of(args.checkpoint)
+            step_dirs = [args.checkpoint]
+        else:
+            run_dir = args.runs
+            cfg = load_run_config(run_dir)
+            step_dirs = list(layout.complete_steps(run_dir / cfg.checkpoint.folder).values())
+            if not step_dirs:
+                raise ValueError(f"run directory {str(run_dir)!r}: no complete checkpoint under {cfg.checkpoint.folder}/")
+        cfg = load_run_config(run_dir)
+        rows = evaluate_checkpoints(step_dirs, cfg, device, tasks=args.tasks, val_steps=args.val_steps,
+                                    note=lambda line: print(line, file=sys.stderr))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    table = markdown_table(rows)
+    if args.runs is not None:
+        (run_dir / TABLE_NAME).write_text(f"# Benchmarks across tokens: run `{run_dir.name}`\n\n{table}")
+    print(json.dumps(rows, indent=2) if args.json else table, end="" if not args.json else "\n")
+    return 0
