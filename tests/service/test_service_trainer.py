@@ -59,6 +59,8 @@ def test_create_running_metrics_stop(make_service):
 
 def test_crash_is_restarted_and_resumes_from_the_checkpoint(make_service):
     svc = make_service(fake=False)
+    # NOTE: the trainer saves step-4 (interval 2) before the crash knob fires after update 4, so the
+    # relaunch resumes past the crash step instead of crashing again.
     overrides = {**DEBUG_OVERRIDES, "metrics.log_freq": 1, "checkpoint.enable": True, "checkpoint.interval": 2,
                  "debug.crash_at_step": 4}
     assert svc.create(name="crash", toml="", overrides=overrides, restart_limit=1).status_code == 201
