@@ -34,6 +34,7 @@ import json
 import os
 import random
 import signal
+import threading
 import time
 import warnings
 from concurrent.futures import Future
@@ -83,8 +84,6 @@ class StopRequest:
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
-        import threading
-
         if threading.current_thread() is threading.main_thread():
             for s in signals:
                 self._previous[s] = signal.signal(s, self._handle)
@@ -126,8 +125,10 @@ class CheckpointManager:
         self.events = events
         self.rank, self.world_size, self.dp_rank, self.dp_world = rank, world_size, dp_rank, dp_world
         self.distributed = dist.is_available() and dist.is_initialized()
-        # NOTE: async writes run collectives from a background thread; a group of their own
-        # (gloo, CPU) keeps them from interleaving with the training collectives.
+        # NOTE: an async save runs DCP's collectives in a background thread, so DCP gets a gloo
+        # group of its own, and the main thread's small agreements (stop flag, save done, tmp dir
+        # name) another: two threads must never interleave collectives on one group.
+        self.dcp_group = dist.new_group(backend="gloo") if self.distributed else None
         self.group = dist.new_group(backend="gloo") if self.distributed else None
         self.stop = StopRequest()
         self._pending: _Pending | None = None
@@ -135,11 +136,9 @@ class CheckpointManager:
         self._kill_in_save_at_step = kill_in_save_at_step
 
     # ------------------------------------------------------------------ state dicts
-    def _model_state(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
-
     def _dcp_state(self) -> dict[str, Any]:
-        return {"model": self._model_state(), "optim": self.optimizers.state_dict()}
+        """The sharded part; tensors are the live ones, so dcp.load fills them in place."""
+        return {"model": get_model_state_dict(self.model), "optim": self.optimizers.state_dict()}
 
     def _train_state(self) -> dict[str, int]:
         return {k: int(getattr(self.train_state, k)) for k in TRAIN_STATE_KEYS}
@@ -163,14 +162,13 @@ class CheckpointManager:
         """
         if self._pending is not None and self._pending.future is not None and self._all_done():
             self._finalize()
-        stop = self._stop_agreed()
-        if self.enabled and (stop or last or step % self.cfg.interval == 0):
+        signum = self._stop_agreed()
+        if self.enabled and (signum or last or step % self.cfg.interval == 0):
             self.save(step)
-        if stop:
-            name = signal.Signals(self.stop.signum).name if self.stop.signum else "a stop signal"
-            self.events.emit("stopped", f"{name} received: stopping after update {step}"
+        if signum:
+            self.events.emit("stopped", f"{signal.Signals(signum).name} received: stopping after update {step}"
                              + (" with a checkpoint" if self.enabled else " (checkpoints disabled)"), step=step)
-        return stop
+        return bool(signum)
 
     def save(self, step: int) -> None:
         """Save the state after update `step` (blocking, or async per cfg.async_mode)."""
@@ -187,7 +185,7 @@ class CheckpointManager:
                     "dp_world": self.dp_world, "saved_unix": time.time(), **self.meta}
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
         state = self._dcp_state()
-        kw = dict(checkpoint_id=str(tmp), process_group=self.group, no_dist=not self.distributed)
+        kw = dict(checkpoint_id=str(tmp), process_group=self.dcp_group, no_dist=not self.distributed)
         if self.cfg.async_mode == "async":
             future = dcp.async_save(state, **kw)
             # NOTE: newer torch returns an AsyncSaveResponse (staging + upload futures) for some stagers.
@@ -245,12 +243,12 @@ class CheckpointManager:
             dist.broadcast_object_list(names, src=0, group=self.group)
         return self.folder / names[0]
 
-    def _stop_agreed(self) -> bool:
-        """A stop signal on any rank stops every rank after the same update."""
-        flag = torch.tensor([int(self.stop.requested)])
+    def _stop_agreed(self) -> int:
+        """The stop signal's number (0: none); one on any rank stops every rank after the same update."""
+        signum = torch.tensor([self.stop.signum or 0])
         if self.distributed:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+            dist.all_reduce(signum, op=dist.ReduceOp.MAX, group=self.group)
+        return int(signum.item())
 
     def close(self) -> None:
         """Wait for and commit a pending save; restore the signal handlers."""
@@ -286,7 +284,7 @@ class CheckpointManager:
         meta = json.loads((path / META_FILE).read_text())
         state = self._dcp_state()
         check_compatible(path, state)
-        dcp.load(state, checkpoint_id=str(path), process_group=self.group, no_dist=not self.distributed)
+        dcp.load(state, checkpoint_id=str(path), process_group=self.dcp_group, no_dist=not self.distributed)
         set_model_state_dict(self.model, state["model"])
         self.optimizers.load_state_dict(state["optim"])
         self.schedule.load_state_dict(meta["schedule"])
@@ -326,7 +324,7 @@ class CheckpointManager:
         src = self.cfg.initial_load_path
         if not src:
             return None
-        load_model_weights(self.model, Path(src), process_group=self.group)
+        load_model_weights(self.model, Path(src), process_group=self.dcp_group)
         self.events.emit("initial_load", f"model weights initialised from {src} (optimizer and data start fresh)",
                          step=0, path=src)
         return None
