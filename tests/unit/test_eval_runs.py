@@ -1,0 +1,80 @@
+"""Evaluation in the trainer (metrics.jsonl) and offline on its checkpoints (python -m titan_k3.eval) agree."""
+
+import json
+
+import pytest
+import torch
+
+from titan_k3.config import ConfigError, load_job_config
+from titan_k3.eval.offline import main as eval_main
+from titan_k3.eval.runner import Evaluator
+from titan_k3.train import main as train_main
+
+FAST = ["--model.flavor", "debug", "--training.seq_len", "64", "--training.device", "cpu", "--metrics.log_freq", "5",
+        "--eval.steps", "1", "--eval.batch_size", "2"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A 2-update run evaluated at both updates and checkpointed at both."""
+    dump = tmp_path_factory.mktemp("runs")
+    task = dump / "toy.jsonl"
+    task.write_text("\n".join(json.dumps(r) for r in [
+        {"context": "The cat sat on the", "choices": [" mat", " mountains of the moon"], "gold": 0},
+        {"context": "One, two,", "choices": [" three", " green"], "gold": 1},
+    ]) + "\n")
+    assert train_main([*FAST, "--job.dump_folder", str(dump), "--job.name", "ev", "--training.steps", "2",
+                       "--lr_scheduler.warmup_steps", "1", "--eval.interval", "1", "--eval.tasks", str(task),
+                       "--checkpoint.enable", "true", "--checkpoint.interval", "1"]) == 0
+    return dump / "ev", task
+
+
+def test_trainer_writes_eval_metrics_into_the_step_records(run):
+    run_dir, _ = run
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # log_freq is 5, so both records exist because they are evaluation steps.
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["val_tokens"] > 0 and 0 < r["val_loss"] < 20
+        assert {r["eval/toy/acc"], r["eval/toy/acc_norm"]} <= {0.0, 0.5, 1.0}
+        assert "loss" in r and "tokens_seen" in r
+
+
+def test_offline_eval_reproduces_the_logged_values(run, capsys):
+    run_dir, task = run
+    records = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    assert eval_main(["--runs", str(run_dir), "--json", "--device", "cpu"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["tokens"] for r in rows] == [64, 128]
+    for row in rows:
+        logged = records[row["step"]]
+        assert row["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-6)
+        assert row["eval/toy/acc"] == logged["eval/toy/acc"]
+    table = (run_dir / "eval_table.md").read_text()
+    assert "| step | tokens | val_loss | toy acc | toy acc_norm |" in table
+    assert f"| 2 | 128 | {records[2]['val_loss']:.4f} |" in table
+
+    assert eval_main(["--checkpoint", str(run_dir / "checkpoints" / "step-1"), "--tasks", str(task),
+                      "--val-steps", "0", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "| step | tokens | toy acc | toy acc_norm |" in out and "val_loss" not in out
+
+
+def test_offline_eval_bad_input_is_one_line_and_exit_2(run, tmp_path, capsys):
+    run_dir, _ = run
+    assert eval_main(["--checkpoint", str(run_dir / "checkpoints" / "step-9"), "--device", "cpu"]) == 2
+    assert eval_main(["--runs", str(tmp_path), "--device", "cpu"]) == 2
+    assert eval_main(["--checkpoint", str(run_dir / "checkpoints" / "step-1"), "--tasks", str(tmp_path / "no.jsonl"),
+                      "--device", "cpu"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 3
+    assert "step-9': not a complete step-N checkpoint" in errors[0]
+    assert "no config.toml" in errors[1]
+    assert "no.jsonl': no such file" in errors[2]
+
+
+def test_eval_batch_must_split_evenly_over_ranks():
+    cfg = load_job_config(["--eval.batch_size", "8"])
+    with pytest.raises(ConfigError, match="'eval.batch_size' = 8: must be a multiple of the 3 data-parallel ranks"):
+        Evaluator(cfg, tokenizer=None, device=torch.device("cpu"), dp_rank=0, dp_world=3)
