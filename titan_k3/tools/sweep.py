@@ -1,0 +1,497 @@
+"""Controlled sweeps: a family of runs that differ in exactly one declared knob, run, then compared.
+
+    # generate (and check) a family from a base recipe; --run runs it here, --service submits it
+    python -m titan_k3.tools.sweep --base tomls/pilot.toml --knob optimizer.lr --values 1e-3,3e-3,1e-2 --out sweeps/lr
+    # check a hand-made family (exit 2 naming the keys when it differs in anything else), and run it
+    python -m titan_k3.tools.sweep --configs a.toml b.toml c.toml [--knob optimizer.lr] --run --dump-folder runs
+    python -m titan_k3.tools.sweep --configs ... --service http://host:8080 --token T [--gpus 1]
+    # compare finished runs at equal token budgets -> Markdown report
+    python -m titan_k3.tools.sweep --compare runs/a runs/b runs/c --report sweep.md
+
+Knobs: optimizer.lr, training.local_batch_size, training.seq_len, lr_scheduler.warmup_steps.
+A batch or sequence-length knob changes the tokens per update, so generation
+sets training.steps to keep the token budget (steps x batch x seq_len x
+grad_accum) equal, and refuses a value for which no whole number of steps
+does; the check accepts training.steps differing only under such a knob and
+only with equal budgets. job.name, job.dump_folder, job.description and
+job.config_file may differ freely. Configs are compared resolved (defaults
+filled in), so writing a default explicitly is not a difference.
+
+The comparison reads only run directories (metrics.jsonl, events.jsonl,
+config.toml): the token budget is the largest count every run reached; each
+run's loss there is interpolated between its logged records, and also
+averaged over its logged records in the last window (`--window`, a fraction
+of the budget) before it; grad-norm spikes are logged norms above 3x the
+median of the norms logged before them; skipped updates and non-finite
+events are counted up to the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomli
+import tomli_w
+
+from titan_k3.config import JobConfig, config_to_dict, load_job_config
+
+KNOBS = ("optimizer.lr", "training.local_batch_size", "training.seq_len", "lr_scheduler.warmup_steps")
+TOKEN_KNOBS = ("training.local_batch_size", "training.seq_len")
+FREE_KEYS = frozenset({"job.name", "job.dump_folder", "job.description", "job.config_file"})
+SPIKE_FACTOR = 3.0
+SPIKE_MIN_HISTORY = 3
+EXIT_REFUSED = 2
+
+
+class SweepError(ValueError):
+    """A family or a run set the sweep refuses; one line naming what differs."""
+
+
+# ---------------------------------------------------------------------- configs
+def flat_config(cfg: JobConfig) -> dict[str, object]:
+    """{'section.key': value} of a resolved config."""
+    return {f"{s}.{k}": v for s, fields in config_to_dict(cfg).items() for k, v in fields.items()}
+
+
+def tokens_per_update(cfg: JobConfig) -> int:
+    t = cfg.training
+    return t.local_batch_size * t.seq_len * t.grad_accum
+
+
+def token_budget(cfg: JobConfig) -> int:
+    return cfg.training.steps * tokens_per_update(cfg)
+
+
+@dataclass
+class Member:
+    """One config of a family: where it came from, its TOML text and its resolved config."""
+
+    origin: str
+    text: str
+    cfg: JobConfig
+    name: str = ""
+
+    def __post_init__(self):
+        self.name = self.name or self.cfg.job.name or Path(self.origin).stem
+
+
+def load_member(path: Path) -> Member:
+    if not path.is_file():
+        raise SweepError(f"config {str(path)!r}: no such file")
+    text = path.read_text()
+    try:
+        return Member(str(path), text, load_job_config([], toml_text=text))
+    except ValueError as e:
+        raise SweepError(f"config {str(path)!r}: {e}") from None
+
+
+def check_family(members: list[Member], knob: str | None = None) -> str:
+    """The one knob the family varies (declared or inferred); raises SweepError otherwise.
+
+    Allowed differences: the knob; training.steps too under a batch/seq_len knob
+    when every member's token budget is equal; the FREE_KEYS.
+    """
+    if len(members) < 2:
+        raise SweepError(f"a sweep needs at least 2 configs, got {len(members)}")
+    if knob is not None and knob not in KNOBS:
+        raise SweepError(f"--knob {knob!r}: expected one of {', '.join(KNOBS)}")
+    flats = [flat_config(m.cfg) for m in members]
+    differing = sorted(k for k in flats[0] if k not in FREE_KEYS and len({repr(f[k]) for f in flats}) > 1)
+    if knob is None:
+        candidates = [k for k in differing if k in KNOBS]
+        if len(candidates) != 1:
+            listed = " and ".join(differing) if differing else "nothing"
+            raise SweepError(f"configs differ in {listed}: cannot infer the one knob (declare it with --knob; "
+                             f"one of {', '.join(KNOBS)})")
+        knob = candidates[0]
+    allowed = {knob} | ({"training.steps"} if knob in TOKEN_KNOBS else set())
+    extra = [k for k in differing if k not in allowed]
+    if extra:
+        a, b = _first_pair_differing(members, flats, extra[0])
+        keys = " and ".join([knob, *extra] if knob in differing else extra)
+        raise SweepError(f"configs differ in {keys} ({extra[0]}: {a.origin} {_value(a, extra[0])!r} vs "
+                         f"{b.origin} {_value(b, extra[0])!r}); a sweep varies only the declared knob {knob}")
+    if knob not in differing:
+        raise SweepError(f"configs do not differ in the declared knob {knob}")
+    values = [repr(f[knob]) for f in flats]
+    if len(set(values)) < len(values):
+        raise SweepError(f"two configs have the same {knob}: {', '.join(values)}")
+    names = [m.name for m in members]
+    if len(set(names)) < len(names):
+        raise SweepError(f"two configs share the run name {sorted(n for n in names if names.count(n) > 1)[0]!r} "
+                         "(the second run would resume the first); give each its own job.name")
+    budgets = {m.origin: token_budget(m.cfg) for m in members}
+    if knob in TOKEN_KNOBS and len(set(budgets.values())) > 1:
+        listed = ", ".join(f"{o} {b:,}" for o, b in budgets.items())
+        raise SweepError(f"token budgets (training.steps x local_batch_size x seq_len x grad_accum) differ: {listed}")
+    return knob
+
+
+def _first_pair_differing(members, flats, key):
+    for m, f in zip(members[1:], flats[1:]):
+        if repr(f[key]) != repr(flats[0][key]):
+            return members[0], m
+    return members[0], members[1]
+
+
+def _value(member: Member, key: str):
+    return flat_config(member.cfg)[key]
+
+
+def _name_part(value: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", value)
+
+
+def generate(base: Path, knob: str, values: list[str]) -> list[Member]:
+    """The family: the base TOML with `knob` set to each value (and training.steps for equal tokens)."""
+    if knob not in KNOBS:
+        raise SweepError(f"--knob {knob!r}: expected one of {', '.join(KNOBS)}")
+    if len(values) < 2:
+        raise SweepError(f"--values {','.join(values)!r}: a sweep needs at least 2 values")
+    base_member = load_member(base)
+    budget, stem = token_budget(base_member.cfg), base.stem
+    section, key = knob.split(".")
+    members = []
+    for raw in values:
+        try:
+            cfg = load_job_config([f"--{knob}", raw], toml_text=base_member.text)
+        except ValueError as e:
+            raise SweepError(f"--values: {e}") from None
+        value = getattr(getattr(cfg, section), key)
+        data = tomli.loads(base_member.text)
+        data.setdefault(section, {})[key] = value
+        note = ""
+        if knob in TOKEN_KNOBS:
+            per_update = tokens_per_update(cfg)
+            if budget % per_update:
+                raise SweepError(f"--values {raw}: {knob} = {value} gives {per_update:,} tokens per update, which does "
+                                 f"not divide the base token budget of {budget:,}; pick values that do")
+            data.setdefault("training", {})["steps"] = budget // per_update
+            note = f"; training.steps = {budget // per_update} keeps the token budget at {budget:,}"
+        name = f"{stem}-{key}-{_name_part(raw)}"
+        data.setdefault("job", {}).update(name=name, description=f"sweep {stem}: {knob} = {value}{note}")
+        data["job"].pop("config_file", None)
+        text = tomli_w.dumps(data)
+        try:
+            members.append(Member(f"{name}.toml", text, load_job_config([], toml_text=text)))
+        except ValueError as e:
+            raise SweepError(f"{knob} = {raw}: {e}") from None
+    check_family(members, knob)
+    return members
+
+
+# ---------------------------------------------------------------------- running
+def run_local(members: list[Member], paths: list[Path], dump_folder: str) -> list[tuple[Path, int]]:
+    """Each config in turn as `python -m titan_k3.train`; (run dir, exit status) per config."""
+    out = []
+    for m, path in zip(members, paths):
+        print(f"sweep: running {m.name} ({path})", flush=True)
+        cmd = [sys.executable, "-m", "titan_k3.train", "--job.config_file", str(path),
+               "--job.dump_folder", dump_folder, "--job.name", m.name]
+        rc = subprocess.run(cmd).returncode
+        print(f"sweep: {m.name} exited with status {rc}", flush=True)
+        out.append((Path(dump_folder) / m.name, rc))
+    return out
+
+
+def submit(members: list[Member], url: str, token: str, gpus: int, nproc_per_node: int) -> list[dict]:
+    """POST /v1/runs with each config's TOML inline; returns the service's run records."""
+    import httpx
+
+    created = []
+    for m in members:
+        body = {"toml": m.text, "name": m.name, "gpus": gpus, "nproc_per_node": nproc_per_node}
+        try:
+            resp = httpx.post(f"{url.rstrip('/')}/v1/runs", json=body, headers={"Authorization": f"Bearer {token}"},
+                              timeout=30)
+        except httpx.HTTPError as e:
+            raise SweepError(f"--service {url}: {e}") from None
+        if resp.status_code != 201:
+            detail = resp.json().get("detail", resp.text) if resp.headers.get("content-type", "").startswith(
+                "application/json") else resp.text
+            raise SweepError(f"--service {url}: run {m.name!r} refused ({resp.status_code}): {detail}")
+        created.append(resp.json())
+        print(f"sweep: submitted {m.name} -> run {created[-1].get('id')} ({created[-1].get('state')})", flush=True)
+    return created
+
+
+# ---------------------------------------------------------------------- comparing
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise SweepError(f"{path}:{n}: not a JSON object ({e.msg})") from None
+    return out
+
+
+@dataclass
+class RunView:
+    path: Path
+    records: list[dict]
+    events: list[dict]
+    cfg: JobConfig | None
+    flat: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def max_tokens(self) -> int:
+        return self.records[-1]["tokens_seen"]
+
+
+def load_run(path: Path) -> RunView:
+    records = [r for r in _read_jsonl(path / "metrics.jsonl") if "loss" in r and "tokens_seen" in r]
+    if not records:
+        raise SweepError(f"run {str(path)!r}: no metrics.jsonl records (is it a finished titan_k3 run directory?)")
+    cfg = None
+    if (path / "config.toml").is_file():
+        try:
+            cfg = load_job_config([], toml_text=(path / "config.toml").read_text())
+        except ValueError as e:
+            raise SweepError(f"run {str(path)!r}: config.toml: {e}") from None
+    return RunView(path, records, _read_jsonl(path / "events.jsonl"), cfg, flat_config(cfg) if cfg else {})
+
+
+def interpolate(records: list[dict], key: str, tokens: float) -> float:
+    """`key` at `tokens`, linear between the logged records around it (records sorted by tokens)."""
+    pts = [(r["tokens_seen"], r[key]) for r in records if key in r]
+    if not pts or tokens < pts[0][0] or tokens > pts[-1][0]:
+        return math.nan
+    for (t0, v0), (t1, v1) in zip(pts, pts[1:]):
+        if t0 <= tokens <= t1:
+            return v0 if t1 == t0 else v0 + (v1 - v0) * (tokens - t0) / (t1 - t0)
+    return pts[-1][1]
+
+
+def spikes(records: list[dict]) -> list[int]:
+    """Steps whose logged grad norm exceeds SPIKE_FACTOR x the median of those logged before it."""
+    out, history = [], []
+    for r in records:
+        g = r.get("grad_norm")
+        if g is None or not math.isfinite(g):
+            continue
+        if len(history) >= SPIKE_MIN_HISTORY and g > SPIKE_FACTOR * statistics.median(history):
+            out.append(r["step"])
+        history.append(g)
+    return out
+
+
+@dataclass
+class Row:
+    run: str
+    knob_value: object
+    steps_at_budget: float
+    loss_at_budget: float
+    window_mean: float
+    window_std: float
+    window_records: int
+    val_loss: float
+    spikes: list[int]
+    skipped: int
+    nonfinite: int
+    events: dict[str, int]
+
+
+def compare_runs(runs: list[RunView], window: float = 0.1) -> tuple[int, str | None, list[str], list[Row]]:
+    """(token budget, knob or None, keys that differ, one Row per run)."""
+    if len(runs) < 2:
+        raise SweepError(f"--compare needs at least 2 run directories, got {len(runs)}")
+    if not 0 < window <= 1:
+        raise SweepError(f"--window={window}: must be in (0, 1]")
+    budget = min(r.max_tokens for r in runs)
+    flats = [r.flat for r in runs if r.flat]
+    differing = sorted(k for k in (flats[0] if flats else {}) if k not in FREE_KEYS
+                       and len({repr(f.get(k)) for f in flats}) > 1) if len(flats) == len(runs) else []
+    knobs = [k for k in differing if k in KNOBS]
+    knob = knobs[0] if len(knobs) == 1 else None
+    rows = []
+    for run in runs:
+        upto = [r for r in run.records if r["tokens_seen"] <= budget]
+        lo = budget * (1 - window)
+        in_window = [r["loss"] for r in upto if r["tokens_seen"] > lo and math.isfinite(r["loss"])] or \
+            [upto[-1]["loss"]]
+        step_at_budget = interpolate(run.records, "step", budget)
+        evals = [r for r in upto if "val_loss" in r]
+        events = {}
+        for e in run.events:
+            if e.get("step", 0) <= step_at_budget and e.get("kind") not in ("kernel_report", "checkpoint_saved", "initial_load"):
+                events[e["kind"]] = events.get(e["kind"], 0) + 1
+        rows.append(Row(
+            run=run.name, knob_value=run.flat.get(knob) if knob else None, steps_at_budget=step_at_budget,
+            loss_at_budget=interpolate(run.records, "loss", budget),
+            window_mean=statistics.fmean(in_window),
+            window_std=statistics.stdev(in_window) if len(in_window) > 1 else math.nan,
+            window_records=len(in_window), val_loss=evals[-1]["val_loss"] if evals else math.nan,
+            spikes=spikes(upto), skipped=int(upto[-1].get("skipped_updates", 0)),
+            nonfinite=events.get("nonfinite", 0), events=events,
+        ))
+    return budget, knob, differing, rows
+
+
+def _fmt(x: float, spec: str = ".4f") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def report(runs: list[RunView], window: float = 0.1) -> str:
+    """The Markdown comparison, ending with what it can and cannot conclude."""
+    budget, knob, differing, rows = compare_runs(runs, window)
+    first_out = min(runs, key=lambda r: r.max_tokens)
+    lines = [f"# Sweep comparison{f': {knob}' if knob else ''}", ""]
+    stops = "all runs stop there" if all(r.max_tokens == budget for r in runs) else f"`{first_out.name}` stops there"
+    lines.append(f"Compared at **{budget:,} tokens**, the largest count every run reached "
+                 f"({stops}). Loss at the budget is interpolated between logged records; "
+                 f"the window mean averages the logged losses in the last {100 * window:g}% of the budget.")
+    lines.append("")
+    head = ["run", knob or "knob", "updates at budget", "loss @ budget", "window mean ± std (n)", "last val_loss",
+            "grad-norm spikes", "skipped updates", "non-finite events"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        spike_text = f"{len(r.spikes)}" + (f" (steps {', '.join(map(str, r.spikes[:5]))}{'...' if len(r.spikes) > 5 else ''})"
+                                          if r.spikes else "")
+        lines.append("| " + " | ".join([
+            f"`{r.run}`", "n/a" if r.knob_value is None else str(r.knob_value), _fmt(r.steps_at_budget, ".0f"),
+            _fmt(r.loss_at_budget), f"{_fmt(r.window_mean)} ± {_fmt(r.window_std)} ({r.window_records})",
+            _fmt(r.val_loss), spike_text, str(r.skipped), str(r.nonfinite),
+        ]) + " |")
+    other = sorted({k for r in rows for k in r.events if k != "nonfinite"})
+    if other:
+        lines += ["", "Other events up to the budget: " + "; ".join(
+            f"`{r.run}`: " + (", ".join(f"{k} {r.events[k]}" for k in other if k in r.events) or "none") for r in rows)]
+    ranked = sorted((r for r in rows if math.isfinite(r.window_mean)), key=lambda r: r.window_mean)
+    lines += ["", "## Reading", ""]
+    if len(ranked) >= 2:
+        best, second = ranked[0], ranked[1]
+        gap = second.window_mean - best.window_mean
+        noise = max((r.window_std for r in (best, second) if math.isfinite(r.window_std)), default=math.nan)
+        lead = (f"- Lowest window-mean loss: `{best.run}` ({_fmt(best.window_mean)}), ahead of `{second.run}` by "
+                f"{_fmt(gap)} nats; ")
+        if not math.isfinite(noise):
+            lines.append(lead + "the window holds a single logged record, so the loss's own fluctuation is unknown and "
+                         "the gap cannot be told from noise (log more often or widen --window).")
+        else:
+            lines.append(lead + f"the logged loss fluctuates by ± {_fmt(noise)} within the window, so the gap is "
+                         + ("larger than twice that spread." if gap > 2 * noise else
+                            "**not** larger than twice that spread: within the noise of one seed."))
+    unstable = [r.run for r in rows if r.spikes or r.skipped or r.nonfinite]
+    lines.append(f"- Instability up to the budget: {', '.join(f'`{u}`' for u in unstable) if unstable else 'none seen'} "
+                 f"(grad-norm spikes > {SPIKE_FACTOR:g}x the running median, skipped updates, non-finite events).")
+    lines += ["", "## What this comparison can and cannot conclude", ""] + _limits(runs, knob, differing, rows, budget)
+    return "\n".join(lines) + "\n"
+
+
+def _limits(runs, knob, differing, rows, budget) -> list[str]:
+    seeds = {r.flat.get("training.seed") for r in runs}
+    out = ["**Can:** rank these settings by training loss at the same number of tokens, on this data order, "
+           "and say which of them showed instability (spikes, skipped updates, non-finite values) before that point."]
+    out += ["", "**Cannot:**", ""]
+    if len(differing) > 1 and not (knob in TOKEN_KNOBS and set(differing) == {knob, "training.steps"}):
+        out.append(f"- attribute a difference to one knob: the runs differ in {', '.join(differing)}.")
+    elif not differing:
+        out.append("- attribute a difference to a knob: the configs (or their absence) show no declared difference.")
+    out.append(f"- separate the setting from luck: {'one seed' if len(seeds) == 1 else 'a different seed per run'} "
+               "per setting, so there is no run-to-run variance; a gap inside the within-window spread is noise.")
+    out.append(f"- predict the ranking later in training: the window ends at {budget:,} tokens; short-horizon "
+               "rankings (above all of learning rates and warmup) often flip as training goes on, and the LR "
+               "schedule of each run decays over its own length.")
+    out.append("- compare cost: equal tokens is not equal compute or wall-clock time"
+               + (" — batch size and sequence length change FLOPs per token (attention), memory and throughput; "
+                  "and the runs take different numbers of updates, with warmup counted in updates" if knob in TOKEN_KNOBS
+                  else "") + ".")
+    out.append("- speak for downstream quality: training loss on the training stream"
+               + (", and a validation loss on a few batches," if any(math.isfinite(r.val_loss) for r in rows) else "")
+               + " is not benchmark accuracy.")
+    out.append("- speak for other model sizes, data mixtures or hardware: one model, one mixture.")
+    return out
+
+
+# ---------------------------------------------------------------------- CLI
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m titan_k3.tools.sweep", description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--base", type=Path, help="base TOML to generate the family from (with --knob and --values)")
+    mode.add_argument("--configs", type=Path, nargs="+", help="a hand-made family to check (and run)")
+    mode.add_argument("--compare", type=Path, nargs="+", metavar="RUN_DIR", help="finished runs to compare")
+    parser.add_argument("--knob", help=f"the one varied key: {', '.join(KNOBS)}")
+    parser.add_argument("--values", help="comma-separated values of the knob (with --base)")
+    parser.add_argument("--out", type=Path, default=Path("sweep"), help="folder for generated configs (default ./sweep)")
+    run = parser.add_mutually_exclusive_group()
+    run.add_argument("--run", action="store_true", help="run the family here, one after the other, then compare")
+    run.add_argument("--service", help="control service URL: submit each config as POST /v1/runs")
+    parser.add_argument("--token", help="the service's bearer token (with --service)")
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs per run asked of the service (default 0)")
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="processes per run asked of the service")
+    parser.add_argument("--dump-folder", default="./runs", help="where --run creates the run directories")
+    parser.add_argument("--report", type=Path, default=None, help="comparison report path (default: <out>/compare.md)")
+    parser.add_argument("--window", type=float, default=0.1, help="last fraction of the token budget averaged (default 0.1)")
+    args = parser.parse_args(argv)
+    try:
+        if args.compare:
+            text = report([load_run(p) for p in args.compare], args.window)
+            _write_report(text, args.report or Path("sweep-compare.md"))
+            return 0
+        if args.service and not args.token:
+            raise SweepError("--service needs --token (the service's bearer token)")
+        if args.base:
+            if not args.knob or not args.values:
+                raise SweepError("--base needs --knob and --values")
+            members = generate(args.base, args.knob, [v.strip() for v in args.values.split(",") if v.strip()])
+            args.out.mkdir(parents=True, exist_ok=True)
+            paths = [args.out / m.origin for m in members]
+            for m, path in zip(members, paths):
+                path.write_text(m.text)
+            knob = args.knob
+        else:
+            members = [load_member(p) for p in args.configs]
+            knob = check_family(members, args.knob)
+            paths = list(args.configs)
+        _print_family(members, paths, knob)
+        if args.service:
+            submit(members, args.service, args.token, args.gpus, args.nproc_per_node)
+        elif args.run:
+            results = run_local(members, paths, args.dump_folder)
+            failed = [f"{d.name} (status {rc})" for d, rc in results if rc != 0]
+            done = [d for d, _ in results if (d / "metrics.jsonl").exists()]
+            if len(done) >= 2:
+                _write_report(report([load_run(d) for d in done], args.window), args.report or args.out / "compare.md")
+            if failed:
+                print(f"error: runs failed: {', '.join(failed)}", file=sys.stderr)
+                return 1
+    except SweepError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    return 0
+
+
+def _print_family(members: list[Member], paths: list[Path], knob: str) -> None:
+    print(f"sweep over {knob}: {len(members)} configs, identical otherwise"
+          + (" (training.steps keeps the token budget equal)" if knob in TOKEN_KNOBS else ""))
+    section, key = knob.split(".")
+    for m, path in zip(members, paths):
+        print(f"  {m.name}: {knob} = {getattr(getattr(m.cfg, section), key)}, training.steps = {m.cfg.training.steps}, "
+              f"{token_budget(m.cfg):,} tokens  [{path}]")
+
+
+def _write_report(text: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(text, end="")
+    print(f"report written to {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
