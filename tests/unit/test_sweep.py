@@ -1,0 +1,198 @@
+"""Sweeps: one-knob families (generated and hand-made), the guard, service submission, equal-token comparison."""
+
+import json
+import math
+
+import httpx
+import pytest
+
+from titan_k3.config import config_to_toml, load_job_config
+from titan_k3.tools import sweep
+from titan_k3.tools.sweep import FREE_KEYS, SweepError, check_family, flat_config, generate, load_member, main
+
+BASE = """
+[job]
+description = "base"
+[model]
+flavor = "debug"
+[training]
+steps = 8
+seq_len = 64
+local_batch_size = 2
+[lr_scheduler]
+warmup_steps = 1
+"""
+
+
+@pytest.fixture
+def base(tmp_path):
+    path = tmp_path / "base.toml"
+    path.write_text(BASE)
+    return path
+
+
+def _differing(members):
+    flats = [flat_config(m.cfg) for m in members]
+    return {k for k in flats[0] if k not in FREE_KEYS and len({repr(f[k]) for f in flats}) > 1}
+
+
+def test_generated_family_validates_and_differs_only_in_the_knob(base, tmp_path, capsys):
+    out = tmp_path / "family"
+    assert main(["--base", str(base), "--knob", "optimizer.lr", "--values", "1e-3,3e-3,1e-2", "--out", str(out)]) == 0
+    files = sorted(out.glob("*.toml"))
+    assert [f.name for f in files] == ["base-lr-1e-2.toml", "base-lr-1e-3.toml", "base-lr-3e-3.toml"]
+    members = [load_member(f) for f in files]  # each one loads and validates as a trainer config
+    assert _differing(members) == {"optimizer.lr"}
+    assert sorted(m.cfg.optimizer.lr for m in members) == [1e-3, 3e-3, 1e-2]
+    assert len({m.cfg.job.name for m in members}) == 3
+    assert check_family(members) == "optimizer.lr"
+    assert "sweep over optimizer.lr: 3 configs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("knob, values, steps", [
+    ("training.seq_len", ["64", "128", "256"], [8, 4, 2]),
+    ("training.local_batch_size", ["1", "2", "4"], [16, 8, 4]),
+])
+def test_batch_and_seq_knobs_keep_the_token_budget_by_adjusting_steps(base, knob, values, steps):
+    members = generate(base, knob, values)
+    assert [m.cfg.training.steps for m in members] == steps
+    assert {sweep.token_budget(m.cfg) for m in members} == {8 * 64 * 2}
+    assert _differing(members) == {knob, "training.steps"}
+    assert "training.steps = " in members[0].cfg.job.description and "keeps the token budget" in members[0].cfg.job.description
+
+
+def test_generation_refuses_values_without_a_whole_number_of_steps(base):
+    with pytest.raises(SweepError, match="training.local_batch_size = 3 gives 192 tokens per update, which does not divide"):
+        generate(base, "training.local_batch_size", ["2", "3"])
+    with pytest.raises(SweepError, match="expected one of optimizer.lr, training.local_batch_size"):
+        generate(base, "model.flavor", ["debug", "tiny"])
+    with pytest.raises(SweepError, match="'optimizer.lr'"):
+        generate(base, "optimizer.lr", ["1e-3", "-1"])
+
+
+def _write_config(tmp_path, name, *overrides):
+    path = tmp_path / f"{name}.toml"
+    path.write_text(config_to_toml(load_job_config(["--model.flavor", "debug", "--job.name", name, *overrides])))
+    return path
+
+
+def test_guard_rejects_a_config_differing_in_two_knobs(tmp_path, capsys):
+    a = _write_config(tmp_path, "a", "--optimizer.lr", "1e-3")
+    b = _write_config(tmp_path, "b", "--optimizer.lr", "1e-2", "--training.seq_len", "256")
+    assert main(["--configs", str(a), str(b)]) == 2
+    assert main(["--configs", str(a), str(b), "--knob", "optimizer.lr"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        assert line.startswith("error: configs differ in optimizer.lr and training.seq_len")
+    assert "a.toml 128 vs" in lines[1] and "b.toml 256" in lines[1]
+
+
+def test_guard_rejects_non_knob_differences_and_accepts_a_clean_family(tmp_path):
+    a = load_member(_write_config(tmp_path, "a", "--optimizer.lr", "1e-3"))
+    b = load_member(_write_config(tmp_path, "b", "--optimizer.lr", "1e-2", "--training.seed", "5"))
+    with pytest.raises(SweepError, match=r"configs differ in optimizer.lr and training.seed \(training.seed: .*a.toml 0 vs"):
+        check_family([a, b])
+    c = load_member(_write_config(tmp_path, "c", "--optimizer.lr", "1e-2", "--job.description", "other words"))
+    assert check_family([a, c]) == "optimizer.lr"
+    same_name = load_member(_write_config(tmp_path, "d", "--optimizer.lr", "3e-3", "--job.name", "a"))
+    with pytest.raises(SweepError, match="share the run name 'a'"):
+        check_family([a, same_name])
+    longer = load_member(_write_config(tmp_path, "e", "--optimizer.lr", "3e-3", "--training.steps", "40"))
+    with pytest.raises(SweepError, match="optimizer.lr and training.steps"):
+        check_family([a, longer], "optimizer.lr")
+    more_tokens = load_member(_write_config(tmp_path, "f", "--optimizer.lr", "1e-3", "--training.seq_len", "256"))
+    with pytest.raises(SweepError, match="token budgets .* differ"):
+        check_family([a, more_tokens], "training.seq_len")
+
+
+def test_submission_posts_inline_toml_the_service_accepts(base, monkeypatch):
+    from service.schemas import RunCreate
+
+    members = generate(base, "optimizer.lr", ["1e-3", "1e-2"])
+    sent = []
+
+    def fake_post(url, json, headers, timeout):
+        sent.append((url, json, headers))
+        RunCreate(**json)  # the service's own request schema
+        load_job_config(["--job.name", json["name"]], toml_text=json["toml"])  # what the service runs
+        if json["name"].endswith("1e-2"):
+            return httpx.Response(422, json={"detail": "config key 'x' bad"})
+        return httpx.Response(201, json={"id": json["name"], "state": "queued"})
+
+    monkeypatch.setattr(httpx, "post", fake_post)
+    with pytest.raises(SweepError, match=r"run 'base-lr-1e-2' refused \(422\): config key 'x' bad"):
+        sweep.submit(members, "http://svc:8080/", "T0K", gpus=1, nproc_per_node=1)
+    assert [s[0] for s in sent] == ["http://svc:8080/v1/runs"] * 2
+    assert sent[0][2] == {"Authorization": "Bearer T0K"}
+    assert sent[0][1]["name"] == "base-lr-1e-3" and sent[0][1]["gpus"] == 1
+
+
+# ---------------------------------------------------------------------- compare
+def _run_dir(root, name, lr, records, events=(), *extra):
+    d = root / name
+    d.mkdir()
+    cfg = load_job_config(["--model.flavor", "debug", "--job.name", name, "--optimizer.lr", str(lr), *extra])
+    (d / "config.toml").write_text(config_to_toml(cfg))
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (d / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return d
+
+
+def _rec(step, loss, grad_norm=1.0, skipped=0, **kw):
+    return {"step": step, "loss": loss, "tokens_seen": 100 * step, "grad_norm": grad_norm, "skipped_updates": skipped, **kw}
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    # a: logged at odd steps to 900 tokens; a grad-norm spike and a non-finite update at step 7, another at step 9.
+    a = _run_dir(tmp_path, "a", 1e-3,
+                 [_rec(s, 10 - 0.1 * s, 5.0 if s == 7 else 1.0, int(s >= 7)) for s in (1, 3, 5, 7, 9)],
+                 [{"step": 0, "kind": "kernel_report"}, {"step": 7, "kind": "nonfinite"}, {"step": 9, "kind": "nonfinite"}])
+    # b: every step to 800 tokens, with a validation loss at step 8.
+    b = _run_dir(tmp_path, "b", 1e-2, [_rec(s, 9 - 0.2 * s, **({"val_loss": 7.7} if s == 8 else {})) for s in range(1, 9)])
+    return a, b
+
+
+def test_compare_at_the_common_token_budget(two_runs):
+    runs = [sweep.load_run(d) for d in two_runs]
+    budget, knob, differing, rows = sweep.compare_runs(runs, window=0.25)
+    assert (budget, knob, differing) == (800, "optimizer.lr", ["optimizer.lr"])
+    a, b = rows
+    assert a.steps_at_budget == pytest.approx(8) and b.steps_at_budget == pytest.approx(8)
+    assert a.loss_at_budget == pytest.approx(9.2)  # halfway between step 7 (9.3) and step 9 (9.1)
+    assert (a.window_mean, a.window_records) == (pytest.approx(9.3), 1)  # only step 7 lies in (600, 800]
+    assert b.loss_at_budget == pytest.approx(7.4)
+    assert b.window_mean == pytest.approx(7.5) and b.window_std == pytest.approx(0.1 * math.sqrt(2))
+    assert (a.spikes, a.skipped, a.nonfinite) == ([7], 1, 1)  # the step-9 event lies past the budget
+    assert (b.spikes, b.skipped, b.nonfinite, b.val_loss) == ([], 0, 0, 7.7)
+    assert math.isnan(a.val_loss)
+
+
+def test_compare_report_table_and_limits(two_runs, tmp_path, capsys):
+    out = tmp_path / "report.md"
+    assert main(["--compare", *map(str, two_runs), "--window", "0.25", "--report", str(out)]) == 0
+    text = out.read_text()
+    assert text == capsys.readouterr().out.split("report written to")[0]
+    assert "Compared at **800 tokens**, the largest count every run reached (`b` stops there)" in text
+    assert "| `a` | 0.001 | 8 | 9.2000 | 9.3000 ± n/a (1) | n/a | 1 (steps 7) | 1 | 1 |" in text
+    assert "| `b` | 0.01 | 8 | 7.4000 | 7.5000 ± 0.1414 (2) | 7.7000 | 0 | 0 | 0 |" in text
+    assert "Lowest window-mean loss: `b` (7.5000), ahead of `a` by 1.8000 nats" in text
+    assert "larger than twice that spread." in text
+    assert "Instability up to the budget: `a`" in text
+    assert "## What this comparison can and cannot conclude" in text
+    for phrase in ("one seed", "equal tokens is not equal compute", "predict the ranking later in training"):
+        assert phrase in text
+
+
+def test_compare_says_when_runs_differ_in_more_than_the_knob(two_runs, tmp_path):
+    c = _run_dir(tmp_path, "c", 3e-3, [_rec(s, 8.0) for s in range(1, 9)], (), "--training.seed", "3")
+    text = sweep.report([sweep.load_run(d) for d in (*two_runs, c)])
+    assert "attribute a difference to one knob: the runs differ in optimizer.lr, training.seed" in text
+    assert "a different seed per run" in text
+
+
+def test_compare_refuses_what_it_cannot_read(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["--compare", str(tmp_path / "empty"), str(tmp_path / "empty")]) == 2
+    assert "no metrics.jsonl records" in capsys.readouterr().err
