@@ -78,3 +78,14 @@ def test_eval_batch_must_split_evenly_over_ranks():
     cfg = load_job_config(["--eval.batch_size", "8"])
     with pytest.raises(ConfigError, match="'eval.batch_size' = 8: must be a multiple of the 3 data-parallel ranks"):
         Evaluator(cfg, tokenizer=None, device=torch.device("cpu"), dp_rank=0, dp_world=3)
+
+
+def test_evaluation_without_a_validation_split_stops_at_start(monkeypatch):
+    import titan_k3.eval.runner as runner
+
+    monkeypatch.setattr(runner, "validation_split_tokens", lambda dataset: 0)
+    cfg = load_job_config(["--eval.interval", "10"])
+    with pytest.raises(ConfigError, match="'eval.steps' = 4: dataset 'embedded' has no validation split"):
+        Evaluator(cfg, tokenizer=None, device=torch.device("cpu"))
+    Evaluator(load_job_config(["--eval.interval", "10", "--eval.steps", "1", "--eval.tasks", ""]),
+              tokenizer=None, device=torch.device("cpu"), val_steps=0, offline=True)

@@ -76,7 +76,7 @@ def evaluate_checkpoints(step_dirs: list[Path], cfg: JobConfig, device: torch.de
     model, tokenizer, fallbacks = build_model(cfg, device)
     for choice in fallbacks:
         note(f"note: kernel {choice.op}: {choice.chosen} (fallback from '{choice.requested}': {choice.reason})")
-    evaluator = Evaluator(cfg, tokenizer, device, val_steps=val_steps, tasks=tasks)
+    evaluator = Evaluator(cfg, tokenizer, device, val_steps=val_steps, tasks=tasks, offline=True)
     rows = []
     for step_dir in step_dirs:
         step = _step_of(step_dir)

@@ -9,6 +9,10 @@ tables:
     eval/<task>/acc_norm  accuracy by log-likelihood per character of the choice
 
 <task> is the task file's name without `.jsonl`.
+
+In training they go into the metrics.jsonl record of the step evaluated (an
+evaluation step is always a log step), so every reader keeps one record per
+step with the usual keys; records of other steps carry no evaluation keys.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 
 from titan_k3.config import ConfigError, JobConfig
 from titan_k3.eval.multiple_choice import Example, load_task, model_loglikelihood, score_task, task_name
-from titan_k3.eval.validation import validation_batches, validation_loss
+from titan_k3.eval.validation import validation_batches, validation_loss, validation_split_tokens
 from titan_k3.models.k3.args import KDA_CHUNK
 
 
@@ -49,7 +53,7 @@ class Evaluator:
     """
 
     def __init__(self, cfg: JobConfig, tokenizer, device: torch.device, *, dp_rank: int = 0, dp_world: int = 1,
-                 dp_group=None, val_steps: int | None = None, tasks: str | None = None):
+                 dp_group=None, val_steps: int | None = None, tasks: str | None = None, offline: bool = False):
         e = cfg.eval
         if e.batch_size % dp_world:
             raise ConfigError(f"config key 'eval.batch_size' = {e.batch_size}: must be a multiple of the "
@@ -63,6 +67,19 @@ class Evaluator:
         self.autocast = training_autocast(cfg, device)
         # NOTE: the Triton KDA kernels take whole chunks; the reference takes any length.
         self.pad_to = 1 if cfg.kernels.kda == "torch" else KDA_CHUNK
+        if self.val_steps and (offline or e.interval > 0):
+            self._check_split(dp_rank == 0)
+
+    def _check_split(self, loud: bool) -> None:
+        """No validation split stops here (before the run starts); a small one is said once."""
+        have = validation_split_tokens(self.cfg.data.dataset)
+        if have == 0:
+            raise ConfigError(f"config key 'eval.steps' = {self.val_steps}: dataset {self.cfg.data.dataset!r} has no "
+                              "validation split (prepare one, or set eval.steps = 0 for the tasks only)")
+        read = self.val_steps * self.cfg.eval.batch_size * self.cfg.training.seq_len
+        if loud and read > have:
+            print(f"note: validation reads {read:,} tokens per evaluation but the validation split holds {have:,}: "
+                  "its sequences repeat (the value stays deterministic)", flush=True)
 
     def due(self, step: int, last: bool) -> bool:
         return self.cfg.eval.interval > 0 and (step % self.cfg.eval.interval == 0 or last)

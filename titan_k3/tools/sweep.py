@@ -255,7 +255,9 @@ class RunView:
 
 
 def load_run(path: Path) -> RunView:
-    records = [r for r in _read_jsonl(path / "metrics.jsonl") if "loss" in r and "tokens_seen" in r]
+    # NOTE: a resumed run logs again the steps after its last checkpoint; the later record of a step wins.
+    by_step = {r["step"]: r for r in _read_jsonl(path / "metrics.jsonl") if "loss" in r and "tokens_seen" in r}
+    records = [by_step[s] for s in sorted(by_step)]
     if not records:
         raise SweepError(f"run {str(path)!r}: no metrics.jsonl records (is it a finished titan_k3 run directory?)")
     cfg = None
