@@ -136,7 +136,6 @@ class LatentMoE(nn.Module):
         z_TL = self.w_down(x_TD)
         w = [p.to(z_TL.dtype) for p in (self.w1, self.w3, self.w2)]
         y_TL = self.experts_fn(z_TL, *w, experts_TK, weights_TK.to(z_TL.dtype))
-        y_TD = self.w_up(self.latent_norm(y_TL))
-        if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD)
-        return y_TD.view(B, T, D)
+        # NOTE: the sum below makes a fresh tensor; FSDP2 warns about (and may mishandle) a block output that is a view.
+        y_BTD = self.w_up(self.latent_norm(y_TL)).view(B, T, D)
+        return y_BTD + self.shared(x_BTD) if self.shared is not None else y_BTD.clone()
