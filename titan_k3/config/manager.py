@@ -82,25 +82,14 @@ def _coerce(key: str, raw: Any, tp: Any, from_cli: bool) -> Any:
         if from_cli and isinstance(raw, str) and raw.lower() in ("true", "false", "1", "0"):
             return raw.lower() in ("true", "1")
         raise bad
-    if tp is int:
-        if isinstance(raw, bool):
-            raise bad
-        if isinstance(raw, int):
-            return raw
+    if tp in (int, float):
+        # NOTE: TOML gives ints where floats are meant (lr = 1); never the reverse, and a bool is never a number.
+        accepted = (int,) if tp is int else (int, float)
+        if isinstance(raw, accepted) and not isinstance(raw, bool):
+            return tp(raw)
         if from_cli and isinstance(raw, str):
             try:
-                return int(raw)
-            except ValueError:
-                raise bad from None
-        raise bad
-    if tp is float:
-        if isinstance(raw, bool):
-            raise bad
-        if isinstance(raw, (int, float)):
-            return float(raw)
-        if from_cli and isinstance(raw, str):
-            try:
-                return float(raw)
+                return tp(raw)
             except ValueError:
                 raise bad from None
         raise bad
