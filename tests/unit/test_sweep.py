@@ -196,3 +196,24 @@ def test_compare_refuses_what_it_cannot_read(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["--compare", str(tmp_path / "empty"), str(tmp_path / "empty")]) == 2
     assert "no metrics.jsonl records" in capsys.readouterr().err
+
+
+def test_local_run_trains_each_config_in_turn_then_compares(base, tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def fake_run(cmd):
+        calls.append(cmd)
+        name = cmd[cmd.index("--job.name") + 1]
+        lr = load_job_config(["--job.config_file", cmd[cmd.index("--job.config_file") + 1]]).optimizer.lr
+        _run_dir(tmp_path / "runs", name, lr, [_rec(s, 9 - lr * s) for s in range(1, 9)])
+        return sweep.subprocess.CompletedProcess(cmd, 0)
+
+    (tmp_path / "runs").mkdir()
+    monkeypatch.setattr(sweep.subprocess, "run", fake_run)
+    out = tmp_path / "family"
+    assert main(["--base", str(base), "--knob", "optimizer.lr", "--values", "1e-3,1e-2", "--out", str(out), "--run",
+                 "--dump-folder", str(tmp_path / "runs")]) == 0
+    assert [c[1:4] for c in calls] == [["-m", "titan_k3.train", "--job.config_file"]] * 2
+    assert [c[c.index("--job.name") + 1] for c in calls] == ["base-lr-1e-3", "base-lr-1e-2"]
+    text = (out / "compare.md").read_text()
+    assert "# Sweep comparison: optimizer.lr" in text and "| `base-lr-1e-2` | 0.01 |" in text

@@ -114,7 +114,8 @@ def _device(spec: str) -> torch.device:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m titan_k3.eval", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m titan_k3.eval", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--checkpoint", type=Path, help="a step dir: RUN_DIR/checkpoints/step-N")
     where.add_argument("--runs", type=Path, metavar="RUN_DIR", help="every checkpoint of this run; writes RUN_DIR/eval_table.md")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import statistics
 import subprocess
@@ -423,7 +424,8 @@ def _limits(runs, knob, differing, rows, budget) -> list[str]:
 
 # ---------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m titan_k3.tools.sweep", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m titan_k3.tools.sweep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--base", type=Path, help="base TOML to generate the family from (with --knob and --values)")
     mode.add_argument("--configs", type=Path, nargs="+", help="a hand-made family to check (and run)")
@@ -434,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     run = parser.add_mutually_exclusive_group()
     run.add_argument("--run", action="store_true", help="run the family here, one after the other, then compare")
     run.add_argument("--service", help="control service URL: submit each config as POST /v1/runs")
-    parser.add_argument("--token", help="the service's bearer token (with --service)")
+    parser.add_argument("--token", default=os.environ.get("K3_SERVICE_TOKEN"),
+                        help="the service's bearer token (default $K3_SERVICE_TOKEN)")
     parser.add_argument("--gpus", type=int, default=0, help="GPUs per run asked of the service (default 0)")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="processes per run asked of the service")
     parser.add_argument("--dump-folder", default="./runs", help="where --run creates the run directories")
@@ -444,10 +447,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.compare:
             text = report([load_run(p) for p in args.compare], args.window)
-            _write_report(text, args.report or Path("sweep-compare.md"))
+            _write_report(text, args.report or args.out / "compare.md")
             return 0
         if args.service and not args.token:
-            raise SweepError("--service needs --token (the service's bearer token)")
+            raise SweepError("--service needs --token or $K3_SERVICE_TOKEN (the service's bearer token)")
         if args.base:
             if not args.knob or not args.values:
                 raise SweepError("--base needs --knob and --values")
