@@ -30,7 +30,7 @@ def test_cli_overrides_toml_overrides_defaults(tmp_path):
         (["--training.steps", "0"], "config key 'training.steps' = 0: must be > 0"),
         (["--training.seq_len", "100"], "config key 'training.seq_len' = 100: must be a multiple of the KDA chunk size 64"),
         (["--model.flavor", "k3mini"], "did you mean 'k3-mini'?"),
-        (["--kernels.kda", "trito"], "expected one of 'auto', 'triton', 'torch'; did you mean 'triton'?"),
+        (["--kernels.kda", "trito"], "expected one of 'auto', 'triton', 'fla', 'torch'; did you mean 'triton'?"),
         (["--parallelism.expert_parallel_degree", "3", "--model.flavor", "debug"], "must divide the 8 experts"),
         (["--lr_scheduler.warmup_steps", "50", "--training.steps", "20"], "must be below training.steps = 20"),
         (["--data.mixture", "code:0"], "config key 'data.mixture'"),
