@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from titan_k3.checkpoint import build_checkpointer
 from titan_k3.config import ConfigError, JobConfig, help_text, load_job_config
+from titan_k3.config.validate import parse_context_stages, seq_len_at
 from titan_k3.eval.runner import Evaluator, format_metrics
 from titan_k3.metrics.clocks import TwoClocks
 from titan_k3.metrics.events import EventLog
@@ -122,6 +123,8 @@ class Trainer:
             decay_type=s.decay_type, decay_ratio=None if s.decay_ratio >= 1 else s.decay_ratio,
             min_lr_factor=s.min_lr_factor,
         )
+        self.context_stages = parse_context_stages(t.context_stages) if t.context_stages else []
+        self.seq_len = t.seq_len
         self.tokens_per_update = t.local_batch_size * t.seq_len * t.grad_accum * self.dp_world
         self.flops_per_token = flops_per_token(self.args, t.seq_len)
         self.step = 0
@@ -251,11 +254,25 @@ class Trainer:
                 qk_clip_(layer.wq_b.weight, layer.wkv_b.weight, max_logit, n_heads=layer.n_heads,
                          nope_dim=layer.nope, rope_dim=layer.rope, v_dim=layer.v_dim, tau=tau)
 
+    def _enter_context_stage(self, update: int) -> None:
+        """Switch to the curriculum's sequence length for `update`; the loader keeps its exact token position."""
+        seq = seq_len_at(update, self.cfg.training.seq_len, self.context_stages)
+        if seq == self.seq_len:
+            return
+        self.loader.set_seq_len(seq)
+        t = self.cfg.training
+        self.seq_len = seq
+        self.tokens_per_update = t.local_batch_size * seq * t.grad_accum * self.dp_world
+        self.flops_per_token = self.reporter.flops_per_token = flops_per_token(self.args, seq)
+        self.events.emit("context_stage", f"sequence length {seq} from update {update} "
+                         f"({self.tokens_per_update} tokens per update)", step=update, seq_len=seq)
+
     def train(self) -> list[StepResult]:
         cfg = self.cfg
         results: list[StepResult] = []
         window = {"tokens": 0, "training_seconds": 0.0, "data_wait": 0.0}
         while self.step < cfg.training.steps:
+            self._enter_context_stage(self.step + 1)
             wait0 = getattr(self.loader, "wait_seconds", 0.0)
             t0 = self.clocks.training_seconds
             with self.clocks.training():

@@ -63,3 +63,23 @@ def test_non_finite_updates_are_skipped_counted_and_stop_the_run(tmp_path):
         torch.testing.assert_close(p, before[n], equal_nan=True, rtol=0, atol=0, msg=n)
     kinds = [json.loads(x)["kind"] for x in (tmp_path / "nan" / "events.jsonl").read_text().splitlines()]
     assert kinds.count("nonfinite") == 3 and "stopped" in kinds
+
+
+def test_context_stages_switch_length_and_keep_every_token(tmp_path):
+    """K3_SPEC §6: from update 3 on, sequences of 128; the token stream continues where it was."""
+    rc = main([*FAST, "--job.dump_folder", str(tmp_path), "--job.name", "ctx", "--training.steps", "4",
+               "--training.context_stages", "3:128"])
+    assert rc == 0
+    records = [json.loads(x) for x in (tmp_path / "ctx" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["tokens_seen"] for r in records] == [64, 128, 256, 384]
+    events = [json.loads(x) for x in (tmp_path / "ctx" / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["kind"] == "context_stage"] == [3]
+
+
+def test_context_stages_are_validated():
+    from titan_k3.config import ConfigError
+
+    with pytest.raises(ConfigError, match="is not a multiple of the KDA chunk size"):
+        load_job_config(["--training.context_stages", "5:100"])
+    with pytest.raises(ConfigError, match="updates must increase"):
+        load_job_config(["--training.context_stages", "5:128,4:256"])

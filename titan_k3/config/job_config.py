@@ -74,6 +74,8 @@ class Training:
     """Stop the run after this many consecutive updates skipped for a non-finite loss or grad norm."""
     fixed_batch: bool = False
     """Repeat the first batch forever (the overfit probe)."""
+    context_stages: str = ""
+    """Context curriculum as 'update:seq_len,...': from that update on, sequences of that length (training.seq_len before the first); every token of the stream is kept."""
 
 
 @dataclass

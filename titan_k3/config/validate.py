@@ -25,6 +25,28 @@ def _non_negative(key: str, value: float) -> None:
     _require(value >= 0, f"config key '{key}' = {value!r}: must be >= 0")
 
 
+def parse_context_stages(spec: str) -> list[tuple[int, int]]:
+    """'update:seq_len,...' -> [(update, seq_len)], or ConfigError naming the bad part."""
+    stages = []
+    for part in spec.split(","):
+        start, _, seq = part.partition(":")
+        try:
+            stages.append((int(start), int(seq)))
+        except ValueError:
+            _require(False, f"config key 'training.context_stages' = {spec!r}: expected 'update:seq_len,...' (bad part {part!r})")
+        _require(stages[-1][1] > 0, f"config key 'training.context_stages' = {spec!r}: seq_len must be > 0")
+    return stages
+
+
+def seq_len_at(update: int, base_seq_len: int, stages: list[tuple[int, int]]) -> int:
+    """Sequence length of update number `update` (1-based) under the context curriculum."""
+    seq = base_seq_len
+    for start, stage_seq in stages:
+        if update >= start:
+            seq = stage_seq
+    return seq
+
+
 def validate(cfg: JobConfig) -> None:
     t, o, s, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.parallelism
     _require(cfg.model.name == "k3", f"config key 'model.name' = {cfg.model.name!r}: expected 'k3'")
@@ -46,6 +68,18 @@ def validate(cfg: JobConfig) -> None:
             f"config key 'training.seq_len' = {t.seq_len}: must be a multiple of the KDA chunk size {KDA_CHUNK} "
             f"when kernels.kda = {cfg.kernels.kda!r} (nearest: {max(KDA_CHUNK, round(t.seq_len / KDA_CHUNK) * KDA_CHUNK)})",
         )
+    if t.context_stages:
+        stages = parse_context_stages(t.context_stages)
+        starts = [start for start, _ in stages]
+        _require(
+            starts == sorted(set(starts)) and 1 < starts[0] and starts[-1] <= t.steps,
+            f"config key 'training.context_stages' = {t.context_stages!r}: updates must increase, within 2..training.steps = {t.steps}",
+        )
+        for _, seq in stages:
+            _require(
+                cfg.kernels.kda == "torch" or seq % KDA_CHUNK == 0,
+                f"config key 'training.context_stages' = {t.context_stages!r}: seq_len {seq} is not a multiple of the KDA chunk size {KDA_CHUNK}",
+            )
     _positive("optimizer.lr", o.lr)
     _non_negative("optimizer.weight_decay", o.weight_decay)
     for key in ("beta1", "beta2", "momentum"):
