@@ -81,7 +81,7 @@ def test_eval_batch_must_split_evenly_over_ranks():
 
 
 def test_evaluation_without_a_validation_split_stops_at_start(monkeypatch):
-    import titan_k3.eval.runner as runner
+    from titan_k3.eval import runner
 
     monkeypatch.setattr(runner, "validation_split_tokens", lambda dataset: 0)
     cfg = load_job_config(["--eval.interval", "10"])

@@ -201,7 +201,7 @@ def test_compare_refuses_what_it_cannot_read(tmp_path, capsys):
 def test_local_run_trains_each_config_in_turn_then_compares(base, tmp_path, monkeypatch, capsys):
     calls = []
 
-    def fake_run(cmd):
+    def fake_run(cmd, check):
         calls.append(cmd)
         name = cmd[cmd.index("--job.name") + 1]
         lr = load_job_config(["--job.config_file", cmd[cmd.index("--job.config_file") + 1]]).optimizer.lr

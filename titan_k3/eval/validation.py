@@ -10,8 +10,8 @@ ranks beyond summation order.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist

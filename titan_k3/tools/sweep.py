@@ -29,6 +29,7 @@ events are counted up to the budget.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -127,7 +128,7 @@ def check_family(members: list[Member], knob: str | None = None) -> str:
         raise SweepError(f"two configs have the same {knob}: {', '.join(values)}")
     names = [m.name for m in members]
     if len(set(names)) < len(names):
-        raise SweepError(f"two configs share the run name {sorted(n for n in names if names.count(n) > 1)[0]!r} "
+        raise SweepError(f"two configs share the run name {min(n for n in names if names.count(n) > 1)!r} "
                          "(the second run would resume the first); give each its own job.name")
     budgets = {m.origin: token_budget(m.cfg) for m in members}
     if knob in TOKEN_KNOBS and len(set(budgets.values())) > 1:
@@ -197,7 +198,7 @@ def run_local(members: list[Member], paths: list[Path], dump_folder: str) -> lis
         print(f"sweep: running {m.name} ({path})", flush=True)
         cmd = [sys.executable, "-m", "titan_k3.train", "--job.config_file", str(path),
                "--job.dump_folder", dump_folder, "--job.name", m.name]
-        rc = subprocess.run(cmd).returncode
+        rc = subprocess.run(cmd, check=False).returncode
         print(f"sweep: {m.name} exited with status {rc}", flush=True)
         out.append((Path(dump_folder) / m.name, rc))
     return out
@@ -275,7 +276,7 @@ def interpolate(records: list[dict], key: str, tokens: float) -> float:
     pts = [(r["tokens_seen"], r[key]) for r in records if key in r]
     if not pts or tokens < pts[0][0] or tokens > pts[-1][0]:
         return math.nan
-    for (t0, v0), (t1, v1) in zip(pts, pts[1:]):
+    for (t0, v0), (t1, v1) in itertools.pairwise(pts):
         if t0 <= tokens <= t1:
             return v0 if t1 == t0 else v0 + (v1 - v0) * (tokens - t0) / (t1 - t0)
     return pts[-1][1]
@@ -399,8 +400,8 @@ def report(runs: list[RunView], window: float = 0.1) -> str:
 
 def _limits(runs, knob, differing, rows, budget) -> list[str]:
     seeds = {r.flat.get("training.seed") for r in runs}
-    out = ["**Can:** rank these settings by training loss at the same number of tokens, on this data order, "
-           "and say which of them showed instability (spikes, skipped updates, non-finite values) before that point."]
+    out = [("**Can:** rank these settings by training loss at the same number of tokens, on this data order, "
+            "and say which of them showed instability (spikes, skipped updates, non-finite values) before that point.")]
     out += ["", "**Cannot:**", ""]
     if len(differing) > 1 and not (knob in TOKEN_KNOBS and set(differing) == {knob, "training.steps"}):
         out.append(f"- attribute a difference to one knob: the runs differ in {', '.join(differing)}.")
