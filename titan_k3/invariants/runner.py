@@ -85,6 +85,10 @@ class InvariantRunner:
                              float(normaliser), int(local_valid), self.group)
         found += self._timed("replicas.checksums", C.check_replicas,
                              replicated_state(model, optimizers, qk_clip_max_logits), self.group)
+        for dispatcher in expert_dispatchers(model):
+            found += self._timed("gradient_scale.ep_token_counts", C.check_ep_token_counts, dispatcher.sent_W,
+                                 dispatcher.received_W, dispatcher.routed_tokens, dispatcher.top_k, dispatcher.group)
+            dispatcher.reset_counts()
         gathered = None
         if self._checks_done % self.audit_every == 0:
             grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -123,6 +127,13 @@ class InvariantRunner:
         if found and self.cfg.abort:
             raise InvariantViolationError(
                 f"invariant {found[0].check} violated at step {step} (invariants.abort = true): {found[0].message}")
+
+
+def expert_dispatchers(model: torch.nn.Module) -> list:
+    """The expert-parallel dispatchers of `model`'s MoE layers (empty without EP)."""
+    from titan_k3.parallel.expert_parallel import ExpertParallel
+
+    return [m.experts_fn for m in model.modules() if isinstance(getattr(m, "experts_fn", None), ExpertParallel)]
 
 
 def replicated_state(model: torch.nn.Module, optimizers=None, qk_clip_max_logits: dict | None = None) -> dict[str, torch.Tensor]:

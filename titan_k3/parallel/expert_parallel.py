@@ -41,6 +41,14 @@ class ExpertParallel:
         self.n_experts = n_experts
         assert n_experts % self.ep == 0
         self.n_local = n_experts // self.ep
+        self.reset_counts()
+
+    def reset_counts(self) -> None:
+        """Dispatch accounting since the last reset, read by the EP invariant check."""
+        self.sent_W = torch.zeros(self.ep, dtype=torch.int64)
+        self.received_W = torch.zeros(self.ep, dtype=torch.int64)
+        self.routed_tokens = 0
+        self.top_k = 0
 
     # NOTE: the split sizes are data-dependent host integers; dynamo would break
     # the graph here anyway, so the dispatch is kept out of compiled regions explicitly.
@@ -54,6 +62,12 @@ class ExpertParallel:
         dist.all_to_all_single(recv_counts, counts_E, group=self.group)
         send_split = counts_E.view(self.ep, self.n_local).sum(1).tolist()
         recv_split = recv_counts.view(self.ep, self.n_local).sum(1).tolist()
+
+        if torch._C._current_graph_task_id() == -1:  # an activation-checkpoint recompute dispatches again: count once
+            self.sent_W += torch.tensor(send_split)
+            self.received_W += torch.tensor(recv_split)
+            self.routed_tokens += T
+            self.top_k = k
 
         x_send = z_TL[order_S // k]
         x_recv = funcol.all_to_all_single_autograd(x_send, recv_split, send_split, self.group)
