@@ -147,9 +147,17 @@ def test_endpoint_serves_parseable_exposition_during_the_run(run):
     assert value("titan_k3_kernel_fallback", op="kda") == 1.0  # auto on a CPU falls back to the torch reference
     assert value("titan_k3_memory_bytes", kind="host_rss") > 0
     exposed = {s[0] for s in samples}
-    for name in NAMES:
+    for name, (kind, _, _) in NAMES.items():
         if name != "titan_k3_invariant_violations_total":
-            assert name in exposed, name
+            assert (name + "_count" if kind == "histogram" else name) in exposed, name
+    # Every expert of a layer is observed once per log step, relative to the uniform share.
+    n_experts = len(records[-1]["moe/1/load"])
+    assert value("titan_k3_expert_relative_load_count", layer="1") == n_experts * len(scrapes_logged(records))
+    assert value("titan_k3_expert_relative_load_sum", layer="1") == pytest.approx(n_experts * len(scrapes_logged(records)))
+
+
+def scrapes_logged(records):
+    return [r for r in records if "moe/1/load" in r]
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed (system dependency)")

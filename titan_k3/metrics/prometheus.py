@@ -12,7 +12,7 @@ import threading
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 GIB = 2**30
 
@@ -33,7 +33,12 @@ NAMES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "titan_k3_invariant_violations_total": ("counter", ("check",), "Invariant violations by check."),
     "titan_k3_kernel_fallback": ("gauge", ("op",), "1 when the op runs a fallback instead of the fast path asked for."),
     "titan_k3_data_wait_fraction": ("gauge", (), "Share of the training clock spent waiting for batches."),
+    "titan_k3_expert_relative_load": ("histogram", ("layer",),
+                                      "Each expert's load over the uniform share, observed every log step (1 = balanced)."),
 }
+
+# NOTE: a collapse shows as mass below 0.1 (dead experts) and a tail above 2; balance as a peak at 1.
+RELATIVE_LOAD_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2.0, 4.0, float("inf"))
 
 _MOE_KEY = re.compile(r"^moe/(\d+)/(load|dead_fraction|maxvio)$")
 
@@ -53,8 +58,12 @@ class PrometheusExporter:
     def __init__(self, run: str):
         self.run = run
         self.registry = CollectorRegistry()
-        self.metrics: dict[str, Gauge | Counter] = {}
+        self.metrics: dict[str, Gauge | Counter | Histogram] = {}
         for name, (kind, labels, doc) in NAMES.items():
+            if kind == "histogram":
+                self.metrics[name] = Histogram(name, doc, ("run", *labels), registry=self.registry,
+                                               buckets=RELATIVE_LOAD_BUCKETS)
+                continue
             cls = Counter if kind == "counter" else Gauge
             # NOTE: prometheus_client appends '_total' to counters itself.
             base = name[: -len("_total")] if kind == "counter" else name
@@ -121,8 +130,10 @@ class PrometheusExporter:
                 continue
             layer, stat = match.groups()
             if stat == "load":
+                histogram = self._m("titan_k3_expert_relative_load", layer=layer)
                 for expert, share in enumerate(value):
                     self._m("titan_k3_expert_load_fraction", layer=layer, expert=str(expert)).set(share)
+                    histogram.observe(share * len(value))
             elif stat == "dead_fraction":
                 self._m("titan_k3_dead_expert_fraction", layer=layer).set(value)
             else:
