@@ -21,6 +21,7 @@ class Documents:
     """int64 [B, T] position of each token inside its document."""
     doc_BT: torch.Tensor
     """int64 [B, T] document index of each token (global over the microbatch)."""
+    _mask: torch.Tensor | None = None
 
     @staticmethod
     def build(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> "Documents":
@@ -41,10 +42,12 @@ class Documents:
         return Documents(cu, pos.view(batch, seq_len), doc.view(batch, seq_len))
 
     def attention_mask(self) -> torch.Tensor | None:
-        """bool [B, 1, T, T]: causal and same document; None when rows are whole documents."""
+        """bool [B, 1, T, T]: causal and same document; None when rows are whole documents. Built once per forward."""
         if self.cu_seqlens is None:
             return None
-        same_doc = self.doc_BT[:, :, None] == self.doc_BT[:, None, :]
-        T = self.doc_BT.shape[1]
-        causal = torch.ones(T, T, dtype=torch.bool, device=self.doc_BT.device).tril()
-        return (same_doc & causal)[:, None]
+        if self._mask is None:
+            same_doc = self.doc_BT[:, :, None] == self.doc_BT[:, None, :]
+            T = self.doc_BT.shape[1]
+            causal = torch.ones(T, T, dtype=torch.bool, device=self.doc_BT.device).tril()
+            self._mask = (same_doc & causal)[:, None]
+        return self._mask
