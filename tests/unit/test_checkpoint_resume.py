@@ -2,7 +2,8 @@
 
 A run of 8 updates is the reference. Runs interrupted by os._exit after update 4
 (debug.crash_at_step), by a kill between writing a checkpoint and committing it
-(debug.kill_in_save_at_step), and by a true SIGKILL, then restarted with the same
+(debug.kill_in_save_at_step), and by a true SIGKILL (async saves every update, so
+the kill may land inside a background write), then restarted with the same
 --job.name, must log bitwise the same loss / grad norm / LR / tokens for every update
 and end with bitwise the same model (incl. the Quantile Balancing bias) and optimizer.
 SIGTERM must finish the update, save and exit 0. Independent runs go in parallel.
@@ -32,7 +33,7 @@ COMMON = [
 
 
 def _start(dump: Path, name: str, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "titan_k3.train", *COMMON, "--job.dump_folder", str(dump), "--job.name", name, *extra]
     log = open(dump / f"{name}.log", "a")
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -91,7 +92,7 @@ def runs(tmp_path_factory):
         "ref": _start(dump, "ref", "--checkpoint.interval", "4"),
         "crash": _start(dump, "crash", "--checkpoint.interval", "4", "--debug.crash_at_step", "4"),
         "killsave": _start(dump, "killsave", "--checkpoint.interval", "2", "--debug.kill_in_save_at_step", "4"),
-        "sigkill": _start(dump, "sigkill", "--checkpoint.interval", "1"),
+        "sigkill": _start(dump, "sigkill", "--checkpoint.interval", "1", "--checkpoint.async_mode", "async"),
         "sigterm": _start(dump, "sigterm", "--checkpoint.interval", "1000", "--training.steps", "1000"),
     }
     # True SIGKILL once the second checkpoint is committed (6 updates of margin before the run would end).

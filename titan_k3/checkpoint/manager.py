@@ -282,6 +282,8 @@ class CheckpointManager:
     def load_from(self, path: Path) -> int:
         """Load the full training state of checkpoint dir `path` (all ranks)."""
         meta = json.loads((path / META_FILE).read_text())
+        if meta.get("version") != META_VERSION:
+            raise ValueError(f"checkpoint {path}: {META_FILE} version {meta.get('version')!r}; this build reads {META_VERSION}")
         state = self._dcp_state()
         check_compatible(path, state)
         dcp.load(state, checkpoint_id=str(path), process_group=self.dcp_group, no_dist=not self.distributed)
