@@ -112,11 +112,13 @@ class CheckpointManager:
         train_state: object whose TRAIN_STATE_KEYS attributes are saved and restored (the Trainer).
         meta: JSON-able facts stored in meta.json (model args, flavor, ...).
         events: an EventLog (rank 0 writes; others print nothing).
+        restore_data: False leaves the loader at its start on resume (a fixed-batch run trains on the
+            loader's first batch, which a fresh loader yields again).
     """
 
     def __init__(self, cfg, folder: Path, *, model: torch.nn.Module, optimizers, schedule, loader,
                  train_state, meta: dict[str, Any], events, rank: int = 0, world_size: int = 1,
-                 dp_rank: int = 0, dp_world: int = 1, kill_in_save_at_step: int = -1):
+                 dp_rank: int = 0, dp_world: int = 1, restore_data: bool = True, kill_in_save_at_step: int = -1):
         self.cfg = cfg
         self.folder = Path(folder)
         self.model, self.optimizers, self.schedule, self.loader = model, optimizers, schedule, loader
@@ -133,6 +135,7 @@ class CheckpointManager:
         self.stop = StopRequest()
         self._pending: _Pending | None = None
         self._last_saved_step: int | None = None
+        self.restore_data = restore_data
         self._kill_in_save_at_step = kill_in_save_at_step
 
     # ------------------------------------------------------------------ state dicts
@@ -305,11 +308,11 @@ class CheckpointManager:
         own = path / rank_file(self.rank)
         # NOTE: the loader state is the same on every rank, so rank 0's serves any new world size.
         loader_src = own if same_world else path / rank_file(0)
-        loader_state = torch.load(loader_src, weights_only=False)["loader"]
-        try:
-            self.loader.load_state_dict(loader_state)
-        except ValueError as e:
-            raise ValueError(f"checkpoint {path}: data loader position does not fit this run: {e}") from None
+        if self.restore_data:
+            try:
+                self.loader.load_state_dict(torch.load(loader_src, weights_only=False)["loader"])
+            except ValueError as e:
+                raise ValueError(f"checkpoint {path}: data loader position does not fit this run: {e}") from None
         if own.is_file():
             rng = torch.load(own, weights_only=False)["rng"]
             torch.set_rng_state(rng["torch_cpu"])
@@ -409,6 +412,6 @@ def build_checkpointer(trainer) -> CheckpointManager:
         cfg.checkpoint, trainer.run_dir / cfg.checkpoint.folder, model=trainer.model, optimizers=trainer.optimizers,
         schedule=trainer.schedule, loader=trainer.loader, train_state=trainer, meta=meta, events=trainer.events,
         rank=trainer.rank, world_size=trainer.world_size, dp_rank=trainer.dp_rank, dp_world=trainer.dp_world,
-        kill_in_save_at_step=getattr(cfg.debug, "kill_in_save_at_step", -1),
+        restore_data=not cfg.training.fixed_batch, kill_in_save_at_step=cfg.debug.kill_in_save_at_step,
     )
 
