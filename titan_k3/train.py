@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan_k3.checkpoint import build_checkpointer
+from titan_k3.checkpoint import build_checkpointer, check_resumable
 from titan_k3.config import ConfigError, JobConfig, help_text, load_job_config
 from titan_k3.config.validate import parse_context_stages, seq_len_at
 from titan_k3.eval.runner import Evaluator, format_metrics
@@ -134,6 +134,8 @@ class Trainer:
         self._fixed = None
         self.evaluator = Evaluator(cfg, self.tokenizer, self.device, dp_rank=self.dp_rank, dp_world=self.dp_world,
                                    dp_group=self.dp_group)
+
+        check_resumable(cfg, run_dir_path(cfg), model, self.optimizers)
 
         # Everything above can still refuse the job; only now does the run directory appear.
         self.run_dir = run_dir_path(cfg)

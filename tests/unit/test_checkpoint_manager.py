@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from titan_k3.checkpoint import layout
-from titan_k3.checkpoint.manager import CheckpointManager, load_model_weights
+from titan_k3.checkpoint.manager import CheckpointManager, check_resumable, load_model_weights
 from titan_k3.config import load_job_config
 from titan_k3.metrics.events import EventLog
 from titan_k3.models.k3.args import get_flavor
@@ -222,6 +222,28 @@ def test_another_model_shape_is_refused_with_the_mismatched_keys(tmp_path):
     assert "more)" in message
     # Nothing was loaded: the model keeps its own initialisation.
     assert other.state.step == 0
+
+
+def test_check_resumable_refuses_on_metadata_alone(tmp_path):
+    run = Run(tmp_path)
+    run.update(1)
+    run.manager.save(1)
+    run.close()
+    ckpt = SimpleNamespace(enable=True, folder="checkpoints", load_step=-1, initial_load_path="")
+    cfg = SimpleNamespace(checkpoint=ckpt)
+    check_resumable(cfg, tmp_path, run.model, run.optimizers)
+    other = Run(tmp_path / "other", flavor_kw={"dim": 96})
+    with pytest.raises(ValueError, match="tok_embeddings.weight: checkpoint \\[512, 64\\] vs this run \\[512, 96\\]"):
+        check_resumable(cfg, tmp_path, other.model, other.optimizers)
+    ckpt.load_step = 7
+    with pytest.raises(ValueError, match="'checkpoint.load_step' = 7"):
+        check_resumable(cfg, tmp_path, run.model, run.optimizers)
+    ckpt.enable, ckpt.initial_load_path = False, str(tmp_path / "checkpoints")
+    with pytest.raises(ValueError, match="does not match"):
+        check_resumable(cfg, tmp_path / "other", other.model, other.optimizers)
+    ckpt.initial_load_path = str(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="initial_load_path' = '.*nowhere': no checkpoint there"):
+        check_resumable(cfg, tmp_path / "other", other.model, other.optimizers)
 
 
 def test_model_only_initial_load(tmp_path):

@@ -1,5 +1,11 @@
 """Checkpoints: DCP manager (atomic, async, reshardable resume) and export to the K3 release layout."""
 
-from titan_k3.checkpoint.manager import CheckpointManager, build_checkpointer, check_compatible, load_model_weights
+from titan_k3.checkpoint.manager import (
+    CheckpointManager,
+    build_checkpointer,
+    check_compatible,
+    check_resumable,
+    load_model_weights,
+)
 
-__all__ = ["CheckpointManager", "build_checkpointer", "check_compatible", "load_model_weights"]
+__all__ = ["CheckpointManager", "build_checkpointer", "check_compatible", "check_resumable", "load_model_weights"]

@@ -376,6 +376,29 @@ def check_compatible(path: Path, state: dict[str, Any], *, model_only: bool = Fa
         )
 
 
+def check_resumable(cfg, run_dir: Path, model: torch.nn.Module, optimizers) -> None:
+    """Refuse, before the run directory is touched, a checkpoint this run would fail to load.
+
+    Reads only metadata: the checkpoint the run would resume from (its model and
+    optimizer shapes), or a DCP initial_load_path (its model shapes).
+    """
+    c = cfg.checkpoint
+    if c.enable:
+        path, note = layout.resolve(Path(run_dir) / c.folder, c.load_step)
+        if path is not None:
+            check_compatible(path, {"model": get_model_state_dict(model), "optim": optimizers.state_dict()})
+            return
+        if note:
+            raise ValueError(f"{Path(run_dir) / c.folder}: {note}")
+    src = Path(c.initial_load_path) if c.initial_load_path else None
+    if src is not None and not (src / "config.json").is_file():
+        if not (src / layout.DCP_METADATA).is_file():
+            src, _ = layout.resolve(src, -1)
+            if src is None:
+                raise ValueError(f"config key 'checkpoint.initial_load_path' = '{c.initial_load_path}': no checkpoint there")
+        check_compatible(src, {"model": get_model_state_dict(model)}, model_only=True)
+
+
 def load_model_weights(model: torch.nn.Module, src: Path, process_group=None) -> None:
     """Model-only load: a DCP step dir, a checkpoints folder (its `latest`), or an exported K3 dir."""
     if (src / "config.json").is_file():
@@ -392,9 +415,9 @@ def load_model_weights(model: torch.nn.Module, src: Path, process_group=None) ->
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
         return
     if not (src / layout.DCP_METADATA).is_file():
-        path, note = layout.resolve(src, -1)
+        path, _ = layout.resolve(src, -1)
         if path is None:
-            raise ValueError(f"config key 'checkpoint.initial_load_path' = '{src}': no checkpoint there {note}".strip())
+            raise ValueError(f"config key 'checkpoint.initial_load_path' = '{src}': no checkpoint there")
         src = path
     state = {"model": get_model_state_dict(model)}
     check_compatible(src, state, model_only=True)
