@@ -30,6 +30,7 @@ from titan_k3.checkpoint.hf import (
     to_hf,
 )
 from titan_k3.checkpoint.manager import META_FILE
+from titan_k3.models.k3.args import K3Args
 
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -82,7 +83,7 @@ def export_checkpoint(checkpoint: Path, out: Path, *, dtype: str = "bfloat16", m
     return index
 
 
-def import_state_dict(src: Path) -> tuple:
+def import_state_dict(src: Path) -> tuple[K3Args, dict[str, torch.Tensor]]:
     """(K3Args, {titan_k3 name: float32 tensor}) from an export directory."""
     from safetensors.torch import load_file
 
