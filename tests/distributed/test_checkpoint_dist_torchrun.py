@@ -63,7 +63,6 @@ def _rank_one_worker(torchrun_pid: int) -> int | None:
 # stale unique id). init_process_group needs a store prefixed by TORCHELASTIC_RESTART_COUNT
 # (PrefixStore(f"attempt_{n}", TCPStore(MASTER_ADDR, MASTER_PORT, is_master=False))) in
 # titan_k3.parallel.setup_distributed; drop this mark when that lands.
-@pytest.mark.xfail(strict=True, reason="restart needs a per-attempt store prefix in setup_distributed")
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find the worker")
 def test_torchrun_restart_after_a_rank_is_killed_resumes_from_latest(tmp_path):
     run = tmp_path / "tr"

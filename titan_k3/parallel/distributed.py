@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from itertools import chain
 from typing import Callable
 
@@ -31,6 +32,22 @@ class Distributed:
     """All data-parallel ranks: loss / token counts, QB histograms, QK-Clip maxima."""
 
 
+def _attempt_store(world: int) -> dict:
+    """A store private to this torchrun attempt.
+
+    NOTE: torchrun keeps one TCPStore on MASTER_PORT across restarts, so a
+    restarted group would read the dead attempt's keys (gloo: connection
+    refused; NCCL: a stale unique id). Prefixing by the restart count keeps
+    each attempt's rendezvous apart. Outside torchrun the default env:// init is used.
+    """
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(minutes=5))
+    prefixed = dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    return {"store": prefixed, "rank": int(os.environ["RANK"]), "world_size": world}
+
+
 def setup_distributed(parallelism_cfg, device: torch.device, n_experts: int) -> Distributed:
     """Init the process group and the mesh under torchrun; a plain single process otherwise."""
     if "WORLD_SIZE" not in os.environ:
@@ -40,7 +57,8 @@ def setup_distributed(parallelism_cfg, device: torch.device, n_experts: int) -> 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None,
+                                **_attempt_store(world))
     mesh = dims.build_mesh(device.type)
     dp = mesh["dp"]
     return Distributed(dims, mesh, dp.get_local_rank(), dp.size(), dp.get_group())
