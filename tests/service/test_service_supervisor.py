@@ -109,7 +109,7 @@ def test_every_string_config_key_is_classified_for_path_checks():
 
     checked = {"checkpoint.folder", "checkpoint.initial_load_path", "eval.tasks", "data.dataset", "data.tokenizer"}
     reserved = {"job.config_file", "job.dump_folder", "job.name"}  # set by the service, refused as overrides
-    not_paths = {"job.description", "model.name", "model.flavor", "data.mixture"}
+    not_paths = {"job.description", "model.name", "model.flavor", "data.mixture", "training.context_stages"}
     strings = set()
     for section in dataclasses.fields(JobConfig):
         cls = typing.get_type_hints(JobConfig)[section.name]
