@@ -83,3 +83,11 @@ def test_context_stages_are_validated():
         load_job_config(["--training.context_stages", "5:100"])
     with pytest.raises(ConfigError, match="updates must increase"):
         load_job_config(["--training.context_stages", "5:128,4:256"])
+
+
+def test_explicit_triton_kernel_without_a_gpu_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rc = main([*FAST, "--job.dump_folder", str(tmp_path), "--kernels.experts", "triton"])
+    assert rc == 2
+    assert "config key 'kernels.experts' = 'triton': the Triton kernel needs a CUDA device" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())

@@ -9,6 +9,7 @@ error. Nothing here falls back later, at run time.
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -77,6 +78,10 @@ def _pick(op: str, requested: str, on_cuda: bool, fast: tuple[str, str, str], re
     fn, why = _triton_fn(fast[0], fast[1])
     if requested == "auto" and not on_cuda:
         return reference, KernelChoice(op, requested, "torch", True, "no CUDA device: the Triton kernel needs a GPU")
+    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        # NOTE: refuse now rather than fail at the first forward, after the run directory exists.
+        raise ValueError(f"config key 'kernels.{op}' = '{requested}': the Triton kernel needs a CUDA device "
+                         "(or TRITON_INTERPRET=1 for Triton's CPU interpreter)")
     if fn is None:
         return reference, KernelChoice(op, requested, "torch", True, why)
     return fn, KernelChoice(op, requested, fast[2], False)
