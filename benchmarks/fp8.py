@@ -12,14 +12,17 @@ Prints a table and appends dated rows to benchmarks/results/fp8.md.
 
 import argparse
 import copy
-import datetime
 import os
-import subprocess
+import sys
 
 import torch
 import triton
 import triton.testing
 from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import environment, rel_rms  # noqa: E402
 
 SHAPES = {  # k3-mini linears (K3_SPEC §1.5) and, for contrast, a large FFN pair
     "kda q/k/v/g/o": (512, 512),
@@ -35,11 +38,6 @@ SHAPES = {  # k3-mini linears (K3_SPEC §1.5) and, for contrast, a large FFN pai
     "square 4096": (4096, 4096),
 }
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fp8.md")
-
-
-def rel_rms(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
 
 
 def fwd_bwd(module, x, dy):
@@ -58,8 +56,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=32768)
     n = parser.parse_args().tokens
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
-    gpu, date = torch.cuda.get_device_name(), datetime.date.today().isoformat()
+    env = environment()
     rows = []
     for name, (d_in, d_out) in SHAPES.items():
         torch.manual_seed(0)
@@ -93,7 +90,7 @@ def main():
                     "| date | commit | GPU | torch | triton | layer | in x out | tokens | recipe | fp8 ms | bf16 ms (same run) | speedup | fp8 TFLOP/s |\n"
                     "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
         for name, d_in, d_out, variant, t, t_ref, ratio, tflops in rows:
-            f.write(f"| {date} | {commit} | {gpu} | {torch.__version__} | {triton.__version__} | {name} | {d_in}x{d_out} | "
+            f.write(f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | {name} | {d_in}x{d_out} | "
                     f"{n} | {variant} | {t:.3f} | {t_ref:.3f} | {ratio:.2f}x | {tflops:.0f} |\n")
     print(f"\n{'layer':>20} {'shape':>10} {'recipe':>10} {'fp8 ms':>8} {'bf16 ms':>8} {'speedup':>8}")
     for name, d_in, d_out, variant, t, t_ref, ratio, _ in rows:

@@ -14,9 +14,7 @@ Prints a table last and appends a dated Markdown row to the results file.
 """
 
 import argparse
-import datetime
 import os
-import subprocess
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +22,7 @@ import triton
 import triton.testing
 
 import kernels.fused_ce.ce_rows as ce_rows_module
+from benchmarks.common import environment, rel_rms
 from kernels.fused_ce import linear_cross_entropy, reference
 
 IGNORE = -100
@@ -35,11 +34,6 @@ def naive_bf16(h, weight, targets, ignore_index=IGNORE):
     logits = h @ weight.t()
     loss_sum = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
     return loss_sum, (targets != ignore_index).sum()
-
-
-def rel_rms(x, ref):
-    x, ref = x.double(), ref.double()
-    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
 
 
 def fwd_bwd(fn, h, weight, targets, **kw):
@@ -73,16 +67,6 @@ def time_ms(fn, h, weight, targets, **kw):
         lambda: fwd_bwd(fn, h, weight, targets, **kw), warmup=200, rep=1000, grad_to_none=[h, weight],
         return_mode="median",
     )
-
-
-def commit() -> str:
-    env = os.environ.get("COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def sweep_row_kernel(logits_src, targets_C):
@@ -203,13 +187,12 @@ def main():
     naive_ms, naive_mem = rows["bf16 logits + F.cross_entropy"]
     ref_ms, ref_mem = rows["chunked PyTorch reference"]
     matmul_floor_ms = 3 * 2 * n * v * d / 790e12 * 1e3
-    gpu = torch.cuda.get_device_name()
-    date = datetime.date.today().isoformat()
+    env = environment()
     shape = f"N{n} D{d} V{v} bf16"
     speedup = naive_ms / fused_ms
     mem_ratio = fused_mem / naive_mem
     row = (
-        f"| {date} | {commit()} | {gpu} | {torch.__version__} | {triton.__version__} | {shape} "
+        f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | {shape} "
         f"| {fused_ms:.2f} | {n / fused_ms / 1e3:.2f}M | {fused_mem / GiB:.2f} "
         f"| {naive_ms:.2f} | {naive_mem / GiB:.2f} | {ref_ms:.2f} | {ref_mem / GiB:.2f} "
         f"| {speedup:.2f}x | {mem_ratio:.3f} |"

@@ -14,9 +14,7 @@ Prints a table and appends dated rows to benchmarks/results/kda.md (or --out).
 """
 
 import argparse
-import datetime
 import os
-import subprocess
 import sys
 import time
 
@@ -26,6 +24,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import environment, rel_rms  # noqa: E402
 from kernels.kda import chunk_kda, kda_gate, l2norm  # noqa: E402
 
 SHAPES = {
@@ -36,11 +35,6 @@ SHAPES = {
 }
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "kda.md")
 LOWER_BOUND = -5.0
-
-
-def rel_rms(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
 
 
 def make_inputs(B, T, H, D):
@@ -140,17 +134,6 @@ def profile_ours(shape):
             chunk_kda(*leaves)[0].backward(do)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
-
-
-def environment():
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return {
-        "date": datetime.date.today().isoformat(),
-        "commit": commit or "unknown",
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-    }
 
 
 def main():

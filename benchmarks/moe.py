@@ -15,9 +15,7 @@ Prints a table and appends dated rows to benchmarks/results/moe.md.
 """
 
 import argparse
-import datetime
 import os
-import subprocess
 import sys
 
 import torch
@@ -26,6 +24,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import environment, rel_rms  # noqa: E402
 from kernels.grouped_gemm import grouped_mm, moe_experts, reference, route_permutation, situ_glu  # noqa: E402
 
 SHAPES = {
@@ -34,11 +33,6 @@ SHAPES = {
     "e64": (32768, 6, 64, 1024, 256),
 }
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "moe.md")
-
-
-def rel_rms(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
 
 
 def make_inputs(n_tokens, top_k, n_experts, latent, hidden):
@@ -151,20 +145,6 @@ def profile_ours(fn, inputs, dy):
             run()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
-
-
-def environment():
-    # NOTE: BENCH_COMMIT names the commit where the tree runs without its git history.
-    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    return {
-        "date": datetime.date.today().isoformat(),
-        "commit": commit or "unknown",
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-    }
 
 
 def main():

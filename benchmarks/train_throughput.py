@@ -16,7 +16,6 @@ import argparse
 import gc
 import json
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -27,6 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import environment  # noqa: E402
 from titan_k3.config import load_job_config  # noqa: E402
 from titan_k3.models.k3.args import flops_per_token, get_flavor  # noqa: E402
 
@@ -110,14 +110,6 @@ def run_variant(name: str, seq: int, batch: int, warmup: int, steps: int, out: P
     del holder, step_fn
     gc.collect()
     return result
-
-
-def environment() -> dict:
-    import triton
-
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return {"date": time.strftime("%Y-%m-%d"), "commit": commit or "unknown", "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "triton": triton.__version__}
 
 
 def main() -> int:

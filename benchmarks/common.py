@@ -1,0 +1,41 @@
+"""What every GPU benchmark shares: the error measure and the environment a result row records."""
+
+import datetime
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+import triton
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """RMS of (x - ref) over the RMS of ref, computed in float64."""
+    x, ref = x.double(), ref.double()
+    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+
+
+def git_commit() -> str:
+    """The short commit of the tree, or "unknown" where it has no git metadata."""
+    # NOTE: BENCH_COMMIT (or COMMIT) names the commit where the tree runs without its git history.
+    named = os.environ.get("BENCH_COMMIT") or os.environ.get("COMMIT")
+    if named:
+        return named
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def environment() -> dict:
+    """date, commit, gpu, torch, triton: the columns every results row starts with."""
+    return {
+        "date": datetime.date.today().isoformat(),
+        "commit": git_commit(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
