@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 
 from titan_k3.checkpoint import layout, load_model_weights
-from titan_k3.config import JobConfig, load_job_config
+from titan_k3.config import JobConfig
 from titan_k3.eval.runner import Evaluator, task_names
+from titan_k3.metrics.run_dir import load_run_config
 
 TABLE_NAME = "eval_table.md"
 
@@ -31,13 +32,6 @@ TABLE_NAME = "eval_table.md"
 def run_dir_of(checkpoint: Path) -> Path:
     """RUN_DIR for RUN_DIR/<checkpoint.folder>/step-N."""
     return checkpoint.resolve().parent.parent
-
-
-def load_run_config(run_dir: Path) -> JobConfig:
-    path = run_dir / "config.toml"
-    if not path.is_file():
-        raise ValueError(f"run directory {str(run_dir)!r}: no config.toml (is it a titan_k3 run directory?)")
-    return load_job_config([], toml_text=path.read_text())
 
 
 def build_model(cfg: JobConfig, device: torch.device):

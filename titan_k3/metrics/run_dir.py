@@ -2,6 +2,8 @@
 
 Created only after every check on the configuration, the data and the model
 has passed, so bad input never leaves a half-written run directory.
+`read_jsonl` and `load_run_config` read it back for the offline tools
+(summarize, sweep, eval).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from titan_k3.config import JobConfig, config_to_toml
+from titan_k3.config import JobConfig, config_to_toml, load_job_config
 
 
 def run_dir_path(cfg: JobConfig) -> Path:
@@ -90,6 +92,28 @@ def prepare_run_dir(cfg: JobConfig, manifest_extra: dict[str, Any]) -> Path:
     tmp.write_text(json.dumps(manifest, indent=2, default=str))
     os.replace(tmp, path / "manifest.json")
     return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every record of a metrics.jsonl / events.jsonl file ([] when absent); ValueError naming a bad line."""
+    if not path.exists():
+        return []
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not a JSON object ({e.msg})") from None
+    return out
+
+
+def load_run_config(run_dir: Path) -> JobConfig:
+    """The run's resolved config.toml, as a JobConfig."""
+    path = Path(run_dir) / "config.toml"
+    if not path.is_file():
+        raise ValueError(f"run directory {str(run_dir)!r}: no config.toml (is it a titan_k3 run directory?)")
+    return load_job_config([], toml_text=path.read_text())
 
 
 class Tee:

@@ -14,13 +14,14 @@ over the sum of the seconds (never a mean of per-window rates).
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import tomli
+
+from titan_k3.metrics.run_dir import read_jsonl
 
 PROBES = {
     "smoke": "does the whole step execute end to end?",
@@ -43,19 +44,6 @@ class Steady:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else float("nan")
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not a JSON object ({e.msg})") from None
-    return out
 
 
 def windows(records: list[dict]) -> list[tuple[dict, dict]]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
 import re
@@ -44,6 +43,7 @@ import tomli
 import tomli_w
 
 from titan_k3.config import JobConfig, config_to_dict, load_job_config
+from titan_k3.metrics.run_dir import load_run_config, read_jsonl
 
 KNOBS = ("optimizer.lr", "training.local_batch_size", "training.seq_len", "lr_scheduler.warmup_steps")
 TOKEN_KNOBS = ("training.local_batch_size", "training.seq_len")
@@ -226,19 +226,6 @@ def submit(members: list[Member], url: str, token: str, gpus: int, nproc_per_nod
 
 
 # ---------------------------------------------------------------------- comparing
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise SweepError(f"{path}:{n}: not a JSON object ({e.msg})") from None
-    return out
-
-
 @dataclass
 class RunView:
     path: Path
@@ -258,17 +245,21 @@ class RunView:
 
 def load_run(path: Path) -> RunView:
     # NOTE: a resumed run logs again the steps after its last checkpoint; the later record of a step wins.
-    by_step = {r["step"]: r for r in _read_jsonl(path / "metrics.jsonl") if "loss" in r and "tokens_seen" in r}
+    try:
+        metrics, events = read_jsonl(path / "metrics.jsonl"), read_jsonl(path / "events.jsonl")
+    except ValueError as e:
+        raise SweepError(str(e)) from None
+    by_step = {r["step"]: r for r in metrics if "loss" in r and "tokens_seen" in r}
     records = [by_step[s] for s in sorted(by_step)]
     if not records:
         raise SweepError(f"run {str(path)!r}: no metrics.jsonl records (is it a finished titan_k3 run directory?)")
     cfg = None
     if (path / "config.toml").is_file():
         try:
-            cfg = load_job_config([], toml_text=(path / "config.toml").read_text())
+            cfg = load_run_config(path)
         except ValueError as e:
             raise SweepError(f"run {str(path)!r}: config.toml: {e}") from None
-    return RunView(path, records, _read_jsonl(path / "events.jsonl"), cfg, flat_config(cfg) if cfg else {})
+    return RunView(path, records, events, cfg, flat_config(cfg) if cfg else {})
 
 
 def interpolate(records: list[dict], key: str, tokens: float) -> float:
