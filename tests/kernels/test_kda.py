@@ -104,30 +104,40 @@ def test_reference_low_precision_cpu(dtype):
     assert rel_rms(S, S_ref) < tol
 
 
-def test_reference_fused_options_equal_unfused():
-    B, T, H, K, V = 1, 70, 2, 16, 8
-    q, k, v, g_raw, beta_logit, h0 = make_inputs(B, T, H, K, V, seed=11)
+def check_fused_options_equal_unfused(fused_kda, unfused_kda, inputs, *, seed, out_tol, grad_tol):
+    """`fused_kda` with the gate, l2 norm and beta sigmoid fused in against `unfused_kda` fed their results.
+
+    Outputs and the gradients of every input, A_log and dt_bias included, agree to out_tol / grad_tol,
+    with and without the gate's lower bound.
+    """
+    q, k, v, g_raw, beta_logit, h0 = inputs
     q, k = q * 3, k * 2  # not unit norm: the fused l2 norm has work to do
     g_raw, beta_logit = g_raw * 2 + 3, beta_logit * 8 - 4
-    gen = torch.Generator().manual_seed(2)
-    A_log = torch.randn(H, generator=gen, dtype=torch.float64).requires_grad_(True)
-    dt_bias = torch.randn(H, K, generator=gen, dtype=torch.float64).requires_grad_(True)
+    H, K = q.shape[2], q.shape[3]
+    gen = torch.Generator().manual_seed(seed)
+    A_log = torch.randn(H, generator=gen, dtype=q.dtype).to(q.device).requires_grad_(True)
+    dt_bias = torch.randn(H, K, generator=gen, dtype=q.dtype).to(q.device).requires_grad_(True)
     for lb in (-5.0, None):
-        fused_fn = lambda *a, **kw: chunk_kda_reference(  # noqa: E731
+        fused_fn = lambda *a, **kw: fused_kda(  # noqa: E731
             *a, A_log=A_log, dt_bias=dt_bias, gate_lower_bound=lb, use_qk_l2norm=True, beta_is_logit=True, **kw
         )
-        unfused_fn = lambda q, k, v, g, beta, **kw: recurrent_kda(  # noqa: E731
+        unfused_fn = lambda q, k, v, g, beta, **kw: unfused_kda(  # noqa: E731
             l2norm(q), l2norm(k), v, kda_gate(g, A_log, dt_bias, lb), torch.sigmoid(beta), **kw
         )
         o_f, S_f, grads_f = run_with_grads(fused_fn, q, k, v, g_raw, beta_logit, h0)
         dA_f, ddt_f = A_log.grad.clone(), dt_bias.grad.clone()
         A_log.grad = dt_bias.grad = None
         o_u, S_u, grads_u = run_with_grads(unfused_fn, q, k, v, g_raw, beta_logit, h0)
-        assert rel_rms(o_f, o_u) < 1e-10 and rel_rms(S_f, S_u) < 1e-10
+        assert rel_rms(o_f, o_u) < out_tol and rel_rms(S_f, S_u) < out_tol
         for name, a, b in zip(GRAD_NAMES, grads_f, grads_u):
-            assert rel_rms(a, b) < 1e-9, name
-        assert rel_rms(dA_f, A_log.grad) < 1e-9 and rel_rms(ddt_f, dt_bias.grad) < 1e-9
+            assert rel_rms(a, b) < grad_tol, name
+        assert rel_rms(dA_f, A_log.grad) < grad_tol and rel_rms(ddt_f, dt_bias.grad) < grad_tol
         A_log.grad = dt_bias.grad = None
+
+
+def test_reference_fused_options_equal_unfused():
+    inputs = make_inputs(1, 70, 2, 16, 8, seed=11)
+    check_fused_options_equal_unfused(chunk_kda_reference, recurrent_kda, inputs, seed=2, out_tol=1e-10, grad_tol=1e-9)
 
 
 def test_kda_gate_values():
@@ -226,29 +236,8 @@ def test_chunk_kda_hard_resets_and_lower_bound_are_finite():
 
 
 def test_chunk_kda_fused_options_equal_unfused():
-    B, T, H, K, V = 1, 40, 2, 32, 32
-    q, k, v, g_raw, beta_logit, h0 = (x.float().to(DEVICE) for x in make_inputs(B, T, H, K, V, seed=12))
-    q, k = q * 3, k * 2
-    g_raw, beta_logit = g_raw * 2 + 3, beta_logit * 8 - 4
-    gen = torch.Generator().manual_seed(3)
-    A_log = torch.randn(H, generator=gen).to(DEVICE).requires_grad_(True)
-    dt_bias = torch.randn(H, K, generator=gen).to(DEVICE).requires_grad_(True)
-    for lb in (-5.0, None):
-        fused_fn = lambda *a, **kw: chunk_kda(  # noqa: E731
-            *a, A_log=A_log, dt_bias=dt_bias, gate_lower_bound=lb, use_qk_l2norm=True, beta_is_logit=True, **kw
-        )
-        unfused_fn = lambda q, k, v, g, beta, **kw: chunk_kda(  # noqa: E731
-            l2norm(q), l2norm(k), v, kda_gate(g, A_log, dt_bias, lb), torch.sigmoid(beta), **kw
-        )
-        o_f, S_f, grads_f = run_with_grads(fused_fn, q, k, v, g_raw, beta_logit, h0)
-        dA_f, ddt_f = A_log.grad.clone(), dt_bias.grad.clone()
-        A_log.grad = dt_bias.grad = None
-        o_u, S_u, grads_u = run_with_grads(unfused_fn, q, k, v, g_raw, beta_logit, h0)
-        assert rel_rms(o_f, o_u) < 1e-5 and rel_rms(S_f, S_u) < 1e-5
-        for name, a, b in zip(GRAD_NAMES, grads_f, grads_u):
-            assert rel_rms(a, b) < 1e-4, name
-        assert rel_rms(dA_f, A_log.grad) < 1e-4 and rel_rms(ddt_f, dt_bias.grad) < 1e-4
-        A_log.grad = dt_bias.grad = None
+    inputs = [x.float().to(DEVICE) for x in make_inputs(1, 40, 2, 32, 32, seed=12)]
+    check_fused_options_equal_unfused(chunk_kda, chunk_kda, inputs, seed=3, out_tol=1e-5, grad_tol=1e-4)
 
 
 def test_chunk_kda_float16_forward():
