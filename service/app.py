@@ -12,7 +12,7 @@ import shutil
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI, HTTPException, Query
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -163,6 +163,14 @@ class Service:
             invariant_violations=_finite(ev["invariant_violations"]), events=ev["counts"],
         )
 
+    def transition(self, run_id: str, action: Callable[[str], Run]) -> RunOut:
+        """The supervisor's `action` (stop, resume) on an existing run: 404 when absent, 409 when it refuses."""
+        self.get(run_id)
+        try:
+            return self.out(action(run_id))
+        except Conflict as e:
+            raise HTTPException(409, str(e)) from None
+
     def log_lines(self, run: Run, tail: int) -> list[str]:
         """The last `tail` lines over all attempts' console logs; a header marks each attempt shown whole."""
         out: list[str] = []
@@ -214,20 +222,12 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/v1/runs/{run_id}/stop", status_code=202, response_model=RunOut,
               dependencies=[Depends(require_token)], responses={404: {}, 409: {}})
     def stop_run(run_id: str) -> RunOut:
-        svc.get(run_id)
-        try:
-            return svc.out(svc.supervisor.stop(run_id))
-        except Conflict as e:
-            raise HTTPException(409, str(e)) from None
+        return svc.transition(run_id, svc.supervisor.stop)
 
     @app.post("/v1/runs/{run_id}/resume", status_code=202, response_model=RunOut,
               dependencies=[Depends(require_token)], responses={404: {}, 409: {}})
     def resume_run(run_id: str) -> RunOut:
-        svc.get(run_id)
-        try:
-            return svc.out(svc.supervisor.resume(run_id))
-        except Conflict as e:
-            raise HTTPException(409, str(e)) from None
+        return svc.transition(run_id, svc.supervisor.resume)
 
     @app.get("/v1/runs/{run_id}/logs", response_class=PlainTextResponse, responses={404: {}})
     def run_logs(run_id: str, tail: int = Query(200, ge=1, le=10000)) -> PlainTextResponse:

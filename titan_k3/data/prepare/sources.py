@@ -75,7 +75,12 @@ def plan_units(src: SourceConfig, unit_bytes: int) -> list[dict]:
     return units
 
 
-def _record(obj, where: str, text_key: str, id_key: str, default_id: str) -> tuple[str, str]:
+def _record(line: bytes | str, where: str, text_key: str, id_key: str, default_id: str) -> tuple[str, str]:
+    """(id, text) of one JSONL line; `where` names the line in errors, `default_id` stands in for a missing id."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: invalid JSON ({e})") from None
     if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
         raise ValueError(f"{where}: expected a JSON object with a string field {text_key!r}")
     doc_id = obj.get(id_key)
@@ -96,11 +101,7 @@ def _jsonl_range(path: Path, rel: str, start: int, end: int, text_key: str, id_k
             if not line:
                 break
             if line.strip():
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}@{pos}: invalid JSON ({e})") from None
-                yield _record(obj, f"{path}@{pos}", text_key, id_key, f"{rel}@{pos}")
+                yield _record(line, f"{path}@{pos}", text_key, id_key, f"{rel}@{pos}")
             pos += len(line)
 
 
@@ -113,11 +114,7 @@ def _jsonl_zst(path: Path, rel: str, text_key: str, id_key: str) -> Iterator[tup
         reader = io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(raw), encoding="utf-8", errors="replace")
         for lineno, line in enumerate(reader, 1):
             if line.strip():
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: invalid JSON ({e})") from None
-                yield _record(obj, f"{path}:{lineno}", text_key, id_key, f"{rel}:{lineno}")
+                yield _record(line, f"{path}:{lineno}", text_key, id_key, f"{rel}:{lineno}")
 
 
 def _parquet(path: Path, rel: str, text_key: str, id_key: str) -> Iterator[tuple[str, str]]:
