@@ -39,3 +39,14 @@ def environment() -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
     }
+
+
+def print_cuda_profile(run, row_limit: int = 20) -> None:
+    """Prints the per-kernel CUDA time table of five calls of run(), after three warm-up calls."""
+    for _ in range(3):
+        run()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            run()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=row_limit))

@@ -24,7 +24,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import environment, rel_rms  # noqa: E402
+from benchmarks.common import environment, print_cuda_profile, rel_rms  # noqa: E402
 from kernels.kda import chunk_kda, kda_gate, l2norm  # noqa: E402
 
 SHAPES = {
@@ -127,13 +127,7 @@ def profile_ours(shape):
     B, T, H, D = shape
     (q, k, v), g, _, beta, _, _, do = make_inputs(B, T, H, D)
     leaves = [x.requires_grad_(True) for x in (q, k, v, g, beta)]
-    for _ in range(3):
-        chunk_kda(*leaves)[0].backward(do)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            chunk_kda(*leaves)[0].backward(do)
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+    print_cuda_profile(lambda: chunk_kda(*leaves)[0].backward(do), row_limit=20)
 
 
 def main():

@@ -24,7 +24,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import environment, rel_rms  # noqa: E402
+from benchmarks.common import environment, print_cuda_profile, rel_rms  # noqa: E402
 from kernels.grouped_gemm import grouped_mm, moe_experts, reference, route_permutation, situ_glu  # noqa: E402
 
 SHAPES = {
@@ -137,14 +137,7 @@ def bench_shape(name, shape, profile):
 
 
 def profile_ours(fn, inputs, dy):
-    run = fwd_bwd(fn, inputs, dy)
-    for _ in range(3):
-        run()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            run()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+    print_cuda_profile(fwd_bwd(fn, inputs, dy), row_limit=15)
 
 
 def main():
