@@ -18,6 +18,23 @@ def _tanh(z):
     return 2.0 * tl.sigmoid(2.0 * z) - 1.0
 
 
+@triton.jit
+def _slot_tile(pid, offsets_ptr, n_rows, F, N_EXPERTS: tl.constexpr, E_POW2: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program pid's tile of the [S, F] slot matrix: BLOCK_M slots of one expert by BLOCK_N columns.
+
+    Returns (expert, row_start, row_end) as `row_tile` gives them, local [BLOCK_M] row
+    offsets from row_start with row_mask, and the tile's columns cols [BLOCK_N] with col_mask.
+    """
+    n_col_tiles = tl.cdiv(F, BLOCK_N)
+    expert, row_start, row_end = row_tile(pid // n_col_tiles, offsets_ptr, n_rows, N_EXPERTS, E_POW2, BLOCK_M)
+    local = tl.arange(0, BLOCK_M)
+    row_mask = local < row_end - row_start
+    cols = (pid % n_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < F
+    return expert, row_start, row_end, local, row_mask, cols, col_mask
+
+
 @triton.autotune(configs=epilogue_configs(), key=["L", "F", "N_EXPERTS", "STORE_GU"])
 @triton.jit
 def glu_up_kernel(
@@ -34,13 +51,9 @@ def glu_up_kernel(
     (rounded to h's dtype) are stored for the backward when STORE_GU.
     h, g, u are [S, F] with row stride stride_s.
     """
-    pid = tl.program_id(0)
-    n_col_tiles = tl.cdiv(F, BLOCK_N)
-    expert, row_start, row_end = row_tile(pid // n_col_tiles, offsets_ptr, n_rows, N_EXPERTS, E_POW2, BLOCK_M)
-    local = tl.arange(0, BLOCK_M)
-    row_mask = local < row_end - row_start
-    cols = (pid % n_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < F
+    expert, row_start, row_end, local, row_mask, cols, col_mask = _slot_tile(
+        tl.program_id(0), offsets_ptr, n_rows, F, N_EXPERTS, E_POW2, BLOCK_M, BLOCK_N
+    )
     tokens = tl.load(token_ptr + row_start + local, mask=row_mask, other=0)
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_xt
     k_end = tl.where((expert >= 0) & (row_start < row_end), L, 0)
@@ -81,15 +94,11 @@ def glu_bwd_kernel(
     dg = dh * b(u) * a'(g), du = dh * a(g) * b'(u). dout [S, L] (row stride
     stride_do, unit column stride); g, u, dg, du are [S, F] with row stride stride_s.
     """
-    pid = tl.program_id(0)
-    n_col_tiles = tl.cdiv(F, BLOCK_N)
-    expert, row_start, row_end = row_tile(pid // n_col_tiles, offsets_ptr, n_rows, N_EXPERTS, E_POW2, BLOCK_M)
+    expert, row_start, row_end, local, row_mask, cols, col_mask = _slot_tile(
+        tl.program_id(0), offsets_ptr, n_rows, F, N_EXPERTS, E_POW2, BLOCK_M, BLOCK_N
+    )
     # NOTE: 64-bit row bases as scalars, 32-bit offsets inside the tile: int64
     # offset tiles next to the accumulator and g, u spill registers.
-    local = tl.arange(0, BLOCK_M)
-    row_mask = local < row_end - row_start
-    cols = (pid % n_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < F
     k_end = tl.where((expert >= 0) & (row_start < row_end), L, 0)
     dout_tile = dout_ptr + row_start.to(tl.int64) * stride_do + local[:, None] * stride_do
     w2_tile = w2_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we + cols[None, :] * stride_wf

@@ -25,7 +25,7 @@ block), `_ddecay_kernel` (reverse cumsum and the fused gate's derivative).
 import triton
 import triton.language as tl
 
-from kernels.kda.common import chunk_bounds
+from kernels.kda.common import chunk_bounds, decayed_keys, load_state, sequence_bounds
 
 
 @triton.jit
@@ -37,19 +37,14 @@ def _dstate_kernel(
     """Walks one sequence's chunks from last to first for one head and one V tile; BK covers all of K."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    bos, eos, c0 = sequence_bounds(cu_seqlens, chunk_offsets, i_n)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     cols = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, cols < V
     m_kv = m_k[:, None] & m_v[None, :]
     state_offs = o_k[:, None] * V + cols[None, :]
-    if HAS_DHT:
-        ds = tl.load(dht + i_nh * K * V + state_offs, mask=m_kv, other=0.0).to(tl.float32)
-    else:
-        ds = tl.zeros([BK, BV], dtype=tl.float32)
+    ds = load_state(dht, i_nh, state_offs, m_kv, HAS_DHT, K, V, BK, BV)
     dt = Wk.dtype.element_ty
     NT = tl.cdiv(eos - bos, BT)
     for i in range(0, NT):
@@ -62,10 +57,7 @@ def _dstate_kernel(
         m_tv = m_t[:, None] & m_v[None, :]
         offs_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
         offs_v = rows[:, None] * (H * V) + i_h * V + cols[None, :]
-        last = tl.minimum(t0 + BT, eos) - 1
-        b_last = tl.load(b + last * (H * K) + i_h * K + o_k, mask=m_k, other=0.0)
-        b_t = tl.load(b + offs_k, mask=m_tk, other=0.0)
-        kd = tl.load(k + offs_k, mask=m_tk, other=0.0).to(tl.float32) * tl.exp(tl.where(m_tk, b_last[None, :] - b_t, 0.0))
+        b_last, b_t, kd = decayed_keys(k, b, offs_k, m_tk, m_k, o_k, t0, eos, i_h, H, K, BT)
         qd = tl.load(q + offs_k, mask=m_tk, other=0.0).to(tl.float32) * tl.exp(b_t) * scale
         mm = tl.load(M + rows[:, None] * (H * BT) + i_h * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
         d_o = tl.load(do + offs_v, mask=m_tv, other=0.0)

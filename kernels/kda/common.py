@@ -60,3 +60,38 @@ def chunk_bounds(chunk_indices, cu_seqlens, i_c, BT: tl.constexpr):
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     return bos, eos, bos + i_t * BT
+
+
+@triton.jit
+def sequence_bounds(cu_seqlens, chunk_offsets, i_n):
+    """(bos, eos, c0) of sequence i_n: its first and end rows and its first global chunk."""
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    return bos, eos, c0
+
+
+@triton.jit
+def load_state(
+    ptr, i_nh, offs, mask, HAS_STATE: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    """The [BK, BV] float32 tile at offs of state i_nh in ptr ([N * H, K, V]), or zeros where there is none (ptr None)."""
+    if HAS_STATE:
+        s = tl.load(ptr + i_nh * K * V + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        s = tl.zeros([BK, BV], dtype=tl.float32)
+    return s
+
+
+@triton.jit
+def decayed_keys(k, b, offs_k, m_tk, m_k, o_k, t0, eos, i_h, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
+    """(b_last, b_t, kd) of the chunk starting at row t0, over the K columns o_k.
+
+    b_last [BK] is the decay at the chunk's last row, b_t [BT, BK] at each row, and
+    kd = exp(b_last - b_t) k [BT, BK] (float32) the keys decayed to the last row.
+    """
+    last = tl.minimum(t0 + BT, eos) - 1
+    b_last = tl.load(b + last * (H * K) + i_h * K + o_k, mask=m_k, other=0.0)
+    b_t = tl.load(b + offs_k, mask=m_tk, other=0.0)
+    kd = tl.load(k + offs_k, mask=m_tk, other=0.0).to(tl.float32) * tl.exp(tl.where(m_tk, b_last[None, :] - b_t, 0.0))
+    return b_last, b_t, kd

@@ -22,7 +22,7 @@ Buffers are [T, H, *] row-major; states are [NT or N, H, K, V].
 import triton
 import triton.language as tl
 
-from kernels.kda.common import chunk_bounds
+from kernels.kda.common import chunk_bounds, decayed_keys, load_state, sequence_bounds
 
 
 @triton.jit
@@ -231,19 +231,14 @@ def _state_kernel(
     """Walks one sequence's chunks in order for one head and one V tile; BK covers all of K."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    bos, eos, c0 = sequence_bounds(cu_seqlens, chunk_offsets, i_n)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     cols = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, cols < V
     m_kv = m_k[:, None] & m_v[None, :]
     state_offs = o_k[:, None] * V + cols[None, :]
-    if HAS_H0:
-        s = tl.load(h0 + i_nh * K * V + state_offs, mask=m_kv, other=0.0).to(tl.float32)
-    else:
-        s = tl.zeros([BK, BV], dtype=tl.float32)
+    s = load_state(h0, i_nh, state_offs, m_kv, HAS_H0, K, V, BK, BV)
     dt = Wk.dtype.element_ty
     for i_t in range(0, tl.cdiv(eos - bos, BT)):
         t0 = bos + i_t * BT
@@ -258,10 +253,7 @@ def _state_kernel(
         u = tl.load(Wv + offs_v, mask=m_tv, other=0.0).to(tl.float32)
         u -= tl.dot(wk, s.to(dt), input_precision=PREC)
         tl.store(U + offs_v, u.to(U.dtype.element_ty), mask=m_tv)
-        last = tl.minimum(t0 + BT, eos) - 1
-        b_last = tl.load(b + last * (H * K) + i_h * K + o_k, mask=m_k, other=0.0)
-        b_t = tl.load(b + offs_k, mask=m_tk, other=0.0)
-        kd = tl.load(k + offs_k, mask=m_tk, other=0.0).to(tl.float32) * tl.exp(tl.where(m_tk, b_last[None, :] - b_t, 0.0))
+        b_last, _, kd = decayed_keys(k, b, offs_k, m_tk, m_k, o_k, t0, eos, i_h, H, K, BT)
         s = s * tl.exp(b_last)[:, None] + tl.dot(tl.trans(kd.to(dt)), u.to(dt), input_precision=PREC)
     if STORE_FINAL:
         tl.store(ht + i_nh * K * V + state_offs, s, mask=m_kv)
