@@ -1,4 +1,4 @@
-"""Run the real Trainer in N local gloo processes (or one plain process) and collect per-step numbers.
+"""Spawn N local gloo processes (`spawn_gloo`); run the real Trainer in them (or in one plain process) and collect per-step numbers.
 
 Every run sees the same global batch: GLOBAL_BATCH sequences per microbatch,
 split by the loader over the data-parallel ranks (local_batch_size =
@@ -73,32 +73,45 @@ def _routing_identical(trainer) -> bool:
     return all(torch.equal(g, state) for g in gathered)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, runs: list, dump: str, result_file: str) -> None:
+def spawn_gloo(world: int, fn, *args, result_file=None) -> list | None:
+    """Run fn(rank, world, *args) in `world` spawned processes joined in one gloo group (one torch thread each).
+
+    `fn` must be a module-level function (the processes import it). With
+    `result_file`, every rank's return value is gathered on rank 0, saved
+    there, and returned in rank order.
+    """
+    out = None if result_file is None else str(result_file)
+    mp.spawn(_gloo_worker, args=(world, free_port(), fn, args, out), nprocs=world, join=True)
+    return None if out is None else torch.load(out, weights_only=False)
+
+
+def _gloo_worker(rank: int, world: int, port: int, fn, args: tuple, result_file: str | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        results = {}
-        for name, argv, steps in runs:
-            local = ["--training.local_batch_size", str(GLOBAL_BATCH // world)]
-            results[name] = run_trainer(argv + local, dump, name, steps)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            torch.save(gathered, result_file)
+        result = fn(rank, world, *args)
+        if result_file is not None:
+            gathered = [None] * world
+            dist.all_gather_object(gathered, result)
+            if rank == 0:
+                torch.save(gathered, result_file)
     finally:
         dist.destroy_process_group()
 
 
+def _train_runs(rank: int, world: int, runs: list, dump: str) -> dict:
+    local = ["--training.local_batch_size", str(GLOBAL_BATCH // world)]
+    return {name: run_trainer(argv + local, dump, name, steps) for name, argv, steps in runs}
+
+
 def run_distributed(world: int, runs: list[tuple[str, list[str], int]], tmp_path) -> list[dict]:
     """Run each (name, argv, steps) in turn in `world` spawned processes; returns one result dict per rank."""
-    result_file = str(tmp_path / "results.pt")
-    mp.spawn(_worker, args=(world, _free_port(), runs, str(tmp_path), result_file), nprocs=world, join=True)
-    return torch.load(result_file, weights_only=False)
+    return spawn_gloo(world, _train_runs, runs, str(tmp_path), result_file=tmp_path / "results.pt")

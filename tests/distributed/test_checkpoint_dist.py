@@ -16,14 +16,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from dist_harness import spawn_gloo
 from titan_k3.checkpoint.hf import read_dcp_tensors
 
 pytestmark = [
@@ -64,28 +63,12 @@ def _train(dump: str, name: str, world: int, rank: int, stop_after: int = -1, ex
     return trainer.step
 
 
-def _worker(rank: int, world: int, port: int, dump: str, legs: list, result_file: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        steps = [_train(dump, name, world, rank, stop_after, extra) for name, stop_after, extra in legs]
-        gathered = [None] * world
-        dist.all_gather_object(gathered, steps)
-        if rank == 0:
-            torch.save(gathered, result_file)
-    finally:
-        dist.destroy_process_group()
+def _legs(rank: int, world: int, dump: str, legs: list) -> list[int]:
+    return [_train(dump, name, world, rank, stop_after, extra) for name, stop_after, extra in legs]
 
 
 def _spawn(world: int, dump: Path, legs: list[tuple[str, int, tuple]]) -> list[list[int]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    result_file = str(dump / f"steps-{world}.pt")
-    mp.spawn(_worker, args=(world, port, str(dump), legs, result_file), nprocs=world, join=True)
-    return torch.load(result_file, weights_only=False)
+    return spawn_gloo(world, _legs, str(dump), legs, result_file=dump / f"steps-{world}.pt")
 
 
 def _metrics(run: Path) -> dict[int, dict]:

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 
 import pytest
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from dist_harness import spawn_gloo
 
 WORLD = 2
 ARGS = [
@@ -20,45 +17,32 @@ ARGS = [
 ]
 
 
-def _worker(rank: int, port: int, dump: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        from titan_k3.config import load_job_config
-        from titan_k3.invariants.runner import expert_dispatchers
-        from titan_k3.train import Trainer
+def _scenarios(rank: int, world: int, dump: str) -> None:
+    from titan_k3.config import load_job_config
+    from titan_k3.invariants.runner import expert_dispatchers
+    from titan_k3.train import Trainer
 
-        for bug in ("clean", "dropped_rows"):
-            trainer = Trainer(load_job_config(ARGS + ["--job.dump_folder", dump, "--job.name", bug]))
-            try:
-                dispatchers = expert_dispatchers(trainer.model)
-                assert len(dispatchers) == 3  # layers 1-3 are MoE in the debug flavor
-                if bug == "dropped_rows" and rank == 1:
-                    original = dispatchers[0].reset_counts
+    for bug in ("clean", "dropped_rows"):
+        trainer = Trainer(load_job_config(ARGS + ["--job.dump_folder", dump, "--job.name", bug]))
+        try:
+            dispatchers = expert_dispatchers(trainer.model)
+            assert len(dispatchers) == 3  # layers 1-3 are MoE in the debug flavor
+            if bug == "dropped_rows" and rank == 1:
+                original = dispatchers[0].reset_counts
 
-                    def lose_a_row():  # the next interval's accounting starts one row short on one rank
-                        original()
-                        dispatchers[0].received_W[0] -= 1
+                def lose_a_row():  # the next interval's accounting starts one row short on one rank
+                    original()
+                    dispatchers[0].received_W[0] -= 1
 
-                    dispatchers[0].reset_counts = lose_a_row
-                trainer.train()  # full AC: the recompute must not count a second dispatch
-            finally:
-                trainer.close()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+                dispatchers[0].reset_counts = lose_a_row
+            trainer.train()  # full AC: the recompute must not count a second dispatch
+        finally:
+            trainer.close()
 
 
 @pytest.mark.slow
 def test_ep_dispatch_counts_checked_in_training(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_gloo(WORLD, _scenarios, str(tmp_path))
     clean = [json.loads(x) for x in (tmp_path / "clean" / "events.jsonl").read_text().splitlines()]
     assert not [e for e in clean if e["kind"] == "invariant_violation"]
     bad = [json.loads(x) for x in (tmp_path / "dropped_rows" / "events.jsonl").read_text().splitlines()]

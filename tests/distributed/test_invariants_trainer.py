@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from dist_harness import spawn_gloo
 
 WORLD = 2
 ARGS = [
@@ -41,28 +40,15 @@ def _scenario(bug: str, dump: str) -> None:
         trainer.close()
 
 
-def _worker(rank: int, port: int, dump: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        for bug in ("clean", "same_data", "routing_drift"):
-            _scenario(bug, dump)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _scenarios(rank: int, world: int, dump: str) -> None:
+    for bug in ("clean", "same_data", "routing_drift"):
+        _scenario(bug, dump)
 
 
 @pytest.fixture(scope="module")
 def dump(tmp_path_factory):
     out = tmp_path_factory.mktemp("trainer_invariants")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    spawn_gloo(WORLD, _scenarios, str(out))
     return out
 
 

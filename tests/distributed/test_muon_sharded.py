@@ -6,14 +6,11 @@ shard and per-expert weights are orthogonalised locally: only the other
 matrices may be gathered (one gather per parameter per step).
 """
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from dist_harness import spawn_gloo
 from titan_k3.optim import PerHeadMuon
 
 WORLD = 2
@@ -41,36 +38,25 @@ def _run(make):
     return params
 
 
-def _worker(rank, port, result_file):
+def _compare(rank: int, world: int) -> dict:
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    mesh = init_device_mesh("cpu", (world,))
+    plain = {n: p.detach() for n, p in _run(lambda t: t).items()}
+    gathers = []
+    gather = dist.gather
+    dist.gather = lambda *a, **k: (gathers.append(1), gather(*a, **k))[1]
     try:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        plain = {n: p.detach() for n, p in _run(lambda t: t).items()}
-        gathers = []
-        gather = dist.gather
-        dist.gather = lambda *a, **k: (gathers.append(1), gather(*a, **k))[1]
-        try:
-            sharded = _run(lambda t: distribute_tensor(t, mesh, [Shard(0)]))
-        finally:
-            dist.gather = gather
-        full = {n: p.detach().full_tensor() for n, p in sharded.items()}
-        if rank == 0:
-            torch.save({"plain": plain, "sharded": full, "gathers": len(gathers)}, result_file)
+        sharded = _run(lambda t: distribute_tensor(t, mesh, [Shard(0)]))
     finally:
-        dist.destroy_process_group()
+        dist.gather = gather
+    full = {n: p.detach().full_tensor() for n, p in sharded.items()}
+    return {"plain": plain, "sharded": full, "gathers": len(gathers)}
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_sharded_muon_equals_single_process(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    result_file = tmp_path / "result.pt"
-    mp.spawn(_worker, args=(port, str(result_file)), nprocs=WORLD, join=True)
-    result = torch.load(result_file)
+    result = spawn_gloo(WORLD, _compare, result_file=tmp_path / "result.pt")[0]
     for name in CASES:
         torch.testing.assert_close(result["sharded"][name], result["plain"][name], rtol=1e-5, atol=1e-6, msg=name)
     n_gathered = sum(1 for *_, gathered in CASES.values() if gathered)

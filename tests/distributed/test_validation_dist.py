@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from dist_harness import spawn_gloo
 
 GLOBAL_BATCH, N_BATCHES, SEQ_LEN, SEED = 4, 2, 64, 7
 
@@ -30,31 +28,13 @@ def _evaluate(dp_rank: int, dp_world: int, dp_group) -> tuple[dict, list[int]]:
     return validation_loss(model, batches, torch.device("cpu"), dp_group), seen
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = _evaluate(rank, world, dist.group.WORLD)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, result)
-        if rank == 0:
-            torch.save(gathered, out)
-    finally:
-        dist.destroy_process_group()
+def _evaluate_rank(rank: int, world: int) -> tuple[dict, list[int]]:
+    return _evaluate(rank, world, dist.group.WORLD)
 
 
 def test_validation_loss_is_identical_on_one_and_two_ranks(tmp_path):
     single, single_seen = _evaluate(0, 1, None)
-    out = str(tmp_path / "two.pt")
-    mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
-    (r0, seen0), (r1, seen1) = torch.load(out, weights_only=False)
+    (r0, seen0), (r1, seen1) = spawn_gloo(2, _evaluate_rank, result_file=tmp_path / "two.pt")
     # The ranks evaluated disjoint halves whose union is the single-rank set ...
     assert len(seen0) == len(seen1) == GLOBAL_BATCH * N_BATCHES // 2
     assert not set(seen0) & set(seen1)
