@@ -132,14 +132,14 @@ def parse_toml_text(text: str, origin: str = "<inline TOML>") -> dict[str, Any]:
         raise ConfigError(f"{origin}: not valid TOML ({e})") from None
 
 
-def _split_cli(argv: list[str]) -> list[tuple[str, str]]:
-    """['--a.b', 'v', '--c.d=w'] -> [('a.b', 'v'), ('c.d', 'w')]."""
+def split_overrides(argv: list[str], form: str = "--section.key value") -> list[tuple[str, str]]:
+    """['--a.b', 'v', '--c.d=w'] -> [('a.b', 'v'), ('c.d', 'w')]; `form` is how an override looks, for the error."""
     pairs: list[tuple[str, str]] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument '{arg}': overrides look like --section.key value")
+            raise ConfigError(f"unexpected argument '{arg}': overrides look like {form}")
         key = arg[2:]
         if "=" in key:
             key, value = key.split("=", 1)
@@ -161,7 +161,7 @@ def load_job_config(argv: list[str] | None = None, toml_text: str | None = None)
     """
     from titan_k3.config.validate import validate
 
-    pairs = _split_cli(list(sys.argv[1:] if argv is None else argv))
+    pairs = split_overrides(list(sys.argv[1:] if argv is None else argv))
     cfg = JobConfig()
     config_file = next((v for k, v in pairs if k == "job.config_file"), None)
     if toml_text is not None:

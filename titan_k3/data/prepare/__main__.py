@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from titan_k3.config import split_overrides
 from titan_k3.data.prepare.config import load_config
 from titan_k3.data.prepare.pipeline import prepare
 
@@ -19,17 +20,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", action="append", default=[], metavar="NAME=PATH[:WEIGHT]", help="add a source")
     parser.add_argument("--force", action="store_true", help="discard an existing or unfinished output and start over")
     args, rest = parser.parse_known_args(argv)
-    overrides = {}
-    it = iter(rest)
-    for flag in it:
-        key, eq, value = flag.partition("=")
-        if not key.startswith("--") or len(key) < 3:
-            parser.error(f"unexpected argument {flag!r}")
-        if not eq:
-            value = next(it, None)
-            if value is None:
-                parser.error(f"{key}: missing value")
-        overrides[key[2:]] = value
+    try:
+        overrides = dict(split_overrides(rest, form="--key value or --section.key value"))
+    except ValueError as e:
+        parser.error(str(e))
     try:
         cfg = load_config(args.config, overrides, args.source)
         prepare(cfg, force=args.force)
