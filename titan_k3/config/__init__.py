@@ -2,12 +2,12 @@
 
 from titan_k3.config.job_config import JobConfig
 from titan_k3.config.manager import (
-                                     ConfigError,
-                                     config_to_dict,
-                                     config_to_toml,
-                                     help_text,
-                                     load_job_config,
-                                     split_overrides,
+    ConfigError,
+    config_to_dict,
+    config_to_toml,
+    help_text,
+    load_job_config,
+    split_overrides,
 )
 
 __all__ = ["ConfigError", "JobConfig", "config_to_dict", "config_to_toml", "help_text", "load_job_config", "split_overrides"]
