@@ -345,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         trainer.close()
+    if dist.is_initialized():
+        # NOTE: ranks leave together: one tearing the group down while a peer still talks can abort the peer.
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 

@@ -103,6 +103,8 @@ def _gloo_worker(rank: int, world: int, port: int, fn, args: tuple, result_file:
             dist.all_gather_object(gathered, result)
             if rank == 0:
                 torch.save(gathered, result_file)
+        # NOTE: leave together: a rank tearing gloo down while its peer still talks aborts the peer (SIGABRT).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

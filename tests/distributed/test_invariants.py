@@ -152,6 +152,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         results = {bug: _dp_scenario(bug, rank, group, tokenizer, out) for bug in DP_SCENARIOS}
         results.update({bug: _ep_scenario(bug, rank, group, out) for bug in EP_SCENARIOS})
         (out / f"rank{rank}.json").write_text(json.dumps(results))
+        dist.barrier()  # NOTE: leave together (see dist_harness)
     finally:
         dist.destroy_process_group()
 

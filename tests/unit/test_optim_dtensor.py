@@ -58,6 +58,8 @@ def _worker(rank, init_file, result_file):
         full = ({n: p.full_tensor() for n, p in params.items()}, qb.full_tensor(), kvb.full_tensor())
         if rank == 0:
             torch.save({"plain": plain, "sharded": full}, result_file)
+        # NOTE: leave together: a rank tearing gloo down while its peer still talks aborts the peer (SIGABRT).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
