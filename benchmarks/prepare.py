@@ -13,6 +13,7 @@ benchmarks/results/prepare.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -107,12 +108,10 @@ def _git(*args) -> str:
 
 
 def _cpu() -> str:
-    try:
+    with contextlib.suppress(OSError):  # no /proc (not Linux): fall back to platform
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or "unknown"
 
 

@@ -10,7 +10,7 @@ import math
 import secrets
 import shutil
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
@@ -300,12 +300,10 @@ async def _follow(svc: Service, run: Run, tail: int) -> AsyncIterator[bytes]:
             yield event(f"=== attempt {n} ===")
         data = b""
         if current.attempts:
-            try:
+            with suppress(FileNotFoundError):  # the attempt has not written its log yet
                 with open(current.attempts[-1].log_path, "rb") as f:
                     f.seek(offset)
                     data = f.read(1 << 20)
-            except FileNotFoundError:
-                pass
         if data:
             offset += len(data)
             *lines, partial = (partial + data).split(b"\n")

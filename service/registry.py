@@ -99,7 +99,7 @@ class Run:
 
 
 class DuplicateRun(Exception):
-    pass
+    """A run with this name already exists (the API answers 409)."""
 
 
 class Registry:

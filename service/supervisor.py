@@ -14,6 +14,7 @@ start time).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -278,24 +279,18 @@ class Supervisor:
         doomed.extend(p for p in tree if p.pid not in known)
         groups = set()
         for p in tree:
-            try:
+            with contextlib.suppress(OSError):  # a process that exited meanwhile has no group left to signal
                 groups.add(os.getpgid(p.pid))
-            except OSError:
-                pass
         worker_groups = groups - {a.pid}
         targets = {a.pid} | groups if sig == signal.SIGKILL else (worker_groups or {a.pid})
         for pgid in targets:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is already gone
                 os.killpg(pgid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
         if sig == signal.SIGKILL:
             self._reap_leftovers(run_id, a)
 
     def _reap_leftovers(self, run_id: str, a: Attempt) -> None:
         for p in self._doomed.pop(run_id, []):
-            try:
+            with contextlib.suppress(psutil.Error):  # it exited between the check and the kill
                 if p.is_running():  # psutil checks the start time: never a reused pid
                     p.kill()
-            except psutil.Error:
-                pass

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from titan_k3.checkpoint import build_checkpointer, check_resumable
 from titan_k3.config import ConfigError, JobConfig, help_text, load_job_config
-from titan_k3.config.validate import parse_context_stages, seq_len_at
+from titan_k3.config.validate import parse_context_stages, parse_mixture, seq_len_at
 from titan_k3.eval.runner import Evaluator, format_metrics
 from titan_k3.metrics.clocks import TwoClocks
 from titan_k3.metrics.events import EventLog
@@ -59,12 +59,6 @@ def _device(cfg: JobConfig) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def _mixture(spec: str) -> dict[str, float] | None:
-    if not spec:
-        return None
-    return {name.strip(): float(w) for name, _, w in (p.partition(":") for p in spec.split(","))}
-
-
 class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
@@ -88,7 +82,7 @@ class Trainer:
         self.dp_rank, self.dp_world, self.dp_group = self.dist.dp_rank, self.dist.dp_world, self.dist.dp_group
         self.loader = build_dataloader(
             cfg.data.dataset, self.tokenizer, t.seq_len, t.local_batch_size, self.dp_rank, self.dp_world,
-            t.seed, mixture=_mixture(cfg.data.mixture), prefetch=cfg.data.prefetch,
+            t.seed, mixture=parse_mixture(cfg.data.mixture), prefetch=cfg.data.prefetch,
         )
 
         self.impl = resolve_impl(cfg.kernels, self.device)

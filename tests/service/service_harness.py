@@ -7,6 +7,7 @@ process start time, so no test leaves processes behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -127,11 +128,9 @@ def kill_recorded_attempts(state_dir: Path) -> None:
     with sqlite3.connect(db) as con:
         rows = con.execute("SELECT pid, pid_start_time FROM attempts WHERE ended_at IS NULL").fetchall()
     for pid, start in rows:
-        try:
+        with contextlib.suppress(psutil.Error):  # already gone
             p = psutil.Process(pid)
             if abs(p.create_time() - start) > 0.05:
                 continue
             for child in p.children(recursive=True) + [p]:
                 child.kill()
-        except psutil.Error:
-            pass

@@ -15,6 +15,7 @@ Torch-free: the control service may read these helpers too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -163,8 +164,7 @@ def _fsync_dir(path: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)

@@ -38,6 +38,22 @@ def parse_context_stages(spec: str) -> list[tuple[int, int]]:
     return stages
 
 
+def parse_mixture(spec: str) -> dict[str, float] | None:
+    """'name:weight,...' -> {name: weight} (None for ''), or ConfigError naming the bad part."""
+    if not spec:
+        return None
+    weights = {}
+    for part in spec.split(","):
+        name, _, weight = part.partition(":")
+        try:
+            ok = bool(name.strip()) and float(weight) > 0
+        except ValueError:
+            ok = False
+        _require(ok, f"config key 'data.mixture' = {spec!r}: expected 'name:weight,...' with weights > 0 (bad part {part!r})")
+        weights[name.strip()] = float(weight)
+    return weights
+
+
 def seq_len_at(update: int, base_seq_len: int, stages: list[tuple[int, int]]) -> int:
     """Sequence length of update number `update` (1-based) under the context curriculum."""
     seq = base_seq_len
@@ -129,14 +145,7 @@ def validate(cfg: JobConfig) -> None:
     _positive("eval.steps", cfg.eval.steps)
     _positive("eval.batch_size", cfg.eval.batch_size)
     _non_negative("data.prefetch", cfg.data.prefetch)
-    if cfg.data.mixture:
-        for part in cfg.data.mixture.split(","):
-            name, _, weight = part.partition(":")
-            try:
-                ok = bool(name.strip()) and float(weight) > 0
-            except ValueError:
-                ok = False
-            _require(ok, f"config key 'data.mixture' = {cfg.data.mixture!r}: expected 'name:weight,...' with weights > 0 (bad part {part!r})")
+    parse_mixture(cfg.data.mixture)
     _require(
         not (cfg.float8.enable and t.compute_dtype != "bfloat16"),
         "config key 'float8.enable' = true: needs training.compute_dtype = 'bfloat16'",

@@ -49,7 +49,7 @@ class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
 
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format, *args):  # noqa: A002 - the base class's signature
-        pass
+        """Drop per-request access lines: every scrape would print one into the trainer's stdout.log."""
 
 
 class PrometheusExporter:

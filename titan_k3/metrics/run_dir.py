@@ -8,6 +8,7 @@ has passed, so bad input never leaves a half-written run directory.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -37,14 +38,12 @@ def config_hash(cfg: JobConfig) -> str:
 
 def git_commit() -> str:
     here = Path(__file__).resolve().parents[2]
-    try:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):  # no git, or not a checkout: say "unknown"
         out = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
         dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=5)
         if out.returncode == 0:
             return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
     return "unknown"
 
 
