@@ -25,7 +25,7 @@ block), `_ddecay_kernel` (reverse cumsum and the fused gate's derivative).
 import triton
 import triton.language as tl
 
-from kernels.kda.common import chunk_bounds, decayed_keys, load_state, sequence_bounds
+from kernels.kda.common import block_references, chunk_bounds, decayed_keys, load_state, sequence_bounds
 
 
 @triton.jit
@@ -156,13 +156,16 @@ def _dchunk_kernel(
 @triton.jit
 def _dintra_kernel(
     q, k, b, dM, dA, dq, dk, db, chunk_indices, cu_seqlens,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BKD: tl.constexpr, PREC: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Decayed-product gradients for the 16 rows of block s, as rows (i) and as columns (j).
+    """Decayed-product gradients of the 16 rows of block s, as rows (i) and as columns (j) of M and A.
 
     dM is the gradient of decayed q k^T (M / scale), dA that of decayed k k^T; adds to the dq, dk, db that
-    `_dchunk_kernel` wrote.
+    `_dchunk_kernel` wrote. Per K tile, the row terms are one tensor-core product against the chunk's
+    earlier rows and the column terms one against its later rows, each split at a reference row: the
+    block's middle row where `block_references` says the block fits (the diagonal block included), else
+    the block's first row for the row terms and the next block's first row for the column terms, the
+    diagonal block then summed column by column (exact for any decay).
     """
     i_cs, i_h = tl.program_id(0), tl.program_id(1)
     NS: tl.constexpr = BT // BC
@@ -171,72 +174,67 @@ def _dintra_kernel(
     r0 = t0 + i_s * BC
     if r0 < eos:
         o_c = tl.arange(0, BC)
+        o_t = tl.arange(0, BT)
         rows = r0 + o_c
-        m_rows = rows < eos
-        n_blocks = tl.cdiv(tl.minimum(eos - t0, BT), BC)
-        offs_own = rows[:, None] * (H * BT) + i_h * BT + i_s * BC + o_c[None, :]
+        rows_t = t0 + o_t
+        m_rows, m_t = rows < eos, rows_t < eos
+        # This block's rows of dM and dA [BC, BT], and its columns [BT, BC].
+        offs_r = rows[:, None] * (H * BT) + i_h * BT + o_t[None, :]
+        dm_r = tl.load(dM + offs_r, mask=m_rows[:, None], other=0.0)
+        da_r = tl.load(dA + offs_r, mask=m_rows[:, None], other=0.0)
+        offs_c = rows_t[:, None] * (H * BT) + i_h * BT + i_s * BC + o_c[None, :]
+        dm_c = tl.trans(tl.load(dM + offs_c, mask=m_t[:, None], other=0.0))
+        da_c = tl.trans(tl.load(dA + offs_c, mask=m_t[:, None], other=0.0))
+        r1 = tl.minimum(r0 + BC, tl.minimum(t0 + BT, eos) - 1)  # the next block's first row, or the chunk's last
         for i_k in range(0, tl.cdiv(K, BK)):
             cols = i_k * BK + tl.arange(0, BK)
             m_k = cols < K
             m_sk = m_rows[:, None] & m_k[None, :]
+            fits, b_r0, b_mid = block_references(b, r0, eos, i_h, cols, m_k, H, K, BC)
+            b_r1 = tl.load(b + r1 * (H * K) + i_h * K + cols, mask=m_k, other=0.0)
+            b_row = tl.where(fits, b_mid, b_r0)
+            b_col = tl.where(fits, b_mid, b_r1)
             offs_s = rows[:, None] * (H * K) + i_h * K + cols[None, :]
             b_s = tl.load(b + offs_s, mask=m_sk, other=0.0)
             q_s = tl.load(q + offs_s, mask=m_sk, other=0.0).to(tl.float32)
             k_s = tl.load(k + offs_s, mask=m_sk, other=0.0).to(tl.float32)
-            dq_row = tl.zeros([BC, BK], dtype=tl.float32)
-            dk_row = tl.zeros([BC, BK], dtype=tl.float32)
-            dk_col_m = tl.zeros([BC, BK], dtype=tl.float32)
-            dk_col_a = tl.zeros([BC, BK], dtype=tl.float32)
-            # Rows of block s against earlier blocks c, split at the block's first row r0.
-            b_r = tl.load(b + r0 * (H * K) + i_h * K + cols, mask=m_k, other=0.0)
-            for c in range(0, i_s):
-                rows_c = t0 + c * BC + o_c
-                offs_c = rows_c[:, None] * (H * K) + i_h * K + cols[None, :]
-                k_c = tl.load(k + offs_c, mask=m_k[None, :], other=0.0).to(tl.float32)
-                k_c = k_c * tl.exp(b_r[None, :] - tl.load(b + offs_c, mask=m_k[None, :], other=0.0))
-                offs_tile = rows[:, None] * (H * BT) + i_h * BT + c * BC + o_c[None, :]
-                dm_t = tl.load(dM + offs_tile, mask=m_rows[:, None], other=0.0)
-                da_t = tl.load(dA + offs_tile, mask=m_rows[:, None], other=0.0)
-                dq_row += tl.dot(dm_t, k_c, input_precision=PREC)
-                dk_row += tl.dot(da_t, k_c, input_precision=PREC)
-            e_s = tl.exp(tl.where(m_sk, b_s - b_r[None, :], 0.0))
-            dq_row *= e_s
-            dk_row *= e_s
-            # Rows of block s as columns of later blocks a, split at each block's first row.
-            for a in range(i_s + 1, n_blocks):
-                ra = t0 + a * BC
-                rows_a = ra + o_c
-                m_ak = (rows_a < eos)[:, None] & m_k[None, :]
-                offs_a = rows_a[:, None] * (H * K) + i_h * K + cols[None, :]
-                b_ra = tl.load(b + ra * (H * K) + i_h * K + cols, mask=m_k, other=0.0)
-                e_a = tl.exp(tl.where(m_ak, tl.load(b + offs_a, mask=m_ak, other=0.0) - b_ra[None, :], 0.0))
-                q_a = tl.load(q + offs_a, mask=m_ak, other=0.0).to(tl.float32) * e_a
-                k_a = tl.load(k + offs_a, mask=m_ak, other=0.0).to(tl.float32) * e_a
-                offs_tile = rows_a[:, None] * (H * BT) + i_h * BT + i_s * BC + o_c[None, :]
-                dm_t = tl.load(dM + offs_tile, mask=(rows_a < eos)[:, None], other=0.0)
-                da_t = tl.load(dA + offs_tile, mask=(rows_a < eos)[:, None], other=0.0)
-                e_c = tl.exp(tl.where(m_sk, b_ra[None, :] - b_s, 0.0))
-                dk_col_m += e_c * tl.dot(tl.trans(dm_t), q_a, input_precision=PREC)
-                dk_col_a += e_c * tl.dot(tl.trans(da_t), k_a, input_precision=PREC)
-            tl.store(dq + offs_s, tl.load(dq + offs_s, mask=m_sk, other=0.0) + dq_row, mask=m_sk)
-            tl.store(dk + offs_s, tl.load(dk + offs_s, mask=m_sk, other=0.0) + dk_row + dk_col_m + dk_col_a, mask=m_sk)
-            d_b = q_s * dq_row + k_s * (dk_row - dk_col_m - dk_col_a)
-            tl.store(db + offs_s, tl.load(db + offs_s, mask=m_sk, other=0.0) + d_b, mask=m_sk)
-        # The diagonal block, element-wise over [i, j, k] (i >= j); rows are this program's alone.
-        dm_t = tl.load(dM + offs_own, mask=m_rows[:, None], other=0.0)
-        da_t = tl.load(dA + offs_own, mask=m_rows[:, None], other=0.0)
-        lower = (o_c[:, None] >= o_c[None, :]) & m_rows[:, None] & m_rows[None, :]
-        for i_k in range(0, tl.cdiv(K, BKD)):
-            cols = i_k * BKD + tl.arange(0, BKD)
-            m_sk = m_rows[:, None] & (cols < K)[None, :]
-            offs_s = rows[:, None] * (H * K) + i_h * K + cols[None, :]
-            b_s = tl.load(b + offs_s, mask=m_sk, other=0.0)
-            q_s = tl.load(q + offs_s, mask=m_sk, other=0.0).to(tl.float32)
-            k_s = tl.load(k + offs_s, mask=m_sk, other=0.0).to(tl.float32)
-            e = tl.exp(tl.where(lower[:, :, None], b_s[:, None, :] - b_s[None, :, :], float("-inf")))
-            dq_row = tl.sum(dm_t[:, :, None] * k_s[None, :, :] * e, 1)
-            dk_row = tl.sum(da_t[:, :, None] * k_s[None, :, :] * e, 1)
-            dk_col = tl.sum((dm_t[:, :, None] * q_s[:, None, :] + da_t[:, :, None] * k_s[:, None, :]) * e, 0)
+            m_tk = m_t[:, None] & m_k[None, :]
+            offs_t = rows_t[:, None] * (H * K) + i_h * K + cols[None, :]
+            b_t = tl.load(b + offs_t, mask=m_tk, other=0.0)
+            k_t = tl.load(k + offs_t, mask=m_tk, other=0.0).to(tl.float32)
+            q_t = tl.load(q + offs_t, mask=m_tk, other=0.0).to(tl.float32)
+            # Columns j of the row terms, rows i of the column terms (this block's own where it fits).
+            m_j = (rows_t < tl.where(fits, r0 + BC, r0))[:, None] & m_tk
+            m_i = (rows_t >= tl.where(fits, r0, r0 + BC))[:, None] & m_tk
+            k_j = k_t * tl.exp(tl.where(m_j, b_row[None, :] - b_t, float("-inf")))
+            e_i = tl.exp(tl.where(m_i, b_t - b_col[None, :], float("-inf")))
+            e_row = tl.exp(tl.where(m_sk, b_s - b_row[None, :], 0.0))
+            e_col = tl.exp(tl.where(m_sk, b_col[None, :] - b_s, 0.0))
+            dq_row = e_row * tl.dot(dm_r, k_j, input_precision=PREC)
+            dk_row = e_row * tl.dot(da_r, k_j, input_precision=PREC)
+            dk_col = e_col * (tl.dot(dm_c, q_t * e_i, input_precision=PREC)
+                              + tl.dot(da_c, k_t * e_i, input_precision=PREC))
+            if not fits:
+                for t in range(0, BC):
+                    # Row t of the diagonal block as column j = t of the row terms and as row i = t of the
+                    # column terms; a row t past eos meets only masked rows, so its clamped loads are unused.
+                    r_t = tl.minimum(r0 + t, eos - 1)
+                    offs_jt = r_t * (H * K) + i_h * K + cols
+                    b_jt = tl.load(b + offs_jt, mask=m_k, other=0.0)
+                    q_jt = tl.load(q + offs_jt, mask=m_k, other=0.0).to(tl.float32)
+                    k_jt = tl.load(k + offs_jt, mask=m_k, other=0.0).to(tl.float32)
+                    at_col = rows * (H * BT) + i_h * BT + i_s * BC + t
+                    dm_jt = tl.load(dM + at_col, mask=m_rows, other=0.0)
+                    da_jt = tl.load(dA + at_col, mask=m_rows, other=0.0)
+                    at_row = r_t * (H * BT) + i_h * BT + i_s * BC + o_c
+                    dm_it = tl.load(dM + at_row)
+                    da_it = tl.load(dA + at_row)
+                    e = tl.exp(tl.where((o_c >= t)[:, None] & m_sk, b_s - b_jt[None, :], float("-inf")))
+                    dq_row += dm_jt[:, None] * k_jt[None, :] * e
+                    dk_row += da_jt[:, None] * k_jt[None, :] * e
+                    live = r0 + t < eos
+                    e = tl.exp(tl.where((o_c <= t)[:, None] & m_sk & live, b_jt[None, :] - b_s, float("-inf")))
+                    dk_col += (dm_it[:, None] * q_jt[None, :] + da_it[:, None] * k_jt[None, :]) * e
             tl.store(dq + offs_s, tl.load(dq + offs_s, mask=m_sk, other=0.0) + dq_row, mask=m_sk)
             tl.store(dk + offs_s, tl.load(dk + offs_s, mask=m_sk, other=0.0) + dk_row + dk_col, mask=m_sk)
             d_b = q_s * dq_row + k_s * (dk_row - dk_col)

@@ -95,3 +95,23 @@ def decayed_keys(k, b, offs_k, m_tk, m_k, o_k, t0, eos, i_h, H: tl.constexpr, K:
     b_t = tl.load(b + offs_k, mask=m_tk, other=0.0)
     kd = tl.load(k + offs_k, mask=m_tk, other=0.0).to(tl.float32) * tl.exp(tl.where(m_tk, b_last[None, :] - b_t, 0.0))
     return b_last, b_t, kd
+
+
+@triton.jit
+def block_references(b, r0, eos, i_h, cols, m_k, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
+    """(fits, b_r0, b_mid) for the 16-row block starting at row r0 < eos, over the K columns cols.
+
+    b_r0 and b_mid [BK] are the decays at the block's first and middle rows. fits says that the
+    block's own decays stay within 60 of the middle row in every column, so that exp(b_i - b_mid)
+    and exp(b_mid - b_j) for rows i, j of the block are at most exp(60): finite and normal in float32.
+    """
+    # NOTE: 60 admits any gate above -7.5 per token (at most 8 decays on either side of the middle
+    # row), the safe gate's lower bound of -5 included; a hard reset inside the block does not fit.
+    mid = tl.minimum(r0 + BC // 2, eos - 1)
+    last = tl.minimum(r0 + BC - 1, eos - 1)
+    row = i_h * K + cols
+    b_r0 = tl.load(b + r0 * (H * K) + row, mask=m_k, other=0.0)
+    b_mid = tl.load(b + mid * (H * K) + row, mask=m_k, other=0.0)
+    b_last = tl.load(b + last * (H * K) + row, mask=m_k, other=0.0)
+    span = tl.maximum(tl.max(b_r0 - b_mid, 0), tl.max(b_mid - b_last, 0))
+    return span <= 60.0, b_r0, b_mid

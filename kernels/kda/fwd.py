@@ -22,7 +22,7 @@ Buffers are [T, H, *] row-major; states are [NT or N, H, K, V].
 import triton
 import triton.language as tl
 
-from kernels.kda.common import chunk_bounds, decayed_keys, load_state, sequence_bounds
+from kernels.kda.common import block_references, chunk_bounds, decayed_keys, load_state, sequence_bounds
 
 
 @triton.jit
@@ -54,10 +54,14 @@ def _decay_kernel(
 @triton.jit
 def _scores_kernel(
     q, k, b, M, A, chunk_indices, cu_seqlens, scale,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BKD: tl.constexpr, PREC: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
 ):
-    """One 16-row block s of a chunk: M and A in columns [0, 16(s+1))."""
+    """Rows [16 s, 16 s + 16) of a chunk's M and A, all 64 columns (zero above the diagonal).
+
+    The decayed products become one tensor-core product per K tile, q_i exp(b_i - b_ref) . k_j exp(b_ref - b_j):
+    with the reference at the block's middle row where `block_references` says the block fits (the diagonal
+    block included), else at its first row, the diagonal block then summed column by column (exact for any decay).
+    """
     i_cs, i_h = tl.program_id(0), tl.program_id(1)
     NS: tl.constexpr = BT // BC
     i_c, i_s = i_cs // NS, i_cs % NS
@@ -65,49 +69,46 @@ def _scores_kernel(
     r0 = t0 + i_s * BC
     if r0 < eos:
         o_c = tl.arange(0, BC)
+        o_t = tl.arange(0, BT)
         rows = r0 + o_c
+        rows_t = t0 + o_t
         m_rows = rows < eos
-        out = rows[:, None] * (H * BT) + i_h * BT + o_c[None, :]
-        for c in range(0, i_s):
-            rows_c = t0 + c * BC + o_c  # all valid: they precede row r0 < eos
-            acc_m = tl.zeros([BC, BC], dtype=tl.float32)
-            acc_a = tl.zeros([BC, BC], dtype=tl.float32)
-            for i_k in range(0, tl.cdiv(K, BK)):
-                cols = i_k * BK + tl.arange(0, BK)
-                m_k = cols < K
-                m_ak = m_rows[:, None] & m_k[None, :]
-                offs_a = rows[:, None] * (H * K) + i_h * K + cols[None, :]
-                offs_c = rows_c[:, None] * (H * K) + i_h * K + cols[None, :]
-                b_r = tl.load(b + r0 * (H * K) + i_h * K + cols, mask=m_k, other=0.0)
-                b_a = tl.load(b + offs_a, mask=m_ak, other=0.0)
-                b_cc = tl.load(b + offs_c, mask=m_k[None, :], other=0.0)
-                e_a = tl.exp(tl.where(m_ak, b_a - b_r[None, :], 0.0))
-                e_c = tl.exp(b_r[None, :] - b_cc)
-                q_a = tl.load(q + offs_a, mask=m_ak, other=0.0).to(tl.float32) * e_a
-                k_a = tl.load(k + offs_a, mask=m_ak, other=0.0).to(tl.float32) * e_a
-                k_c = tl.load(k + offs_c, mask=m_k[None, :], other=0.0).to(tl.float32) * e_c
-                acc_m += tl.dot(q_a, tl.trans(k_c), input_precision=PREC)
-                acc_a += tl.dot(k_a, tl.trans(k_c), input_precision=PREC)
-            tl.store(M + out + c * BC, acc_m * scale, mask=m_rows[:, None])
-            tl.store(A + out + c * BC, acc_a, mask=m_rows[:, None])
-        # Diagonal block: element-wise over [i, j, k] so that every exponent is b_i - b_j with i >= j.
-        acc_m = tl.zeros([BC, BC], dtype=tl.float32)
-        acc_a = tl.zeros([BC, BC], dtype=tl.float32)
-        lower = (o_c[:, None] >= o_c[None, :]) & m_rows[:, None]
-        for i_k in range(0, tl.cdiv(K, BKD)):
-            cols = i_k * BKD + tl.arange(0, BKD)
-            m_ak = m_rows[:, None] & (cols < K)[None, :]
-            offs_a = rows[:, None] * (H * K) + i_h * K + cols[None, :]
-            b_a = tl.load(b + offs_a, mask=m_ak, other=0.0)
-            q_a = tl.load(q + offs_a, mask=m_ak, other=0.0).to(tl.float32)
-            k_a = tl.load(k + offs_a, mask=m_ak, other=0.0).to(tl.float32)
-            e = tl.exp(tl.where(lower[:, :, None], b_a[:, None, :] - b_a[None, :, :], float("-inf")))
-            k_e = k_a[None, :, :] * e
-            acc_m += tl.sum(q_a[:, None, :] * k_e, 2)
-            acc_a += tl.sum(k_a[:, None, :] * k_e, 2)
-        acc_a = tl.where(o_c[:, None] > o_c[None, :], acc_a, 0.0)
-        tl.store(M + out + i_s * BC, acc_m * scale, mask=m_rows[:, None])
-        tl.store(A + out + i_s * BC, acc_a, mask=m_rows[:, None])
+        acc_m = tl.zeros([BC, BT], dtype=tl.float32)
+        acc_a = tl.zeros([BC, BT], dtype=tl.float32)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            cols = i_k * BK + tl.arange(0, BK)
+            m_k = cols < K
+            m_sk = m_rows[:, None] & m_k[None, :]
+            fits, b_r0, b_mid = block_references(b, r0, eos, i_h, cols, m_k, H, K, BC)
+            b_ref = tl.where(fits, b_mid, b_r0)
+            offs_s = rows[:, None] * (H * K) + i_h * K + cols[None, :]
+            b_s = tl.load(b + offs_s, mask=m_sk, other=0.0)
+            q_s = tl.load(q + offs_s, mask=m_sk, other=0.0).to(tl.float32)
+            k_s = tl.load(k + offs_s, mask=m_sk, other=0.0).to(tl.float32)
+            e_s = tl.exp(tl.where(m_sk, b_s - b_ref[None, :], 0.0))
+            # Columns j: the earlier blocks, and this block too where it fits.
+            m_jk = ((rows_t < tl.where(fits, r0 + BC, r0)) & (rows_t < eos))[:, None] & m_k[None, :]
+            offs_t = rows_t[:, None] * (H * K) + i_h * K + cols[None, :]
+            b_t = tl.load(b + offs_t, mask=m_jk, other=0.0)
+            k_j = tl.load(k + offs_t, mask=m_jk, other=0.0).to(tl.float32)
+            k_j = tl.trans(k_j * tl.exp(tl.where(m_jk, b_ref[None, :] - b_t, 0.0)))
+            acc_m += tl.dot(q_s * e_s, k_j, input_precision=PREC)
+            acc_a += tl.dot(k_s * e_s, k_j, input_precision=PREC)
+            if not fits:
+                for t in range(0, BC):
+                    # A column past eos meets only masked rows (i >= t): its clamped load is never used.
+                    offs_jt = tl.minimum(r0 + t, eos - 1) * (H * K) + i_h * K + cols
+                    b_jt = tl.load(b + offs_jt, mask=m_k, other=0.0)
+                    k_jt = tl.load(k + offs_jt, mask=m_k, other=0.0).to(tl.float32)
+                    e = tl.exp(tl.where((o_c >= t)[:, None] & m_sk, b_s - b_jt[None, :], float("-inf")))
+                    k_e = k_jt[None, :] * e
+                    at_t = (o_t == i_s * BC + t)[None, :]
+                    acc_m += tl.where(at_t, tl.sum(q_s * k_e, 1)[:, None], 0.0)
+                    acc_a += tl.where(at_t, tl.sum(k_s * k_e, 1)[:, None], 0.0)
+        out = rows[:, None] * (H * BT) + i_h * BT + o_t[None, :]
+        # NOTE: where, not a product: above the diagonal the fitted product may hold inf (exp(b_i - b_j), i < j).
+        tl.store(M + out, tl.where(rows_t[None, :] <= rows[:, None], acc_m * scale, 0.0), mask=m_rows[:, None])
+        tl.store(A + out, tl.where(rows_t[None, :] < rows[:, None], acc_a, 0.0), mask=m_rows[:, None])
 
 
 @triton.jit

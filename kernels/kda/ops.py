@@ -21,6 +21,11 @@ def _tiles(K: int, V: int) -> tuple[int, int, int]:
     return BK_full, BK, BV
 
 
+def _intra_tile(K: int) -> int:
+    """K tile of the two kernels that hold a whole chunk's q, k and b tiles next to one block's rows."""
+    return min(32, max(16, triton.next_power_of_2(K)))
+
+
 def _max_chunks(T: int, batch: int, cu_seqlens) -> int:
     """Chunks over all sequences, or for packed documents an upper bound known from shapes alone."""
     if cu_seqlens is None:
@@ -47,10 +52,11 @@ def kda_forward(q, k, v, g, beta, scale, h0, output_final_state, batch, cu_seqle
         H=H, K=K, BT=BT, BK=BK, HAS_GATE=gate is not None, HAS_DT_BIAS=dt_bias is not None,
         USE_LOWER_BOUND=lower_bound is not None,
     )
-    M = torch.zeros(T, H, BT, device=dev, dtype=torch.float32)
-    A = torch.zeros(T, H, BT, device=dev, dtype=torch.float32)
+    # Every row of M and A is written whole, zeros above the diagonal included.
+    M = torch.empty(T, H, BT, device=dev, dtype=torch.float32)
+    A = torch.empty(T, H, BT, device=dev, dtype=torch.float32)
     fwd._scores_kernel[(NT * (BT // BC), H)](
-        q, k, b, M, A, chunk_indices, cu, scale, H=H, K=K, BT=BT, BC=BC, BK=BK, BKD=min(BK, 32), PREC=prec,
+        q, k, b, M, A, chunk_indices, cu, scale, H=H, K=K, BT=BT, BC=BC, BK=_intra_tile(K), PREC=prec,
     )
     Ai = torch.zeros(T, H, BT, device=dev, dtype=torch.float32)
     fwd._solve_kernel[(NT, H)](A, beta, Ai, chunk_indices, cu, H=H, BT=BT, BC=BC, PREC=prec)
@@ -97,15 +103,15 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, cu_seqlens, gate, 
     dv = torch.empty_like(v)
     NK = triton.cdiv(K, BK)
     dbeta = torch.empty(NK, T, H, device=dev, dtype=torch.float32)
-    dM = torch.zeros(T, H, BT, device=dev, dtype=torch.float32)
-    dA = torch.zeros_like(dM)
+    dM = torch.empty(T, H, BT, device=dev, dtype=torch.float32)  # written whole by _dchunk_kernel
+    dA = torch.empty_like(dM)
     bwd._dchunk_kernel[(NT, NK, H)](
         q, k, v, b, beta, A, Ai, h, dh, U, dU, do, dq, dk, dv, db, dbeta, dM, dA, chunk_indices, cu, scale, T,
         H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, PREC=prec, num_warps=8, num_stages=2,
     )
     dbeta = dbeta.sum(0)
     bwd._dintra_kernel[(NT * (BT // BC), H)](
-        q, k, b, dM, dA, dq, dk, db, chunk_indices, cu, H=H, K=K, BT=BT, BC=BC, BK=BK, BKD=min(BK, 32), PREC=prec,
+        q, k, b, dM, dA, dq, dk, db, chunk_indices, cu, H=H, K=K, BT=BT, BC=BC, BK=_intra_tile(K), PREC=prec,
     )
     A_log, dt_bias, lower_bound = gate if gate is not None else (None, None, None)
     dg = torch.empty_like(db)
