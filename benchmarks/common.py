@@ -9,6 +9,8 @@ import torch
 import triton
 
 ROOT = Path(__file__).resolve().parents[1]
+# NOTE: run directories of benchmark trainings stay out of the results folder (a device call returns few files).
+RUNS = Path(os.environ.get("BENCH_RUNS", "/tmp/titan_k3-bench-runs"))
 
 
 def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -35,7 +37,7 @@ def environment() -> dict:
     return {
         "date": datetime.date.today().isoformat(),
         "commit": git_commit(),
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
         "torch": torch.__version__,
         "triton": triton.__version__,
     }

@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import environment  # noqa: E402
+from benchmarks.common import RUNS, environment  # noqa: E402
 from titan_k3.config import load_job_config  # noqa: E402
 from titan_k3.models.k3.args import flops_per_token, get_flavor  # noqa: E402
 
@@ -38,15 +38,16 @@ VARIANTS = {
     "ours-torch-loss": ["--kernels.loss", "torch"],
     "ours-adamw": ["--optimizer.name", "adamw"],
     "ours-compile": ["--compile.enable", "true"],
+    "ours-compile-fla-kda": ["--compile.enable", "true", "--kernels.kda", "fla"],
     "ours-ac-full": ["--activation_checkpoint.mode", "full"],
 }
 
 
-def base_args(seq: int, batch: int, out: Path, name: str) -> list[str]:
+def base_args(seq: int, batch: int, name: str) -> list[str]:
     return ["--model.flavor", "k3-mini", "--model.vocab_size", "163840", "--training.seq_len", str(seq),
             "--training.local_batch_size", str(batch), "--training.compute_dtype", "bfloat16",
             "--training.steps", "1000", "--metrics.log_freq", "1000", "--invariants.enable", "false",
-            "--job.dump_folder", str(out / "runs"), "--job.name", name]
+            "--job.dump_folder", str(RUNS), "--job.name", name]
 
 
 def time_steps(step_fn, warmup: int, steps: int) -> tuple[float, list[float]]:
@@ -82,7 +83,7 @@ def run_variant(name: str, seq: int, batch: int, warmup: int, steps: int, out: P
     else:
         from titan_k3.train import Trainer
 
-        trainer = Trainer(load_job_config(base_args(seq, batch, out, f"{name}-{seq}") + VARIANTS[name]))
+        trainer = Trainer(load_job_config(base_args(seq, batch, f"{name}-{seq}") + VARIANTS[name]))
         step_fn = trainer.train_step
         holder = trainer
     build_s = time.perf_counter() - start
@@ -99,11 +100,18 @@ def run_variant(name: str, seq: int, batch: int, warmup: int, steps: int, out: P
     if profile:
         from torch.profiler import ProfilerActivity, profile as prof
 
-        with prof(activities=[ProfilerActivity.CUDA]) as p:
+        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
             step_fn()
             torch.cuda.synchronize()
-        table = p.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-        (out / f"profile-{name}-{seq}.txt").write_text(table)
+        # Kernels by GPU time, then the operators that launched them (which op the elementwise time belongs to).
+        events = p.key_averages()
+        kernels = events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)
+        ops = [e for e in events if "::" in e.key]
+        ops.sort(key=lambda e: e.self_device_time_total, reverse=True)
+        total = sum(e.self_device_time_total for e in events) or 1
+        op_lines = [f"{e.self_device_time_total / 1e3:10.2f} ms {100 * e.self_device_time_total / total:5.1f}%  "
+                    f"{e.count:6d} calls  {e.key}" for e in ops[:40]]
+        (out / f"profile-{name}-{seq}.txt").write_text(kernels + "\n\nOperators by self GPU time:\n" + "\n".join(op_lines) + "\n")
         result["profile"] = f"profile-{name}-{seq}.txt"
     if hasattr(holder, "close"):
         holder.close()

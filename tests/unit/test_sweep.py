@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import httpx
 import pytest
@@ -198,22 +199,46 @@ def test_compare_refuses_what_it_cannot_read(tmp_path, capsys):
     assert "no metrics.jsonl records" in capsys.readouterr().err
 
 
-def test_local_run_trains_each_config_in_turn_then_compares(base, tmp_path, monkeypatch, capsys):
-    calls = []
+class _FakeTrainer:
+    """Stands in for `python -m titan_k3.train`: writes a finished run directory, exits with `status`."""
 
-    def fake_run(cmd, check):
-        calls.append(cmd)
+    calls: list[tuple[list[str], str | None]] = []
+
+    def __init__(self, cmd, env=None, *, root: Path, status: int = 0):
+        self.calls.append((cmd, (env or {}).get("CUDA_VISIBLE_DEVICES")))
         name = cmd[cmd.index("--job.name") + 1]
         lr = load_job_config(["--job.config_file", cmd[cmd.index("--job.config_file") + 1]]).optimizer.lr
-        _run_dir(tmp_path / "runs", name, lr, [_rec(s, 9 - lr * s) for s in range(1, 9)])
-        return sweep.subprocess.CompletedProcess(cmd, 0)
+        _run_dir(root, name, lr, [_rec(s, 9 - lr * s) for s in range(1, 9)])
+        self.returncode = status
 
+    def poll(self):
+        return self.returncode
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_local_run_trains_each_config_then_compares_with_a_plot(base, tmp_path, monkeypatch, parallel):
+    _FakeTrainer.calls = []
     (tmp_path / "runs").mkdir()
-    monkeypatch.setattr(sweep.subprocess, "run", fake_run)
+    monkeypatch.setattr(sweep.subprocess, "Popen", lambda cmd, env=None: _FakeTrainer(cmd, env, root=tmp_path / "runs"))
     out = tmp_path / "family"
-    assert main(["--base", str(base), "--knob", "optimizer.lr", "--values", "1e-3,1e-2", "--out", str(out), "--run",
-                 "--dump-folder", str(tmp_path / "runs")]) == 0
-    assert [c[1:4] for c in calls] == [["-m", "titan_k3.train", "--job.config_file"]] * 2
-    assert [c[c.index("--job.name") + 1] for c in calls] == ["base-lr-1e-3", "base-lr-1e-2"]
+    assert main(["--base", str(base), "--knob", "optimizer.lr", "--values", "1e-3,1e-2,3e-2", "--out", str(out), "--run",
+                 "--parallel", str(parallel), "--dump-folder", str(tmp_path / "runs")]) == 0
+    cmds = [c for c, _ in _FakeTrainer.calls]
+    assert [c[1:4] for c in cmds] == [["-m", "titan_k3.train", "--job.config_file"]] * 3
+    assert [c[c.index("--job.name") + 1] for c in cmds] == ["base-lr-1e-3", "base-lr-1e-2", "base-lr-3e-2"]
+    # one run per GPU slot when parallel; no pinning when running one at a time
+    assert [gpu for _, gpu in _FakeTrainer.calls] == (["0", "1", "0"] if parallel == 2 else [None] * 3)
     text = (out / "compare.md").read_text()
     assert "# Sweep comparison: optimizer.lr" in text and "| `base-lr-1e-2` | 0.01 |" in text
+    assert "![loss against tokens](compare.png)" in text
+    assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_local_run_reports_a_failed_run(base, tmp_path, monkeypatch, capsys):
+    _FakeTrainer.calls = []
+    (tmp_path / "runs").mkdir()
+    monkeypatch.setattr(sweep.subprocess, "Popen", lambda cmd, env=None: _FakeTrainer(
+        cmd, env, root=tmp_path / "runs", status=1 if "base-lr-1e-2" in cmd else 0))
+    assert main(["--base", str(base), "--knob", "optimizer.lr", "--values", "1e-3,1e-2", "--out", str(tmp_path / "f"),
+                 "--run", "--dump-folder", str(tmp_path / "runs")]) == 1
+    assert "error: runs failed: base-lr-1e-2 (status 1)" in capsys.readouterr().err

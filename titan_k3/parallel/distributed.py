@@ -140,14 +140,16 @@ class CompileWatch:
 
         breaks = sum(counters["graph_break"].values())
         graphs = counters["stats"]["unique_graphs"]
-        recompiles = sum(v for k, v in counters["recompiles"].items()) if "recompiles" in counters else 0
-        now = (breaks, graphs, recompiles)
+        # NOTE: dynamo counts compiled frames, not recompiles; a frame compiled
+        # again (a recompile, or the code after a graph break) adds one.
+        frames = counters["frames"]["ok"]
+        now = (breaks, graphs, frames)
         if now == self.last:
             return
         self.last = now
         reasons = [f"{n}x {reason}" for reason, n in counters["graph_break"].most_common(5)]
         self.events.emit(
-            "compile", f"torch.compile: {graphs} graphs, {breaks} graph breaks, {recompiles} recompiles"
+            "compile", f"torch.compile: {graphs} graphs, {breaks} graph breaks, {frames} frames compiled"
             + (f"; breaks: {'; '.join(reasons)}" if reasons else ""), step=step,
-            graphs=graphs, graph_breaks=breaks, recompiles=recompiles, break_reasons=reasons,
+            graphs=graphs, graph_breaks=breaks, frames_compiled=frames, break_reasons=reasons,
         )

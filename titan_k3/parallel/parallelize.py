@@ -119,7 +119,18 @@ def _checkpointed(forward):
 
 
 def apply_compile(model: nn.Module, backend: str) -> None:
-    """torch.compile each block in place (names unchanged); graph breaks are reported by CompileWatch."""
+    """torch.compile each block in place (names unchanged); graph breaks are reported by CompileWatch.
+
+    NOTE: every block shares one forward code object, and blocks differ in
+    what dynamo guards on (KDA or MLA, dense or MoE, how many residual
+    sources), so each block takes its own cache entry. Dynamo's default limit
+    (8 entries) would silently run the later blocks eager; the limit covers
+    every block, and hitting it anyway raises instead of falling back.
+    """
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * len(model.layers) + 8)
+    dynamo_config.fail_on_recompile_limit_hit = True
     for block in model.layers.values():
         block.compile(backend=backend)
 

@@ -36,6 +36,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,17 +192,32 @@ def generate(base: Path, knob: str, values: list[str]) -> list[Member]:
 
 
 # ---------------------------------------------------------------------- running
-def run_local(members: list[Member], paths: list[Path], dump_folder: str) -> list[tuple[Path, int]]:
-    """Each config in turn as `python -m titan_k3.train`; (run dir, exit status) per config."""
-    out = []
-    for m, path in zip(members, paths):
-        print(f"sweep: running {m.name} ({path})", flush=True)
-        cmd = [sys.executable, "-m", "titan_k3.train", "--job.config_file", str(path),
-               "--job.dump_folder", dump_folder, "--job.name", m.name]
-        rc = subprocess.run(cmd, check=False).returncode
-        print(f"sweep: {m.name} exited with status {rc}", flush=True)
-        out.append((Path(dump_folder) / m.name, rc))
-    return out
+def run_local(members: list[Member], paths: list[Path], dump_folder: str, parallel: int = 1) -> list[tuple[Path, int]]:
+    """Each config as `python -m titan_k3.train`; (run dir, exit status) per config, in the family's order.
+
+    parallel > 1 runs that many at once, the i-th slot on GPU i (CUDA_VISIBLE_DEVICES);
+    a slot takes the next config when its run ends.
+    """
+    pending = list(zip(members, paths))
+    running: dict[int, tuple[Member, subprocess.Popen]] = {}
+    status: dict[str, int] = {}
+    while pending or running:
+        for slot in range(parallel):
+            if slot in running or not pending:
+                continue
+            m, path = pending.pop(0)
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(slot)) if parallel > 1 else None
+            print(f"sweep: running {m.name} ({path})" + (f" on GPU {slot}" if env else ""), flush=True)
+            cmd = [sys.executable, "-m", "titan_k3.train", "--job.config_file", str(path),
+                   "--job.dump_folder", dump_folder, "--job.name", m.name]
+            running[slot] = (m, subprocess.Popen(cmd, env=env))
+        for slot, (m, proc) in list(running.items()):
+            if proc.poll() is not None:
+                print(f"sweep: {m.name} exited with status {proc.returncode}", flush=True)
+                status[m.name] = proc.returncode
+                del running[slot]
+        time.sleep(0.2)
+    return [(Path(dump_folder) / m.name, status[m.name]) for m in members]
 
 
 def submit(members: list[Member], url: str, token: str, gpus: int, nproc_per_node: int) -> list[dict]:
@@ -428,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     run = parser.add_mutually_exclusive_group()
     run.add_argument("--run", action="store_true", help="run the family here, one after the other, then compare")
     run.add_argument("--service", help="control service URL: submit each config as POST /v1/runs")
+    parser.add_argument("--parallel", type=int, default=1, help="with --run: runs at once, one per GPU (default 1)")
     parser.add_argument("--token", default=os.environ.get("K3_SERVICE_TOKEN"),
                         help="the service's bearer token (default $K3_SERVICE_TOKEN)")
     parser.add_argument("--gpus", type=int, default=0, help="GPUs per run asked of the service (default 0)")
@@ -438,8 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.compare:
-            text = report([load_run(p) for p in args.compare], args.window)
-            _write_report(text, args.report or args.out / "compare.md")
+            runs = [load_run(p) for p in args.compare]
+            _write_report(report(runs, args.window), args.report or args.out / "compare.md", runs)
             return 0
         if args.service and not args.token:
             raise SweepError("--service needs --token or $K3_SERVICE_TOKEN (the service's bearer token)")
@@ -460,11 +477,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.service:
             submit(members, args.service, args.token, args.gpus, args.nproc_per_node)
         elif args.run:
-            results = run_local(members, paths, args.dump_folder)
+            results = run_local(members, paths, args.dump_folder, args.parallel)
             failed = [f"{d.name} (status {rc})" for d, rc in results if rc != 0]
             done = [d for d, _ in results if (d / "metrics.jsonl").exists()]
             if len(done) >= 2:
-                _write_report(report([load_run(d) for d in done], args.window), args.report or args.out / "compare.md")
+                runs = [load_run(d) for d in done]
+                _write_report(report(runs, args.window), args.report or args.out / "compare.md", runs)
             if failed:
                 print(f"error: runs failed: {', '.join(failed)}", file=sys.stderr)
                 return 1
@@ -483,11 +501,37 @@ def _print_family(members: list[Member], paths: list[Path], knob: str) -> None:
               f"{token_budget(m.cfg):,} tokens  [{path}]")
 
 
-def _write_report(text: str, path: Path) -> None:
+def plot_runs(runs: list[RunView], path: Path) -> Path:
+    """PNG of training loss (and validation loss where logged) against tokens, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        line, = ax.plot([r["tokens_seen"] for r in run.records], [r["loss"] for r in run.records], label=run.name)
+        evals = [r for r in run.records if "val_loss" in r]
+        if evals:
+            ax.plot([r["tokens_seen"] for r in evals], [r["val_loss"] for r in evals], "o--", color=line.get_color(),
+                    label=f"{run.name} (validation)")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _write_report(text: str, path: Path, runs: list[RunView]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    png = plot_runs(runs, path.with_suffix(".png"))
+    text += f"\n![loss against tokens]({png.name})\n"
     path.write_text(text)
     print(text, end="")
-    print(f"report written to {path}")
+    print(f"report written to {path}, plot to {png}")
 
 
 if __name__ == "__main__":

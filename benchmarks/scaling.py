@@ -1,0 +1,124 @@
+"""Data-parallel scaling of k3-mini training: one GPU vs FSDP2 vs FSDP2 + EP on the same global batch.
+
+    PYTHONPATH=. python benchmarks/scaling.py --out OUTDIR [--gpus 2 --steps 120 --seq 4096 --batch 8] [-- EXTRA]
+
+Each setup is a real `torchrun -m titan_k3.train` launch (the trainer users
+run, full recipe), on the same global batch: one GPU runs `--gpus` micro-batches
+of gradient accumulation per update, N GPUs one micro-batch each. Extra
+trainer overrides after `--` apply to every setup (e.g. `--compile.enable true`).
+Reported per setup: the loss at every logged update and its largest relative
+gap to the one-GPU run, steady training tokens/s (time-weighted over the
+logging windows after `--warmup-step`), tokens/s per GPU, and scaling =
+rate / (N x one-GPU rate). Prints a table last and appends it to OUTDIR/scaling.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import RUNS, environment  # noqa: E402
+from titan_k3.metrics.run_dir import read_jsonl  # noqa: E402
+from titan_k3.tools.summarize import steady_state  # noqa: E402
+
+
+def setups(gpus: int) -> dict[str, tuple[int, list[str]]]:
+    """name -> (processes, overrides); the one-GPU run accumulates what N GPUs run side by side."""
+    return {
+        "1 GPU": (1, ["--training.grad_accum", str(gpus)]),
+        f"FSDP2 x{gpus}": (gpus, []),
+        f"FSDP2 x{gpus} + EP{gpus}": (gpus, ["--parallelism.expert_parallel_degree", str(gpus)]),
+    }
+
+
+def launch(name: str, nproc: int, overrides: list[str], args, extra: list[str]) -> Path:
+    slug = name.replace(" ", "").replace("+", "-").lower()
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+        "-m", "titan_k3.train", "--model.flavor", args.flavor, *(["--model.vocab_size", "163840"] if args.flavor != "debug" else []),
+        "--training.seq_len", str(args.seq), "--training.local_batch_size", str(args.batch),
+        "--training.steps", str(args.steps), "--training.compute_dtype", "bfloat16",
+        "--lr_scheduler.warmup_steps", str(min(10, args.steps // 2)), "--metrics.log_freq", str(args.log_freq),
+        "--invariants.interval", str(args.log_freq * 5),
+        "--job.dump_folder", str(RUNS), "--job.name", slug, *overrides, *extra,
+    ]
+    shutil.rmtree(RUNS / slug, ignore_errors=True)
+    print("$", " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    print(f"{name}: {time.perf_counter() - t0:.0f} s wall", flush=True)
+    return RUNS / slug
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--flavor", default="k3-mini", help="debug runs the script on CPU (gloo) to check it")
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--log-freq", type=int, default=10)
+    p.add_argument("--warmup-step", type=int, default=20, help="steady rates use logging windows after this update")
+    p.add_argument("--only", default="", help="comma-separated setup names to run (default: all)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    rows = []
+    for name, (nproc, overrides) in setups(args.gpus).items():
+        if args.only and name not in args.only.split(","):
+            continue
+        try:
+            run_dir = launch(name, nproc, overrides, args, extra)
+        except subprocess.CalledProcessError as e:  # one failing setup must not lose the others' numbers
+            rows.append({"setup": name, "gpus": nproc, "error": f"exit status {e.returncode}"})
+            continue
+        records = read_jsonl(run_dir / "metrics.jsonl")
+        steady = steady_state(records, args.warmup_step)
+        rows.append({"setup": name, "gpus": nproc, "losses": {r["step"]: r["loss"] for r in records},
+                     "tokens_per_s": steady.tokens_per_second, "mfu": steady.mfu,
+                     "peak_gib": max((r.get("memory_peak_allocated_gib", 0.0) for r in records), default=0.0)})
+        print(json.dumps(rows[-1]), flush=True)
+    base = next((r for r in rows if r["gpus"] == 1 and "error" not in r), None)
+    header = ("| date | commit | GPUs | torch | setup | shape | updates | loss at logged updates (first / mid / last) | "
+              "max rel. loss gap vs 1 GPU | tokens/s (all GPUs) | tokens/s per GPU | scaling vs 1 GPU | MFU | peak GiB per GPU |\n|" + "---|" * 14)
+    lines = []
+    for r in rows:
+        lead = f"| {env['date']} | {env['commit']} | {r['gpus']}x {env['gpu']} | {env['torch']} | {r['setup']} |"
+        if "error" in r:
+            lines.append(f"{lead} B{args.batch} T{args.seq} | {args.steps} | — | — | — | — | — | — | failed: {r['error']} |")
+            continue
+        steps = sorted(r["losses"])
+        shown = " / ".join(f"{r['losses'][s]:.4f}" for s in (steps[0], steps[len(steps) // 2], steps[-1]))
+        gap, scaling = "—", "—"
+        if base is not None:
+            common = [s for s in steps if s in base["losses"]]
+            gap = f"{max(abs(r['losses'][s] / base['losses'][s] - 1) for s in common):.2%}"
+            scaling = f"{r['tokens_per_s'] / (r['gpus'] * base['tokens_per_s']):.2f}"
+        lines.append(f"{lead} B{args.batch} T{args.seq}, global {args.batch * args.gpus} seqs | {args.steps} | {shown} | "
+                     f"{gap} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / r['gpus']:,.0f} | {scaling} | "
+                     f"{100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} |")
+    table = header + "\n" + "\n".join(lines)
+    if extra:
+        table += f"\n\nExtra trainer overrides for every setup: `{' '.join(extra)}`"
+    with open(args.out / "scaling.md", "a") as f:
+        f.write(table + "\n")
+    (args.out / "scaling.json").write_text(json.dumps({"env": env, "rows": rows}, indent=2))
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
