@@ -13,17 +13,40 @@ from kernels.kda.common import BC, BT, chunk_layout, dot_precision
 from kernels.kda.reference import DEFAULT_GATE_LOWER_BOUND, check_kda_inputs, l2norm
 
 
+# Launch settings of every kernel, fixed (no autotuning): a first call only compiles. "BV" is the V tile of
+# the two sequential state walks (their programs are V tiles x sequences x heads), "BK" the K tile of the two
+# kernels that hold a whole chunk's q, k, b tiles. `benchmarks/kda.py --sweep` times alternatives.
+# NOTE: fewer than 8 warps on the state walks spill their [K, BV] float32 state and triple compile time.
+LAUNCH = {
+    "decay": dict(num_warps=4, num_stages=1),
+    "scores": dict(BK=32, num_warps=4, num_stages=2),
+    "solve": dict(num_warps=4, num_stages=1),
+    "wy": dict(num_warps=4, num_stages=2),
+    "state": dict(BV=64, num_warps=8, num_stages=2),
+    "output": dict(num_warps=4, num_stages=2),
+    "dstate": dict(BV=64, num_warps=8, num_stages=1),
+    "dchunk": dict(num_warps=8, num_stages=2),
+    "dintra": dict(BK=32, num_warps=4, num_stages=2),
+    "ddecay": dict(num_warps=4, num_stages=1),
+}
+
+
+def _launch(name: str, K: int, V: int) -> dict:
+    """LAUNCH[name] with its tile sizes capped to the problem's widths (and BV to 32 when K > 128)."""
+    opts = dict(LAUNCH[name])
+    if "BK" in opts:
+        opts["BK"] = min(opts["BK"], max(16, triton.next_power_of_2(K)))
+    if "BV" in opts:
+        opts["BV"] = min(opts["BV"], 32 if K > 128 else 64, max(16, triton.next_power_of_2(V)))
+    return opts
+
+
 def _tiles(K: int, V: int) -> tuple[int, int, int]:
     """(BK_full, BK, BV): BK_full covers all of K for the state kernels; BK/BV tile the rest."""
     BK_full = max(16, triton.next_power_of_2(K))
     BK = min(64, BK_full)
     BV = min(64 if BK_full <= 128 else 32, max(16, triton.next_power_of_2(V)))
     return BK_full, BK, BV
-
-
-def _intra_tile(K: int) -> int:
-    """K tile of the two kernels that hold a whole chunk's q, k and b tiles next to one block's rows."""
-    return min(32, max(16, triton.next_power_of_2(K)))
 
 
 def _max_chunks(T: int, batch: int, cu_seqlens) -> int:
@@ -50,32 +73,34 @@ def kda_forward(q, k, v, g, beta, scale, h0, output_final_state, batch, cu_seqle
     fwd._decay_kernel[(NT, triton.cdiv(K, BK), H)](
         g, b, A_log, dt_bias, chunk_indices, cu, 0.0 if lower_bound is None else float(lower_bound),
         H=H, K=K, BT=BT, BK=BK, HAS_GATE=gate is not None, HAS_DT_BIAS=dt_bias is not None,
-        USE_LOWER_BOUND=lower_bound is not None,
+        USE_LOWER_BOUND=lower_bound is not None, **_launch("decay", K, V),
     )
     # Every row of M and A is written whole, zeros above the diagonal included.
     M = torch.empty(T, H, BT, device=dev, dtype=torch.float32)
     A = torch.empty(T, H, BT, device=dev, dtype=torch.float32)
     fwd._scores_kernel[(NT * (BT // BC), H)](
-        q, k, b, M, A, chunk_indices, cu, scale, H=H, K=K, BT=BT, BC=BC, BK=_intra_tile(K), PREC=prec,
+        q, k, b, M, A, chunk_indices, cu, scale, H=H, K=K, BT=BT, BC=BC, PREC=prec, **_launch("scores", K, V),
     )
     Ai = torch.zeros(T, H, BT, device=dev, dtype=torch.float32)
-    fwd._solve_kernel[(NT, H)](A, beta, Ai, chunk_indices, cu, H=H, BT=BT, BC=BC, PREC=prec)
+    fwd._solve_kernel[(NT, H)](A, beta, Ai, chunk_indices, cu, H=H, BT=BT, BC=BC, PREC=prec, **_launch("solve", K, V))
     Wk = torch.empty_like(k)
     Wv = torch.empty_like(v)
     fwd._wy_kernel[(NT, H)](
         k, v, b, beta, Ai, Wk, Wv, chunk_indices, cu, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, PREC=prec,
+        **_launch("wy", K, V),
     )
     h = torch.empty(_max_chunks(T, batch, cu_seqlens), H, K, V, device=dev, dtype=q.dtype)
     U = torch.empty_like(v)
     final = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    fwd._state_kernel[(triton.cdiv(V, BV), N * H)](
+    state = _launch("state", K, V)
+    fwd._state_kernel[(triton.cdiv(V, state["BV"]), N * H)](
         k, b, Wk, Wv, U, h, h0, final, cu, chunk_offsets,
-        H=H, K=K, V=V, BT=BT, BK=BK_full, BV=BV, HAS_H0=h0 is not None, STORE_FINAL=output_final_state,
-        PREC=prec,
+        H=H, K=K, V=V, BT=BT, BK=BK_full, HAS_H0=h0 is not None, STORE_FINAL=output_final_state, PREC=prec, **state,
     )
     o = torch.empty_like(v)
     fwd._output_kernel[(triton.cdiv(V, BV), NT, H)](
         q, b, h, M, U, o, chunk_indices, cu, scale, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, PREC=prec,
+        **_launch("output", K, V),
     )
     return o, final, (b, M, A, Ai, Wk, h, U)
 
@@ -92,10 +117,10 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, cu_seqlens, gate, 
     dh = torch.empty_like(h)
     dU = torch.empty_like(v)
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if h0 is not None else None
-    bwd._dstate_kernel[(triton.cdiv(V, BV), N * H)](
+    dstate = _launch("dstate", K, V)
+    bwd._dstate_kernel[(triton.cdiv(V, dstate["BV"]), N * H)](
         q, k, b, M, Wk, do, dht, dh, dU, dh0, cu, chunk_offsets, scale,
-        H=H, K=K, V=V, BT=BT, BK=BK_full, BV=BV, HAS_DHT=dht is not None, HAS_H0=h0 is not None, PREC=prec,
-        num_warps=8, num_stages=1,
+        H=H, K=K, V=V, BT=BT, BK=BK_full, HAS_DHT=dht is not None, HAS_H0=h0 is not None, PREC=prec, **dstate,
     )
     dq = torch.empty(T, H, K, device=dev, dtype=torch.float32)
     dk = torch.empty_like(dq)
@@ -107,11 +132,11 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, cu_seqlens, gate, 
     dA = torch.empty_like(dM)
     bwd._dchunk_kernel[(NT, NK, H)](
         q, k, v, b, beta, A, Ai, h, dh, U, dU, do, dq, dk, dv, db, dbeta, dM, dA, chunk_indices, cu, scale, T,
-        H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, PREC=prec, num_warps=8, num_stages=2,
+        H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, PREC=prec, **_launch("dchunk", K, V),
     )
     dbeta = dbeta.sum(0)
     bwd._dintra_kernel[(NT * (BT // BC), H)](
-        q, k, b, dM, dA, dq, dk, db, chunk_indices, cu, H=H, K=K, BT=BT, BC=BC, BK=_intra_tile(K), PREC=prec,
+        q, k, b, dM, dA, dq, dk, db, chunk_indices, cu, H=H, K=K, BT=BT, BC=BC, PREC=prec, **_launch("dintra", K, V),
     )
     A_log, dt_bias, lower_bound = gate if gate is not None else (None, None, None)
     dg = torch.empty_like(db)
@@ -119,7 +144,7 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, cu_seqlens, gate, 
     bwd._ddecay_kernel[(NT, triton.cdiv(K, BK), H)](
         db, g, A_log, dt_bias, dg, dA_part, chunk_indices, cu, 0.0 if lower_bound is None else float(lower_bound),
         H=H, K=K, BT=BT, BK=BK, HAS_GATE=gate is not None, HAS_DT_BIAS=dt_bias is not None,
-        USE_LOWER_BOUND=lower_bound is not None,
+        USE_LOWER_BOUND=lower_bound is not None, **_launch("ddecay", K, V),
     )
     dA_log = dA_part.sum((0, 2)) if gate is not None else None
     ddt_bias = dg.sum(0) if dt_bias is not None else None
