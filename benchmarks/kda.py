@@ -8,9 +8,12 @@ bf16 inputs, no initial or final state. Ours is checked against fla (relative RM
 the output and of dq) before it is timed. The first call of ours (kernel compilation,
 no autotuning) is timed too.
 
-    python benchmarks/kda.py [--shapes b8-t4096-h8,b32-t1024-h8,k3-mini] [--no-fla] [--profile] [--out FILE]
+    python benchmarks/kda.py [--shapes b8-t4096-h8,k3-mini,b32-t1024-h8] [--no-fla] [--profile] [--sweep]
+                             [--out FILE_OR_FOLDER]
 
-Prints a table and appends dated rows to benchmarks/results/kda.md (or --out).
+Prints a table and appends dated rows to benchmarks/results/kda.md, or to --out (a folder gets kda.md).
+--sweep times ours fwd+bwd with one launch setting of kernels.kda.ops.LAUNCH changed at a time
+(plain gate, at each shape) and appends that table to kda-sweep.md beside the results file.
 """
 
 import argparse
@@ -25,14 +28,25 @@ import triton.testing
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import environment, print_cuda_profile, rel_rms  # noqa: E402
-from kernels.kda import chunk_kda, kda_gate, l2norm  # noqa: E402
+from kernels.kda import chunk_kda, kda_gate, l2norm, ops  # noqa: E402
 
 SHAPES = {
-    # name: (B, T, H, K = V)
+    # name: (B, T, H, K = V); the two that PERF.md's target names come first
     "b8-t4096-h8": (8, 4096, 8, 128),
-    "b32-t1024-h8": (32, 1024, 8, 128),
     "k3-mini": (8, 4096, 4, 128),
+    "b32-t1024-h8": (32, 1024, 8, 128),
 }
+# (kernel, settings changed from kernels.kda.ops.LAUNCH) for --sweep
+SWEEP = [
+    ("scores", dict(BK=64)), ("scores", dict(num_warps=8)), ("scores", dict(num_stages=1)),
+    ("solve", dict(num_warps=2)),
+    ("wy", dict(num_warps=8)), ("wy", dict(num_stages=3)),
+    ("state", dict(BV=32)), ("state", dict(num_warps=4)), ("state", dict(num_stages=1)),
+    ("output", dict(num_warps=8)), ("output", dict(num_stages=3)),
+    ("dstate", dict(BV=32)), ("dstate", dict(num_stages=2)),
+    ("dchunk", dict(num_warps=4)), ("dchunk", dict(num_stages=1)),
+    ("dintra", dict(BK=64)), ("dintra", dict(num_warps=8)), ("dintra", dict(num_stages=1)),
+]
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "kda.md")
 LOWER_BOUND = -5.0
 
@@ -130,30 +144,70 @@ def profile_ours(shape):
     print_cuda_profile(lambda: chunk_kda(*leaves)[0].backward(do), row_limit=20)
 
 
+def sweep(name, shape, rep_ms):
+    """Rows (kernel, change, fwd+bwd ms, ratio to the defaults) with one LAUNCH entry changed at a time."""
+    B, T, H, D = shape
+    (q, k, v), g, _, beta, _, _, do = make_inputs(B, T, H, D)
+    leaves = [x.requires_grad_(True) for x in (q, k, v, g, beta)]
+
+    def fwd_bwd():
+        chunk_kda(*leaves)[0].backward(do)
+
+    base = triton.testing.do_bench(fwd_bwd, grad_to_none=leaves, rep=rep_ms)
+    print(f"  [sweep {name}] defaults: {base:.3f} ms")
+    rows = [("defaults", "", f"{base:.3f}", "1.00x")]
+    for kernel, change in SWEEP:
+        kept = dict(ops.LAUNCH[kernel])
+        ops.LAUNCH[kernel] = {**kept, **change}
+        label = ", ".join(f"{key}={val}" for key, val in change.items())
+        try:
+            t = triton.testing.do_bench(fwd_bwd, grad_to_none=leaves, rep=rep_ms)
+            rows.append((kernel, label, f"{t:.3f}", f"{base / t:.2f}x"))
+        except Exception as e:  # noqa: BLE001 - a setting that cannot launch (e.g. out of shared memory) is a result
+            rows.append((kernel, label, "failed", type(e).__name__))
+        finally:
+            ops.LAUNCH[kernel] = kept
+        print(f"  [sweep {name}] {kernel} {label}: {rows[-1][2]} ms")
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
     parser.add_argument("--no-fla", action="store_true", help="time ours alone (fla-core not installed)")
     parser.add_argument("--profile", action="store_true", help="print a per-kernel table of ours")
     parser.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
-    parser.add_argument("--out", default=RESULTS, help="Markdown file the rows are appended to")
+    parser.add_argument("--sweep", action="store_true", help="time one launch setting changed at a time")
+    parser.add_argument("--out", default=RESULTS, help="Markdown file the rows are appended to, or a folder for kda.md")
     parser.add_argument("--commit", default="", help="commit to record when the tree has no git metadata")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kda.py needs a CUDA GPU")
+    out = os.path.join(args.out, "kda.md") if os.path.isdir(args.out) else args.out
     env = environment()
+    commit = args.commit or env["commit"]
     names = args.shapes.split(",")
     first = first_call_seconds(SHAPES[names[0]])
     print(f"first call of ours (compile, no autotune): {first:.1f} s")
     if args.profile:
         profile_ours(SHAPES[names[0]])
+    if args.sweep:
+        sweep_out = os.path.join(os.path.dirname(os.path.abspath(out)), "kda-sweep.md")
+        for name in names:
+            B, T, H, D = SHAPES[name]
+            rows = sweep(name, SHAPES[name], args.rep_ms)
+            with open(sweep_out, "a") as f:
+                f.write(f"\n## {env['date']} {commit} {env['gpu']} torch {env['torch']} triton {env['triton']}, "
+                        f"B{B} T{T} H{H} K=V={D} bf16 plain gate: ours fwd+bwd, one launch setting changed\n\n")
+                f.write("| kernel | change | fwd+bwd ms | defaults / this |\n|---|---|---|---|\n")
+                f.writelines(f"| {' | '.join(r)} |\n" for r in rows)
     header = (
         "| date | commit | GPU | torch | triton | shape (bf16) | gate | ours fwd ms | ours fwd+bwd ms "
         "| fwd+bwd Mtok/s | fla fwd ms | fla fwd+bwd ms | fwd ratio | fwd+bwd ratio | ours vs fla rel-RMS | ours first call s |"
     )
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    if not os.path.exists(args.out):
-        with open(args.out, "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    if not os.path.exists(out):
+        with open(out, "w") as f:
             f.write("# Chunked KDA: medians (triton.testing.do_bench), ratio = fla time / ours\n\n")
             f.write(header + "\n" + "|---" * (header.count("|") - 1) + "|\n")
     print(header)
@@ -163,11 +217,11 @@ def main():
             of, ofb = r["times"]["ours"]
             ff, ffb = r["times"].get("fla", (float("nan"), float("nan")))
             line = (
-                f"| {env['date']} | {args.commit or env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} "
+                f"| {env['date']} | {commit} | {env['gpu']} | {env['torch']} | {env['triton']} "
                 f"| {r['shape']} | {r['gate']} | {of:.3f} | {ofb:.3f} | {r['tokens'] / ofb / 1e3:.2f} | {ff:.3f} "
                 f"| {ffb:.3f} | {ff / of:.2f}x | {ffb / ofb:.2f}x | {r['check']} | {first:.1f} |"
             )
-            with open(args.out, "a") as f:
+            with open(out, "a") as f:
                 f.write(line + "\n")
             print(line)
 

@@ -155,13 +155,13 @@ def _dchunk_kernel(
 
 @triton.jit
 def _dintra_kernel(
-    q, k, b, dM, dA, dq, dk, db, chunk_indices, cu_seqlens,
+    q, k, b, dM, dA, dq, dk, db, dq_out, dk_out, chunk_indices, cu_seqlens,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
 ):
     """Decayed-product gradients of the 16 rows of block s, as rows (i) and as columns (j) of M and A.
 
-    dM is the gradient of decayed q k^T (M / scale), dA that of decayed k k^T; adds to the dq, dk, db that
-    `_dchunk_kernel` wrote. Per K tile, the row terms are one tensor-core product against the chunk's
+    dM is the gradient of decayed q k^T (M / scale), dA that of decayed k k^T; adds to the float32 dq, dk, db
+    that `_dchunk_kernel` wrote, storing the sums of dq and dk in dq_out and dk_out (q's dtype). Per K tile, the row terms are one tensor-core product against the chunk's
     earlier rows and the column terms one against its later rows, each split at a reference row: the
     block's middle row where `block_references` says the block fits (the diagonal block included), else
     the block's first row for the row terms and the next block's first row for the column terms, the
@@ -235,8 +235,10 @@ def _dintra_kernel(
                     live = r0 + t < eos
                     e = tl.exp(tl.where((o_c <= t)[:, None] & m_sk & live, b_jt[None, :] - b_s, float("-inf")))
                     dk_col += (dm_it[:, None] * q_jt[None, :] + da_it[:, None] * k_jt[None, :]) * e
-            tl.store(dq + offs_s, tl.load(dq + offs_s, mask=m_sk, other=0.0) + dq_row, mask=m_sk)
-            tl.store(dk + offs_s, tl.load(dk + offs_s, mask=m_sk, other=0.0) + dk_row + dk_col, mask=m_sk)
+            d_q = tl.load(dq + offs_s, mask=m_sk, other=0.0) + dq_row
+            d_k = tl.load(dk + offs_s, mask=m_sk, other=0.0) + dk_row + dk_col
+            tl.store(dq_out + offs_s, d_q.to(dq_out.dtype.element_ty), mask=m_sk)
+            tl.store(dk_out + offs_s, d_k.to(dk_out.dtype.element_ty), mask=m_sk)
             d_b = q_s * dq_row + k_s * (dk_row - dk_col)
             tl.store(db + offs_s, tl.load(db + offs_s, mask=m_sk, other=0.0) + d_b, mask=m_sk)
 

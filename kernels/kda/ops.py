@@ -135,8 +135,10 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, cu_seqlens, gate, 
         H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, PREC=prec, **_launch("dchunk", K, V),
     )
     dbeta = dbeta.sum(0)
+    dq_out, dk_out = torch.empty_like(q), torch.empty_like(k)
     bwd._dintra_kernel[(NT * (BT // BC), H)](
-        q, k, b, dM, dA, dq, dk, db, chunk_indices, cu, H=H, K=K, BT=BT, BC=BC, PREC=prec, **_launch("dintra", K, V),
+        q, k, b, dM, dA, dq, dk, db, dq_out, dk_out, chunk_indices, cu, H=H, K=K, BT=BT, BC=BC, PREC=prec,
+        **_launch("dintra", K, V),
     )
     A_log, dt_bias, lower_bound = gate if gate is not None else (None, None, None)
     dg = torch.empty_like(db)
@@ -148,7 +150,7 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, cu_seqlens, gate, 
     )
     dA_log = dA_part.sum((0, 2)) if gate is not None else None
     ddt_bias = dg.sum(0) if dt_bias is not None else None
-    return dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias
+    return dq_out, dk_out, dv, dg, dbeta, dh0, dA_log, ddt_bias
 
 
 # The autograd wrapper is a pair of custom ops so that torch.compile sees one opaque call (no graph
