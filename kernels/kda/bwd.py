@@ -245,14 +245,15 @@ def _dintra_kernel(
 
 @triton.jit
 def _ddecay_kernel(
-    db, g, A_log, dt_bias, dg, dA_log_part, chunk_indices, cu_seqlens, lower_bound,
+    db, g, A_log, dt_bias, dg, dA_log_part, ddt_part, chunk_indices, cu_seqlens, lower_bound,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     HAS_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
 ):
-    """dg = reverse cumsum of db inside the chunk, then through the fused gate if any.
+    """dg = reverse cumsum of db inside the chunk, then through the fused gate if any (stored in dg's dtype).
 
-    With the gate, dg is the raw gate's gradient (also dt_bias's, summed over tokens by the
-    caller) and dA_log_part the per-element contribution to A_log's gradient.
+    With the gate, dg is the raw gate's gradient; this chunk's sums of the A_log gradient
+    (dA_log_part [NT, NK, H]) and of the dt_bias gradient (ddt_part [NT, H, K], float32) are
+    left for the caller to add up.
     """
     i_c, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, t0 = chunk_bounds(chunk_indices, cu_seqlens, i_c, BT)
@@ -261,7 +262,7 @@ def _ddecay_kernel(
     mask = (rows < eos)[:, None] & (cols < K)[None, :]
     offs = rows[:, None] * (H * K) + i_h * K + cols[None, :]
     x = tl.load(db + offs, mask=mask, other=0.0)
-    d = tl.sum(x, 0)[None, :] - tl.cumsum(x, axis=0) + x
+    d = tl.sum(x, 0)[None, :] - tl.cumsum(x, axis=0) + x  # zero on masked rows
     if HAS_GATE:
         z = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_DT_BIAS:
@@ -270,10 +271,13 @@ def _ddecay_kernel(
         if USE_LOWER_BOUND:
             sg = tl.sigmoid(a * z)
             d_pre = d * lower_bound * sg * (1.0 - sg)  # d/d(a z)
-            tl.store(dA_log_part + offs, d_pre * a * z, mask=mask)
+            d_a = d_pre * a * z
             d = d_pre * a
         else:
             sp = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
-            tl.store(dA_log_part + offs, -d * a * sp, mask=mask)
+            d_a = -d * a * sp
             d = -d * a * tl.sigmoid(z)
-    tl.store(dg + offs, d, mask=mask)
+        tl.store(dA_log_part + (i_c * tl.num_programs(1) + i_k) * H + i_h, tl.sum(tl.sum(d_a, 1), 0))
+        if HAS_DT_BIAS:
+            tl.store(ddt_part + (i_c * H + i_h) * K + cols, tl.sum(d, 0), mask=cols < K)
+    tl.store(dg + offs, d.to(dg.dtype.element_ty), mask=mask)

@@ -141,15 +141,18 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, cu_seqlens, gate, 
         **_launch("dintra", K, V),
     )
     A_log, dt_bias, lower_bound = gate if gate is not None else (None, None, None)
-    dg = torch.empty_like(db)
-    dA_part = torch.empty_like(db) if gate is not None else None
-    bwd._ddecay_kernel[(NT, triton.cdiv(K, BK), H)](
-        db, g, A_log, dt_bias, dg, dA_part, chunk_indices, cu, 0.0 if lower_bound is None else float(lower_bound),
+    NKD = triton.cdiv(K, BK)
+    dg = torch.empty_like(g)
+    dA_part = torch.empty(NT, NKD, H, device=dev, dtype=torch.float32) if gate is not None else None
+    ddt_part = torch.empty(NT, H, K, device=dev, dtype=torch.float32) if dt_bias is not None else None
+    bwd._ddecay_kernel[(NT, NKD, H)](
+        db, g, A_log, dt_bias, dg, dA_part, ddt_part, chunk_indices, cu,
+        0.0 if lower_bound is None else float(lower_bound),
         H=H, K=K, BT=BT, BK=BK, HAS_GATE=gate is not None, HAS_DT_BIAS=dt_bias is not None,
         USE_LOWER_BOUND=lower_bound is not None, **_launch("ddecay", K, V),
     )
-    dA_log = dA_part.sum((0, 2)) if gate is not None else None
-    ddt_bias = dg.sum(0) if dt_bias is not None else None
+    dA_log = dA_part.sum((0, 1)) if gate is not None else None
+    ddt_bias = ddt_part.sum(0) if dt_bias is not None else None
     return dq_out, dk_out, dv, dg, dbeta, dh0, dA_log, ddt_bias
 
 
