@@ -60,8 +60,14 @@ def test_bf16_gradients(lengths):
         assert rel_rms(a, b) < 2e-2, name
 
 
-def test_float32_small_against_float64_recurrence():
+@pytest.mark.parametrize("decay", ["random", "constant -8", "resets"])
+def test_float32_small_against_float64_recurrence(decay):
+    """Random decays take the split tensor-core products; -8 everywhere and g = -1000 resets the exact column loop."""
     *xs, h0 = inputs(2, 300, 2, 64, 64, dtype=torch.float64, seed=3)
+    if decay == "constant -8":
+        xs[3] = torch.full_like(xs[3], -8.0)
+    elif decay == "resets":
+        xs[3][:, ::37] = -1000.0
     do = torch.randn(2, 300, 2, 64, device="cuda", dtype=torch.float64)
     dS = torch.randn(h0.shape, device="cuda", dtype=torch.float64)
     o_ref, S_ref, grads_ref = grads_of(recurrent_kda, xs, h0.double(), do, dS)
