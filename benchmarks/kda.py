@@ -44,7 +44,7 @@ SWEEP = [
     ("state", dict(BV=32)), ("state", dict(num_warps=4)), ("state", dict(num_stages=1)),
     ("output", dict(num_warps=8)), ("output", dict(num_stages=3)),
     ("dstate", dict(BV=32)), ("dstate", dict(num_stages=2)),
-    ("dchunk", dict(num_warps=4)), ("dchunk", dict(num_stages=1)),
+    ("dchunk", dict(BK=128)), ("dchunk", dict(num_warps=4)), ("dchunk", dict(num_stages=1)),
     ("dintra", dict(BK=64)), ("dintra", dict(num_warps=8)), ("dintra", dict(num_stages=1)),
 ]
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "kda.md")

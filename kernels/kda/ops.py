@@ -25,7 +25,7 @@ LAUNCH = {
     "state": dict(BV=64, num_warps=8, num_stages=2),
     "output": dict(num_warps=4, num_stages=2),
     "dstate": dict(BV=64, num_warps=8, num_stages=1),
-    "dchunk": dict(num_warps=8, num_stages=2),
+    "dchunk": dict(BK=64, num_warps=8, num_stages=2),
     "dintra": dict(BK=32, num_warps=4, num_stages=2),
     "ddecay": dict(num_warps=4, num_stages=1),
 }
@@ -126,13 +126,14 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, cu_seqlens, gate, 
     dk = torch.empty_like(dq)
     db = torch.empty_like(dq)
     dv = torch.empty_like(v)
-    NK = triton.cdiv(K, BK)
+    dchunk = _launch("dchunk", K, V)
+    NK = triton.cdiv(K, dchunk["BK"])
     dbeta = torch.empty(NK, T, H, device=dev, dtype=torch.float32)
     dM = torch.empty(T, H, BT, device=dev, dtype=torch.float32)  # written whole by _dchunk_kernel
     dA = torch.empty_like(dM)
     bwd._dchunk_kernel[(NT, NK, H)](
         q, k, v, b, beta, A, Ai, h, dh, U, dU, do, dq, dk, dv, db, dbeta, dM, dA, chunk_indices, cu, scale, T,
-        H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, PREC=prec, **_launch("dchunk", K, V),
+        H=H, K=K, V=V, BT=BT, BV=BV, PREC=prec, **dchunk,
     )
     dbeta = dbeta.sum(0)
     dq_out, dk_out = torch.empty_like(q), torch.empty_like(k)
