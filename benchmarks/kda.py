@@ -191,16 +191,6 @@ def main():
     print(f"first call of ours (compile, no autotune): {first:.1f} s")
     if args.profile:
         profile_ours(SHAPES[names[0]])
-    if args.sweep:
-        sweep_out = os.path.join(os.path.dirname(os.path.abspath(out)), "kda-sweep.md")
-        for name in names:
-            B, T, H, D = SHAPES[name]
-            rows = sweep(name, SHAPES[name], args.rep_ms)
-            with open(sweep_out, "a") as f:
-                f.write(f"\n## {env['date']} {commit} {env['gpu']} torch {env['torch']} triton {env['triton']}, "
-                        f"B{B} T{T} H{H} K=V={D} bf16 plain gate: ours fwd+bwd, one launch setting changed\n\n")
-                f.write("| kernel | change | fwd+bwd ms | defaults / this |\n|---|---|---|---|\n")
-                f.writelines(f"| {' | '.join(r)} |\n" for r in rows)
     header = (
         "| date | commit | GPU | torch | triton | shape (bf16) | gate | ours fwd ms | ours fwd+bwd ms "
         "| fwd+bwd Mtok/s | fla fwd ms | fla fwd+bwd ms | fwd ratio | fwd+bwd ratio | ours vs fla rel-RMS | ours first call s |"
@@ -224,6 +214,16 @@ def main():
             with open(out, "a") as f:
                 f.write(line + "\n")
             print(line)
+    if args.sweep:
+        sweep_out = os.path.join(os.path.dirname(os.path.abspath(out)), "kda-sweep.md")
+        for name in names:
+            B, T, H, D = SHAPES[name]
+            rows = sweep(name, SHAPES[name], args.rep_ms)
+            with open(sweep_out, "a") as f:
+                f.write(f"\n## {env['date']} {commit} {env['gpu']} torch {env['torch']} triton {env['triton']}, "
+                        f"B{B} T{T} H{H} K=V={D} bf16 plain gate: ours fwd+bwd, one launch setting changed\n\n")
+                f.write("| kernel | change | fwd+bwd ms | defaults / this |\n|---|---|---|---|\n")
+                f.writelines(f"| {' | '.join(r)} |\n" for r in rows)
 
 
 if __name__ == "__main__":
