@@ -19,7 +19,8 @@ db_i += x_i dx_i, db_j -= y_j dy_j. Finally dg is the reverse cumsum of db in a 
 
 Kernels: `_dstate_kernel` (sequential, last chunk first), `_dchunk_kernel`
 (dense per-chunk terms), `_dintra_kernel` (the decayed products, per 16-row
-block), `_ddecay_kernel` (reverse cumsum and the fused gate's derivative).
+block, split at reference rows as in fwd.py), `_ddecay_kernel` (reverse cumsum
+and the fused gate's derivative).
 """
 
 import triton

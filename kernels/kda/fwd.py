@@ -11,9 +11,13 @@ tokens (grid over chunks x heads unless noted):
                        h_n stored, U = Wv - Wk h, h <- exp(b_last) h + (exp(b_last - b) k)^T U
 6. `_output_kernel`    o = (scale * exp(b) q) h + M U
 
-Decays are only ever exp of a non-positive number: exp(b_i - b_j) for i >= j,
-split at a reference row r between them as exp(b_i - b_r) * exp(b_r - b_j)
-so that off-diagonal 16x16 blocks become tensor-core products.
+A decayed product sum_c x_ic y_jc exp(b_ic - b_jc) (i >= j) becomes a tensor-core
+product once split at a reference row r: (x_i exp(b_i - b_r)) . (y_j exp(b_r - b_j)).
+With r at or before every i and at or after every j both factors are <= 1 (b is
+non-increasing), which covers the blocks below a 16-row block's diagonal. The
+diagonal block takes r at its middle row when its decays stay within 60 of it
+(`common.block_references`: every gate above -7.5 per token), factors <= exp(60);
+otherwise (a hard reset, say) it is summed exactly, one column at a time.
 
 Legend: T total tokens (packed), H heads, K/V widths, NT chunks, BT 64, BC 16.
 Buffers are [T, H, *] row-major; states are [NT or N, H, K, V].
