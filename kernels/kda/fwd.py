@@ -160,7 +160,7 @@ def _solve_kernel(
     A, beta, Ai, chunk_indices, cu_seqlens,
     H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Ai = (I + diag(beta) A)^-1 for one chunk (A strictly lower), 4x4 blocks of 16."""
+    """Ai = (I + diag(beta) A)^-1 for one chunk (A strictly lower), 4x4 blocks of 16, zeros above included."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, eos, t0 = chunk_bounds(chunk_indices, cu_seqlens, i_c, BT)
     inv = _invert_diag_blocks(A, beta, t0, eos, i_h, H, BT, BC)
@@ -196,6 +196,10 @@ def _solve_kernel(
     _store_tile(Ai, i31, t0, eos, i_h, 3, 1, H, BT, BC)
     _store_tile(Ai, i32, t0, eos, i_h, 3, 2, H, BT, BC)
     _store_tile(Ai, i33, t0, eos, i_h, 3, 3, H, BT, BC)
+    zero = tl.zeros([BC, BC], dtype=tl.float32)
+    for a in tl.static_range(0, NS - 1):
+        for c in tl.static_range(a + 1, NS):
+            _store_tile(Ai, zero, t0, eos, i_h, a, c, H, BT, BC)
 
 
 @triton.jit

@@ -81,7 +81,7 @@ def kda_forward(q, k, v, g, beta, scale, h0, output_final_state, batch, cu_seqle
     fwd._scores_kernel[(NT * (BT // BC), H)](
         q, k, b, M, A, chunk_indices, cu, scale, H=H, K=K, BT=BT, BC=BC, PREC=prec, **_launch("scores", K, V),
     )
-    Ai = torch.zeros(T, H, BT, device=dev, dtype=torch.float32)
+    Ai = torch.empty(T, H, BT, device=dev, dtype=torch.float32)
     fwd._solve_kernel[(NT, H)](A, beta, Ai, chunk_indices, cu, H=H, BT=BT, BC=BC, PREC=prec, **_launch("solve", K, V))
     Wk = torch.empty_like(k)
     Wv = torch.empty_like(v)
