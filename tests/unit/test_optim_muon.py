@@ -152,3 +152,37 @@ def test_rejects_bad_groups():
         PerHeadMuon([torch.zeros(10)], lr=0.1)
     with pytest.raises(ValueError, match="momentum"):
         PerHeadMuon([torch.zeros(4, 4)], lr=0.1, momentum=1.0)
+
+
+def test_step_batched_over_parameters_equals_muon_update_per_parameter():
+    """Parameters whose blocks share a shape are updated in one batch; each must get its own per-parameter update."""
+    gen = torch.Generator().manual_seed(6)
+    # two same-shape matrices, a 2-head matrix with the same [8, 12] blocks, an expert tensor of [8, 12] experts,
+    # one other shape, a second group (another lr) of the same block shape, and a parameter without a gradient
+    groups = [
+        {"params": [torch.randn(8, 12, generator=gen), torch.randn(8, 12, generator=gen), torch.randn(5, 7, generator=gen)]},
+        {"params": [torch.randn(16, 12, generator=gen)], "num_heads": 2},
+        {"params": [torch.randn(3, 8, 12, generator=gen)], "per_expert": True},
+        {"params": [torch.randn(8, 12, generator=gen), torch.randn(8, 12, generator=gen)], "lr": 0.05},
+    ]
+    specs = [ParamSpec(use_muon=True), ParamSpec(use_muon=True, num_heads=2),
+             ParamSpec(use_muon=True, num_heads=1, per_expert=True), ParamSpec(use_muon=True)]
+    refs = [[p.clone() for p in g["params"]] for g in groups]
+    bufs = [[torch.zeros_like(p) for p in g["params"]] for g in groups]
+    opt = PerHeadMuon(groups, lr=0.02, weight_decay=0.1)
+    no_grad = groups[3]["params"][1]
+    for _ in range(3):
+        for gi, group in enumerate(opt.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p is no_grad:
+                    continue
+                g = torch.randn(p.shape, generator=gen)
+                p.grad = g.clone()
+                lr = group["lr"]
+                update = muon_update(g, bufs[gi][pi], specs[gi])
+                refs[gi][pi] = refs[gi][pi] * (1 - lr * 0.1) - lr * update
+        opt.step()
+    for group, ref in zip(opt.param_groups, refs):
+        for p, r in zip(group["params"], ref):
+            torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    assert no_grad.grad is None and torch.equal(no_grad, refs[3][1]) and "momentum_buffer" not in opt.state[no_grad]
