@@ -101,6 +101,27 @@ def orthogonalise(
     return O.to(direction.dtype).mul_(scale).reshape(direction.shape)
 
 
+def orthogonalise_batched(
+    directions: list[torch.Tensor], specs: list[ParamSpec], *, ns_steps: int = 5, ns_dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
+    """`orthogonalise` of each plain tensor, with every block of one [r, c] shape in one Newton–Schulz call.
+
+    A step then launches a few kernels per block shape rather than per
+    parameter (a k3-mini step was bound by those host launches).
+    """
+    by_shape: dict[tuple, list[int]] = {}
+    blocks = [blocks_of(d, spec) for d, spec in zip(directions, specs)]
+    for i, b in enumerate(blocks):
+        by_shape.setdefault((*b.shape[-2:], b.dtype, b.device), []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(directions)
+    for (rows, cols, dtype, _), idx in by_shape.items():
+        stacked = blocks[idx[0]] if len(idx) == 1 else torch.cat([blocks[i] for i in idx])
+        O = newton_schulz(stacked, ns_steps, dtype=ns_dtype).to(dtype).mul_(muon_scale(rows, cols))
+        for i, u in zip(idx, O.split([blocks[i].shape[0] for i in idx])):
+            out[i] = u.reshape(directions[i].shape)
+    return out
+
+
 def muon_update(
     grad: torch.Tensor,
     momentum_buf: torch.Tensor,
@@ -217,11 +238,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         torch._foreach_mul_(bufs, momentum)
         torch._foreach_add_(bufs, grads)
         directions = torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else bufs
-        blocks = [blocks_of(d, spec) for d, (_, spec) in zip(directions, members)]
-        stacked = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-        O = newton_schulz(stacked, ns_steps, dtype=self.ns_dtype)
-        O = O.to(params[0].dtype).mul_(muon_scale(*stacked.shape[-2:]))
-        updates = [u.reshape(p.shape) for u, p in zip(O.split([b.shape[0] for b in blocks]), params)]
+        updates = orthogonalise_batched(directions, [spec for _, spec in members], ns_steps=ns_steps, ns_dtype=self.ns_dtype)
         if wd != 0:
             torch._foreach_mul_(params, 1.0 - lr * wd)
         torch._foreach_add_(params, updates, alpha=-lr)
@@ -236,16 +253,21 @@ class PerHeadMuon(torch.optim.Optimizer):
         (owners taken round robin), orthogonalised there while the other
         owners work on theirs, and the update is scattered back.
         """
-        local_updates, remote = {}, []
+        local, remote = {}, []
         for p, group, spec in items:
             grad, buf = p.grad.to_local(), self.state[p]["momentum_buffer"].to_local()
             buf.mul_(group["momentum"]).add_(grad)
             direction = grad.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
             local_spec = _local_block_spec(p, spec)
-            if local_spec is not None:
-                local_updates[p] = _orthogonalise_local(direction, local_spec, group["ns_steps"], self.ns_dtype)
-            else:
+            if local_spec is None:
                 remote.append((p, group, spec, direction))
+            elif direction.numel() > 0:
+                local.setdefault(group["ns_steps"], []).append((p, direction, local_spec))
+        local_updates = {p: torch.zeros_like(p.to_local()) for p, _, _ in items if p.to_local().numel() == 0}
+        for ns_steps, members in local.items():
+            updates = orthogonalise_batched([d for _, d, _ in members], [s for _, _, s in members],
+                                            ns_steps=ns_steps, ns_dtype=self.ns_dtype)
+            local_updates.update((p, u) for (p, _, _), u in zip(members, updates))
         local_updates.update(_owner_orthogonalise(remote, self.ns_dtype))
         for p, group, _ in items:
             lr, wd = group["lr"], group["weight_decay"]
@@ -287,12 +309,6 @@ def _local_block_spec(p: DTensor, spec: ParamSpec) -> ParamSpec | None:
         return None
     local_rows = p.to_local().shape[0]
     return ParamSpec(use_muon=True, num_heads=max(local_rows // head_rows, 1))
-
-
-def _orthogonalise_local(direction, spec: ParamSpec, ns_steps: int, ns_dtype) -> torch.Tensor:
-    if direction.numel() == 0:
-        return direction.clone()
-    return orthogonalise(direction, spec, ns_steps=ns_steps, ns_dtype=ns_dtype)
 
 
 def _owner_orthogonalise(remote: list, ns_dtype) -> dict:
