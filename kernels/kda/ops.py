@@ -19,14 +19,14 @@ from kernels.kda.reference import DEFAULT_GATE_LOWER_BOUND, check_kda_inputs, l2
 # NOTE: fewer than 8 warps on the state walks spill their [K, BV] float32 state and triple compile time.
 LAUNCH = {
     "decay": dict(num_warps=4, num_stages=1),
-    "scores": dict(BK=32, num_warps=4, num_stages=2),
-    "solve": dict(num_warps=4, num_stages=1),
+    "scores": dict(BK=32, num_warps=4, num_stages=1),
+    "solve": dict(num_warps=2, num_stages=1),
     "wy": dict(num_warps=4, num_stages=2),
     "state": dict(BV=64, num_warps=8, num_stages=2),
     "output": dict(num_warps=4, num_stages=2),
-    "dstate": dict(BV=64, num_warps=8, num_stages=1),
+    "dstate": dict(BV=64, num_warps=8, num_stages=2),
     "dchunk": dict(BK=64, num_warps=8, num_stages=2),
-    "dintra": dict(BK=32, num_warps=4, num_stages=2),
+    "dintra": dict(BK=32, num_warps=4, num_stages=1),
     "ddecay": dict(num_warps=4, num_stages=1),
 }
 
