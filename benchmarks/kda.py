@@ -38,14 +38,14 @@ SHAPES = {
 }
 # (kernel, settings changed from kernels.kda.ops.LAUNCH) for --sweep
 SWEEP = [
-    ("scores", dict(BK=64)), ("scores", dict(num_warps=8)), ("scores", dict(num_stages=2)),
+    ("scores", dict(BK=64)), ("scores", dict(num_warps=8)),
     ("solve", dict(num_warps=4)),
     ("wy", dict(num_warps=8)), ("wy", dict(num_stages=3)),
     ("state", dict(BV=32)), ("state", dict(num_warps=4)), ("state", dict(num_stages=1)),
     ("output", dict(num_warps=8)), ("output", dict(num_stages=3)),
     ("dstate", dict(BV=32)), ("dstate", dict(num_stages=1)),
     ("dchunk", dict(BK=128)), ("dchunk", dict(num_warps=4)), ("dchunk", dict(num_stages=1)),
-    ("dintra", dict(BK=64)), ("dintra", dict(num_warps=8)), ("dintra", dict(num_stages=2)),
+    ("dintra", dict(BK=64)), ("dintra", dict(num_warps=8)),
 ]
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "kda.md")
 LOWER_BOUND = -5.0

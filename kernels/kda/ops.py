@@ -15,18 +15,22 @@ from kernels.kda.reference import DEFAULT_GATE_LOWER_BOUND, check_kda_inputs, l2
 
 # Launch settings of every kernel, fixed (no autotuning): a first call only compiles. "BV" is the V tile of
 # the two sequential state walks (their programs are V tiles x sequences x heads), "BK" the K tile of the two
-# kernels that hold a whole chunk's q, k, b tiles. `benchmarks/kda.py --sweep` times alternatives.
+# kernels that hold a whole chunk's q, k, b tiles. `benchmarks/kda.py --sweep` times alternatives; these won
+# on an H200 (benchmarks/results/kda.md).
 # NOTE: fewer than 8 warps on the state walks spill their [K, BV] float32 state and triple compile time.
+# NOTE: the scores and intra-gradient kernels run unpipelined (num_stages=1) on purpose: Triton 3.6 pipelines
+# their K loop wrongly around the exact column-loop branch, and a bf16 hard reset (g = -1000) then gave
+# non-finite A; unpipelined they are also 4-10% faster.
 LAUNCH = {
     "decay": dict(num_warps=4, num_stages=1),
-    "scores": dict(BK=32, num_warps=4, num_stages=1),
+    "scores": dict(BK=32, num_warps=4),
     "solve": dict(num_warps=2, num_stages=1),
     "wy": dict(num_warps=4, num_stages=2),
     "state": dict(BV=64, num_warps=8, num_stages=2),
     "output": dict(num_warps=4, num_stages=2),
     "dstate": dict(BV=64, num_warps=8, num_stages=2),
     "dchunk": dict(BK=64, num_warps=8, num_stages=2),
-    "dintra": dict(BK=32, num_warps=4, num_stages=1),
+    "dintra": dict(BK=32, num_warps=4),
     "ddecay": dict(num_warps=4, num_stages=1),
 }
 
@@ -79,7 +83,8 @@ def kda_forward(q, k, v, g, beta, scale, h0, output_final_state, batch, cu_seqle
     M = torch.empty(T, H, BT, device=dev, dtype=torch.float32)
     A = torch.empty(T, H, BT, device=dev, dtype=torch.float32)
     fwd._scores_kernel[(NT * (BT // BC), H)](
-        q, k, b, M, A, chunk_indices, cu, scale, H=H, K=K, BT=BT, BC=BC, PREC=prec, **_launch("scores", K, V),
+        q, k, b, M, A, chunk_indices, cu, scale, H=H, K=K, BT=BT, BC=BC, PREC=prec, num_stages=1,
+        **_launch("scores", K, V),
     )
     Ai = torch.empty(T, H, BT, device=dev, dtype=torch.float32)
     fwd._solve_kernel[(NT, H)](A, beta, Ai, chunk_indices, cu, H=H, BT=BT, BC=BC, PREC=prec, **_launch("solve", K, V))
@@ -139,7 +144,7 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, cu_seqlens, gate, 
     dq_out, dk_out = torch.empty_like(q), torch.empty_like(k)
     bwd._dintra_kernel[(NT * (BT // BC), H)](
         q, k, b, dM, dA, dq, dk, db, dq_out, dk_out, chunk_indices, cu, H=H, K=K, BT=BT, BC=BC, PREC=prec,
-        **_launch("dintra", K, V),
+        num_stages=1, **_launch("dintra", K, V),
     )
     A_log, dt_bias, lower_bound = gate if gate is not None else (None, None, None)
     NKD = triton.cdiv(K, BK)
