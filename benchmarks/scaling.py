@@ -54,7 +54,7 @@ def launch(name: str, nproc: int, overrides: list[str], args, extra: list[str]) 
     shutil.rmtree(RUNS / slug, ignore_errors=True)
     print("$", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))))
     print(f"{name}: {time.perf_counter() - t0:.0f} s wall", flush=True)
     return RUNS / slug
 

@@ -20,6 +20,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from titan_k3.parallel.distributed import all_gather_small, all_reduce_small
+
 CHECKS = (
     "data.disjoint_sequences",
     "data.source_mix",
@@ -42,17 +44,6 @@ class Violation:
     details: dict = field(default_factory=dict)
 
 
-def _world(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _gather(x: torch.Tensor, group) -> torch.Tensor:
-    """[W, *x.shape] on x's device: every rank's x (same shape on every rank)."""
-    out = [torch.empty_like(x) for _ in range(_world(group))]
-    dist.all_gather(out, x.contiguous(), group=group)
-    return torch.stack(out)
-
-
 # ---------------------------------------------------------------------------- data
 
 
@@ -60,7 +51,7 @@ def check_disjoint_sequences(fingerprints: torch.Tensor, group) -> list[Violatio
     """fingerprints int64 [N]: this rank's sequences in this update; no sequence may sit on two ranks."""
     if group is None:
         return []
-    all_WN = _gather(fingerprints.to(torch.int64).cpu(), group)
+    all_WN = all_gather_small(fingerprints.to(torch.int64).cpu(), group)
     owner: dict[int, int] = {}
     shared: dict[int, set[int]] = {}
     for rank, row in enumerate(all_WN.tolist()):
@@ -87,8 +78,7 @@ def check_source_mix(source_tokens: dict[str, int], weights: dict[str, float], g
     """
     names = sorted(weights)
     local = torch.tensor([float(source_tokens.get(n, 0)) for n in names], dtype=torch.float64)
-    if group is not None:
-        dist.all_reduce(local, group=group)
+    local = all_reduce_small(local, group)
     total = float(local.sum())
     if total == 0:
         return []
@@ -126,7 +116,7 @@ def check_replicas(named: dict[str, torch.Tensor], group) -> list[Violation]:
         return []
     names = sorted(named)
     local = torch.stack([checksum(named[n]).cpu() for n in names])
-    all_WN = _gather(local, group)
+    all_WN = all_gather_small(local, group)
     differs = (all_WN != all_WN[0]).any(dim=0)
     if not differs.any():
         return []
@@ -147,7 +137,7 @@ def check_grad_norm_agreement(grad_norm: float, group, rtol: float = 1e-6) -> li
     """The global grad norm each rank clipped with must be the same on every rank."""
     if group is None:
         return []
-    norms = _gather(torch.tensor([grad_norm], dtype=torch.float64), group).flatten()
+    norms = all_gather_small(torch.tensor([grad_norm], dtype=torch.float64), group).flatten()
     spread = float(norms.max() - norms.min())
     scale = max(float(norms.abs().max()), 1e-30)
     if not math.isfinite(spread) or spread <= rtol * scale:
@@ -184,8 +174,7 @@ def check_grad_norm_audit(reported: float, gathered: float, rtol: float = 1e-3) 
 def check_loss_normaliser(normaliser: float, local_valid: int, group) -> list[Violation]:
     """The loss divisor must be the count of valid targets of this update summed over every rank."""
     total = torch.tensor([float(local_valid)], dtype=torch.float64)
-    if group is not None:
-        dist.all_reduce(total, group=group)
+    total = all_reduce_small(total, group)
     expected = float(total)
     if normaliser == expected or expected == 0:  # an update without targets is clamped to 1; nothing to compare
         return []
@@ -203,11 +192,10 @@ def check_ep_token_counts(send_counts_W: torch.Tensor, recv_counts_W: torch.Tens
     Invariants: what rank s sends to rank r is what r receives from s, and the
     rows dispatched over the group equal the rows received equal k x tokens routed.
     """
-    sends_WW = _gather(send_counts_W.to(torch.int64).cpu(), group) if group is not None else send_counts_W[None].cpu()
-    recvs_WW = _gather(recv_counts_W.to(torch.int64).cpu(), group) if group is not None else recv_counts_W[None].cpu()
+    sends_WW = all_gather_small(send_counts_W.to(torch.int64).cpu(), group) if group is not None else send_counts_W[None].cpu()
+    recvs_WW = all_gather_small(recv_counts_W.to(torch.int64).cpu(), group) if group is not None else recv_counts_W[None].cpu()
     routed = torch.tensor([routed_tokens], dtype=torch.int64)
-    if group is not None:
-        dist.all_reduce(routed, group=group)
+    routed = all_reduce_small(routed, group)
     dispatched, received, expected = int(sends_WW.sum()), int(recvs_WW.sum()), top_k * int(routed)
     mismatched = (sends_WW != recvs_WW.t()).nonzero().tolist()
     if not mismatched and dispatched == received == expected:
@@ -237,9 +225,8 @@ def check_expert_grad_scale(grads: dict[str, torch.Tensor], reference: dict[str,
         if err > worst_err:
             worst, worst_err = name, err
     flag = torch.tensor([worst_err], dtype=torch.float64)
-    if group is not None:
-        dist.all_reduce(sq, group=group)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    sq = all_reduce_small(sq, group)
+    flag = all_reduce_small(flag, group, dist.ReduceOp.MAX)
     ratio = float((sq[0] / sq[1].clamp(min=1e-300)).sqrt())
     if float(flag) <= rtol:
         return []

@@ -23,6 +23,7 @@ from titan_k3.metrics.grad_norms import grad_norms_by_group
 from titan_k3.metrics.memory import GIB, memory_stats
 from titan_k3.metrics.moe_stats import CollapseAlarm, expert_load_stats
 from titan_k3.metrics.prometheus import PrometheusExporter
+from titan_k3.parallel.distributed import comm_device
 
 
 def _tensorboard_writer_class():
@@ -173,10 +174,7 @@ class MetricsReporter:
         return record
 
     def _comm_device(self) -> torch.device:
-        # NOTE: NCCL all-reduces only device tensors; gloo takes host tensors.
-        if self.group is not None and dist.get_backend(self.group) == "nccl":
-            return self.device
-        return torch.device("cpu")
+        return comm_device(self.group)
 
     def _write(self, record: dict) -> None:
         with open(self.metrics_path, "a") as f:

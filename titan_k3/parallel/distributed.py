@@ -93,6 +93,35 @@ def init_weights(model: nn.Module, build: Callable[[], nn.Module], seed: int, de
             target.copy_(full)
 
 
+def comm_device(group) -> torch.device:
+    """Where a collective on `group` takes its tensors: the current CUDA device for NCCL, else the host.
+
+    NOTE: an NCCL group refuses host tensors ("No backend type associated with
+    device type cpu"), and gloo refuses CUDA ones; small bookkeeping tensors
+    travel to the group's device and back.
+    """
+    if group is not None and "nccl" in str(dist.get_backend(group)) and "gloo" not in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_small(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce of a small tensor on any device over any group; the result is on x's device (x untouched)."""
+    if group is None:
+        return x.clone()
+    y = x.to(comm_device(group), copy=True)
+    dist.all_reduce(y, op=op, group=group)
+    return y.to(x.device)
+
+
+def all_gather_small(x: torch.Tensor, group) -> torch.Tensor:
+    """[W, *x.shape] on x's device: every rank's x (same shape on every rank), over any group."""
+    y = x.to(comm_device(group)).contiguous()
+    out = [torch.empty_like(y) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, y, group=group)
+    return torch.stack(out).to(x.device)
+
+
 @torch.no_grad()
 def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Global gradient norm over all shards of all parameters (any mix of meshes); scale grads to max_norm.
