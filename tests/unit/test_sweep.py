@@ -179,7 +179,8 @@ def test_compare_report_table_and_limits(two_runs, tmp_path, capsys):
     assert "| `a` | 0.001 | 8 | 9.2000 | 9.3000 ± n/a (1) | n/a | 1 (steps 7) | 1 | 1 |" in text
     assert "| `b` | 0.01 | 8 | 7.4000 | 7.5000 ± 0.1414 (2) | 7.7000 | 0 | 0 | 0 |" in text
     assert "Lowest window-mean loss: `b` (7.5000), ahead of `a` by 1.8000 nats" in text
-    assert "larger than twice that spread." in text
+    # same seed and data: the reading is the paired difference, here from the one update both logged (step 7)
+    assert "1.7000 ± n/a over the 1 updates both logged in the window; the gap is **not** consistent" in text
     assert "Instability up to the budget: `a`" in text
     assert "## What this comparison can and cannot conclude" in text
     for phrase in ("one seed", "equal tokens is not equal compute", "predict the ranking later in training"):
@@ -242,3 +243,16 @@ def test_local_run_reports_a_failed_run(base, tmp_path, monkeypatch, capsys):
     assert main(["--base", str(base), "--knob", "optimizer.lr", "--values", "1e-3,1e-2", "--out", str(tmp_path / "f"),
                  "--run", "--dump-folder", str(tmp_path / "runs")]) == 1
     assert "error: runs failed: base-lr-1e-2 (status 1)" in capsys.readouterr().err
+
+
+def test_paired_reading_sees_a_consistent_gap_that_the_spread_hides(tmp_path):
+    """Both runs read the same batches: the loss swings by ±1 from batch to batch, the difference stays 0.1."""
+    swing = [((-1) ** s) * 1.0 for s in range(1, 21)]
+    a = _run_dir(tmp_path, "a", 1e-3, [_rec(s, 5 + w) for s, w in zip(range(1, 21), swing)])
+    b = _run_dir(tmp_path, "b", 3e-3, [_rec(s, 5.1 + w + 0.01 * (s % 3)) for s, w in zip(range(1, 21), swing)])
+    text = sweep.report([sweep.load_run(a), sweep.load_run(b)], window=0.5)
+    assert "ahead of `b` by" in text and "the gap is consistent (its mean exceeds twice its spread)." in text
+    # another seed: batches differ, so only the within-window spread is available, and it swamps the gap
+    c = _run_dir(tmp_path, "c", 3e-3, [_rec(s, 5.1 + w) for s, w in zip(range(1, 21), swing)], (), "--training.seed", "3")
+    text = sweep.report([sweep.load_run(a), sweep.load_run(c)], window=0.5)
+    assert "both read the same batches" not in text and "within the noise of one seed" in text

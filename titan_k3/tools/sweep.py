@@ -391,7 +391,17 @@ def report(runs: list[RunView], window: float = 0.1) -> str:
         noise = max((r.window_std for r in (best, second) if math.isfinite(r.window_std)), default=math.nan)
         lead = (f"- Lowest window-mean loss: `{best.run}` ({_fmt(best.window_mean)}), ahead of `{second.run}` by "
                 f"{_fmt(gap)} nats; ")
-        if not math.isfinite(noise):
+        by_name = {r.name: r for r in runs}
+        paired = paired_gap(by_name[best.run], by_name[second.run], budget, window) if same_stream(runs, knob) else None
+        if paired is not None:
+            mean, std, n = paired
+            lines.append(lead + f"both read the same batches in the same order, so their per-update difference "
+                         f"cancels the batch-to-batch fluctuation: {_fmt(mean)} ± {_fmt(std)} over the {n} updates "
+                         f"both logged in the window; the gap is "
+                         + ("consistent (its mean exceeds twice its spread)." if math.isfinite(std) and mean > 2 * std
+                            else "**not** consistent (its mean is within twice its spread, or there are too few "
+                                 "shared records)."))
+        elif not math.isfinite(noise):
             lines.append(lead + "the window holds a single logged record, so the loss's own fluctuation is unknown and "
                          "the gap cannot be told from noise (log more often or widen --window).")
         else:
@@ -403,6 +413,28 @@ def report(runs: list[RunView], window: float = 0.1) -> str:
                  f"(grad-norm spikes > {SPIKE_FACTOR:g}x the running median, skipped updates, non-finite events).")
     lines += ["", "## What this comparison can and cannot conclude", ""] + _limits(runs, knob, differing, rows, budget)
     return "\n".join(lines) + "\n"
+
+
+# Keys that fix which tokens each update reads: equal in every run, the runs see the same batches in the same order.
+STREAM_KEYS = ("training.seed", "data.dataset", "data.mixture", "training.seq_len", "training.local_batch_size",
+               "training.grad_accum")
+
+
+def same_stream(runs: list[RunView], knob: str | None) -> bool:
+    """Whether every run reads the same token stream update for update (so losses can be compared pairwise)."""
+    if knob in TOKEN_KNOBS or not all(r.flat for r in runs):
+        return False
+    return all(len({repr(r.flat.get(k)) for r in runs}) == 1 for k in STREAM_KEYS)
+
+
+def paired_gap(best: RunView, other: RunView, budget: int, window: float) -> tuple[float, float, int] | None:
+    """(mean, std, n) of other's loss minus best's at the updates both logged in the window; None if none."""
+    lo = budget * (1 - window)
+    a = {r["step"]: r["loss"] for r in best.records if lo < r["tokens_seen"] <= budget}
+    diffs = [r["loss"] - a[r["step"]] for r in other.records if r["step"] in a and math.isfinite(r["loss"])]
+    if not diffs:
+        return None
+    return statistics.fmean(diffs), statistics.stdev(diffs) if len(diffs) > 1 else math.nan, len(diffs)
 
 
 def _limits(runs, knob, differing, rows, budget) -> list[str]:
