@@ -178,7 +178,7 @@ def main():
     parser.add_argument("--profile", action="store_true", help="print a per-kernel table of ours")
     parser.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
     parser.add_argument("--sweep", action="store_true", help="time one launch setting changed at a time")
-    parser.add_argument("--out", default=RESULTS, help="Markdown file the rows are appended to, or a folder for kda.md")
+    parser.add_argument("--out", default=RESULTS, help="Markdown file for the rows, or a folder (rows go to kda.md)")
     parser.add_argument("--commit", default="", help="commit to record when the tree has no git metadata")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -162,11 +162,12 @@ def _dintra_kernel(
     """Decayed-product gradients of the 16 rows of block s, as rows (i) and as columns (j) of M and A.
 
     dM is the gradient of decayed q k^T (M / scale), dA that of decayed k k^T; adds to the float32 dq, dk, db
-    that `_dchunk_kernel` wrote, storing the sums of dq and dk in dq_out and dk_out (q's dtype). Per K tile, the row terms are one tensor-core product against the chunk's
-    earlier rows and the column terms one against its later rows, each split at a reference row: the
-    block's middle row where `block_references` says the block fits (the diagonal block included), else
-    the block's first row for the row terms and the next block's first row for the column terms, the
-    diagonal block then summed column by column (exact for any decay).
+    that `_dchunk_kernel` wrote, storing the sums of dq and dk in dq_out and dk_out (q's dtype).
+    Per K tile, the row terms are one tensor-core product against the chunk's earlier rows and the
+    column terms one against its later rows, each split at a reference row: the block's middle row where
+    `block_references` says the block fits (the diagonal block included), else the block's first row for
+    the row terms and the next block's first row for the column terms, the diagonal block then summed
+    column by column (exact for any decay).
     """
     i_cs, i_h = tl.program_id(0), tl.program_id(1)
     NS: tl.constexpr = BT // BC
