@@ -97,6 +97,14 @@ def run_variant(name: str, seq: int, batch: int, warmup: int, steps: int, out: P
         "tokens_per_s": tok_s, "mfu": tok_s * fpt / 989e12, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "start_to_first_step_s": build_s + first, "steps_timed": steps,
     }
+    watch = getattr(holder, "compile_watch", None)
+    if watch is not None:
+        # NOTE: train_step alone never reports compile events; the benchmark asks once the steps have run.
+        watch.check(warmup + steps)
+        from torch._dynamo.utils import counters
+
+        result["graph_breaks"] = sum(counters["graph_break"].values())
+        result["graphs"] = counters["stats"]["unique_graphs"]
     if profile:
         from torch.profiler import ProfilerActivity, profile as prof
 
@@ -118,6 +126,10 @@ def run_variant(name: str, seq: int, batch: int, warmup: int, steps: int, out: P
     del holder, step_fn
     gc.collect()
     return result
+
+
+def _compile_note(row: dict) -> str:
+    return f"{row['graphs']} graphs, {row['graph_breaks']} graph breaks" if "graphs" in row else ""
 
 
 def main() -> int:
@@ -154,7 +166,7 @@ def main() -> int:
         ratio = f"{r['tokens_per_s'] / peer[r['seq']]:.2f}x" if r["seq"] in peer else "no peer in run"
         lines.append(f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | {r['variant']} | "
                      f"B{r['batch']} T{r['seq']} | {r['median_ms']:.1f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
-                     f"{r['peak_gib']:.1f} | {r['start_to_first_step_s']:.1f} | {ratio} | |")
+                     f"{r['peak_gib']:.1f} | {r['start_to_first_step_s']:.1f} | {ratio} | {_compile_note(r)} |")
     header = ("| date | commit | GPU | torch | triton | variant | shape | median ms/step | tokens/s | MFU (989) | "
               "peak GiB | start→first step s | vs peer | note |\n|" + "---|" * 14)
     table = header + "\n" + "\n".join(lines)
