@@ -70,6 +70,9 @@ def time_steps(step_fn, warmup: int, steps: int) -> tuple[float, list[float]]:
 def run_variant(name: str, seq: int, batch: int, warmup: int, steps: int, out: Path, profile: bool) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    from torch._dynamo.utils import counters
+
+    counters.clear()  # graph-break counts per variant, not accumulated over the run
     start = time.perf_counter()
     if name == "peer":
         from benchmarks.peer_eager import PeerTrainer
@@ -101,8 +104,6 @@ def run_variant(name: str, seq: int, batch: int, warmup: int, steps: int, out: P
     if watch is not None:
         # NOTE: train_step alone never reports compile events; the benchmark asks once the steps have run.
         watch.check(warmup + steps)
-        from torch._dynamo.utils import counters
-
         result["graph_breaks"] = sum(counters["graph_break"].values())
         result["graphs"] = counters["stats"]["unique_graphs"]
     if profile:
