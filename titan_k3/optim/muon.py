@@ -214,23 +214,23 @@ class PerHeadMuon(torch.optim.Optimizer):
                 if _row_sharded(p):
                     sharded.append((p, group, spec))
                     continue
-                r, c = blocks_of(p, spec).shape[-2:]
-                key = (r, c, p.device, p.dtype, group["lr"], group["weight_decay"], group["momentum"],
-                       group["nesterov"], group["ns_steps"])
+                key = (p.device, p.dtype, group["lr"], group["weight_decay"], group["momentum"], group["nesterov"],
+                       group["ns_steps"])
                 batches.setdefault(key, []).append((p, spec))
         for key, members in batches.items():
-            self._step_batch(members, *key[4:])
+            self._step_batch(members, *key[2:])
         if sharded:
             self._step_sharded(sharded)
         return loss
 
     def _step_batch(self, members: list, lr: float, wd: float, momentum: float, nesterov: bool, ns_steps: int) -> None:
-        """One update of parameters whose blocks share one [r, c] shape and one group setting.
+        """One update of parameters that share a device, a dtype and the group settings.
 
         Same math as `muon_update` per parameter, but the momentum, decay and
-        update are foreach ops and every block of every member goes through one
-        batched Newton–Schulz call: a step launches a few kernels per shape,
-        not per parameter (a k3-mini step was host-bound on those launches).
+        update are foreach ops and the blocks of one [r, c] shape, over all
+        members, go through one batched Newton–Schulz call: a step launches a
+        few kernels per block shape, not per parameter (a k3-mini step was
+        host-bound on those launches).
         """
         params = [p for p, _ in members]
         grads = [p.grad for p in params]
