@@ -39,11 +39,46 @@ class _Blocks(nn.Module):
         self.layers = nn.ModuleDict({str(i): nn.Linear(4, 4) for i in range(n)})
 
 
-def test_compile_covers_every_block_and_refuses_a_silent_eager_fallback(monkeypatch):
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
-    monkeypatch.setattr(dynamo_config, "fail_on_recompile_limit_hit", False)
-    model = _Blocks(12)
-    apply_compile(model, "eager")
-    assert dynamo_config.recompile_limit >= 2 * 12 + 8
-    assert dynamo_config.fail_on_recompile_limit_hit
-    assert all(getattr(block, "_compiled_call_impl", None) is not None for block in model.layers.values())
+def _restoring_limits(**values):
+    """dynamo_config.patch over the keys apply_compile sets (restored on exit; monkeypatch would delete them)."""
+    keys = ("recompile_limit", "accumulated_recompile_limit", "fail_on_recompile_limit_hit")
+    return dynamo_config.patch(**{k: values.get(k, getattr(dynamo_config, k)) for k in keys})
+
+
+def test_compile_covers_every_block_and_refuses_a_silent_eager_fallback():
+    with _restoring_limits(recompile_limit=8, accumulated_recompile_limit=256, fail_on_recompile_limit_hit=False):
+        model = _Blocks(40)
+        apply_compile(model, "eager")
+        # room for each block's train/eval and static/dynamic variants, over the whole model too
+        assert dynamo_config.recompile_limit >= 4 * 40 and dynamo_config.accumulated_recompile_limit >= 8 * 40
+        assert dynamo_config.fail_on_recompile_limit_hit
+        assert all(getattr(block, "_compiled_call_impl", None) is not None for block in model.layers.values())
+
+
+def test_compiled_blocks_take_train_eval_and_new_shapes_without_hitting_the_limit():
+    """Every block compiled, run in training and evaluation at two lengths: same numbers as eager, no limit raised."""
+    from titan_k3.config import load_job_config
+    from titan_k3.models.k3.args import get_flavor
+    from titan_k3.models.k3.impl import resolve_impl
+    from titan_k3.models.k3.model import K3Model
+
+    torch._dynamo.reset()
+    cfg = load_job_config(["--model.flavor", "debug"])
+    impl = resolve_impl(cfg.kernels, torch.device("cpu"))
+    eager, compiled = (K3Model(get_flavor("debug", 64), impl) for _ in range(2))
+    eager.init_weights(seed=0)
+    compiled.load_state_dict(eager.state_dict())
+    for router in (*eager.moe_routers().values(), *compiled.moe_routers().values()):
+        router.update_enabled = False
+    gen = torch.Generator().manual_seed(0)
+    with _restoring_limits():
+        apply_compile(compiled, "eager")
+        for T in (16, 24):
+            ids = torch.randint(0, 64, (2, T), generator=gen)
+            for model in (eager, compiled):
+                model.train()
+            torch.testing.assert_close(compiled(ids, ids).loss_sum, eager(ids, ids).loss_sum)
+            with torch.no_grad():
+                for model in (eager, compiled):
+                    model.eval()
+                torch.testing.assert_close(compiled(ids), eager(ids))

@@ -123,13 +123,18 @@ def apply_compile(model: nn.Module, backend: str) -> None:
 
     NOTE: every block shares one forward code object, and blocks differ in
     what dynamo guards on (KDA or MLA, dense or MoE, how many residual
-    sources), so each block takes its own cache entry. Dynamo's default limit
-    (8 entries) would silently run the later blocks eager; the limit covers
-    every block, and hitting it anyway raises instead of falling back.
+    sources), so each block takes its own cache entries: training and
+    evaluation, static and then dynamic shapes (a new document count or
+    context stage). Dynamo's default limit (8 entries) would silently run the
+    later blocks eager; the limit leaves every block room for those variants,
+    and hitting it anyway raises instead of falling back.
     """
     import torch._dynamo.config as dynamo_config
 
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * len(model.layers) + 8)
+    per_block = 8  # {train, eval} x {static, dynamic} x {grad, no grad}
+    n = len(model.layers)
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, per_block * n + 8)
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 2 * per_block * n + 64)
     dynamo_config.fail_on_recompile_limit_hit = True
     for block in model.layers.values():
         block.compile(backend=backend)
