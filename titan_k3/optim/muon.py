@@ -16,7 +16,7 @@ gathered itself; `PerHeadMuon` only owns state and applies the update.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -311,12 +311,28 @@ def _local_block_spec(p: DTensor, spec: ParamSpec) -> ParamSpec | None:
     return ParamSpec(use_muon=True, num_heads=max(local_rows // head_rows, 1))
 
 
+class _Gathered(NamedTuple):
+    """One parameter's direction on its way to its owner rank (and its update on the way back)."""
+
+    p: torch.Tensor
+    group: dict
+    spec: ParamSpec
+    direction: torch.Tensor
+    pg: Any
+    world: int
+    me: int
+    owner: int
+    chunk: int
+    gathered: list[torch.Tensor] | None
+
+
 def _owner_orthogonalise(remote: list, ns_dtype) -> dict:
     """Gather each direction to its owner, orthogonalise it there, scatter the update back.
 
     FSDP2 splits dim 0 like torch.chunk: rank i holds rows [i*c, min((i+1)*c, n)),
     c = ceil(n / world), possibly none; shards travel padded to c rows.
-    All gathers are issued before any owner computes, so owners work in parallel.
+    All gathers are issued before any owner computes, so owners work in parallel,
+    and each owner orthogonalises what it owns in batches of one block shape.
     """
     plans, works = [], []
     counters: dict = {}
@@ -332,15 +348,23 @@ def _owner_orthogonalise(remote: list, ns_dtype) -> dict:
         padded[: direction.shape[0]] = direction
         gathered = [torch.empty_like(padded) for _ in range(world)] if me == owner else None
         works.append(dist.gather(padded, gathered, dst=dist.get_global_rank(pg, owner), group=pg, async_op=True))
-        plans.append((p, group, spec, direction, pg, world, me, owner, chunk, gathered))
+        plans.append(_Gathered(p, group, spec, direction, pg, world, me, owner, chunk, gathered))
     for work in works:
         work.wait()
+    owned: dict[int, list[int]] = {}
+    for i, plan in enumerate(plans):
+        if plan.me == plan.owner:
+            owned.setdefault(plan.group["ns_steps"], []).append(i)
+    updates = {}
+    for ns_steps, idx in owned.items():
+        fulls = [torch.cat(plans[i].gathered)[: plans[i].p.shape[0]] for i in idx]
+        outs = orthogonalise_batched(fulls, [plans[i].spec for i in idx], ns_steps=ns_steps, ns_dtype=ns_dtype)
+        updates.update(zip(idx, outs))
     works, outputs = [], {}
-    for p, group, spec, direction, pg, world, me, owner, chunk, gathered in plans:
+    for i, (p, group, spec, direction, pg, world, me, owner, chunk, gathered) in enumerate(plans):
         pieces = None
         if me == owner:
-            full = torch.cat(gathered)[: p.shape[0]]
-            update = orthogonalise(full, spec, ns_steps=group["ns_steps"], ns_dtype=ns_dtype)
+            update = updates[i]
             padded_update = update.new_zeros((chunk * world, *update.shape[1:]))
             padded_update[: update.shape[0]] = update
             pieces = list(padded_update.chunk(world))
