@@ -95,10 +95,7 @@ def orthogonalise(
         mesh = direction.device_mesh
         replicated = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
         return replicated.redistribute(mesh, direction.placements)
-    blocks = blocks_of(direction, spec)
-    O = newton_schulz(blocks, ns_steps, dtype=ns_dtype)
-    scale = muon_scale(blocks.shape[-2], blocks.shape[-1])
-    return O.to(direction.dtype).mul_(scale).reshape(direction.shape)
+    return orthogonalise_batched([direction], [spec], ns_steps=ns_steps, ns_dtype=ns_dtype)[0]
 
 
 def orthogonalise_batched(
