@@ -215,7 +215,7 @@ class Trainer:
                 out = self.model(b.input_ids.to(self.device), b.labels.to(self.device), b.cu_seqlens.to(self.device))
             (out.loss_sum / global_valid).backward()
             loss_sum += out.loss_sum.detach().float()
-        loss = (self._all_reduce(loss_sum) / global_valid).item()
+        loss_t = self._all_reduce(loss_sum) / global_valid
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.reporter.is_log_step(self.step + 1):
             self.reporter.capture_grads(self.model.named_parameters())
@@ -223,7 +223,10 @@ class Trainer:
                                     normaliser=global_valid, local_valid=n_valid, loader=self.loader,
                                     qk_clip_max_logits=self.qk_clip_max_logits)
         max_norm = cfg.training.max_norm if cfg.training.max_norm > 0 else float("inf")
-        grad_norm = clip_grad_norm_(params, max_norm).item()
+        grad_norm_t = clip_grad_norm_(params, max_norm)
+        # NOTE: the step's one host sync: skipping a non-finite update needs both numbers before the
+        # optimizer runs. After it, the host queues the optimizer and the next step without waiting.
+        loss, grad_norm, n_global = torch.stack([loss_t, grad_norm_t.float(), global_valid]).tolist()
         self.invariants.after_clip(grad_norm)
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         self._last_lr = self.optimizers.lr
@@ -238,7 +241,7 @@ class Trainer:
         self.optimizers.zero_grad(set_to_none=True)
         self.schedule.step()
         n_tokens = sum(b.input_ids.numel() for b in batches) * self.dp_world
-        return StepResult(loss, grad_norm, n_tokens, int(global_valid.item()), skipped)
+        return StepResult(loss, grad_norm, n_tokens, int(n_global), skipped)
 
     @torch.no_grad()
     def _qk_clip(self) -> None:
@@ -273,7 +276,9 @@ class Trainer:
             t0 = self.clocks.training_seconds
             with self.clocks.training():
                 result = self.train_step()
-                if self.device.type == "cuda":
+                if self.device.type == "cuda" and self._window_ends(self.step + 1):
+                    # NOTE: between window ends the host runs ahead into the next step while the GPU
+                    # finishes this one's optimizer; a window's training clock stops once its work is done.
                     torch.cuda.synchronize()
             self.step += 1
             self.tokens_seen += result.n_tokens
@@ -302,6 +307,13 @@ class Trainer:
                 os._exit(3)
         self.checkpointer.close()
         return results
+
+    def _window_ends(self, step: int) -> bool:
+        """Whether anything reads the clocks or the device state after update `step` (log, eval, checkpoint, end)."""
+        cfg = self.cfg
+        last = step == cfg.training.steps
+        saves = cfg.checkpoint.enable and step % cfg.checkpoint.interval == 0
+        return last or saves or step % cfg.metrics.log_freq == 0 or self.evaluator.due(step, last)
 
     def summary(self, results: list[StepResult]) -> str:
         c = self.clocks

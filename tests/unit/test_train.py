@@ -91,3 +91,18 @@ def test_explicit_triton_kernel_without_a_gpu_is_refused_before_any_work(tmp_pat
     assert rc == 2
     assert "config key 'kernels.experts' = 'triton': the Triton kernel needs a CUDA device" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_the_step_loop_synchronises_only_where_a_window_ends():
+    """Log, eval, checkpoint and last updates end a window (clocks read after the GPU is done); others run ahead."""
+    from types import SimpleNamespace
+
+    from titan_k3.config import load_job_config
+    from titan_k3.eval.runner import Evaluator
+    from titan_k3.train import Trainer
+
+    cfg = load_job_config(["--training.steps", "20", "--metrics.log_freq", "5", "--eval.interval", "4",
+                           "--checkpoint.enable", "true", "--checkpoint.interval", "6"])
+    fake = SimpleNamespace(cfg=cfg, evaluator=SimpleNamespace(due=lambda step, last: Evaluator.due(fake, step, last)))
+    ends = [s for s in range(1, 21) if Trainer._window_ends(fake, s)]
+    assert ends == [4, 5, 6, 8, 10, 12, 15, 16, 18, 20]
