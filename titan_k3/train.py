@@ -212,7 +212,7 @@ class Trainer:
                                   and cfg.training.compute_dtype == "bfloat16")
         for b in batches:
             with autocast:
-                out = self.model(b.input_ids.to(self.device), b.labels.to(self.device), b.cu_seqlens.to(self.device))
+                out = self.model(b.input_ids.to(self.device), b.labels.to(self.device), b.cu_seqlens)
             (out.loss_sum / global_valid).backward()
             loss_sum += out.loss_sum.detach().float()
         loss_t = self._all_reduce(loss_sum) / global_valid

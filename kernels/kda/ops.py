@@ -256,7 +256,8 @@ def chunk_kda(
 
     q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; K, V <= 256; q, k, v share one dtype
     (bfloat16, float16 or float32); state math and accumulation are float32.
-    initial_state [N, H, K, V] float32; cu_seqlens int64 [N+1] packs N documents with B == 1.
+    initial_state [N, H, K, V] float32; cu_seqlens int64 [N+1] packs N documents with B == 1; it may
+    live on the host (preferred: the document lengths are then read without waiting for the GPU).
     Fused options: A_log [H] (with optional dt_bias [H, K]) turns g into the raw gate of the safe
     gate g = lb * sigmoid(exp(A_log) (g + dt_bias)), lb = gate_lower_bound (None: the softplus gate);
     use_qk_l2norm normalises q and k over K (eps 1e-6); beta_is_logit applies a sigmoid to beta.

@@ -68,7 +68,7 @@ def validation_loss(model, batches: Iterable, device: torch.device, dp_group=Non
         for b in batches:
             ctx = autocast if autocast is not None else torch.autocast(device.type, enabled=False)
             with ctx:
-                out = model(b.input_ids.to(device), b.labels.to(device), b.cu_seqlens.to(device))
+                out = model(b.input_ids.to(device), b.labels.to(device), b.cu_seqlens)
             totals[0] += out.loss_sum.double()
             totals[1] += out.n_valid.double()
     finally:

@@ -16,30 +16,39 @@ import torch
 @dataclass
 class Documents:
     cu_seqlens: torch.Tensor | None
-    """int64 [N+1] boundaries over the flattened tokens, or None (each row is one document)."""
+    """int64 [N+1] boundaries over the flattened tokens, on the model's device, or None (each row is one document)."""
     pos_BT: torch.Tensor
     """int64 [B, T] position of each token inside its document."""
     doc_BT: torch.Tensor
     """int64 [B, T] document index of each token (global over the microbatch)."""
+    cu_seqlens_host: torch.Tensor | None = None
+    """The same boundaries on the host: kernels that need the document lengths read them here, not from the device."""
     _mask: torch.Tensor | None = None
 
     @staticmethod
     def build(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> "Documents":
+        """Validate the boundaries and derive positions and document ids.
+
+        NOTE: pass cu_seqlens on the host (the loader makes it there): reading
+        a device tensor here, and in every KDA layer after, would stall the
+        host until the GPU finished all earlier work, so it could not queue
+        this forward while the previous optimizer step runs.
+        """
         n = batch * seq_len
         if cu_seqlens is None:
             pos = torch.arange(seq_len, device=device).expand(batch, seq_len)
             doc = torch.arange(batch, device=device)[:, None].expand(batch, seq_len)
             return Documents(None, pos, doc)
-        cu = cu_seqlens.to(device=device, dtype=torch.int64)
-        if cu.ndim != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != n:
-            raise ValueError(f"cu_seqlens must be int64 [N+1] from 0 to B*T={n}, got {cu.tolist()[:8]}...")
-        row_starts = torch.arange(0, n, seq_len, device=device)
-        if not torch.isin(row_starts, cu).all():
+        host = cu_seqlens.to(device="cpu", dtype=torch.int64)
+        if host.ndim != 1 or host.numel() < 2 or int(host[0]) != 0 or int(host[-1]) != n:
+            raise ValueError(f"cu_seqlens must be int64 [N+1] from 0 to B*T={n}, got {host.tolist()[:8]}...")
+        if not torch.isin(torch.arange(0, n, seq_len), host).all():
             raise ValueError("cu_seqlens must contain every row start (a document never spans two rows)")
+        cu = host.to(device)
         idx = torch.arange(n, device=device)
         doc = torch.searchsorted(cu, idx, right=True) - 1
         pos = idx - cu[doc]
-        return Documents(cu, pos.view(batch, seq_len), doc.view(batch, seq_len))
+        return Documents(cu, pos.view(batch, seq_len), doc.view(batch, seq_len), host)
 
     def attention_mask(self) -> torch.Tensor | None:
         """bool [B, 1, T, T]: causal and same document; None when rows are whole documents. Built once per forward."""

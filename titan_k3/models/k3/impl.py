@@ -92,6 +92,9 @@ def fla_chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     """flash-linear-attention's chunk_kda behind our chunk_kda signature (its in-kernel gate and L2 norm)."""
     from fla.ops.kda import chunk_kda
 
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(q.device)  # fla reads document boundaries from the device
+
     if beta_is_logit:
         beta = torch.sigmoid(beta.float()).to(q.dtype)
     gate = {}
