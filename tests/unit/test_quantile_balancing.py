@@ -92,3 +92,15 @@ def test_recompute_reuses_the_forward_state_and_updates_once():
     assert torch.equal(after_forward, plain.qb_bias)
     assert not torch.equal(after_forward, b0)
     assert router.load_counts.sum() == 256 * router.top_k  # counted once
+
+
+def test_count_ids_equals_bincount_without_reading_a_maximum():
+    """The sync-free counter used for QB histograms, expert loads and EP dispatch counts."""
+    from titan_k3.models.k3.moe import count_ids
+
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 37, (64, 6), generator=gen)
+    counts = count_ids(ids, 40)
+    assert counts.dtype == torch.int64 and counts.shape == (40,)
+    assert torch.equal(counts, torch.bincount(ids.flatten(), minlength=40))
+    assert counts[37:].eq(0).all() and int(counts.sum()) == ids.numel()

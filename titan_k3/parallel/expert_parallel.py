@@ -21,6 +21,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
+from titan_k3.models.k3.moe import count_ids
+
 
 def _local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if isinstance(w, DTensor) else w
@@ -57,7 +59,7 @@ class ExpertParallel:
         T, k = experts_TK.shape
         flat_S = experts_TK.reshape(-1)
         order_S = torch.argsort(flat_S, stable=True)
-        counts_E = torch.bincount(flat_S, minlength=self.n_experts)
+        counts_E = count_ids(flat_S, self.n_experts)
         recv_counts = torch.empty_like(counts_E)
         dist.all_to_all_single(recv_counts, counts_E, group=self.group)
         send_split = counts_E.view(self.ep, self.n_local).sum(1).tolist()

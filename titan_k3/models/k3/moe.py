@@ -28,6 +28,17 @@ from titan_k3.models.k3.layers import RMSNorm, SituGluFFN, init_linear, upcast
 QB_BINS = 1024
 
 
+def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 [n]: how often each id in [0, n) occurs in `ids` (any shape).
+
+    NOTE: not torch.bincount: on CUDA it reads the maximum back to the host
+    to size its output, a device sync per call (two per MoE layer and
+    micro-batch). Integer adds make the result exact in any order.
+    """
+    flat = ids.reshape(-1)
+    return torch.zeros(n, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+
+
 def margin_quantiles(
     margins_TE: torch.Tensor, quantile: float, half_range: torch.Tensor, group: dist.ProcessGroup | None
 ) -> torch.Tensor:
@@ -40,7 +51,7 @@ def margin_quantiles(
     lo, width = -half_range, 2 * half_range / QB_BINS
     bins_TE = ((margins_TE - lo) / width).floor().clamp_(0, QB_BINS - 1).long()
     flat = (bins_TE + torch.arange(E, device=bins_TE.device) * QB_BINS).flatten()
-    hist_EB = torch.bincount(flat, minlength=E * QB_BINS).view(E, QB_BINS).to(torch.float64)
+    hist_EB = count_ids(flat, E * QB_BINS).view(E, QB_BINS).to(torch.float64)
     if group is not None:
         dist.all_reduce(hist_EB, group=group)
     cum_EB = hist_EB.cumsum(dim=1)
@@ -88,7 +99,7 @@ class QuantileBalancedRouter(nn.Module):
         if self.training and not recompute:
             self._bias_for_recompute = bias
             with torch.no_grad():
-                self.load_counts += torch.bincount(experts_TK.flatten(), minlength=self.n_experts).to(torch.float64)
+                self.load_counts += count_ids(experts_TK, self.n_experts).to(torch.float64)
                 if self.update_enabled:
                     self._update_bias(s_TE.detach(), bias, top_vals[:, self.top_k])
         return experts_TK, weights_TK
