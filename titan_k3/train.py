@@ -29,6 +29,7 @@ from titan_k3.invariants import InvariantRunner, InvariantViolationError
 from titan_k3.metrics.reporter import MetricsReporter
 from titan_k3.metrics.run_dir import Tee, prepare_run_dir, run_dir_path
 from titan_k3.models.k3.args import count_params, flops_per_token, get_flavor
+from titan_k3.models.k3.documents import host_to_device
 from titan_k3.models.k3.impl import resolve_impl
 from titan_k3.models.k3.model import K3Model
 from titan_k3.optim import LRSchedule, ParamSpec, build_optimizers, qk_clip_
@@ -205,14 +206,15 @@ class Trainer:
     def train_step(self) -> StepResult:
         cfg = self.cfg
         batches = [self._next_batch() for _ in range(cfg.training.grad_accum)]
-        n_valid = sum((b.labels != IGNORE_INDEX).sum() for b in batches).to(self.device, torch.float32)
+        n_valid = host_to_device(sum((b.labels != IGNORE_INDEX).sum() for b in batches).float(), self.device)
         global_valid = self._all_reduce(n_valid.clone()).clamp(min=1)
         loss_sum = torch.zeros((), device=self.device)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"
                                   and cfg.training.compute_dtype == "bfloat16")
         for b in batches:
             with autocast:
-                out = self.model(b.input_ids.to(self.device), b.labels.to(self.device), b.cu_seqlens)
+                out = self.model(host_to_device(b.input_ids, self.device), host_to_device(b.labels, self.device),
+                                 b.cu_seqlens)
             (out.loss_sum / global_valid).backward()
             loss_sum += out.loss_sum.detach().float()
         loss_t = self._all_reduce(loss_sum) / global_valid

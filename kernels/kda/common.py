@@ -22,7 +22,7 @@ def chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device) -> tup
 
     chunk_indices[c] = (sequence, chunk within that sequence); chunk_offsets[n] is the
     first global chunk of sequence n. A plain batch needs no host sync; packed
-    documents read their lengths once on the host.
+    documents read their lengths on the host (no wait when cu_seqlens lives there).
     """
     if cu_seqlens is None:
         nt = triton.cdiv(T, BT)
@@ -39,12 +39,24 @@ def chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device) -> tup
         offsets.append(offsets[-1] + c)
     chunk_indices = torch.tensor(pairs if pairs else [(0, 0)], dtype=torch.int32).reshape(-1, 2)
     return (
-        cu_seqlens.to(device=device, dtype=torch.int32),
-        chunk_indices[: len(pairs)].to(device),
-        torch.tensor(offsets, dtype=torch.int32, device=device),
+        _to_device(cu_seqlens.to(torch.int32), device),
+        _to_device(chunk_indices[: len(pairs)], device),
+        _to_device(torch.tensor(offsets, dtype=torch.int32), device),
         len(counts),
         len(pairs),
     )
+
+
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """Host tensor to `device`; to CUDA asynchronously from pinned memory.
+
+    NOTE: a pageable host-to-CUDA copy synchronises the stream (waits for all
+    queued kernels); with host-side cu_seqlens the layout then costs the host no wait.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from titan_k3.models.k3.documents import host_to_device
+
 
 def validation_split_tokens(dataset: str) -> int:
     """Tokens in the dataset's validation split (from its index; 0 when it has none)."""
@@ -68,7 +70,7 @@ def validation_loss(model, batches: Iterable, device: torch.device, dp_group=Non
         for b in batches:
             ctx = autocast if autocast is not None else torch.autocast(device.type, enabled=False)
             with ctx:
-                out = model(b.input_ids.to(device), b.labels.to(device), b.cu_seqlens)
+                out = model(host_to_device(b.input_ids, device), host_to_device(b.labels, device), b.cu_seqlens)
             totals[0] += out.loss_sum.double()
             totals[1] += out.n_valid.double()
     finally:

@@ -13,6 +13,19 @@ from dataclasses import dataclass
 import torch
 
 
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without stalling the host: on CUDA, an asynchronous copy from pinned memory.
+
+    NOTE: a plain host-to-CUDA copy (pageable memory, non_blocking=False)
+    synchronises the stream, waiting for every kernel already queued, so the
+    host could never queue a step ahead of the GPU. The pinned buffer is not
+    reused before the copy has run (torch's caching host allocator records it).
+    """
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class Documents:
     cu_seqlens: torch.Tensor | None
@@ -44,7 +57,7 @@ class Documents:
             raise ValueError(f"cu_seqlens must be int64 [N+1] from 0 to B*T={n}, got {host.tolist()[:8]}...")
         if not torch.isin(torch.arange(0, n, seq_len), host).all():
             raise ValueError("cu_seqlens must contain every row start (a document never spans two rows)")
-        cu = host.to(device)
+        cu = host_to_device(host, device)
         idx = torch.arange(n, device=device)
         doc = torch.searchsorted(cu, idx, right=True) - 1
         pos = idx - cu[doc]
