@@ -23,21 +23,19 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RUNS, environment  # noqa: E402
+from benchmarks.common import RUNS, environment, model_args, sync  # noqa: E402
 from titan_k3.config import load_job_config  # noqa: E402
 from titan_k3.metrics.run_dir import read_jsonl  # noqa: E402
 
 
 def timed_step(trainer) -> float:
-    torch.cuda.synchronize()
+    sync()
     t = time.perf_counter()
     trainer.train_step()
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - t
 
 
@@ -47,7 +45,7 @@ def run_mode(mode: str, flavor: str, seq: int, batch: int, saves: int, out: Path
     name = f"ckpt-{mode}"
     shutil.rmtree(RUNS / name, ignore_errors=True)
     cfg = load_job_config([
-        "--model.flavor", flavor, "--model.vocab_size", "163840", "--training.seq_len", str(seq),
+        *model_args(flavor), "--training.seq_len", str(seq),
         "--training.local_batch_size", str(batch), "--training.compute_dtype", "bfloat16", "--training.steps", "100",
         "--invariants.enable", "false", "--metrics.log_freq", "1000", "--job.dump_folder", str(RUNS),
         "--job.name", name, "--checkpoint.enable", "true", "--checkpoint.async_mode", mode,

@@ -32,6 +32,28 @@ def git_commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
+def sync() -> None:
+    """Wait for the GPU (no-op without CUDA: the scripts also run on CPU, as a smoke test)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def peak_gib() -> float:
+    """Peak CUDA memory allocated since the last reset, GiB (0 without CUDA)."""
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def model_args(flavor: str) -> list[str]:
+    """Trainer flags for a benchmark flavor: k3-mini at the real vocabulary; debug (CPU smoke) as it comes."""
+    return ["--model.flavor", flavor] + (["--model.vocab_size", "163840"] if flavor != "debug" else [])
+
+
 def environment() -> dict:
     """date, commit, gpu, torch, triton: the columns every results row starts with."""
     return {

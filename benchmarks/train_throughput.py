@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RUNS, environment  # noqa: E402
+from benchmarks.common import RUNS, environment, model_args, peak_gib, reset_peak, sync  # noqa: E402
 from titan_k3.config import load_job_config  # noqa: E402
 from titan_k3.models.k3.args import flops_per_token, get_flavor  # noqa: E402
 
@@ -43,8 +43,8 @@ VARIANTS = {
 }
 
 
-def base_args(seq: int, batch: int, name: str) -> list[str]:
-    return ["--model.flavor", "k3-mini", "--model.vocab_size", "163840", "--training.seq_len", str(seq),
+def base_args(flavor: str, seq: int, batch: int, name: str) -> list[str]:
+    return [*model_args(flavor), "--training.seq_len", str(seq),
             "--training.local_batch_size", str(batch), "--training.compute_dtype", "bfloat16",
             "--training.steps", "1000", "--metrics.log_freq", "1000", "--invariants.enable", "false",
             "--job.dump_folder", str(RUNS), "--job.name", name]
@@ -59,24 +59,23 @@ def time_steps(step_fn, warmup: int, steps: int) -> tuple[float, float, list[flo
     """
     t0 = time.perf_counter()
     step_fn()
-    torch.cuda.synchronize()
+    sync()
     first = time.perf_counter() - t0
     for _ in range(warmup - 1):
         step_fn()
-    torch.cuda.synchronize()
+    sync()
     times = []
     start = time.perf_counter()
     for _ in range(steps):
         t = time.perf_counter()
         step_fn()
         times.append(time.perf_counter() - t)
-    torch.cuda.synchronize()
+    sync()
     return first, time.perf_counter() - start, times
 
 
-def run_variant(name: str, seq: int, batch: int, warmup: int, steps: int, out: Path, profile: bool) -> dict:
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps: int, out: Path, profile: bool) -> dict:
+    reset_peak()
     from torch._dynamo.utils import counters
 
     counters.clear()  # graph-break counts per variant, not accumulated over the run
@@ -93,7 +92,7 @@ def run_variant(name: str, seq: int, batch: int, warmup: int, steps: int, out: P
     else:
         from titan_k3.train import Trainer
 
-        trainer = Trainer(load_job_config(base_args(seq, batch, f"{name}-{seq}") + VARIANTS[name]))
+        trainer = Trainer(load_job_config(base_args(flavor, seq, batch, f"{name}-{seq}") + VARIANTS[name]))
         step_fn = trainer.train_step
         holder = trainer
     build_s = time.perf_counter() - start
@@ -101,10 +100,11 @@ def run_variant(name: str, seq: int, batch: int, warmup: int, steps: int, out: P
     per_step = total / steps
     tokens = seq * batch
     tok_s = tokens / per_step
-    fpt = flops_per_token(get_flavor("k3-mini", 163840), seq)
+    args = get_flavor(flavor, 163840 if flavor != "debug" else 0)
+    fpt = flops_per_token(args, seq)
     result = {
         "variant": name, "seq": seq, "batch": batch, "ms_per_step": 1e3 * per_step, "host_median_ms": 1e3 * statistics.median(times),
-        "tokens_per_s": tok_s, "mfu": tok_s * fpt / 989e12, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "tokens_per_s": tok_s, "mfu": tok_s * fpt / 989e12, "peak_gib": peak_gib(),
         "start_to_first_step_s": build_s + first, "steps_timed": steps,
     }
     watch = getattr(holder, "compile_watch", None)
@@ -118,7 +118,7 @@ def run_variant(name: str, seq: int, batch: int, warmup: int, steps: int, out: P
 
         with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
             step_fn()
-            torch.cuda.synchronize()
+            sync()
         # Kernels by GPU time, then the operators that launched them (which op the elementwise time belongs to).
         events = p.key_averages()
         kernels = events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)
@@ -143,6 +143,7 @@ def _compile_note(row: dict) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default="ours,peer")
+    p.add_argument("--flavor", default="k3-mini", help="debug runs the script on CPU as a smoke test (no peer)")
     p.add_argument("--seq", type=int, nargs="+", default=[4096])
     p.add_argument("--batch", type=int, nargs="+", default=[8])
     p.add_argument("--warmup", type=int, default=3)
@@ -159,7 +160,8 @@ def main() -> int:
                 rows.append({"variant": name, "seq": seq, "batch": batch, "error": "skipped: deadline"})
                 continue
             try:
-                rows.append(run_variant(name, seq, batch, args.warmup, args.steps, args.out, name in args.profile.split(",")))
+                rows.append(run_variant(name, args.flavor, seq, batch, args.warmup, args.steps, args.out,
+                                        name in args.profile.split(",")))
             except Exception as e:  # one failing variant must not lose the others' numbers
                 rows.append({"variant": name, "seq": seq, "batch": batch, "error": f"{type(e).__name__}: {e}"})
                 traceback.print_exc()

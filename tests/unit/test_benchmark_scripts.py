@@ -1,0 +1,34 @@
+"""The GPU benchmark scripts, run end to end on CPU with the debug flavor: a crash should cost CI time, not GPU time."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(REPO / "benchmarks" / script), "--flavor", "debug", "--seq", "64", "--batch", "2",
+           "--out", str(tmp_path / "out"), *args]
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "BENCH_RUNS": str(tmp_path / "runs")})
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run
+
+
+def test_train_throughput_times_a_variant_and_writes_its_row(tmp_path):
+    _run("train_throughput.py", tmp_path, "--variants", "ours", "--warmup", "2", "--steps", "2", "--profile", "none")
+    rows = json.loads((tmp_path / "out" / "train_throughput.json").read_text())["rows"]
+    assert len(rows) == 1 and "error" not in rows[0], rows
+    assert rows[0]["tokens_per_s"] > 0 and rows[0]["ms_per_step"] > 0
+    assert "| ours | B2 T64 |" in (tmp_path / "out" / "train_throughput.md").read_text()
+
+
+def test_checkpoint_benchmark_saves_blocking_and_async(tmp_path):
+    run = _run("checkpoint.py", tmp_path)
+    table = (tmp_path / "out" / "checkpoint.md").read_text()
+    assert "| blocking |" in table and "| async |" in table
+    modes = [json.loads(line) for line in run.stdout.splitlines() if line.startswith('{"mode"')]
+    assert [m["mode"] for m in modes] == ["disabled", "async"] and all(m["size_gib"] > 0 for m in modes)
