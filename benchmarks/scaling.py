@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RUNS, environment  # noqa: E402
+from benchmarks.common import RUNS, environment, model_args  # noqa: E402
 from titan_k3.metrics.run_dir import read_jsonl  # noqa: E402
 from titan_k3.tools.summarize import steady_state  # noqa: E402
 
@@ -44,7 +44,7 @@ def launch(name: str, nproc: int, overrides: list[str], args, extra: list[str]) 
     slug = name.replace(" ", "").replace("+", "-").lower()
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-        "-m", "titan_k3.train", "--model.flavor", args.flavor, *(["--model.vocab_size", "163840"] if args.flavor != "debug" else []),
+        "-m", "titan_k3.train", *model_args(args.flavor),
         "--training.seq_len", str(args.seq), "--training.local_batch_size", str(args.batch),
         "--training.steps", str(args.steps), "--training.compute_dtype", "bfloat16",
         "--lr_scheduler.warmup_steps", str(min(10, args.steps // 2)), "--metrics.log_freq", str(args.log_freq),
