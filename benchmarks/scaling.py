@@ -52,11 +52,28 @@ def launch(name: str, nproc: int, overrides: list[str], args, extra: list[str]) 
         "--job.dump_folder", str(RUNS), "--job.name", slug, *overrides, *extra,
     ]
     shutil.rmtree(RUNS / slug, ignore_errors=True)
-    print("$", " ".join(cmd), flush=True)
+    RUNS.mkdir(parents=True, exist_ok=True)
+    log = RUNS / f"{slug}.log"
+    print("$", " ".join(cmd), f"> {log}", flush=True)
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))))
-    print(f"{name}: {time.perf_counter() - t0:.0f} s wall", flush=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    print(f"{name}: {time.perf_counter() - t0:.0f} s wall, exit status {rc}", flush=True)
+    if rc != 0:
+        raise LaunchFailed(f"exit status {rc}: {_first_error(log)}")
     return RUNS / slug
+
+
+class LaunchFailed(RuntimeError):
+    """A setup's torchrun exited non-zero; the message carries the first error line of its log."""
+
+
+def _first_error(log: Path) -> str:
+    """The first line of the log that names an error (the cause, before torchrun's own report), else its tail."""
+    lines = log.read_text(errors="replace").splitlines()
+    hits = [ln.strip() for ln in lines if "Error" in ln or ln.startswith("error:")]
+    return (hits[0] if hits else " / ".join(lines[-3:]))[:300] + f" (log: {log})"
 
 
 def main() -> int:
@@ -82,8 +99,9 @@ def main() -> int:
             continue
         try:
             run_dir = launch(name, nproc, overrides, args, extra)
-        except subprocess.CalledProcessError as e:  # one failing setup must not lose the others' numbers
-            rows.append({"setup": name, "gpus": nproc, "error": f"exit status {e.returncode}"})
+        except LaunchFailed as e:  # one failing setup must not lose the others' numbers
+            rows.append({"setup": name, "gpus": nproc, "error": str(e)})
+            print(f"{name}: {e}", flush=True)
             continue
         records = read_jsonl(run_dir / "metrics.jsonl")
         steady = steady_state(records, args.warmup_step)
