@@ -1,6 +1,7 @@
 """What every GPU benchmark shares: the error measure and the environment a result row records."""
 
 import datetime
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -52,6 +53,14 @@ def reset_peak() -> None:
 def model_args(flavor: str) -> list[str]:
     """Trainer flags for a benchmark flavor: k3-mini at the real vocabulary; debug (CPU smoke) as it comes."""
     return ["--model.flavor", flavor] + (["--model.vocab_size", "163840"] if flavor != "debug" else [])
+
+
+def write_results(out: Path, name: str, table: str, env: dict, rows: list[dict]) -> None:
+    """Append the Markdown table to OUT/NAME.md, write OUT/NAME.json (env + rows), print the table last."""
+    with open(out / f"{name}.md", "a") as f:
+        f.write(table + "\n")
+    (out / f"{name}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=2))
+    print(table)
 
 
 def environment() -> dict:

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RUNS, environment, model_args  # noqa: E402
+from benchmarks.common import RUNS, environment, model_args, write_results  # noqa: E402
 from titan_k3.metrics.run_dir import read_jsonl  # noqa: E402
 from titan_k3.tools.summarize import steady_state  # noqa: E402
 
@@ -131,10 +131,7 @@ def main() -> int:
     table = header + "\n" + "\n".join(lines)
     if extra:
         table += f"\n\nExtra trainer overrides for every setup: `{' '.join(extra)}`"
-    with open(args.out / "scaling.md", "a") as f:
-        f.write(table + "\n")
-    (args.out / "scaling.json").write_text(json.dumps({"env": env, "rows": rows}, indent=2))
-    print(table)
+    write_results(args.out, "scaling", table, env, rows)
     return 0
 
 

@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RUNS, environment, model_args, peak_gib, reset_peak, sync  # noqa: E402
+from benchmarks.common import RUNS, environment, model_args, peak_gib, reset_peak, sync, write_results  # noqa: E402
 from titan_k3.config import load_job_config  # noqa: E402
 from titan_k3.models.k3.args import flops_per_token, get_flavor  # noqa: E402
 
@@ -180,10 +180,7 @@ def main() -> int:
     header = ("| date | commit | GPU | torch | triton | variant | shape | ms/step (timed steps back to back) | tokens/s | MFU (989) | "
               "peak GiB | start→first step s | vs peer | note |\n|" + "---|" * 14)
     table = header + "\n" + "\n".join(lines)
-    with open(args.out / "train_throughput.md", "a") as f:
-        f.write(table + "\n")
-    (args.out / "train_throughput.json").write_text(json.dumps({"env": env, "rows": rows}, indent=2))
-    print(table)
+    write_results(args.out, "train_throughput", table, env, rows)
     return 0
 
 

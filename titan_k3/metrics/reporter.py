@@ -23,7 +23,7 @@ from titan_k3.metrics.grad_norms import grad_norms_by_group
 from titan_k3.metrics.memory import GIB, memory_stats
 from titan_k3.metrics.moe_stats import CollapseAlarm, expert_load_stats
 from titan_k3.metrics.prometheus import PrometheusExporter
-from titan_k3.parallel.distributed import comm_device
+from titan_k3.parallel.distributed import all_reduce_small
 
 
 def _tensorboard_writer_class():
@@ -104,16 +104,11 @@ class MetricsReporter:
         """Per-group gradient norms before clipping (collective with DTensor gradients)."""
         self.grad_norms = grad_norms_by_group(named_params)
 
-    def _all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        if self.group is not None:
-            dist.all_reduce(x, op=op, group=self.group)
-        return x
-
     def _moe(self, routers: dict, record: dict, step: int) -> None:
         if not routers:
             return
         layers = sorted(routers)
-        counts_LE = self._all_reduce(torch.stack([routers[i].load_counts for i in layers]))
+        counts_LE = all_reduce_small(torch.stack([routers[i].load_counts for i in layers]), self.group)
         for i, layer in enumerate(layers):
             router = routers[layer]
             stats = expert_load_stats(counts_LE[i], router.qb_bias)
@@ -157,14 +152,13 @@ class MetricsReporter:
         self.grad_norms = {}
         mem = memory_stats(self.device)
         kinds = sorted(mem)
-        mem_max = self._all_reduce(torch.tensor([mem[k] for k in kinds], dtype=torch.float64, device=self._comm_device()),
-                                   dist.ReduceOp.MAX).cpu()
+        mem_max = all_reduce_small(torch.tensor([mem[k] for k in kinds], dtype=torch.float64), self.group,
+                                   dist.ReduceOp.MAX)
         for kind, value in zip(kinds, mem_max.tolist()):
             record["host_rss_gib" if kind == "host_rss" else f"memory_{kind}_gib"] = value / GIB
         if source_tokens:
             names = sorted(source_tokens)
-            totals = self._all_reduce(torch.tensor([source_tokens[n] for n in names], dtype=torch.float64,
-                                                   device=self._comm_device())).cpu()
+            totals = all_reduce_small(torch.tensor([source_tokens[n] for n in names], dtype=torch.float64), self.group)
             for name, value in zip(names, totals.tolist()):
                 record[f"tokens_per_source/{name}"] = int(value)
         self._moe(routers, record, step)
@@ -172,9 +166,6 @@ class MetricsReporter:
         if self.rank == 0:
             self._write(record)
         return record
-
-    def _comm_device(self) -> torch.device:
-        return comm_device(self.group)
 
     def _write(self, record: dict) -> None:
         with open(self.metrics_path, "a") as f:
