@@ -40,6 +40,12 @@ VARIANTS = {
     "ours-compile": ["--compile.enable", "true"],
     "ours-compile-fla-kda": ["--compile.enable", "true", "--kernels.kda", "fla"],
     "ours-ac-full": ["--activation_checkpoint.mode", "full"],
+    # Ablations of the compiled recipe: one part swapped for its reference or another setting.
+    "ours-compile-grouped_mm": ["--compile.enable", "true", "--kernels.experts", "grouped_mm"],
+    "ours-compile-torch-loss": ["--compile.enable", "true", "--kernels.loss", "torch"],
+    "ours-compile-adamw": ["--compile.enable", "true", "--optimizer.name", "adamw"],
+    "ours-compile-ac-selective": ["--compile.enable", "true", "--activation_checkpoint.mode", "selective"],
+    "ours-compile-ac-full": ["--compile.enable", "true", "--activation_checkpoint.mode", "full"],
 }
 
 
@@ -113,6 +119,10 @@ def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps
         watch.check(warmup + steps)
         result["graph_breaks"] = sum(counters["graph_break"].values())
         result["graphs"] = counters["stats"]["unique_graphs"]
+        from torch._dynamo.utils import compile_times
+
+        # Where the first step's start-up goes (dynamo tracing, AOT autograd, inductor codegen), per phase.
+        (out / f"compile-times-{name}-{seq}.txt").write_text(str(compile_times(repr="str", aggregate=True)) + "\n")
     if profile:
         from torch.profiler import ProfilerActivity, profile as prof
 
