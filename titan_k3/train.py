@@ -22,6 +22,7 @@ import torch.distributed as dist
 from titan_k3.checkpoint import build_checkpointer, check_resumable
 from titan_k3.config import ConfigError, JobConfig, help_text, load_job_config
 from titan_k3.config.validate import parse_context_stages, parse_mixture, seq_len_at
+from titan_k3.data.loader import check_token_ids
 from titan_k3.eval.runner import Evaluator, format_metrics
 from titan_k3.metrics.clocks import TwoClocks
 from titan_k3.metrics.events import EventLog
@@ -194,9 +195,9 @@ class Trainer:
     def _next_batch(self):
         if self.cfg.training.fixed_batch:
             if self._fixed is None:
-                self._fixed = next(self.loader)
+                self._fixed = check_token_ids(next(self.loader), self.args.vocab_size)
             return self._fixed
-        return next(self.loader)
+        return check_token_ids(next(self.loader), self.args.vocab_size)
 
     def _all_reduce(self, x: torch.Tensor, op=None) -> torch.Tensor:
         if self.dp_group is not None:

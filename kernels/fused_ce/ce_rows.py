@@ -56,10 +56,14 @@ def _ce_rows_kernel(
 
     target = tl.load(targets_ptr + row)
     valid = target != ignore_index
-    # NOTE: an ignored row may carry any target value; read column 0 instead.
-    safe_target = tl.where(valid, target, 0)
+    in_range = (target >= 0) & (target < n_cols)
+    # NOTE: an ignored row may carry any target value; read column 0 instead. A target out of
+    # range (possible only when the caller skipped the host check) makes the row's loss NaN:
+    # loud at the step's finiteness check, never a read outside the row.
+    safe_target = tl.where(valid & in_range, target, 0)
     target_logit = tl.load(row_ptr + safe_target).to(tl.float32)
-    tl.store(loss_ptr + row, tl.where(valid, lse - target_logit, 0.0))
+    row_loss = tl.where(in_range, lse - target_logit, float("nan"))
+    tl.store(loss_ptr + row, tl.where(valid, row_loss, 0.0))
 
     if WRITE_GRAD:
         row_scale = tl.where(valid, 1.0, 0.0)

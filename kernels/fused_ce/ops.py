@@ -61,9 +61,11 @@ def _fused_linear_ce(
     chunk_rows: int,
     need_grad_h: bool,
     need_grad_w: bool,
+    check_targets: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss_sum [], grad_h32 [N, D] or [0], grad_w32 [V, D] or [0]) for unit upstream gradient."""
-    check_target_values(targets, weight.shape[0], ignore_index)
+    if check_targets:
+        check_target_values(targets, weight.shape[0], ignore_index)
     n_rows, dim = h.shape
     vocab = weight.shape[0]
     f32 = dict(dtype=torch.float32, device=h.device)
@@ -91,7 +93,7 @@ def _fused_linear_ce(
 
 
 @_fused_linear_ce.register_fake
-def _(h, weight, targets, ignore_index, chunk_rows, need_grad_h, need_grad_w):
+def _(h, weight, targets, ignore_index, chunk_rows, need_grad_h, need_grad_w, check_targets):
     loss = h.new_empty((), dtype=torch.float32)
     grad_h32 = h.new_empty(h.shape if need_grad_h else (0,), dtype=torch.float32)
     grad_w32 = weight.new_empty(weight.shape if need_grad_w else (0,), dtype=torch.float32)
@@ -99,7 +101,7 @@ def _(h, weight, targets, ignore_index, chunk_rows, need_grad_h, need_grad_w):
 
 
 def _setup_context(ctx, inputs, output):
-    h, weight, _, _, _, need_grad_h, need_grad_w = inputs
+    h, weight, _, _, _, need_grad_h, need_grad_w, _ = inputs
     _, grad_h32, grad_w32 = output
     ctx.save_for_backward(grad_h32, grad_w32)
     ctx.dtypes = (h.dtype, weight.dtype)
@@ -120,7 +122,7 @@ def _backward(ctx, grad_loss, _grad_h32, _grad_w32):
             # NOTE: the product is written straight into the input's dtype, so no
             # second [V, D] float32 buffer exists.
             grads[i] = torch.mul(stored, grad_loss.float(), out=torch.empty_like(stored, dtype=dtype))
-    return grads[0], grads[1], None, None, None, None, None
+    return grads[0], grads[1], None, None, None, None, None, None
 
 
 _fused_linear_ce.register_autograd(_backward, setup_context=_setup_context)
@@ -133,6 +135,7 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     *,
     chunk_rows: int | None = None,
+    check_targets: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of `h @ weight.T` against `targets`, fused and chunked.
 
@@ -140,7 +143,10 @@ def linear_cross_entropy(
     -> (loss_sum float32 [], n_valid int64 []): the loss summed over rows whose
     target is not `ignore_index`, and the count of such rows.
     Differentiable in `h` and `weight`. `chunk_rows` (default: 3 GiB of logits)
-    bounds the rows whose logits exist at one time. Needs CUDA tensors, or
+    bounds the rows whose logits exist at one time. `check_targets` reads the
+    targets to reject out-of-range values with a ValueError (one device sync);
+    a caller that validated them on the host passes False, and a target out of
+    range then gives that row a NaN loss instead of an error. Needs CUDA tensors, or
     TRITON_INTERPRET=1 on CPU; the CPU path of a model is
     `kernels.fused_ce.reference.linear_cross_entropy`.
 
@@ -167,6 +173,7 @@ def linear_cross_entropy(
         chunk_rows,
         grad_on and h.requires_grad,
         grad_on and weight.requires_grad,
+        check_targets,
     )
     n_valid = (targets != ignore_index).sum()
     return loss_sum, n_valid

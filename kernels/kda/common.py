@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kda.reference import check_cu_seqlens_values
+
 BT = 64
 BC = 16
 
@@ -32,6 +34,7 @@ def chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device) -> tup
         offsets = torch.arange(B + 1, device=device, dtype=torch.int32) * nt
         return cu, torch.stack([seq, idx], 1).contiguous(), offsets, B, B * nt
     ends = cu_seqlens.tolist()
+    check_cu_seqlens_values(ends, B * T)
     counts = [triton.cdiv(e - s, BT) for s, e in zip(ends[:-1], ends[1:])]
     pairs = [(n, i) for n, c in enumerate(counts) for i in range(c)]
     offsets = [0]

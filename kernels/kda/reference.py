@@ -60,6 +60,12 @@ def kda_gate(
     return lower_bound * torch.sigmoid(a * x)
 
 
+def check_cu_seqlens_values(ends: list[int], T: int) -> None:
+    """Raises ValueError unless the document boundaries rise from 0 to T."""
+    if ends[0] != 0 or ends[-1] != T or any(b < a for a, b in zip(ends, ends[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {ends}")
+
+
 def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias) -> int:
     """Validates shapes and dtypes; returns the number of sequences N. Raises ValueError."""
     if q.dim() != 4:
@@ -85,9 +91,10 @@ def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias
                 f"cu_seqlens must be an int64 [N+1] tensor, got dtype {cu_seqlens.dtype} shape {tuple(cu_seqlens.shape)}"
             )
         N = len(cu_seqlens) - 1
-        ends = cu_seqlens.tolist()
-        if ends[0] != 0 or ends[-1] != T or any(b < a for a, b in zip(ends, ends[1:])):
-            raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {ends}")
+        if not torch.compiler.is_compiling():
+            # NOTE: reading the values would break a compiled graph; there the Triton op checks
+            # them when it runs (chunk_layout), before any kernel starts.
+            check_cu_seqlens_values(cu_seqlens.tolist(), T)
     if initial_state is not None and initial_state.shape != (N, H, K, V):
         raise ValueError(
             f"initial_state must be [N, H, K, V] = [{N}, {H}, {K}, {V}], got {tuple(initial_state.shape)}"

@@ -37,21 +37,31 @@ def test_bad_degree_is_one_line_config_error(parallelism, world, experts, key):
 
 
 def test_activation_checkpointing_reuses_routing_and_updates_once():
-    """Full AC recomputes every block in backward: gradients and QB state must equal the plain run's."""
+    """Full AC recomputes every block in backward: gradients and QB state must equal the plain run's.
+
+    Compiled blocks, with and without AC, must give the same numbers, and the
+    router's recompute detection must not break the compiled graph.
+    """
+    from torch._dynamo.utils import counters
+
     from titan_k3.models.k3.args import get_flavor
     from titan_k3.models.k3.impl import reference_impl
     from titan_k3.models.k3.model import K3Model
-    from titan_k3.parallel.parallelize import apply_ac
+    from titan_k3.parallel.parallelize import apply_ac, apply_compile
 
     args = get_flavor("debug", 512)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 512, (2, 32), generator=gen)
     runs = {}
-    for mode in ("none", "full"):
+    for mode in ("none", "full", "compile", "full+compile"):
+        torch._dynamo.reset()
+        counters.clear()
         model = K3Model(args, reference_impl())
         model.init_weights(seed=0)
-        if mode != "none":
-            apply_ac(model, mode)
+        if "full" in mode:
+            apply_ac(model, "full")
+        if "compile" in mode:
+            apply_compile(model, "aot_eager")
         updates = []
         for router in model.moe_routers().values():
             original = router._update_bias
@@ -59,10 +69,15 @@ def test_activation_checkpointing_reuses_routing_and_updates_once():
         for _ in range(2):  # the second forward routes with the bias the first one produced
             model(ids, ids).loss_sum.backward()
         runs[mode] = (model, len(updates))
+        if mode == "compile":
+            breaks = list(counters["graph_break"])
+            assert not any(b.startswith("torch.* op returned non-Tensor") for b in breaks), breaks
     (plain, n_plain), (ac, n_ac) = runs["none"], runs["full"]
     assert n_plain == n_ac == 2 * len(plain.moe_routers()), "a recompute updated the routing state again"
-    for layer, router in plain.moe_routers().items():
-        assert torch.equal(router.qb_bias, ac.moe_routers()[layer].qb_bias)
-        assert router.qb_bias.abs().max() > 0
-    for (name, p), q in zip(plain.named_parameters(), ac.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    for mode, (other, _) in runs.items():
+        for layer, router in plain.moe_routers().items():
+            assert torch.equal(router.qb_bias, other.moe_routers()[layer].qb_bias), (mode, layer)
+            assert router.qb_bias.abs().max() > 0
+        for (name, p), q in zip(plain.named_parameters(), other.parameters()):
+            if p.grad is not None:
+                torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=f"{mode}: {name}")

@@ -189,7 +189,7 @@ def test_fused_op_passes_opcheck():
     h.requires_grad_(True)
     weight.requires_grad_(True)
     op = torch.ops.fused_ce.linear_cross_entropy.default
-    torch.library.opcheck(op, (h, weight, targets, IGNORE, 5, True, True))
+    torch.library.opcheck(op, (h, weight, targets, IGNORE, 5, True, True, True))
 
 
 @pytest.mark.parametrize(
@@ -224,6 +224,17 @@ def test_bad_input_raises_value_error(fn, case, match):
         h = h[0]
     with pytest.raises(ValueError, match=match):
         fn(h, weight, targets, IGNORE)
+
+
+def test_unchecked_target_out_of_range_gives_nan_not_a_wrong_number():
+    """check_targets=False skips the device read; a bad target must still be loud (NaN), never a valid-looking loss."""
+    h, weight, targets = _inputs(6, 4, 11)
+    good, _ = linear_cross_entropy(h, weight, targets, IGNORE, check_targets=False)
+    assert torch.isfinite(good)
+    for bad in (11, -3):
+        targets[2] = bad
+        loss, _ = linear_cross_entropy(h, weight, targets, IGNORE, check_targets=False)
+        assert torch.isnan(loss), bad
 
 
 def test_fused_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):

@@ -183,6 +183,17 @@ def test_reference_bad_input_names_the_argument(change, match):
         chunk_kda_reference(**args)
 
 
+def test_triton_checks_document_bounds_even_when_compiled():
+    """Under torch.compile the input check cannot read cu_seqlens; the op itself must, before any kernel."""
+    from kernels.kda.common import chunk_layout
+
+    with pytest.raises(ValueError, match="cu_seqlens must rise"):
+        chunk_layout(1, 128, torch.tensor([0, 100, 64, 128]), "cpu")
+    with pytest.raises(ValueError, match="cu_seqlens must rise"):
+        chunk_layout(1, 128, torch.tensor([0, 100]), "cpu")
+    assert chunk_layout(1, 128, torch.tensor([0, 100, 128]), "cpu")[3:] == (2, 3)
+
+
 # ---------------------------------------------------------------------------------------------
 # Triton kernels (the interpreter on CPU), float32, against the float64 recurrence.
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from titan_k3.data.loader import IGNORE_INDEX, build_dataloader
+from titan_k3.data.loader import IGNORE_INDEX, Batch, build_dataloader, check_token_ids
 from titan_k3.data.shards import token_dtype, write_index, write_shard
 from titan_k3.data.tokenizer import Tokenizer
 
@@ -200,3 +200,15 @@ def test_wait_seconds_counts_consumer_blocking(one_source):
     take(loader, 5)
     assert loader.wait_seconds > 0
     loader.close()
+
+
+def test_token_ids_outside_the_vocabulary_stop_on_the_host():
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    labels = torch.tensor([[2, 3, IGNORE_INDEX], [5, 6, 7]])
+    batch = Batch(ids, labels, torch.tensor([0, 3, 6]), {}, torch.zeros(2, dtype=torch.int64))
+    assert check_token_ids(batch, 8) is batch  # ignored labels are fine
+    with pytest.raises(ValueError, match=r"labels\[1, 2\] = 7: outside the model's vocabulary \[0, 7\)"):
+        check_token_ids(batch, 7)
+    batch.input_ids[0, 1] = IGNORE_INDEX  # an input id is never "ignored"
+    with pytest.raises(ValueError, match=r"input_ids\[0, 1\] = -100"):
+        check_token_ids(batch, 8)

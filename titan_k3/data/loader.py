@@ -67,6 +67,23 @@ class Batch:
     fingerprints: torch.Tensor
 
 
+def check_token_ids(batch: Batch, vocab_size: int) -> Batch:
+    """Returns `batch` once every input id and label is a token of the model's vocabulary (or ignored).
+
+    Runs on the host before the batch moves to the GPU, so the loss kernel needs
+    no device-side range check (a sync per micro-batch). Raises ValueError.
+    """
+    for name, ids, ignored in (("input_ids", batch.input_ids, None), ("labels", batch.labels, IGNORE_INDEX)):
+        bad = (ids < 0) | (ids >= vocab_size)
+        if ignored is not None:
+            bad &= ids != ignored
+        if bool(bad.any()):
+            row, col = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"batch {name}[{row}, {col}] = {int(ids[row, col])}: outside the model's vocabulary "
+                             f"[0, {vocab_size}) (a shard tokenised with another tokenizer?)")
+    return batch
+
+
 class _SourceStream:
     """A source's documents over all its shards; reads windows of its infinite shuffled stream."""
 

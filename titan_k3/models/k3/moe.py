@@ -86,7 +86,10 @@ class QuantileBalancedRouter(nn.Module):
         s_TE = torch.sigmoid(upcast(x_TD) @ upcast(self.weight).t())
         # NOTE: an activation-checkpoint recompute runs inside backward: it must
         # route with the bias the original forward used and must not update it.
-        recompute = torch._C._current_graph_task_id() != -1
+        # A compiled block never re-runs this code in backward (its recompute is part
+        # of the compiled graph, and the QB update is applied once, after the forward),
+        # and asking for the task id there would break the graph.
+        recompute = not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
         if recompute and self._bias_for_recompute is not None:
             bias = self._bias_for_recompute
         else:
