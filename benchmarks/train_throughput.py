@@ -137,7 +137,14 @@ def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps
         total = sum(e.self_device_time_total for e in events) or 1
         op_lines = [f"{e.self_device_time_total / 1e3:10.2f} ms {100 * e.self_device_time_total / total:5.1f}%  "
                     f"{e.count:6d} calls  {e.key}" for e in ops[:40]]
-        (out / f"profile-{name}-{seq}.txt").write_text(kernels + "\n\nOperators by self GPU time:\n" + "\n".join(op_lines) + "\n")
+        # The optimizer's named ranges (titan_k3/optim/muon.py): GPU time of the kernels each one launched.
+        ranges = sorted((e for e in events if e.key.startswith(("muon.", "Optimizer.step"))),
+                        key=lambda e: e.device_time_total, reverse=True)
+        range_lines = [f"{e.device_time_total / 1e3:10.2f} ms GPU {e.cpu_time_total / 1e3:10.2f} ms host  {e.count:4d} calls  {e.key}"
+                       for e in ranges]
+        (out / f"profile-{name}-{seq}.txt").write_text(
+            kernels + "\n\nOperators by self GPU time:\n" + "\n".join(op_lines)
+            + "\n\nOptimizer ranges (GPU time of their kernels):\n" + "\n".join(range_lines) + "\n")
         result["profile"] = f"profile-{name}-{seq}.txt"
     if hasattr(holder, "close"):
         holder.close()
