@@ -6,8 +6,11 @@ Each setup is a real `torchrun -m titan_k3.train` launch (the trainer users
 run, full recipe), on the same global batch: one GPU runs `--gpus` micro-batches
 of gradient accumulation per update, N GPUs one micro-batch each. Extra
 trainer overrides after `--` apply to every setup (e.g. `--compile.enable true`).
-Reported per setup: the loss at every logged update and its largest relative
-gap to the one-GPU run, steady training tokens/s (time-weighted over the
+A noise reference ("1 GPU, split finer": the same global batch in
+half-size micro-batches) measures what summation order alone does to the
+losses. Reported per setup: the loss at every logged update, its largest
+absolute and relative gap to the one-GPU run and that gap over the noise
+reference's, steady training tokens/s (time-weighted over the
 logging windows after `--warmup-step`), tokens/s per GPU, and scaling =
 rate / (N x one-GPU rate). Prints a table last and appends it to OUTDIR/scaling.md.
 """
@@ -31,10 +34,22 @@ from titan_k3.metrics.run_dir import read_jsonl  # noqa: E402
 from titan_k3.tools.summarize import steady_state  # noqa: E402
 
 
-def setups(gpus: int) -> dict[str, tuple[int, list[str]]]:
-    """name -> (processes, overrides); the one-GPU run accumulates what N GPUs run side by side."""
+NOISE = "1 GPU, split finer"
+
+
+def setups(gpus: int, batch: int) -> dict[str, tuple[int, list[str]]]:
+    """name -> (processes, overrides); the one-GPU run accumulates what N GPUs run side by side.
+
+    The noise reference runs the same global batch on one GPU in micro-batches
+    half as large: the same math summed in another order, so its loss gap to
+    "1 GPU" is what rounding alone does to the trajectory (the bf16 noise a
+    parallel setup's gap is judged against).
+    """
+    finer = [NOISE] if batch % 2 == 0 else []
     return {
         "1 GPU": (1, ["--training.grad_accum", str(gpus)]),
+        **{name: (1, ["--training.grad_accum", str(2 * gpus), "--training.local_batch_size", str(batch // 2)])
+           for name in finer},
         f"FSDP2 x{gpus}": (gpus, []),
         f"FSDP2 x{gpus} + EP{gpus}": (gpus, ["--parallelism.expert_parallel_degree", str(gpus)]),
     }
@@ -63,6 +78,13 @@ def launch(name: str, nproc: int, overrides: list[str], args, extra: list[str]) 
     if rc != 0:
         raise LaunchFailed(f"exit status {rc}: {_first_error(log)}")
     return RUNS / slug
+
+
+def _loss_gaps(run: dict, base: dict) -> tuple[float, float]:
+    """(largest absolute, largest relative) loss difference to `base` over the updates both logged."""
+    common = [s for s in run["losses"] if s in base["losses"]]
+    return (max(abs(run["losses"][s] - base["losses"][s]) for s in common),
+            max(abs(run["losses"][s] / base["losses"][s] - 1) for s in common))
 
 
 class LaunchFailed(RuntimeError):
@@ -94,7 +116,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     env = environment()
     rows = []
-    for name, (nproc, overrides) in setups(args.gpus).items():
+    for name, (nproc, overrides) in setups(args.gpus, args.batch).items():
         if args.only and name not in args.only.split(","):
             continue
         try:
@@ -109,24 +131,29 @@ def main() -> int:
                      "tokens_per_s": steady.tokens_per_second, "mfu": steady.mfu,
                      "peak_gib": max((r.get("memory_peak_allocated_gib", 0.0) for r in records), default=0.0)})
         print(json.dumps(rows[-1]), flush=True)
-    base = next((r for r in rows if r["gpus"] == 1 and "error" not in r), None)
+    base = next((r for r in rows if r["setup"] == "1 GPU" and "error" not in r), None)
+    noise = next((r for r in rows if r["setup"] == NOISE and "error" not in r), None)
     header = ("| date | commit | GPUs | torch | setup | shape | updates | loss at logged updates (first / mid / last) | "
-              "max rel. loss gap vs 1 GPU | tokens/s (all GPUs) | tokens/s per GPU | scaling vs 1 GPU | MFU | peak GiB per GPU |\n|" + "---|" * 14)
+              "max loss gap vs 1 GPU, abs / rel | gap / noise | tokens/s (all GPUs) | tokens/s per GPU | scaling vs 1 GPU "
+              "| MFU | peak GiB per GPU |\n|" + "---|" * 15)
+    noise_gap = _loss_gaps(noise, base)[0] if noise is not None and base is not None else None
     lines = []
     for r in rows:
         lead = f"| {env['date']} | {env['commit']} | {r['gpus']}x {env['gpu']} | {env['torch']} | {r['setup']} |"
         if "error" in r:
-            lines.append(f"{lead} B{args.batch} T{args.seq} | {args.steps} | — | — | — | — | — | — | failed: {r['error']} |")
+            lines.append(f"{lead} B{args.batch} T{args.seq} | {args.steps} | — | — | — | — | — | — | — | failed: {r['error']} |")
             continue
         steps = sorted(r["losses"])
         shown = " / ".join(f"{r['losses'][s]:.4f}" for s in (steps[0], steps[len(steps) // 2], steps[-1]))
-        gap, scaling = "—", "—"
+        gap, vs_noise, scaling = "—", "—", "—"
         if base is not None:
-            common = [s for s in steps if s in base["losses"]]
-            gap = f"{max(abs(r['losses'][s] / base['losses'][s] - 1) for s in common):.2%}"
+            r["max_abs_gap"], r["max_rel_gap"] = _loss_gaps(r, base)
+            gap = f"{r['max_abs_gap']:.4f} / {r['max_rel_gap']:.2%}"
             scaling = f"{r['tokens_per_s'] / (r['gpus'] * base['tokens_per_s']):.2f}"
+            if noise_gap and r is not noise and r is not base:
+                vs_noise = f"{r['max_abs_gap'] / noise_gap:.1f}x"
         lines.append(f"{lead} B{args.batch} T{args.seq}, global {args.batch * args.gpus} seqs | {args.steps} | {shown} | "
-                     f"{gap} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / r['gpus']:,.0f} | {scaling} | "
+                     f"{gap} | {vs_noise} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / r['gpus']:,.0f} | {scaling} | "
                      f"{100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} |")
     table = header + "\n" + "\n".join(lines)
     if extra:

@@ -21,7 +21,8 @@ def _scaling(tmp_path: Path, out: Path, *extra: str) -> list[dict]:
 
 def test_scaling_script_runs_every_setup_and_compares_losses(tmp_path):
     rows = _scaling(tmp_path, tmp_path / "results")
-    assert [(r["setup"], r["gpus"]) for r in rows] == [("1 GPU", 1), ("FSDP2 x2", 2), ("FSDP2 x2 + EP2", 2)]
+    assert [(r["setup"], r["gpus"]) for r in rows] == [
+        ("1 GPU", 1), ("1 GPU, split finer", 1), ("FSDP2 x2", 2), ("FSDP2 x2 + EP2", 2)]
     failed = [r for r in rows if "error" in r]
     if failed:
         # NOTE: a torchrun launch on the loaded 2-core CI machine once failed transiently (one setup of three);
@@ -34,6 +35,9 @@ def test_scaling_script_runs_every_setup_and_compares_losses(tmp_path):
     for r in rows[1:]:  # the same global batch: one process accumulating equals two processes side by side
         assert r["losses"].keys() == base.keys()
         assert all(abs(r["losses"][s] / base[s] - 1) < 1e-3 for s in base), (r["setup"], r["losses"], base)
+        assert r["max_abs_gap"] == max(abs(r["losses"][s] - base[s]) for s in base)
     if not failed:
         table = (tmp_path / "results" / "scaling.md").read_text()
         assert table.count("| FSDP2 x2") == 2 and "failed" not in table
+        noise_row = next(line for line in table.splitlines() if "| 1 GPU, split finer |" in line)
+        assert noise_row.count("—") == 1  # its own gap over the noise is not a measurement
