@@ -2,9 +2,12 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,3 +35,13 @@ def test_checkpoint_benchmark_saves_blocking_and_async(tmp_path):
     assert "| blocking |" in table and "| async |" in table
     modes = [json.loads(line) for line in run.stdout.splitlines() if line.startswith('{"mode"')]
     assert [m["mode"] for m in modes] == ["disabled", "async"] and all(m["size_gib"] > 0 for m in modes)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU backend needs a C++ compiler")
+def test_compile_startup_builds_each_depth_in_a_fresh_cache(tmp_path):
+    _run("compile_startup.py", tmp_path, "--layers", "1", "2")
+    rows = json.loads((tmp_path / "out" / "compile_startup.json").read_text())["rows"]
+    assert [r["layers"] for r in rows] == [1, 2] and all("error" not in r for r in rows), rows
+    # a fresh cache per depth: the first depth reuses nothing, and every graph dynamo made was built or reused
+    assert rows[0]["reused"] == 0 and rows[0]["built"] > 0
+    assert all(r["built"] + r["reused"] == r["graphs"] for r in rows), rows

@@ -1,11 +1,11 @@
 """Compile reporting: graph breaks reach the event log, and dynamo never silently runs a block eager."""
 
 import json
+import os
 
 import torch
 import torch._dynamo
 import torch._dynamo.config as dynamo_config
-from torch import nn
 
 from titan_k3.metrics.events import EventLog
 from titan_k3.parallel.distributed import CompileWatch
@@ -33,12 +33,6 @@ def test_graph_breaks_and_compiled_frames_are_reported_once_per_change(tmp_path)
     assert "graph breaks" in reports[0]["message"]
 
 
-class _Blocks(nn.Module):
-    def __init__(self, n: int):
-        super().__init__()
-        self.layers = nn.ModuleDict({str(i): nn.Linear(4, 4) for i in range(n)})
-
-
 def _restoring_limits(**values):
     """dynamo_config.patch over the keys apply_compile sets (restored on exit; monkeypatch would delete them)."""
     keys = ("recompile_limit", "accumulated_recompile_limit", "fail_on_recompile_limit_hit")
@@ -46,13 +40,23 @@ def _restoring_limits(**values):
 
 
 def test_compile_covers_every_block_and_refuses_a_silent_eager_fallback():
+    import dataclasses
+
+    from titan_k3.models.k3.args import get_flavor
+    from titan_k3.models.k3.impl import reference_impl
+    from titan_k3.models.k3.model import K3Model
+
     with _restoring_limits(recompile_limit=8, accumulated_recompile_limit=256, fail_on_recompile_limit_hit=False):
-        model = _Blocks(40)
+        with torch.device("meta"):
+            model = K3Model(dataclasses.replace(get_flavor("debug", 64), n_layers=40), reference_impl())
         apply_compile(model, "eager")
-        # room for each block's train/eval and static/dynamic variants, over the whole model too
-        assert dynamo_config.recompile_limit >= 4 * 40 and dynamo_config.accumulated_recompile_limit >= 8 * 40
+        # room for each sublayer's variants (train/eval, static/dynamic, recompute), over the whole model too
+        assert dynamo_config.recompile_limit >= 8 * 40 and dynamo_config.accumulated_recompile_limit >= 16 * 40
         assert dynamo_config.fail_on_recompile_limit_hit
-        assert all(getattr(block, "_compiled_call_impl", None) is not None for block in model.layers.values())
+        for block in model.layers.values():
+            assert all(hasattr(getattr(block, name), "_torchdynamo_orig_callable") for name in ("attn_sublayer", "ffn_sublayer"))
+            assert all(mix._compiled_call_impl is not None for mix in (block.attn_mix, block.ffn_mix))
+        assert model.final_mix._compiled_call_impl is not None
 
 
 def test_compiled_blocks_take_train_eval_and_new_shapes_without_hitting_the_limit():
@@ -82,3 +86,21 @@ def test_compiled_blocks_take_train_eval_and_new_shapes_without_hitting_the_limi
                 for model in (eager, compiled):
                     model.eval()
                 torch.testing.assert_close(compiled(ids), eager(ids))
+
+
+def test_compile_cache_dir_points_inductor_and_triton_at_shared_storage(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    from titan_k3.parallel.parallelize import use_compile_cache
+
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)  # restored after the test
+    root = use_compile_cache(str(tmp_path / "shared" / "cache"))
+    assert cache_dir() == str(root / "inductor") and (root / "inductor").is_dir()
+    assert os.environ["TRITON_CACHE_DIR"] == str(root / "triton") and (root / "triton").is_dir()
+    try:
+        import triton
+
+        assert triton.knobs.cache.dir == str(root / "triton")  # read when a kernel is compiled, not at import
+    except (ImportError, AttributeError):
+        pass

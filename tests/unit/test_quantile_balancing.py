@@ -1,5 +1,6 @@
 """Quantile Balancing (K3_SPEC §3): the update direction, the state flow and checkpoint-recompute safety."""
 
+import contextlib
 import shutil
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from titan_k3.metrics.moe_stats import expert_load_stats
-from titan_k3.models.k3.moe import QuantileBalancedRouter, margin_quantiles
+from titan_k3.models.k3.moe import QuantileBalancedRouter, margin_quantiles, routing_recompute
 
 
 def skewed_router(E=16, k=4, D=32, seed=0):
@@ -88,7 +89,8 @@ def test_recompute_reuses_the_forward_state_and_updates_once():
     b0 = router.qb_bias.clone()
     plain = skewed_router()
     plain(x.detach())
-    loss = checkpoint(f, x, use_reentrant=False)
+    # NOTE: the recompute is marked the way titan_k3's checkpoint wrapper marks it.
+    loss = checkpoint(f, x, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), routing_recompute()))
     after_forward = router.qb_bias.clone()
     loss.backward()  # recompute happens here
     assert torch.equal(router.qb_bias, after_forward)  # no second update

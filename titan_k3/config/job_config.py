@@ -131,9 +131,11 @@ class ActivationCheckpoint:
 @dataclass
 class Compile:
     enable: bool = False
-    """torch.compile each transformer block."""
+    """torch.compile each block's sublayers (norm + attention, norm + FFN) and residual mixes."""
     backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     """torch.compile backend; aot_eager traces and partitions like inductor without code generation (CPU tests)."""
+    cache_dir: str = ""
+    """Directory for inductor's and Triton's compiled kernels (empty: torch's per-machine default under /tmp); on storage every node sees, a restarted or rescheduled run starts without recompiling."""
 
 
 @dataclass

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
-from titan_k3.models.k3.moe import count_ids
+from titan_k3.models.k3.moe import count_ids, in_routing_recompute
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -65,7 +65,7 @@ class ExpertParallel:
         send_split = counts_E.view(self.ep, self.n_local).sum(1).tolist()
         recv_split = recv_counts.view(self.ep, self.n_local).sum(1).tolist()
 
-        if torch._C._current_graph_task_id() == -1:  # an activation-checkpoint recompute dispatches again: count once
+        if not in_routing_recompute():  # an activation-checkpoint recompute dispatches again: count once
             self.sent_W += torch.tensor(send_split)
             self.received_W += torch.tensor(recv_split)
             self.routed_tokens += T

@@ -1,4 +1,4 @@
-"""parallelize: FP8 -> expert parallelism -> activation checkpointing -> per-block compile -> FSDP2.
+"""parallelize: FP8 -> expert parallelism -> activation checkpointing -> per-sublayer compile -> FSDP2.
 
 Applied to a K3Model on the meta device (or any device), before weights are
 initialised. Parameter names never change (no wrapper modules): AC and
@@ -10,8 +10,11 @@ compile) is returned as a KernelChoice for the kernel report.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 from collections import Counter
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -19,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from titan_k3.config import ConfigError
 from titan_k3.models.k3.impl import KernelChoice
+from titan_k3.models.k3.moe import routing_recompute
 from titan_k3.parallel.dims import ParallelDims
 from titan_k3.parallel.expert_parallel import ExpertParallel
 
@@ -39,8 +43,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg, device: torch.d
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(model, cfg.activation_checkpoint.mode)
     if cfg.compile.enable:
+        if cfg.compile.cache_dir:
+            use_compile_cache(cfg.compile.cache_dir)
         apply_compile(model, cfg.compile.backend)
-        choices.append(KernelChoice("compile", cfg.compile.backend, cfg.compile.backend, False, "per block"))
+        choices.append(KernelChoice("compile", cfg.compile.backend, cfg.compile.backend, False, "per sublayer"))
     if mesh is not None:
         apply_fsdp(model, dims, mesh, param_dtype=DTYPES[cfg.training.compute_dtype])
     fallbacks = [c for c in choices if c.fallback]
@@ -99,8 +105,8 @@ def apply_ep(model: nn.Module, ep_mesh) -> None:
 def apply_ac(model: nn.Module, mode: str) -> None:
     """Recompute blocks in backward: every block ("full") or every other one ("selective").
 
-    NOTE: QB-safe because the router detects the recompute (it runs inside
-    backward) and reuses the bias of the original forward without updating it.
+    NOTE: QB-safe: the recompute runs under `routing_recompute`, so each router
+    reuses the bias of the original forward and updates nothing a second time.
     """
     for i, block in model.layers.items():
         if mode == "full" or int(i) % 2 == 1:
@@ -113,31 +119,56 @@ def _checkpointed(forward):
         # NOTE: the residual stream appends to its list of sources after the
         # block returns; the recompute must see the list as it was, so pass a copy.
         args = tuple(list(a) if isinstance(a, list) else a for a in args)
-        return checkpoint(forward, *args, use_reentrant=False)
+        return checkpoint(forward, *args, use_reentrant=False,
+                          context_fn=lambda: (contextlib.nullcontext(), routing_recompute()))
 
     return run
 
 
-def apply_compile(model: nn.Module, backend: str) -> None:
-    """torch.compile each block in place (names unchanged); graph breaks are reported by CompileWatch.
+def use_compile_cache(path: str) -> Path:
+    """Point inductor's and Triton's on-disk caches at `path` (created); both read these variables when they compile.
 
-    NOTE: every block shares one forward code object, and blocks differ in
-    what dynamo guards on (KDA or MLA, dense or MoE, how many residual
-    sources), so each block takes its own cache entries: training and
-    evaluation, static and then dynamic shapes (a new document count or
-    context stage). Dynamo's default limit (8 entries) would silently run the
-    later blocks eager; the limit leaves every block room for those variants,
-    and hitting it anyway raises instead of falling back.
+    NOTE: the cache is keyed by the graph, the torch/Triton versions and the
+    GPU, so machines of one kind share it safely; a restart then loads kernels
+    instead of building them again (most of the start-up, benchmarks/results/
+    train_throughput.md).
+    """
+    root = Path(path).expanduser().resolve()
+    (root / "inductor").mkdir(parents=True, exist_ok=True)
+    (root / "triton").mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(root / "triton")
+    return root
+
+
+def apply_compile(model: nn.Module, backend: str) -> None:
+    """torch.compile every block's sublayers and residual mixes in place; graph breaks are reported by CompileWatch.
+
+    NOTE: the compiled units are the attention and FFN sublayers (norm +
+    KDA / MLA, norm + dense / MoE FFN) and the residual mixes, not whole
+    blocks: each kind of sublayer is one graph that inductor compiles once
+    (the other layers hit its cache), where whole blocks differed in their
+    number of residual sources and each compiled its own. The blocks' eager
+    glue stays outside (FSDP2's hooks, activation checkpointing, two adds).
+    Every unit of a kind shares one code object, and takes cache entries per
+    variant it meets (KDA or MLA, dense or MoE, source counts, training and
+    evaluation, static then dynamic shapes, a routing recompute): dynamo's
+    default limit (8 entries) would silently run the rest eager, so the limit
+    leaves room for all of them, and hitting it anyway raises.
     """
     import torch._dynamo.config as dynamo_config
 
-    per_block = 8  # {train, eval} x {static, dynamic} x {grad, no grad}
+    per_block = 16  # {train, eval} x {static, dynamic} x {grad, no grad} x {forward, recompute}
     n = len(model.layers)
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, per_block * n + 8)
-    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 2 * per_block * n + 64)
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4 * per_block * n + 64)
     dynamo_config.fail_on_recompile_limit_hit = True
     for block in model.layers.values():
-        block.compile(backend=backend)
+        block.attn_sublayer = torch.compile(block.attn_sublayer, backend=backend)
+        block.ffn_sublayer = torch.compile(block.ffn_sublayer, backend=backend)
+        block.attn_mix.compile(backend=backend)
+        block.ffn_mix.compile(backend=backend)
+    model.final_mix.compile(backend=backend)
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, mesh, param_dtype: torch.dtype) -> None:

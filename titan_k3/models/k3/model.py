@@ -37,10 +37,20 @@ class K3Block(nn.Module):
     def forward(self, sources: list[torch.Tensor], partial: torch.Tensor | None, docs: Documents) -> tuple[torch.Tensor, torch.Tensor]:
         """sources: completed blocks [B, T, D] each; returns (attention output, FFN output)."""
         with_partial = sources + ([partial] if partial is not None else [])
-        attn_out = self.attn(self.attn_norm(self.attn_mix(with_partial)), docs)
+        attn_out = self.attn_sublayer(self.attn_mix(with_partial), docs)
         partial = attn_out if partial is None else partial + attn_out
-        ffn_out = self.ffn(self.ffn_norm(self.ffn_mix(sources + [partial])))
+        ffn_out = self.ffn_sublayer(self.ffn_mix(sources + [partial]))
         return attn_out, ffn_out
+
+    # NOTE: the sublayers, not the block, are the units `torch.compile` sees: a
+    # block's mixes read a number of residual sources that differs from layer to
+    # layer, while every KDA (or MLA, dense, MoE) sublayer is the same graph, so
+    # inductor compiles each kind once and the other layers hit its cache.
+    def attn_sublayer(self, x_BTD: torch.Tensor, docs: Documents) -> torch.Tensor:
+        return self.attn(self.attn_norm(x_BTD), docs)
+
+    def ffn_sublayer(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.ffn(self.ffn_norm(x_BTD))
 
 
 @dataclass

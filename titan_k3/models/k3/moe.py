@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -67,6 +69,29 @@ def margin_quantiles(
     return (lo + width * (bin_E1.to(torch.float64) + frac)).squeeze(1).to(torch.float32)
 
 
+class _RoutingRecompute:
+    active = False
+
+
+@contextlib.contextmanager
+def routing_recompute():
+    """Marks an activation-checkpoint recompute: routers reuse the forward's bias and update nothing.
+
+    Whoever recomputes a forward in backward (titan_k3/parallel's checkpoint
+    wrapper, via `checkpoint(..., context_fn=...)`) runs the recompute inside it.
+    """
+    previous, _RoutingRecompute.active = _RoutingRecompute.active, True
+    try:
+        yield
+    finally:
+        _RoutingRecompute.active = previous
+
+
+def in_routing_recompute() -> bool:
+    """True inside `routing_recompute` (an activation-checkpoint recompute in backward)."""
+    return _RoutingRecompute.active
+
+
 class QuantileBalancedRouter(nn.Module):
     """Sigmoid router, top-k selection on s + b, renormalised weights, and the QB update."""
 
@@ -90,10 +115,9 @@ class QuantileBalancedRouter(nn.Module):
         s_TE = torch.sigmoid(upcast(x_TD) @ upcast(self.weight).t())
         # NOTE: an activation-checkpoint recompute runs inside backward: it must
         # route with the bias the original forward used and must not update it.
-        # A compiled block never re-runs this code in backward (its recompute is part
-        # of the compiled graph, and the QB update is applied once, after the forward),
-        # and asking for the task id there would break the graph.
-        recompute = not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+        # The checkpoint wrapper says so (`routing_recompute`); a compiled router
+        # guards on the flag and keeps one graph for each case.
+        recompute = in_routing_recompute()
         if recompute and self._bias_for_recompute is not None:
             bias = self._bias_for_recompute
         else:
