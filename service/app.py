@@ -87,7 +87,7 @@ class Service:
         except ValueError as e:
             raise HTTPException(422, str(e)) from None
 
-        argv = ["--job.dump_folder", str(self.settings.runs_dir), "--job.name", run_id]
+        argv = self.settings.run_args(run_id)
         for key, value in overrides.items():
             argv += [f"--{key}", value]
         try:

@@ -14,7 +14,7 @@ RECIPE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}(/[A-Za-z0-9][A-Za-z0-9_
 OVERRIDE_KEY_RE = re.compile(r"^[a-z][a-z0-9_]*\.[a-z][a-z0-9_]*$")
 
 # Keys the service sets itself: a request may not point a run at another file or folder.
-RESERVED_KEYS = frozenset({"job.config_file", "job.dump_folder", "job.name"})
+RESERVED_KEYS = frozenset({"job.config_file", "job.dump_folder", "job.name", "compile.cache_dir"})
 
 
 def check_run_id(run_id: str) -> str:

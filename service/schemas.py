@@ -19,7 +19,7 @@ class RunCreate(BaseModel):
     toml: str | None = Field(None, max_length=262144, description="Inline TOML text instead of a recipe.")
     overrides: dict[str, OverrideValue] = Field(
         default_factory=dict, max_length=256,
-        description="CLI overrides as {'section.key': value}; job.config_file, job.dump_folder, job.name are the service's.",
+        description="CLI overrides as {'section.key': value}; job.config_file, job.dump_folder, job.name and compile.cache_dir are the service's.",
         examples=[{"model.flavor": "debug", "training.steps": 6}])
     nproc_per_node: int = Field(1, ge=1, le=64, description="torchrun processes per node.")
     gpus: int = Field(0, ge=0, le=64, description="GPUs wanted; the run waits in the queue until they are free.")

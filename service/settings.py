@@ -72,6 +72,16 @@ class Settings:
     def runs_dir(self) -> Path:
         return self.state_dir / "runs"
 
+    @property
+    def compile_cache_dir(self) -> Path:
+        """Compiled kernels shared by every run of this service: a restart loads them instead of compiling."""
+        return self.state_dir / "compile-cache"
+
+    def run_args(self, run_id: str) -> list[str]:
+        """The trainer overrides the service sets for every run (reserved: a request cannot set them)."""
+        return ["--job.dump_folder", str(self.runs_dir), "--job.name", run_id,
+                "--compile.cache_dir", str(self.compile_cache_dir)]
+
     def ensure_token(self) -> str:
         """The configured token, else the one in `<state>/token`, created (0600) on first start."""
         if self.token:

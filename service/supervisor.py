@@ -44,8 +44,7 @@ def launch_command(settings: Settings, run: Run, run_dir: Path) -> list[str]:
                 "--nproc_per_node", str(run.nproc_per_node), "-m", settings.trainer_module]
     else:
         head = [settings.python, "-m", settings.trainer_module]
-    args = ["--job.config_file", str(run_dir / "submitted.toml"),
-            "--job.dump_folder", str(settings.runs_dir), "--job.name", run.id]
+    args = ["--job.config_file", str(run_dir / "submitted.toml"), *settings.run_args(run.id)]
     for key, value in run.overrides.items():
         args += [f"--{key}", value]
     return head + args

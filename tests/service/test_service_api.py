@@ -91,6 +91,7 @@ def test_bad_config_is_422_with_the_trainers_message_and_creates_nothing(fake_se
     ({"toml": INLINE, "overrides": {"data.dataset": "/etc"}}, "data.dataset"),
     ({"toml": INLINE, "overrides": {"job.dump_folder": "/tmp"}}, "job.dump_folder"),
     ({"toml": INLINE, "overrides": {"job.name": "../x"}}, "job.name"),
+    ({"toml": INLINE, "overrides": {"compile.cache_dir": "/tmp/elsewhere"}}, "compile.cache_dir"),
     ({"toml": INLINE, "overrides": {"model.flavor": "debug\u0000"}}, "control characters"),
 ])
 def test_names_and_paths_cannot_leave_their_roots(fake_service, body, fragment):

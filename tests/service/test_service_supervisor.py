@@ -82,6 +82,8 @@ def test_launch_command_is_an_argument_list_with_overrides_verbatim(tmp_path):
     assert argv[i + 1] == "a b; rm -rf / $(x)"
     assert argv[argv.index("--job.name") + 1] == "r1"
     assert argv[argv.index("--job.dump_folder") + 1] == str(tmp_path / "runs")
+    # every run of the service shares one kernel cache: a restarted run loads instead of compiling
+    assert argv[argv.index("--compile.cache_dir") + 1] == str(tmp_path / "compile-cache")
     reg.close()
 
 
@@ -108,7 +110,7 @@ def test_every_string_config_key_is_classified_for_path_checks():
     from titan_k3.config import JobConfig
 
     checked = {"checkpoint.folder", "checkpoint.initial_load_path", "eval.tasks", "data.dataset", "data.tokenizer"}
-    reserved = {"job.config_file", "job.dump_folder", "job.name"}  # set by the service, refused as overrides
+    reserved = {"job.config_file", "job.dump_folder", "job.name", "compile.cache_dir"}  # set by the service, refused as overrides
     not_paths = {"job.description", "model.name", "model.flavor", "data.mixture", "training.context_stages"}
     strings = set()
     for section in dataclasses.fields(JobConfig):
