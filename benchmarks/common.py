@@ -57,6 +57,7 @@ def model_args(flavor: str) -> list[str]:
 
 def write_results(out: Path, name: str, table: str, env: dict, rows: list[dict]) -> None:
     """Append the Markdown table to OUT/NAME.md, write OUT/NAME.json (env + rows), print the table last."""
+    out.mkdir(parents=True, exist_ok=True)
     with open(out / f"{name}.md", "a") as f:
         f.write(table + "\n")
     (out / f"{name}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=2))

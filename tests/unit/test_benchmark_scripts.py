@@ -39,9 +39,9 @@ def test_checkpoint_benchmark_saves_blocking_and_async(tmp_path):
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU backend needs a C++ compiler")
 def test_compile_startup_builds_each_depth_in_a_fresh_cache(tmp_path):
-    _run("compile_startup.py", tmp_path, "--layers", "1", "2")
+    _run("compile_startup.py", tmp_path, "--layers", "1")
     rows = json.loads((tmp_path / "out" / "compile_startup.json").read_text())["rows"]
-    assert [r["layers"] for r in rows] == [1, 2] and all("error" not in r for r in rows), rows
-    # a fresh cache per depth: the first depth reuses nothing, and every graph dynamo made was built or reused
-    assert rows[0]["reused"] == 0 and rows[0]["built"] > 0
-    assert all(r["built"] + r["reused"] == r["graphs"] for r in rows), rows
+    assert [r["layers"] for r in rows] == [1] and "error" not in rows[0], rows
+    # a fresh, empty cache: nothing reused, and every graph dynamo made was built
+    assert rows[0]["reused"] == 0 and rows[0]["built"] == rows[0]["graphs"] > 0, rows
+    assert "| debug | 1 | B2 T64 |" in (tmp_path / "out" / "compile_startup.md").read_text()
