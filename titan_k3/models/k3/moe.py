@@ -16,9 +16,8 @@ one all-reduce, so b stays bit-identical on every rank.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import contextlib
+from typing import Callable
 
 import torch
 import torch.distributed as dist
