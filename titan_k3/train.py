@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from kernels.device import host_to_device
 from titan_k3.checkpoint import build_checkpointer, check_resumable
 from titan_k3.config import ConfigError, JobConfig, help_text, load_job_config
 from titan_k3.config.validate import parse_context_stages, parse_mixture, seq_len_at
@@ -30,7 +31,6 @@ from titan_k3.invariants import InvariantRunner, InvariantViolationError
 from titan_k3.metrics.reporter import MetricsReporter
 from titan_k3.metrics.run_dir import Tee, prepare_run_dir, run_dir_path
 from titan_k3.models.k3.args import count_params, flops_per_token, get_flavor
-from titan_k3.models.k3.documents import host_to_device
 from titan_k3.models.k3.impl import resolve_impl
 from titan_k3.models.k3.model import K3Model
 from titan_k3.optim import LRSchedule, ParamSpec, build_optimizers, qk_clip_

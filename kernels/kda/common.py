@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.device import host_to_device
 from kernels.kda.reference import check_cu_seqlens_values
 
 BT = 64
@@ -24,7 +25,8 @@ def chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device) -> tup
 
     chunk_indices[c] = (sequence, chunk within that sequence); chunk_offsets[n] is the
     first global chunk of sequence n. A plain batch needs no host sync; packed
-    documents read their lengths on the host (no wait when cu_seqlens lives there).
+    documents read their lengths on the host (no wait when cu_seqlens lives there) and
+    the layout goes to the GPU as asynchronous pinned copies.
     """
     if cu_seqlens is None:
         nt = triton.cdiv(T, BT)
@@ -42,24 +44,12 @@ def chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device) -> tup
         offsets.append(offsets[-1] + c)
     chunk_indices = torch.tensor(pairs if pairs else [(0, 0)], dtype=torch.int32).reshape(-1, 2)
     return (
-        _to_device(cu_seqlens.to(torch.int32), device),
-        _to_device(chunk_indices[: len(pairs)], device),
-        _to_device(torch.tensor(offsets, dtype=torch.int32), device),
+        host_to_device(cu_seqlens.to(torch.int32), device),
+        host_to_device(chunk_indices[: len(pairs)], device),
+        host_to_device(torch.tensor(offsets, dtype=torch.int32), device),
         len(counts),
         len(pairs),
     )
-
-
-def _to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """Host tensor to `device`; to CUDA asynchronously from pinned memory.
-
-    NOTE: a pageable host-to-CUDA copy synchronises the stream (waits for all
-    queued kernels); with host-side cu_seqlens the layout then costs the host no wait.
-    """
-    device = torch.device(device)
-    if device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

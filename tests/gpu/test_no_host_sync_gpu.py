@@ -13,9 +13,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_forward_backward_and_optimizer_step_do_not_sync():
+    from kernels.device import host_to_device
     from titan_k3.config import load_job_config
     from titan_k3.models.k3.args import get_flavor
-    from titan_k3.models.k3.documents import host_to_device
     from titan_k3.models.k3.impl import resolve_impl
     from titan_k3.models.k3.model import K3Model
     from titan_k3.optim import ParamSpec, build_optimizers

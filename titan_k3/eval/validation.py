@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan_k3.models.k3.documents import host_to_device
+from kernels.device import host_to_device
 
 
 def validation_split_tokens(dataset: str) -> int:

@@ -12,18 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without stalling the host: on CUDA, an asynchronous copy from pinned memory.
-
-    NOTE: a plain host-to-CUDA copy (pageable memory, non_blocking=False)
-    synchronises the stream, waiting for every kernel already queued, so the
-    host could never queue a step ahead of the GPU. The pinned buffer is not
-    reused before the copy has run (torch's caching host allocator records it).
-    """
-    if device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+from kernels.device import host_to_device
 
 
 @dataclass

@@ -1,0 +1,17 @@
+"""Moving small host tensors to the GPU without stalling the host (shared by the kernels and the trainer)."""
+
+import torch
+
+
+def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device` without stalling the host: on CUDA, an asynchronous copy from pinned memory.
+
+    NOTE: a plain host-to-CUDA copy (pageable memory, non_blocking=False)
+    synchronises the stream, waiting for every kernel already queued, so the
+    host could never queue work ahead of the GPU. The pinned buffer is not
+    reused before the copy has run (torch's caching host allocator records it).
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
