@@ -110,14 +110,22 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--log-freq", type=int, default=10)
     p.add_argument("--warmup-step", type=int, default=20, help="steady rates use logging windows after this update")
-    p.add_argument("--only", default="", help="comma-separated setup names to run (default: all)")
+    p.add_argument("--only", nargs="+", default=[], help="setup names to run (default: all)")
+    p.add_argument("--merge", type=Path, nargs="+", default=[],
+                   help="scaling.json files of earlier launches (e.g. --only runs on separate GPUs): their rows join "
+                        "this table in setup order, and setups they hold are not launched again")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     env = environment()
+    earlier = {r["setup"]: {**r, "losses": {int(s): loss for s, loss in r["losses"].items()}}  # JSON keys are str
+               for path in args.merge for r in json.loads(path.read_text())["rows"] if "error" not in r}
     rows = []
     for name, (nproc, overrides) in setups(args.gpus, args.batch).items():
-        if args.only and name not in args.only.split(","):
+        if name in earlier:
+            rows.append(earlier[name])
+            continue
+        if args.only and name not in args.only:
             continue
         try:
             run_dir = launch(name, nproc, overrides, args, extra)

@@ -20,7 +20,12 @@ def _scaling(tmp_path: Path, out: Path, *extra: str) -> list[dict]:
 
 
 def test_scaling_script_runs_every_setup_and_compares_losses(tmp_path):
-    rows = _scaling(tmp_path, tmp_path / "results")
+    # The one-GPU run launches alone first, as it does on its own GPU beside the noise reference;
+    # the full run merges its row instead of launching it again.
+    first = _scaling(tmp_path, tmp_path / "first", "--only", "1 GPU")
+    assert [r["setup"] for r in first] == ["1 GPU"]
+    rows = _scaling(tmp_path, tmp_path / "results", "--merge", str(tmp_path / "first" / "scaling.json"))
+    assert rows[0]["losses"] == first[0]["losses"]
     assert [(r["setup"], r["gpus"]) for r in rows] == [
         ("1 GPU", 1), ("1 GPU, split finer", 1), ("FSDP2 x2", 2), ("FSDP2 x2 + EP2", 2)]
     failed = [r for r in rows if "error" in r]
@@ -28,7 +33,7 @@ def test_scaling_script_runs_every_setup_and_compares_losses(tmp_path):
         # NOTE: a torchrun launch on the loaded 2-core CI machine once failed transiently (one setup of three);
         # the failing setup gets one more launch, and its first error is reported, never hidden.
         warnings.warn(f"scaling setups failed once and were relaunched: {[(r['setup'], r['error']) for r in failed]}")
-        again = _scaling(tmp_path, tmp_path / "again", "--only", ",".join(r["setup"] for r in failed))
+        again = _scaling(tmp_path, tmp_path / "again", "--only", *(r["setup"] for r in failed))
         assert all("error" not in r for r in again), again
         rows = [next((a for a in again if a["setup"] == r["setup"]), r) for r in rows]
     base = rows[0]["losses"]
