@@ -11,12 +11,15 @@ no autotuning) is timed too.
     python benchmarks/kda.py [--shapes b8-t4096-h8,k3-mini,b32-t1024-h8] [--no-fla] [--profile] [--sweep]
                              [--out FILE_OR_FOLDER]
 
+--candidates "kernel.setting=value;..." also times ours under each alternative ops.LAUNCH table in the
+same run (rows labelled with it in the gate column), so a launch change and fla share one measurement.
 Prints a table and appends dated rows to benchmarks/results/kda.md, or to --out (a folder gets kda.md).
 --sweep times ours fwd+bwd with one launch setting of kernels.kda.ops.LAUNCH changed at a time
 (plain gate, at each shape) and appends that table to kda-sweep.md beside the results file.
 """
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -89,38 +92,71 @@ def variants(gate, with_fla):
     return out
 
 
-def bench_shape(name, shape, with_fla, rep_ms):
+def parse_candidate(text):
+    """"dintra.BK=64;scores.BK=64" -> {"dintra": {"BK": 64}, "scores": {"BK": 64}} (changes to ops.LAUNCH)."""
+    changes = {}
+    for item in filter(None, text.split(";")):
+        key, value = item.split("=")
+        kernel, setting = key.split(".")
+        if kernel not in ops.LAUNCH:
+            raise SystemExit(f"--candidates {text!r}: no kernel {kernel!r} in kernels.kda.ops.LAUNCH")
+        changes.setdefault(kernel, {})[setting] = int(value)
+    return changes
+
+
+@contextlib.contextmanager
+def launch_settings(changes):
+    """ops.LAUNCH with `changes` applied, forward and backward alike, restored afterwards."""
+    kept = {kernel: dict(ops.LAUNCH[kernel]) for kernel in changes}
+    for kernel, change in changes.items():
+        ops.LAUNCH[kernel] = {**kept[kernel], **change}
+    try:
+        yield
+    finally:
+        ops.LAUNCH.update(kept)
+
+
+def bench_shape(name, shape, with_fla, rep_ms, candidates=()):
+    """Rows of one shape: per gate, ours under the defaults and under each candidate launch table, beside fla."""
     B, T, H, D = shape
     (q, k, v), g, g_raw, beta, A_log, dt_bias, do = make_inputs(B, T, H, D)
+    settings = {"ours": {}, **{f"ours[{c}]": parse_candidate(c) for c in candidates}}
     rows = []
     for gate in ("plain", "safe"):
         g_in = g if gate == "plain" else g_raw
         fns = variants(gate, with_fla)
+        fns.update({vname: fns["ours"] for vname in settings})
         leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g_in, beta, A_log, dt_bias)]
         outs = {}
         for vname, fn in fns.items():
-            o = fn(*leaves)
-            dq = torch.autograd.grad(o, leaves[0], do)[0]
+            with launch_settings(settings.get(vname, {})):
+                o = fn(*leaves)
+                dq = torch.autograd.grad(o, leaves[0], do)[0]
             outs[vname] = (o, dq)
             assert torch.isfinite(o).all() and torch.isfinite(dq).all(), f"{vname} {gate}: non-finite"
-        check = ""
+        checks = {}
         if "fla" in outs:
-            e_o, e_dq = rel_rms(outs["ours"][0], outs["fla"][0]), rel_rms(outs["ours"][1], outs["fla"][1])
-            check = f"o {e_o:.1e}, dq {e_dq:.1e}"
-            print(f"  [{name} {gate}] ours vs fla rel-RMS: {check}")
-            if not max(e_o, e_dq) < 3e-2:
-                raise SystemExit(f"ours and fla disagree at {name} {gate}; not timing")
+            for vname in settings:
+                e_o, e_dq = rel_rms(outs[vname][0], outs["fla"][0]), rel_rms(outs[vname][1], outs["fla"][1])
+                checks[vname] = f"o {e_o:.1e}, dq {e_dq:.1e}"
+                print(f"  [{name} {gate}] {vname} vs fla rel-RMS: {checks[vname]}")
+                if not max(e_o, e_dq) < 3e-2:
+                    raise SystemExit(f"{vname} and fla disagree at {name} {gate}; not timing")
         times = {}
         for vname, fn in fns.items():
-            with torch.no_grad():
-                t_f = triton.testing.do_bench(lambda: fn(q, k, v, g_in, beta, A_log, dt_bias), rep=rep_ms)
+            with launch_settings(settings.get(vname, {})):
+                with torch.no_grad():
+                    t_f = triton.testing.do_bench(lambda: fn(q, k, v, g_in, beta, A_log, dt_bias), rep=rep_ms)
 
-            def fwd_bwd():
-                fn(*leaves).backward(do)
+                def fwd_bwd():
+                    fn(*leaves).backward(do)
 
-            t_fb = triton.testing.do_bench(fwd_bwd, grad_to_none=leaves, rep=rep_ms)
+                t_fb = triton.testing.do_bench(fwd_bwd, grad_to_none=leaves, rep=rep_ms)
             times[vname] = (t_f, t_fb)
-        rows.append(dict(shape=f"B{B} T{T} H{H} K=V={D}", gate=gate, times=times, check=check, tokens=B * T))
+        for vname in settings:
+            label = gate if vname == "ours" else f"{gate}, {vname[5:-1]}"
+            rows.append(dict(shape=f"B{B} T{T} H{H} K=V={D}", gate=label, times={"ours": times[vname], **(
+                {"fla": times["fla"]} if "fla" in times else {})}, check=checks.get(vname, ""), tokens=B * T))
         print(f"  [{name} {gate}] " + ", ".join(f"{n} fwd {t[0]:.3f} ms fwd+bwd {t[1]:.3f} ms" for n, t in times.items()))
     return rows
 
@@ -157,16 +193,13 @@ def sweep(name, shape, rep_ms):
     print(f"  [sweep {name}] defaults: {base:.3f} ms")
     rows = [("defaults", "", f"{base:.3f}", "1.00x")]
     for kernel, change in SWEEP:
-        kept = dict(ops.LAUNCH[kernel])
-        ops.LAUNCH[kernel] = {**kept, **change}
         label = ", ".join(f"{key}={val}" for key, val in change.items())
         try:
-            t = triton.testing.do_bench(fwd_bwd, grad_to_none=leaves, rep=rep_ms)
+            with launch_settings({kernel: change}):
+                t = triton.testing.do_bench(fwd_bwd, grad_to_none=leaves, rep=rep_ms)
             rows.append((kernel, label, f"{t:.3f}", f"{base / t:.2f}x"))
         except Exception as e:  # noqa: BLE001 - a setting that cannot launch (e.g. out of shared memory) is a result
             rows.append((kernel, label, "failed", type(e).__name__))
-        finally:
-            ops.LAUNCH[kernel] = kept
         print(f"  [sweep {name}] {kernel} {label}: {rows[-1][2]} ms")
     return rows
 
@@ -179,6 +212,8 @@ def main():
     parser.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
     parser.add_argument("--sweep", action="store_true", help="time one launch setting changed at a time")
     parser.add_argument("--out", default=RESULTS, help="Markdown file for the rows, or a folder (rows go to kda.md)")
+    parser.add_argument("--candidates", nargs="*", default=[],
+                        help='alternative launch tables timed beside the defaults, e.g. "dintra.BK=64;scores.BK=64"')
     parser.add_argument("--commit", default="", help="commit to record when the tree has no git metadata")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -203,7 +238,7 @@ def main():
     print(header)
     # NOTE: rows are appended shape by shape, so a run cut short (fla's first-call autotune is long) keeps what it measured.
     for name in names:
-        for r in bench_shape(name, SHAPES[name], not args.no_fla, args.rep_ms):
+        for r in bench_shape(name, SHAPES[name], not args.no_fla, args.rep_ms, args.candidates):
             of, ofb = r["times"]["ours"]
             ff, ffb = r["times"].get("fla", (float("nan"), float("nan")))
             line = (

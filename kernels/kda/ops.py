@@ -17,6 +17,8 @@ from kernels.kda.reference import DEFAULT_GATE_LOWER_BOUND, check_kda_inputs, l2
 # the two sequential state walks (their programs are V tiles x sequences x heads), "BK" the K tile of the two
 # kernels that hold a whole chunk's q, k, b tiles. `benchmarks/kda.py --sweep` times alternatives; these won
 # on an H200 (benchmarks/results/kda.md).
+# "fill_sms" lets a state walk halve its BV (down to 32) while twice its programs still fit one wave of the
+# GPU's SMs (`fill_bv`): k3-mini's 8 sequences x 4 heads at BV=64 are 64 programs, half of an H200's 132 SMs.
 # NOTE: fewer than 8 warps on the state walks spill their [K, BV] float32 state and triple compile time.
 # NOTE: the scores and intra-gradient kernels run unpipelined (num_stages=1) on purpose: Triton 3.6 pipelines
 # their K loop wrongly around the exact column-loop branch, and a bf16 hard reset (g = -1000) then gave
@@ -26,9 +28,9 @@ LAUNCH = {
     "scores": dict(BK=32, num_warps=4),
     "solve": dict(num_warps=2, num_stages=1),
     "wy": dict(num_warps=4, num_stages=2),
-    "state": dict(BV=64, num_warps=8, num_stages=2),
+    "state": dict(BV=64, fill_sms=True, num_warps=8, num_stages=2),
     "output": dict(num_warps=4, num_stages=2),
-    "dstate": dict(BV=64, num_warps=8, num_stages=2),
+    "dstate": dict(BV=64, fill_sms=True, num_warps=8, num_stages=2),
     "dchunk": dict(BK=64, num_warps=8, num_stages=2),
     "dintra": dict(BK=32, num_warps=4),
     "ddecay": dict(num_warps=4, num_stages=1),
@@ -42,6 +44,30 @@ def _launch(name: str, K: int, V: int) -> dict:
         opts["BK"] = min(opts["BK"], max(16, triton.next_power_of_2(K)))
     if "BV" in opts:
         opts["BV"] = min(opts["BV"], 32 if K > 128 else 64, max(16, triton.next_power_of_2(V)))
+    return opts
+
+
+def fill_bv(bv: int, V: int, walks: int, sms: int) -> int:
+    """The V tile of a state walk: `bv` halved (down to 32) while twice the programs still fit in one wave.
+
+    walks = sequences x heads; each walks its chunks in order, one program per V tile, so a grid smaller
+    than the SM count leaves SMs idle for the whole walk, while a second wave doubles it.
+    """
+    while bv > 32 and 2 * triton.cdiv(V, bv) * walks <= sms:
+        bv //= 2
+    return bv
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 0 elsewhere (the CPU interpreter keeps the table's tiles)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
+def _walk_launch(name: str, K: int, V: int, walks: int, device: torch.device) -> dict:
+    """LAUNCH settings of a state walk ("state", "dstate") over `walks` sequences x heads."""
+    opts = _launch(name, K, V)
+    if opts.pop("fill_sms", False):
+        opts["BV"] = fill_bv(opts["BV"], V, walks, _sm_count(device))
     return opts
 
 
@@ -97,7 +123,7 @@ def kda_forward(q, k, v, g, beta, scale, h0, output_final_state, batch, cu_seqle
     h = torch.empty(_max_chunks(T, batch, cu_seqlens), H, K, V, device=dev, dtype=q.dtype)
     U = torch.empty_like(v)
     final = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    state = _launch("state", K, V)
+    state = _walk_launch("state", K, V, N * H, dev)
     fwd._state_kernel[(triton.cdiv(V, state["BV"]), N * H)](
         k, b, Wk, Wv, U, h, h0, final, cu, chunk_offsets,
         H=H, K=K, V=V, BT=BT, BK=BK_full, HAS_H0=h0 is not None, STORE_FINAL=output_final_state, PREC=prec, **state,
@@ -122,7 +148,7 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, cu_seqlens, gate, 
     dh = torch.empty_like(h)
     dU = torch.empty_like(v)
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if h0 is not None else None
-    dstate = _launch("dstate", K, V)
+    dstate = _walk_launch("dstate", K, V, N * H, dev)
     bwd._dstate_kernel[(triton.cdiv(V, dstate["BV"]), N * H)](
         q, k, b, M, Wk, do, dht, dh, dU, dh0, cu, chunk_offsets, scale,
         H=H, K=K, V=V, BT=BT, BK=BK_full, HAS_DHT=dht is not None, HAS_H0=h0 is not None, PREC=prec, **dstate,

@@ -6,7 +6,7 @@ On a machine without CUDA the Triton kernels run in the interpreter (tests/kerne
 import pytest
 import torch
 
-from kernels.kda import chunk_kda, chunk_kda_reference, kda_gate, l2norm, recurrent_kda
+from kernels.kda import chunk_kda, chunk_kda_reference, kda_gate, l2norm, ops, recurrent_kda
 
 
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -228,6 +228,19 @@ def test_chunk_kda_matches_recurrent(B, T, with_h0):
 
 def test_chunk_kda_packed_documents():
     check_triton_against_recurrent(1, 280, 1, 32, 32, lengths=[1, 15, 64, 200], seed=4)
+
+
+def test_state_walk_tile_fills_the_sms():
+    assert ops.fill_bv(64, 128, walks=8 * 4, sms=132) == 32  # k3-mini B8 x H4: 64 -> 128 programs, one wave
+    assert ops.fill_bv(64, 128, walks=8 * 8, sms=132) == 64  # B8 x H8: 128 programs already fill it
+    assert ops.fill_bv(64, 128, walks=1, sms=132) == 32  # never below 32
+    assert ops.fill_bv(64, 128, walks=1, sms=0) == 64  # no SM count (CPU interpreter): the table's tile
+
+
+def test_chunk_kda_narrow_state_walk_tiles(monkeypatch):
+    # Pretend to be a GPU of many SMs, so that both state walks run 32-wide V tiles (4 per head at V = 128).
+    monkeypatch.setattr(ops, "_sm_count", lambda device: 10**6)
+    check_triton_against_recurrent(2, 130, 1, 64, 128, seed=9)
 
 
 def test_chunk_kda_wide_heads_and_uneven_widths():

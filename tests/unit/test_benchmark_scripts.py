@@ -45,3 +45,18 @@ def test_compile_startup_builds_each_depth_in_a_fresh_cache(tmp_path):
     # a fresh, empty cache: nothing reused, and every graph dynamo made was built
     assert rows[0]["reused"] == 0 and rows[0]["built"] == rows[0]["graphs"] > 0, rows
     assert "| debug | 1 | B2 T64 |" in (tmp_path / "out" / "compile_startup.md").read_text()
+
+
+def test_kda_candidates_change_the_launch_table_forward_and_backward_then_restore_it():
+    from benchmarks.kda import launch_settings, parse_candidate
+    from kernels.kda import ops
+
+    before = {kernel: dict(opts) for kernel, opts in ops.LAUNCH.items()}
+    changes = parse_candidate("dintra.BK=64;scores.BK=64;state.fill_sms=0")
+    assert changes == {"dintra": {"BK": 64}, "scores": {"BK": 64}, "state": {"fill_sms": 0}}
+    with launch_settings(changes):
+        assert ops.LAUNCH["dintra"]["BK"] == 64 and ops.LAUNCH["scores"]["BK"] == 64
+        assert ops.LAUNCH["state"]["fill_sms"] == 0 and ops.LAUNCH["state"]["BV"] == before["state"]["BV"]
+    assert ops.LAUNCH == before
+    with pytest.raises(SystemExit, match="no kernel 'dinrta'"):
+        parse_candidate("dinrta.BK=64")
