@@ -9,6 +9,8 @@ Legend: NT total chunks over all sequences, BT chunk size (64), BC sub-block
 size (16), BK / BV tile widths over K / V.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -29,12 +31,10 @@ def chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device) -> tup
     the layout goes to the GPU as asynchronous pinned copies.
     """
     if cu_seqlens is None:
-        nt = triton.cdiv(T, BT)
-        cu = torch.arange(B + 1, device=device, dtype=torch.int32) * T
-        seq = torch.arange(B, device=device, dtype=torch.int32).repeat_interleave(nt)
-        idx = torch.arange(nt, device=device, dtype=torch.int32).repeat(B)
-        offsets = torch.arange(B + 1, device=device, dtype=torch.int32) * nt
-        return cu, torch.stack([seq, idx], 1).contiguous(), offsets, B, B * nt
+        device = torch.device(device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return _batch_layout.__wrapped__(B, T, device)  # memory of a graph's pool must not outlive it
+        return _batch_layout(B, T, device)
     ends = cu_seqlens.tolist()
     check_cu_seqlens_values(ends, B * T)
     counts = [triton.cdiv(e - s, BT) for s, e in zip(ends[:-1], ends[1:])]
@@ -50,6 +50,21 @@ def chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device) -> tup
         len(counts),
         len(pairs),
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _batch_layout(B: int, T: int, device: torch.device) -> tuple:
+    """chunk_layout of B sequences of T tokens, built once per shape and device and reused (read-only).
+
+    NOTE: building it is 9 small launches, paid twice per forward+backward; at k3-mini's shape the
+    kernels run ~2 ms, so host work per call is what bounds the step once the GPU is fast.
+    """
+    nt = triton.cdiv(T, BT)
+    cu = torch.arange(B + 1, device=device, dtype=torch.int32) * T
+    seq = torch.arange(B, device=device, dtype=torch.int32).repeat_interleave(nt)
+    idx = torch.arange(nt, device=device, dtype=torch.int32).repeat(B)
+    offsets = torch.arange(B + 1, device=device, dtype=torch.int32) * nt
+    return cu, torch.stack([seq, idx], 1).contiguous(), offsets, B, B * nt
 
 
 def dot_precision(dtype: torch.dtype) -> str:
