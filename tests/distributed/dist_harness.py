@@ -4,7 +4,9 @@ Every run sees the same global batch: GLOBAL_BATCH sequences per microbatch,
 split by the loader over the data-parallel ranks (local_batch_size =
 GLOBAL_BATCH / W). Recorded per step: loss, grad norm, the fingerprints of
 every sequence this rank trained on, the largest MLA logit that QK-Clip saw,
-and (distributed) whether the routing state is bit-identical on all ranks.
+and (distributed) whether the routing state is bit-identical on all ranks;
+per run: how many blocking all-to-alls (expert parallelism's count exchanges,
+each a host wait) ran.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import torch.multiprocessing as mp
 
 GLOBAL_BATCH = 4
 STEPS = 5
+GRAD_ACCUM = 2
 BASE_ARGS = [
-    "--model.flavor", "debug", "--training.seq_len", "32", "--training.grad_accum", "2",
+    "--model.flavor", "debug", "--training.seq_len", "32", "--training.grad_accum", str(GRAD_ACCUM),
     "--training.steps", str(STEPS), "--training.device", "cpu", "--training.compute_dtype", "float32",
     "--kernels.kda", "torch", "--kernels.experts", "torch", "--kernels.loss", "torch", "--kernels.attention", "math",
     "--lr_scheduler.warmup_steps", "1", "--optimizer.qk_clip_tau", "0.05", "--metrics.log_freq", "1000",
@@ -51,7 +54,15 @@ def run_trainer(argv: list[str], dump: str, name: str, steps: int = STEPS) -> di
             return value
 
         layer.pop_max_logit = recording_pop
-    out = {"loss": [], "grad_norm": [], "fingerprints": [], "routing_identical": [], "max_logit": max_logits}
+    out = {"loss": [], "grad_norm": [], "fingerprints": [], "routing_identical": [], "max_logit": max_logits,
+           "count_exchanges": 0, "moe_layers": len(trainer.model.moe_routers())}
+    all_to_all_single = dist.all_to_all_single
+
+    def counting_all_to_all_single(*args, **kwargs):
+        out["count_exchanges"] += 1
+        return all_to_all_single(*args, **kwargs)
+
+    dist.all_to_all_single = counting_all_to_all_single
     try:
         for _ in range(steps):
             result = trainer.train_step()
@@ -62,6 +73,7 @@ def run_trainer(argv: list[str], dump: str, name: str, steps: int = STEPS) -> di
                 out["routing_identical"].append(_routing_identical(trainer))
         out["qb_bias"] = torch.cat([r.qb_bias for r in trainer.model.moe_routers().values()]).clone()
     finally:
+        dist.all_to_all_single = all_to_all_single
         trainer.close()
     return out
 

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch.distributed as dist
 
-from dist_harness import GLOBAL_BATCH, STEPS, run_distributed, run_trainer
+from dist_harness import GLOBAL_BATCH, GRAD_ACCUM, STEPS, run_distributed, run_trainer
 
 pytestmark = [
     pytest.mark.slow,
@@ -57,6 +57,9 @@ def test_two_processes_fsdp2_and_ep(reference, tmp_path):
     ranks = run_distributed(2, runs, tmp_path)
     for name, _, steps in runs:
         _check(ranks, reference, name, steps)
+    for run in (rank["fsdp2_ep2_ac_full"] for rank in ranks):
+        # One host wait per MoE layer and microbatch forward: the full-checkpoint recompute reuses the splits.
+        assert run["count_exchanges"] == STEPS * GRAD_ACCUM * run["moe_layers"] > 0, run["count_exchanges"]
 
 
 def test_four_processes_hsdp_and_ep(reference, tmp_path):

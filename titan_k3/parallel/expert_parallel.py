@@ -10,6 +10,11 @@ on everything they received; a second all-to-all brings the outputs home,
 where the routing weights combine them. The per-expert counts are exchanged
 once per layer and forward (one small all-to-all), which also sizes both
 transfers. Routing weights never leave their rank, so their gradient is local.
+
+Host waits: the split sizes must reach the host before the all-to-all, one
+wait per layer and forward. An activation-checkpoint recompute routes exactly
+as its forward did (`routing_recompute`), so it reuses that forward's splits
+and does not wait again; a device-side assert checks the counts agree.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class ExpertParallel:
         self.n_experts = n_experts
         assert n_experts % self.ep == 0
         self.n_local = n_experts // self.ep
+        # (counts_E, recv_counts, send_split, recv_split) of the last training forward, for its recompute.
+        self._splits_for_recompute: tuple | None = None
         self.reset_counts()
 
     def reset_counts(self) -> None:
@@ -60,12 +67,19 @@ class ExpertParallel:
         flat_S = experts_TK.reshape(-1)
         order_S = torch.argsort(flat_S, stable=True)
         counts_E = count_ids(flat_S, self.n_experts)
-        recv_counts = torch.empty_like(counts_E)
-        dist.all_to_all_single(recv_counts, counts_E, group=self.group)
-        send_split = counts_E.view(self.ep, self.n_local).sum(1).tolist()
-        recv_split = recv_counts.view(self.ep, self.n_local).sum(1).tolist()
+        recompute = in_routing_recompute()
+        if recompute and self._splits_for_recompute is not None:
+            forward_counts, recv_counts, send_split, recv_split = self._splits_for_recompute
+            torch._assert_async((counts_E == forward_counts).all(), "EP recompute routed differently from its forward")
+        else:
+            recv_counts = torch.empty_like(counts_E)
+            dist.all_to_all_single(recv_counts, counts_E, group=self.group)
+            send_split = counts_E.view(self.ep, self.n_local).sum(1).tolist()  # the one host wait
+            recv_split = recv_counts.view(self.ep, self.n_local).sum(1).tolist()
 
-        if not in_routing_recompute():  # an activation-checkpoint recompute dispatches again: count once
+        if not recompute:  # an activation-checkpoint recompute dispatches again: count once
+            if torch.is_grad_enabled():
+                self._splits_for_recompute = (counts_E, recv_counts, send_split, recv_split)
             self.sent_W += torch.tensor(send_split)
             self.received_W += torch.tensor(recv_split)
             self.routed_tokens += T
@@ -75,7 +89,7 @@ class ExpertParallel:
         x_recv = funcol.all_to_all_single_autograd(x_send, recv_split, send_split, self.group)
         # Rows arrive grouped by source rank, then by local expert: label each with its local expert.
         local_ids = torch.arange(self.n_local, device=z_TL.device).repeat(self.ep)
-        ids_R1 = torch.repeat_interleave(local_ids, recv_counts)[:, None]
+        ids_R1 = torch.repeat_interleave(local_ids, recv_counts, output_size=sum(recv_split))[:, None]  # no wait
         ones_R1 = torch.ones(ids_R1.shape, dtype=z_TL.dtype, device=z_TL.device)
         y_recv = self.experts_fn(x_recv, _local(w1), _local(w3), _local(w2), ids_R1, ones_R1)
         y_send = funcol.all_to_all_single_autograd(y_recv, send_split, recv_split, self.group)
