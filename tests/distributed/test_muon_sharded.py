@@ -18,17 +18,20 @@ CASES = {  # name: (shape, num_heads, per_expert, gathered?)
     "heads_aligned": ((8, 6), 4, False, False),     # 2 rows per head, 4 rows per rank
     "heads_straddle": ((15, 8), 3, False, True),    # 5 rows per head, 8 rows on rank 0
     "whole_matrix": ((9, 8), 1, False, True),
+    "second_matrix": ((6, 4), 1, False, True),
     "experts_uneven": ((3, 6, 4), 1, True, False),  # 2 experts on rank 0, 1 on rank 1
     "one_row": ((1, 5), 1, False, False),           # whole on rank 0; rank 1 holds nothing
 }
 
 
-def _run(make):
+def _run(make, together=False):
+    """Three Muon steps on every case: one optimizer per parameter, or (together) one optimizer for all."""
     gen = torch.Generator().manual_seed(0)
-    params, opts = {}, []
+    params, groups = {}, []
     for name, (shape, heads, per_expert, _) in CASES.items():
         params[name] = torch.nn.Parameter(make(torch.randn(shape, generator=gen)))
-        opts.append(PerHeadMuon([{"params": [params[name]], "num_heads": heads, "per_expert": per_expert}], lr=0.1))
+        groups.append({"params": [params[name]], "num_heads": heads, "per_expert": per_expert})
+    opts = [PerHeadMuon(groups, lr=0.1)] if together else [PerHeadMuon([g], lr=0.1) for g in groups]
     grads = [{n: torch.randn(CASES[n][0], generator=gen) for n in CASES} for _ in range(3)]
     for g in grads:
         for name, p in params.items():
@@ -43,21 +46,28 @@ def _compare(rank: int, world: int) -> dict:
 
     mesh = init_device_mesh("cpu", (world,))
     plain = {n: p.detach() for n, p in _run(lambda t: t).items()}
-    gathers = []
-    gather = dist.gather
-    dist.gather = lambda *a, **k: (gathers.append(1), gather(*a, **k))[1]
-    try:
-        sharded = _run(lambda t: distribute_tensor(t, mesh, [Shard(0)]))
-    finally:
-        dist.gather = gather
-    full = {n: p.detach().full_tensor() for n, p in sharded.items()}
-    return {"plain": plain, "sharded": full, "gathers": len(gathers)}
+    out = {"plain": plain}
+    for together in (False, True):
+        gathers = []
+        gather = dist.gather
+        dist.gather = lambda *a, **k: (gathers.append(1), gather(*a, **k))[1]
+        try:
+            sharded = _run(lambda t: distribute_tensor(t, mesh, [Shard(0)]), together)
+        finally:
+            dist.gather = gather
+        out[together] = {"sharded": {n: p.detach().full_tensor() for n, p in sharded.items()}, "gathers": len(gathers)}
+    return out
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_sharded_muon_equals_single_process(tmp_path):
     result = spawn_gloo(WORLD, _compare, result_file=tmp_path / "result.pt")[0]
-    for name in CASES:
-        torch.testing.assert_close(result["sharded"][name], result["plain"][name], rtol=1e-5, atol=1e-6, msg=name)
+    for together in (False, True):
+        for name in CASES:
+            torch.testing.assert_close(result[together]["sharded"][name], result["plain"][name], rtol=1e-5, atol=1e-6,
+                                       msg=f"{name} (one optimizer for all: {together})")
     n_gathered = sum(1 for *_, gathered in CASES.values() if gathered)
-    assert result["gathers"] == 3 * n_gathered, "a locally orthogonalisable block was gathered (or a matrix was not)"
+    assert n_gathered == 3
+    assert result[False]["gathers"] == 3 * n_gathered, "a locally orthogonalisable block was gathered (or a matrix was not)"
+    # Together, the three gathered matrices travel in one gather per owner rank per step.
+    assert result[True]["gathers"] == 3 * WORLD

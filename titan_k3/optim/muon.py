@@ -233,53 +233,68 @@ class PerHeadMuon(torch.optim.Optimizer):
         host-bound on those launches).
         """
         params = [p for p, _ in members]
-        grads = [p.grad for p in params]
-        bufs = [self.state[p]["momentum_buffer"] for p in params]
+        directions = self._momentum([p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
+                                    momentum, nesterov)
+        with record_function("muon.orthogonalise"):
+            updates = orthogonalise_batched(directions, [spec for _, spec in members], ns_steps=ns_steps,
+                                            ns_dtype=self.ns_dtype)
+        _apply(params, updates, lr, wd)
+
+    @staticmethod
+    def _momentum(grads: list, bufs: list, momentum: float, nesterov: bool) -> list:
+        """buf <- momentum * buf + grad (in place, foreach); returns the directions (Nesterov: grad + momentum * buf)."""
         # NOTE: the named ranges split the optimizer's time in a torch.profiler trace.
         with record_function("muon.momentum"):
             torch._foreach_mul_(bufs, momentum)
             torch._foreach_add_(bufs, grads)
-            directions = torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else bufs
-        with record_function("muon.orthogonalise"):
-            updates = orthogonalise_batched(directions, [spec for _, spec in members], ns_steps=ns_steps,
-                                            ns_dtype=self.ns_dtype)
-        with record_function("muon.apply"):
-            if wd != 0:
-                torch._foreach_mul_(params, 1.0 - lr * wd)
-            torch._foreach_add_(params, updates, alpha=-lr)
+            return torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else list(bufs)
 
     def _step_sharded(self, items: list) -> None:
         """Muon on dim-0-sharded DTensors (FSDP2, EP), working on local shards only.
 
         Momentum and weight decay are elementwise, so they run on the local
-        shard. A parameter whose blocks (heads, experts) each lie whole on one
-        shard is orthogonalised locally with no communication. Any other
-        parameter is gathered once to one owner rank of its shard group
-        (owners taken round robin), orthogonalised there while the other
-        owners work on theirs, and the update is scattered back.
+        shards (foreach, per group settings). A parameter whose blocks (heads,
+        experts) each lie whole on one shard is orthogonalised locally with no
+        communication. Every other parameter goes to one owner rank of its
+        shard group (`_owner_orthogonalise`: one gather and one scatter per
+        owner, however many parameters), is orthogonalised there while the
+        other owners work on theirs, and its update comes back.
         """
+        directions = {}
+        by_momentum: dict[tuple, list] = {}
+        for p, group, _ in items:
+            by_momentum.setdefault((group["momentum"], group["nesterov"]), []).append(p)
+        for (momentum, nesterov), params in by_momentum.items():
+            grads = [p.grad.to_local() for p in params]
+            bufs = [self.state[p]["momentum_buffer"].to_local() for p in params]
+            directions.update(zip(params, self._momentum(grads, bufs, momentum, nesterov)))
         local, remote = {}, []
         for p, group, spec in items:
-            grad, buf = p.grad.to_local(), self.state[p]["momentum_buffer"].to_local()
-            buf.mul_(group["momentum"]).add_(grad)
-            direction = grad.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
             local_spec = _local_block_spec(p, spec)
             if local_spec is None:
-                remote.append((p, group, spec, direction))
-            elif direction.numel() > 0:
-                local.setdefault(group["ns_steps"], []).append((p, direction, local_spec))
+                remote.append((p, group, spec, directions[p]))
+            elif directions[p].numel() > 0:
+                local.setdefault(group["ns_steps"], []).append((p, directions[p], local_spec))
         local_updates = {p: torch.zeros_like(p.to_local()) for p, _, _ in items if p.to_local().numel() == 0}
-        for ns_steps, members in local.items():
-            updates = orthogonalise_batched([d for _, d, _ in members], [s for _, _, s in members],
-                                            ns_steps=ns_steps, ns_dtype=self.ns_dtype)
-            local_updates.update((p, u) for (p, _, _), u in zip(members, updates))
-        local_updates.update(_owner_orthogonalise(remote, self.ns_dtype))
+        with record_function("muon.orthogonalise"):
+            for ns_steps, members in local.items():
+                updates = orthogonalise_batched([d for _, d, _ in members], [s for _, _, s in members],
+                                                ns_steps=ns_steps, ns_dtype=self.ns_dtype)
+                local_updates.update((p, u) for (p, _, _), u in zip(members, updates))
+            local_updates.update(_owner_orthogonalise(remote, self.ns_dtype))
+        by_decay: dict[tuple, list] = {}
         for p, group, _ in items:
-            lr, wd = group["lr"], group["weight_decay"]
-            local = p.to_local()
-            if wd != 0:
-                local.mul_(1.0 - lr * wd)
-            local.add_(local_updates[p], alpha=-lr)
+            by_decay.setdefault((group["lr"], group["weight_decay"]), []).append(p)
+        for (lr, wd), params in by_decay.items():
+            _apply([p.to_local() for p in params], [local_updates[p] for p in params], lr, wd)
+
+
+def _apply(params: list, updates: list, lr: float, wd: float) -> None:
+    """p <- p * (1 - lr * wd) - lr * update, foreach over plain tensors."""
+    with record_function("muon.apply"):
+        if wd != 0:
+            torch._foreach_mul_(params, 1.0 - lr * wd)
+        torch._foreach_add_(params, updates, alpha=-lr)
 
 
 def _row_sharded(p: torch.Tensor) -> bool:
@@ -316,69 +331,107 @@ def _local_block_spec(p: DTensor, spec: ParamSpec) -> ParamSpec | None:
     return ParamSpec(use_muon=True, num_heads=max(local_rows // head_rows, 1))
 
 
-class _Gathered(NamedTuple):
-    """One parameter's direction on its way to its owner rank (and its update on the way back)."""
+class _Remote(NamedTuple):
+    """One parameter orthogonalised by an owner rank: its rows travel as `chunk`-row shards from every rank."""
 
     p: torch.Tensor
-    group: dict
     spec: ParamSpec
-    direction: torch.Tensor
-    pg: Any
-    world: int
-    me: int
-    owner: int
-    chunk: int
-    gathered: list[torch.Tensor] | None
+    ns_steps: int
+    direction: torch.Tensor  # this rank's shard [rows_local, ...]
+    chunk: int  # rows per rank, as FSDP2 splits dim 0 (torch.chunk): ceil(rows / world)
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of one padded shard (`chunk` rows), the size it travels at."""
+        return self.chunk * math.prod(self.p.shape[1:])
+
+
+def _assign_owners(members: list[_Remote], world: int) -> list[list[_Remote]]:
+    """Each parameter to one rank, largest first to the least-loaded rank (by elements), identically on every rank."""
+    owned: list[list[_Remote]] = [[] for _ in range(world)]
+    load = [0] * world
+    for m in sorted(members, key=lambda m: -m.p.numel()):  # sorted() is stable: ties keep parameter order
+        owner = load.index(min(load))
+        owned[owner].append(m)
+        load[owner] += m.p.numel()
+    return owned
 
 
 def _owner_orthogonalise(remote: list, ns_dtype) -> dict:
     """Gather each direction to its owner, orthogonalise it there, scatter the update back.
 
     FSDP2 splits dim 0 like torch.chunk: rank i holds rows [i*c, min((i+1)*c, n)),
-    c = ceil(n / world), possibly none; shards travel padded to c rows.
-    All gathers are issued before any owner computes, so owners work in parallel,
-    and each owner orthogonalises what it owns in batches of one block shape.
+    c = ceil(n / world), possibly none; shards travel padded to c rows. Per
+    shard group and dtype, everything one owner needs travels as one flat
+    buffer per rank: one gather and one scatter per owner, not per parameter
+    (a collective per matrix was latency-bound). All gathers are issued before
+    any owner computes, so owners work in parallel, in batches of one block shape.
     """
-    plans, works = [], []
-    counters: dict = {}
+    groups: dict[tuple, list[_Remote]] = {}
     for p, group, spec, direction in remote:
         dim = _shard_dim(p)
         assert dim is not None, f"cannot gather a parameter sharded on several mesh dims: {p.placements}"
-        mesh = p.device_mesh
-        pg, world, me = mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
-        owner = counters.setdefault(id(pg), 0) % world
-        counters[id(pg)] += 1
-        chunk = -(-p.shape[0] // world)
-        padded = direction.new_zeros((chunk, *direction.shape[1:]))
-        padded[: direction.shape[0]] = direction
-        gathered = [torch.empty_like(padded) for _ in range(world)] if me == owner else None
-        works.append(dist.gather(padded, gathered, dst=dist.get_global_rank(pg, owner), group=pg, async_op=True))
-        plans.append(_Gathered(p, group, spec, direction, pg, world, me, owner, chunk, gathered))
-    for work in works:
-        work.wait()
-    owned: dict[int, list[int]] = {}
-    for i, plan in enumerate(plans):
-        if plan.me == plan.owner:
-            owned.setdefault(plan.group["ns_steps"], []).append(i)
+        pg, world = p.device_mesh.get_group(dim), p.device_mesh.size(dim)
+        member = _Remote(p, spec, group["ns_steps"], direction, -(-p.shape[0] // world))
+        groups.setdefault((pg, world, p.device_mesh.get_local_rank(dim), direction.dtype), []).append(member)
     updates = {}
-    for ns_steps, idx in owned.items():
-        fulls = [torch.cat(plans[i].gathered)[: plans[i].p.shape[0]] for i in idx]
-        outs = orthogonalise_batched(fulls, [plans[i].spec for i in idx], ns_steps=ns_steps, ns_dtype=ns_dtype)
-        updates.update(zip(idx, outs))
-    works, outputs = [], {}
-    for i, (p, group, spec, direction, pg, world, me, owner, chunk, gathered) in enumerate(plans):
-        pieces = None
-        if me == owner:
-            update = updates[i]
-            padded_update = update.new_zeros((chunk * world, *update.shape[1:]))
-            padded_update[: update.shape[0]] = update
-            pieces = list(padded_update.chunk(world))
-        out = direction.new_empty((chunk, *direction.shape[1:]))
-        works.append(dist.scatter(out, pieces, src=dist.get_global_rank(pg, owner), group=pg, async_op=True))
-        outputs[p] = (out, direction.shape[0])
+    for (pg, world, me, _), members in groups.items():
+        updates.update(_exchange(pg, world, me, _assign_owners(members, world), ns_dtype))
+    return updates
+
+
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [r, ...] as [rows, ...] with zero rows appended (r <= rows)."""
+    return x if x.shape[0] == rows else torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
+
+
+def _exchange(pg, world: int, me: int, owned: list[list[_Remote]], ns_dtype) -> dict:
+    """One shard group: gather to each owner, orthogonalise what this rank owns, scatter the updates back."""
+    gathered, works = [], []
+    for owner, members in enumerate(owned):
+        if not members:
+            gathered.append(None)
+            continue
+        flat = torch.cat([_padded(m.direction, m.chunk).reshape(-1) for m in members])
+        bufs = [torch.empty_like(flat) for _ in range(world)] if me == owner else None
+        works.append(dist.gather(flat, bufs, dst=dist.get_global_rank(pg, owner), group=pg, async_op=True))
+        gathered.append(bufs)
     for work in works:
         work.wait()
-    return {p: out[:rows] for p, (out, rows) in outputs.items()}
+    mine = owned[me]
+    full_updates: list[torch.Tensor] = []
+    if mine:
+        pieces = [buf.split([m.shard_numel for m in mine]) for buf in gathered[me]]  # [rank][member]
+        fulls = [torch.cat([pieces[r][i].view(m.chunk, *m.p.shape[1:]) for r in range(world)])[: m.p.shape[0]]
+                 for i, m in enumerate(mine)]
+        by_steps: dict[int, list[int]] = {}
+        for i, m in enumerate(mine):
+            by_steps.setdefault(m.ns_steps, []).append(i)
+        full_updates = [None] * len(mine)
+        for ns_steps, idx in by_steps.items():
+            outs = orthogonalise_batched([fulls[i] for i in idx], [mine[i].spec for i in idx], ns_steps=ns_steps,
+                                         ns_dtype=ns_dtype)
+            for i, u in zip(idx, outs):
+                full_updates[i] = u
+    results, works = [], []
+    for owner, members in enumerate(owned):
+        if not members:
+            continue
+        rows = [m.shard_numel for m in members]
+        out = members[0].direction.new_empty(sum(rows))
+        send = None
+        if me == owner:
+            padded = [_padded(u, m.chunk * world).reshape(world, -1) for u, m in zip(full_updates, members)]
+            send = [torch.cat([x[r] for x in padded]) for r in range(world)]
+        works.append(dist.scatter(out, send, src=dist.get_global_rank(pg, owner), group=pg, async_op=True))
+        results.append((members, out, rows))
+    for work in works:
+        work.wait()
+    updates = {}
+    for members, out, rows in results:
+        for m, piece in zip(members, out.split(rows)):
+            updates[m.p] = piece.view(m.chunk, *m.p.shape[1:])[: m.direction.shape[0]]
+    return updates
 
 
 def _spec_of_group(group: dict[str, Any]) -> ParamSpec:
