@@ -13,6 +13,8 @@ absolute and relative gap to the one-GPU run and that gap over the noise
 reference's, steady training tokens/s (time-weighted over the
 logging windows after `--warmup-step`), tokens/s per GPU, and scaling =
 rate / (N x one-GPU rate). Prints a table last and appends it to OUTDIR/scaling.md.
+With `-- --profiling.enable true --profiling.start_step U`, each setup's per-rank
+profile summaries (GPU busy / idle / exposed communication) land in OUTDIR too.
 """
 
 from __future__ import annotations
@@ -133,6 +135,8 @@ def main() -> int:
             rows.append({"setup": name, "gpus": nproc, "error": str(e)})
             print(f"{name}: {e}", flush=True)
             continue
+        for summary in sorted(run_dir.glob("profile-rank*.txt")):  # with `-- --profiling.enable true`
+            shutil.copy(summary, args.out / f"profile-{run_dir.name}-{summary.stem.split('-')[-1]}.txt")
         records = read_jsonl(run_dir / "metrics.jsonl")
         steady = steady_state(records, args.warmup_step)
         rows.append({"setup": name, "gpus": nproc, "losses": {r["step"]: r["loss"] for r in records},

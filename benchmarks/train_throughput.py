@@ -124,27 +124,17 @@ def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps
         # Where the first step's start-up goes (dynamo tracing, AOT autograd, inductor codegen), per phase.
         (out / f"compile-times-{name}-{seq}.txt").write_text(str(compile_times(repr="str", aggregate=True)) + "\n")
     if profile:
-        from torch.profiler import ProfilerActivity, profile as prof
+        from torch.profiler import profile as prof
 
-        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        from titan_k3.metrics.profile import profile_activities, profile_report
+
+        sync()
+        with prof(activities=profile_activities()) as p:
+            t0 = time.perf_counter()
             step_fn()
             sync()
-        # Kernels by GPU time, then the operators that launched them (which op the elementwise time belongs to).
-        events = p.key_averages()
-        kernels = events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)
-        ops = [e for e in events if "::" in e.key]
-        ops.sort(key=lambda e: e.self_device_time_total, reverse=True)
-        total = sum(e.self_device_time_total for e in events) or 1
-        op_lines = [f"{e.self_device_time_total / 1e3:10.2f} ms {100 * e.self_device_time_total / total:5.1f}%  "
-                    f"{e.count:6d} calls  {e.key}" for e in ops[:40]]
-        # The optimizer's named ranges (titan_k3/optim/muon.py): GPU time of the kernels each one launched.
-        ranges = sorted((e for e in events if e.key.startswith(("muon.", "Optimizer.step"))),
-                        key=lambda e: e.device_time_total, reverse=True)
-        range_lines = [f"{e.device_time_total / 1e3:10.2f} ms GPU {e.cpu_time_total / 1e3:10.2f} ms host  {e.count:4d} calls  {e.key}"
-                       for e in ranges]
-        (out / f"profile-{name}-{seq}.txt").write_text(
-            kernels + "\n\nOperators by self GPU time:\n" + "\n".join(op_lines)
-            + "\n\nOptimizer ranges (GPU time of their kernels):\n" + "\n".join(range_lines) + "\n")
+            wall = time.perf_counter() - t0
+        (out / f"profile-{name}-{seq}.txt").write_text(profile_report(p, wall, f"{name}, seq {seq}, one step"))
         result["profile"] = f"profile-{name}-{seq}.txt"
     if hasattr(holder, "close"):
         holder.close()

@@ -28,6 +28,7 @@ from titan_k3.eval.runner import Evaluator, format_metrics
 from titan_k3.metrics.clocks import TwoClocks
 from titan_k3.metrics.events import EventLog
 from titan_k3.invariants import InvariantRunner, InvariantViolationError
+from titan_k3.metrics.profile import StepProfiler
 from titan_k3.metrics.reporter import MetricsReporter
 from titan_k3.metrics.run_dir import Tee, prepare_run_dir, run_dir_path
 from titan_k3.models.k3.args import count_params, flops_per_token, get_flavor
@@ -149,6 +150,7 @@ class Trainer:
         self.events = EventLog(self.run_dir / "events.jsonl" if self.rank == 0 else None)
         self.compile_watch = CompileWatch(self.events) if cfg.compile.enable else None
         self.reporter.start(self.run_dir, self.events)
+        self.profiler = StepProfiler(cfg.profiling, self.run_dir, self.rank, self.events)
         self.invariants = InvariantRunner(cfg.invariants, self.events, group=self.dp_group, rank=self.rank, device=self.device,
                                           seq_len=t.seq_len, on_violation=self.reporter.violation)
         self.qk_clip_max_logits: dict[int, torch.Tensor] = {}
@@ -277,6 +279,7 @@ class Trainer:
             self._enter_context_stage(self.step + 1)
             wait0 = getattr(self.loader, "wait_seconds", 0.0)
             t0 = self.clocks.training_seconds
+            self.profiler.before(self.step + 1)
             with self.clocks.training():
                 result = self.train_step()
                 if self.device.type == "cuda" and self._window_ends(self.step + 1):
@@ -284,6 +287,7 @@ class Trainer:
                     # finishes this one's optimizer; a window's training clock stops once its work is done.
                     torch.cuda.synchronize()
             self.step += 1
+            self.profiler.after(self.step)
             self.tokens_seen += result.n_tokens
             window["tokens"] += result.n_tokens
             window["training_seconds"] += self.clocks.training_seconds - t0

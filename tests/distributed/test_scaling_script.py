@@ -24,7 +24,8 @@ def test_scaling_script_runs_every_setup_and_compares_losses(tmp_path):
     # the full run merges its row instead of launching it again.
     first = _scaling(tmp_path, tmp_path / "first", "--only", "1 GPU")
     assert [r["setup"] for r in first] == ["1 GPU"]
-    rows = _scaling(tmp_path, tmp_path / "results", "--merge", str(tmp_path / "first" / "scaling.json"))
+    rows = _scaling(tmp_path, tmp_path / "results", "--merge", str(tmp_path / "first" / "scaling.json"),
+                    "--", "--profiling.enable", "true", "--profiling.start_step", "3")
     assert rows[0]["losses"] == first[0]["losses"]
     assert [(r["setup"], r["gpus"]) for r in rows] == [
         ("1 GPU", 1), ("1 GPU, split finer", 1), ("FSDP2 x2", 2), ("FSDP2 x2 + EP2", 2)]
@@ -42,6 +43,9 @@ def test_scaling_script_runs_every_setup_and_compares_losses(tmp_path):
         assert all(abs(r["losses"][s] / base[s] - 1) < 1e-3 for s in base), (r["setup"], r["losses"], base)
         assert r["max_abs_gap"] == max(abs(r["losses"][s] - base[s]) for s in base)
     if not failed:
+        profiles = sorted(p.name for p in (tmp_path / "results").glob("profile-*.txt"))  # every rank of the launches
+        assert profiles == ["profile-1gpu,splitfiner-rank0.txt", "profile-fsdp2x2-ep2-rank0.txt",
+                            "profile-fsdp2x2-ep2-rank1.txt", "profile-fsdp2x2-rank0.txt", "profile-fsdp2x2-rank1.txt"]
         table = (tmp_path / "results" / "scaling.md").read_text()
         assert table.count("| FSDP2 x2") == 2 and "failed" not in table
         noise_row = next(line for line in table.splitlines() if "| 1 GPU, split finer |" in line)

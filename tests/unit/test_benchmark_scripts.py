@@ -22,10 +22,12 @@ def _run(script: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess
 
 
 def test_train_throughput_times_a_variant_and_writes_its_row(tmp_path):
-    _run("train_throughput.py", tmp_path, "--variants", "ours", "--warmup", "2", "--steps", "2", "--profile", "none")
+    _run("train_throughput.py", tmp_path, "--variants", "ours", "--warmup", "2", "--steps", "2", "--profile", "ours")
     rows = json.loads((tmp_path / "out" / "train_throughput.json").read_text())["rows"]
     assert len(rows) == 1 and "error" not in rows[0], rows
     assert rows[0]["tokens_per_s"] > 0 and rows[0]["ms_per_step"] > 0
+    profile = (tmp_path / "out" / rows[0]["profile"]).read_text()
+    assert profile.startswith("ours, seq 64, one step") and "aten::mm" in profile
     assert "| ours | B2 T64 |" in (tmp_path / "out" / "train_throughput.md").read_text()
 
 

@@ -217,6 +217,19 @@ class Data:
 
 
 @dataclass
+class Profiling:
+    enable: bool = False
+    """torch.profiler over `steps` updates from `start_step` on every rank: profile-rank{R}.txt (GPU timeline: busy,
+    idle, exposed communication; kernels and operators by time) and trace-rank{R}.json.gz in the run directory."""
+    start_step: int = 10
+    """First profiled update (after compilation and warm-up)."""
+    steps: int = 1
+    """Updates profiled (they run slower under the profiler: their logging window's tokens/s reads low)."""
+    trace: bool = True
+    """Also write the Chrome / Perfetto trace (tens of MB for a k3-mini update)."""
+
+
+@dataclass
 class Debug:
     crash_at_step: int = -1
     """Exit with status 3 right after this update (tests of restarts); -1 never."""
@@ -243,4 +256,5 @@ class JobConfig:
     invariants: Invariants = field(default_factory=Invariants)
     eval: Eval = field(default_factory=Eval)
     data: Data = field(default_factory=Data)
+    profiling: Profiling = field(default_factory=Profiling)
     debug: Debug = field(default_factory=Debug)

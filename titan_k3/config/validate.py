@@ -96,6 +96,12 @@ def validate(cfg: JobConfig) -> None:
                 cfg.kernels.kda == "torch" or seq % KDA_CHUNK == 0,
                 f"config key 'training.context_stages' = {t.context_stages!r}: seq_len {seq} is not a multiple of the KDA chunk size {KDA_CHUNK}",
             )
+    if cfg.profiling.enable:
+        _positive("profiling.start_step", cfg.profiling.start_step)
+        _positive("profiling.steps", cfg.profiling.steps)
+        last = cfg.profiling.start_step + cfg.profiling.steps - 1
+        _require(last <= t.steps, f"config key 'profiling.start_step' = {cfg.profiling.start_step}: profiling updates "
+                                  f"{cfg.profiling.start_step}-{last} must end by training.steps = {t.steps}")
     _positive("optimizer.lr", o.lr)
     _non_negative("optimizer.weight_decay", o.weight_decay)
     for key in ("beta1", "beta2", "momentum"):

@@ -1,0 +1,66 @@
+"""`[profiling]`: the timeline arithmetic by hand, and the trainer writing a profile of the chosen updates."""
+
+import gzip
+import json
+
+import pytest
+
+from titan_k3.config import load_job_config
+from titan_k3.config.manager import ConfigError
+from titan_k3.metrics.profile import exposed_length, kernel_kind, timeline, union_length
+from titan_k3.train import main
+
+
+def test_union_counts_overlaps_once():
+    assert union_length([]) == 0
+    assert union_length([(0, 10), (5, 15), (20, 25)]) == 20
+    assert union_length([(5, 15), (0, 10), (6, 7)]) == 15  # unsorted, nested
+
+
+def test_exposed_communication_is_what_no_compute_covers():
+    comm = [(0, 10), (30, 40)]
+    compute = [(5, 35)]
+    assert exposed_length(comm, compute) == 5 + 5
+    assert exposed_length(comm, [(0, 50)]) == 0
+
+
+def test_timeline_shares_of_the_wall():
+    kernels = [("ncclDevKernel_AllGather_RING_LL", 0, 10), ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", 5, 20),
+               ("_dintra_kernel", 40, 50)]
+    shares = timeline(kernels, wall=100)
+    assert shares["busy"] == pytest.approx(0.30) and shares["idle"] == pytest.approx(0.70)
+    assert shares["compute"] == pytest.approx(0.25)
+    assert shares["communication"] == pytest.approx(0.10)
+    assert shares["exposed communication"] == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "communication"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+    ("nvjet_tst_256x128_64x4_2x1_v_bz_TNN", "matmul"),
+    ("triton_poi_fused_add_mul_0", "triton"),
+    ("_dchunk_kernel", "triton"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "other"),
+])
+def test_kernel_kinds(name, kind):
+    assert kernel_kind(name) == kind
+
+
+def test_trainer_profiles_the_chosen_updates(tmp_path):
+    assert main(["--model.flavor", "debug", "--training.seq_len", "64", "--training.steps", "4",
+                 "--lr_scheduler.warmup_steps", "1", "--profiling.enable", "true", "--profiling.start_step", "2",
+                 "--profiling.steps", "2", "--job.dump_folder", str(tmp_path), "--job.name", "p"]) == 0
+    run = tmp_path / "p"
+    summary = (run / "profile-rank0.txt").read_text()
+    assert summary.startswith("rank 0, updates 2-3 (2)")
+    assert "aten::mm" in summary and "muon.orthogonalise" in summary  # the model's matmuls and the optimizer range
+    trace = json.loads(gzip.open(run / "trace-rank0.json.gz").read())
+    assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["kind"] == "profile"] == [3]
+
+
+def test_profiling_window_must_end_within_the_run():
+    with pytest.raises(ConfigError, match="profiling updates 9-10 must end by training.steps = 5"):
+        load_job_config(["--training.steps", "5", "--profiling.enable", "true", "--profiling.start_step", "9",
+                         "--profiling.steps", "2"])

@@ -1,0 +1,171 @@
+"""torch.profiler over chosen training updates, summarised where the time goes.
+
+`[profiling] enable = true` profiles `steps` updates from `start_step` on every
+rank and writes, per rank, into the run directory:
+  profile-rank{R}.txt        the summary below (`profile_report`)
+  trace-rank{R}.json.gz      a Chrome / Perfetto trace (`trace = true`)
+
+The summary answers what a step-time question needs first:
+  - GPU timeline over the profiled wall time: busy (any kernel running), idle
+    (host waits, launch gaps), compute, communication (NCCL kernels) and the
+    communication no compute overlapped (exposed), as unions of kernel intervals;
+  - GPU time by kind (matmul, communication, Triton, other kernels);
+  - kernels by GPU time, operators by self GPU time, the optimizer's named ranges.
+Without CUDA (CPU runs, tests) the timeline is absent and the tables hold host time.
+"""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+
+# Kernel name fragments by kind; the first kind that matches wins.
+KINDS = (
+    ("communication", ("nccl", "all_gather", "reduce_scatter", "allreduce", "all_to_all", "sendrecv")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90_", "wgmma", "bmm", "matmul")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """"communication", "matmul", "triton" or "other" for a GPU kernel's name.
+
+    Triton kernels (ours, and inductor's fused ones) carry a bare identifier as their
+    name; CUDA C++ kernels (torch's own, cuDNN) a signature ("void at::native::...<...>(...)").
+    """
+    low = name.lower()
+    for kind, fragments in KINDS:
+        if any(f in low for f in fragments):
+            return kind
+    return "triton" if name.isidentifier() else "other"
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by [start, end) intervals, overlaps counted once."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def exposed_length(covered: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
+    """Length of the union of `covered` that no interval of `cover` overlaps."""
+    return union_length(covered + cover) - union_length(cover)
+
+
+def timeline(kernels: list[tuple[str, float, float]], wall: float) -> dict[str, float]:
+    """Shares of `wall` from (name, start, end) kernel intervals (one time unit throughout)."""
+    comm = [(s, e) for name, s, e in kernels if kernel_kind(name) == "communication"]
+    compute = [(s, e) for name, s, e in kernels if kernel_kind(name) != "communication"]
+    busy = union_length(comm + compute)
+    return {
+        "wall": wall,
+        "busy": busy / wall,
+        "idle": 1 - busy / wall,
+        "compute": union_length(compute) / wall,
+        "communication": union_length(comm) / wall,
+        "exposed communication": exposed_length(comm, compute) / wall,
+    }
+
+
+def _gpu_kernels(prof) -> list[tuple[str, float, float]]:
+    """(name, start_us, end_us) of every GPU kernel the profiler saw."""
+    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
+
+
+def profile_report(prof, wall_s: float, title: str = "") -> str:
+    """The text summary of a finished torch.profiler run that covered `wall_s` seconds."""
+    events = prof.key_averages()
+    on_gpu = torch.cuda.is_available() and any(e.self_device_time_total > 0 for e in events)
+    sort = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
+    lines = [title] if title else []
+    if on_gpu:
+        kernels = _gpu_kernels(prof)
+        shares = timeline(kernels, wall_s * 1e6)
+        lines.append(f"GPU timeline over {wall_s * 1e3:.1f} ms of wall time: "
+                     + ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items() if k != "wall"))
+        by_kind: dict[str, float] = {}
+        for name, s, e in kernels:
+            by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + (e - s)
+        total = sum(by_kind.values()) or 1.0
+        lines.append("GPU time by kind: " + ", ".join(
+            f"{k} {v / 1e3:.1f} ms ({100 * v / total:.1f}%)" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])))
+    else:
+        lines.append(f"no GPU activity recorded: host time only, over {wall_s * 1e3:.1f} ms of wall time")
+    lines += ["", events.table(sort_by=sort, row_limit=30, max_name_column_width=70)]
+    if on_gpu:
+        ops = sorted((e for e in events if "::" in e.key), key=lambda e: e.self_device_time_total, reverse=True)
+        total = sum(e.self_device_time_total for e in events) or 1
+        lines += ["Operators by self GPU time:"] + [
+            f"{e.self_device_time_total / 1e3:10.2f} ms {100 * e.self_device_time_total / total:5.1f}%  "
+            f"{e.count:6d} calls  {e.key}" for e in ops[:40]]
+    # The optimizer's named ranges (titan_k3/optim/muon.py): GPU time of the kernels each one launched.
+    ranges = sorted((e for e in events if e.key.startswith(("muon.", "Optimizer.step"))),
+                    key=lambda e: e.device_time_total, reverse=True)
+    lines += ["", "Optimizer ranges (GPU time of their kernels, host time):"] + [
+        f"{e.device_time_total / 1e3:10.2f} ms GPU {e.cpu_time_total / 1e3:10.2f} ms host  {e.count:4d} calls  {e.key}"
+        for e in ranges]
+    return "\n".join(lines) + "\n"
+
+
+def profile_activities() -> list:
+    """CPU, plus CUDA where there is a GPU."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return acts
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class StepProfiler:
+    """Profiles updates [start_step, start_step + steps) of a training run (`[profiling]`), then writes its files.
+
+    Call `before(update)` before and `after(update)` after each update (1-based).
+    """
+
+    def __init__(self, cfg, run_dir: Path, rank: int, events=None):
+        self.cfg, self.run_dir, self.rank, self.events = cfg, Path(run_dir), rank, events
+        self.last = cfg.start_step + cfg.steps - 1
+        self._prof = None
+        self._t0 = 0.0
+
+    def before(self, update: int) -> None:
+        if self.cfg.enable and update == self.cfg.start_step:
+            synchronize()  # the profiled window starts with an idle GPU: its timeline is this window's alone
+            self._prof = torch.profiler.profile(activities=profile_activities(), record_shapes=False)
+            self._prof.__enter__()
+            self._t0 = time.perf_counter()
+
+    def after(self, update: int) -> Path | None:
+        """Ends the profile after its last update; returns the summary's path then."""
+        if self._prof is None or update != self.last:
+            return None
+        synchronize()
+        wall = time.perf_counter() - self._t0
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        first = self.cfg.start_step
+        title = f"rank {self.rank}, updates {first}-{self.last} ({self.last - first + 1})"
+        summary = self.run_dir / f"profile-rank{self.rank}.txt"
+        summary.write_text(profile_report(prof, wall, title))
+        if self.cfg.trace:
+            raw = self.run_dir / f"trace-rank{self.rank}.json"
+            prof.export_chrome_trace(str(raw))
+            with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            raw.unlink()
+        if self.events is not None:
+            self.events.emit("profile", f"updates {first}-{self.last} profiled: {summary}", step=update)
+        return summary
