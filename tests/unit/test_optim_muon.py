@@ -186,3 +186,29 @@ def test_step_batched_over_parameters_equals_muon_update_per_parameter():
         for p, r in zip(group["params"], ref):
             torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
     assert no_grad.grad is None and torch.equal(no_grad, refs[3][1]) and "momentum_buffer" not in opt.state[no_grad]
+
+
+def test_newton_schulz_scale_rides_on_the_last_step():
+    G = torch.randn(2, 12, 20, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(newton_schulz(G, scale=0.7), 0.7 * newton_schulz(G), rtol=1e-5, atol=1e-6)
+
+
+def test_step_in_bf16_newton_schulz_matches_the_per_parameter_update():
+    """The GPU recipe (NS in bf16): directions go to bf16 before the norm, updates stay bf16 until added to fp32."""
+    gen = torch.Generator().manual_seed(7)
+    params = [torch.randn(32, 48, generator=gen), torch.randn(4, 32, 48, generator=gen)]
+    specs = [ParamSpec(use_muon=True, num_heads=2), ParamSpec(use_muon=True, per_expert=True)]
+    groups = [{"params": [params[0]], "num_heads": 2}, {"params": [params[1]], "per_expert": True}]
+    before = [p.clone() for p in params]
+    opt = PerHeadMuon(groups, lr=0.1, weight_decay=0.0, ns_dtype=torch.bfloat16)
+    grads = [torch.randn(p.shape, generator=gen) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    opt.step()
+    for p, b, g, spec in zip(params, before, grads, specs):
+        assert p.dtype == torch.float32
+        exact = muon_update(g, torch.zeros_like(g), spec, ns_dtype=torch.float32)
+        bf16 = muon_update(g, torch.zeros_like(g), spec, ns_dtype=torch.bfloat16)
+        got = (b - p) / 0.1
+        err, noise = ((got - exact).norm() / exact.norm()).item(), ((bf16 - exact).norm() / exact.norm()).item()
+        assert err < 1.25 * noise + 1e-3, (err, noise)  # no worse than bf16 Newton–Schulz itself

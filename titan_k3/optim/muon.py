@@ -38,13 +38,14 @@ def default_ns_dtype(device: torch.device) -> torch.dtype:
 
 
 def newton_schulz(
-    G: torch.Tensor, steps: int = 5, *, dtype: torch.dtype | None = None, eps: float = 1e-7
+    G: torch.Tensor, steps: int = 5, *, dtype: torch.dtype | None = None, eps: float = 1e-7, scale: float = 1.0
 ) -> torch.Tensor:
-    """Approximately orthogonalise each matrix of G: O ~ U V^T for G = U S V^T.
+    """Approximately orthogonalise each matrix of G: O ~ scale * U V^T for G = U S V^T.
 
     G [..., m, n] -> O [..., m, n] in `dtype` (default: `default_ns_dtype(G.device)`).
     Each matrix is first divided by its Frobenius norm (+ eps), computed in
-    float32, so that every singular value starts in [0, 1].
+    float32, so that every singular value starts in [0, 1]; `scale` rides on the
+    last step's matmul.
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz: G must have at least 2 dims [..., m, n]; got shape {tuple(G.shape)}")
@@ -52,18 +53,21 @@ def newton_schulz(
         raise ValueError(f"newton_schulz: steps={steps}; must be >= 1")
     a, b, c = NS_COEFFS
     dtype = dtype or default_ns_dtype(G.device)
-    X = G.float()
-    X = (X / (X.norm(dim=(-2, -1), keepdim=True) + eps)).to(dtype)
+    # NOTE: the norm accumulates in float32 and the division runs in float32, written once in `dtype`:
+    # no float32 copy of G and no separate cast (each a pass over every Muon parameter).
+    norm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    X = torch.div(G, norm + eps, out=torch.empty(G.shape, dtype=dtype, device=G.device))
     # NOTE: iterate on the wide orientation so that X X^T is the smaller Gram matrix.
     transposed = X.size(-2) > X.size(-1)
     if transposed:
         X = X.mT
     # NOTE: baddbmm fuses each scale-and-add into its matmul: 3 kernels per step instead of 6.
     X3 = X.reshape(-1, *X.shape[-2:])
-    for _ in range(steps):
+    for step in range(steps):
         A = X3 @ X3.mT
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X3 = torch.baddbmm(X3, B, X3, beta=a)
+        s = scale if step == steps - 1 else 1.0
+        X3 = torch.baddbmm(X3, B, X3, beta=a * s, alpha=s)
     X = X3.reshape(X.shape)
     return X.mT if transposed else X
 
@@ -107,19 +111,29 @@ def orthogonalise_batched(
     A step then launches a few kernels per block shape rather than per
     parameter (a k3-mini step was bound by those host launches).
     """
-    by_shape: dict[tuple, list[int]] = {}
     blocks = [blocks_of(d, spec) for d, spec in zip(directions, specs)]
-    for i, b in enumerate(blocks):
-        by_shape.setdefault((*b.shape[-2:], b.dtype, b.device), []).append(i)
     out: list[torch.Tensor | None] = [None] * len(directions)
-    for (rows, cols, dtype, _), idx in by_shape.items():
+    for (rows, cols), idx in by_block_shape(blocks).items():
         stacked = blocks[idx[0]] if len(idx) == 1 else torch.cat([blocks[i] for i in idx])
-        with record_function(f"muon.newton_schulz[{stacked.shape[0]}x{rows}x{cols}]"):
-            O = newton_schulz(stacked, ns_steps, dtype=ns_dtype)
-        O = O.to(dtype).mul_(muon_scale(rows, cols))
+        O = orthogonalise_stacked(stacked, ns_steps, ns_dtype)
         for i, u in zip(idx, O.split([blocks[i].shape[0] for i in idx])):
-            out[i] = u.reshape(directions[i].shape)
+            out[i] = u.to(directions[i].dtype).reshape(directions[i].shape)
     return out
+
+
+def by_block_shape(blocks: list[torch.Tensor]) -> dict[tuple[int, int], list[int]]:
+    """Indices of the [B, r, c] block tensors, grouped by (r, c) (one device and dtype assumed)."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, b in enumerate(blocks):
+        groups.setdefault(tuple(b.shape[-2:]), []).append(i)
+    return groups
+
+
+def orthogonalise_stacked(stacked: torch.Tensor, ns_steps: int, ns_dtype: torch.dtype | None) -> torch.Tensor:
+    """Scaled Newton–Schulz of blocks [B, r, c] of one shape, in the NS dtype."""
+    rows, cols = stacked.shape[-2:]
+    with record_function(f"muon.newton_schulz[{stacked.shape[0]}x{rows}x{cols}]"):
+        return newton_schulz(stacked, ns_steps, dtype=ns_dtype, scale=muon_scale(rows, cols))
 
 
 def muon_update(
@@ -226,19 +240,37 @@ class PerHeadMuon(torch.optim.Optimizer):
     def _step_batch(self, members: list, lr: float, wd: float, momentum: float, nesterov: bool, ns_steps: int) -> None:
         """One update of parameters that share a device, a dtype and the group settings.
 
-        Same math as `muon_update` per parameter, but the momentum, decay and
-        update are foreach ops and the blocks of one [r, c] shape, over all
-        members, go through one batched Newton–Schulz call: a step launches a
-        few kernels per block shape, not per parameter (a k3-mini step was
-        host-bound on those launches).
+        Same math as `muon_update` per parameter, with every block of one
+        [r, c] shape, over all members, in one batched Newton–Schulz call (a
+        step launches a few kernels per block shape; a k3-mini step was
+        host-bound on per-parameter launches). Each Nesterov direction is
+        written once, straight into its place in that call's input, in the NS
+        dtype; the scaled update stays in the NS dtype until it is added to its
+        parameter: no float32 copies, concatenations or casts of ~1B values.
         """
         params = [p for p, _ in members]
-        directions = self._momentum([p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
-                                    momentum, nesterov)
+        grads = [p.grad for p in params]
+        bufs = [self.state[p]["momentum_buffer"] for p in params]
+        # NOTE: the named ranges split the optimizer's time in a torch.profiler trace.
+        with record_function("muon.momentum"):
+            torch._foreach_mul_(bufs, momentum)
+            torch._foreach_add_(bufs, grads)
+        ns_dtype = self.ns_dtype or default_ns_dtype(params[0].device)
+        views = [blocks_of(p, spec) for p, spec in members]
+        updates: list[torch.Tensor | None] = [None] * len(params)
         with record_function("muon.orthogonalise"):
-            updates = orthogonalise_batched(directions, [spec for _, spec in members], ns_steps=ns_steps,
-                                            ns_dtype=self.ns_dtype)
-        _apply(params, updates, lr, wd)
+            for (rows, cols), idx in by_block_shape(views).items():
+                counts = [views[i].shape[0] for i in idx]
+                stacked = views[idx[0]].new_empty((sum(counts), rows, cols), dtype=ns_dtype)
+                for i, dst in zip(idx, stacked.split(counts)):
+                    g, buf = blocks_of(grads[i], members[i][1]), blocks_of(bufs[i], members[i][1])
+                    if nesterov:
+                        torch.add(g, buf, alpha=momentum, out=dst)
+                    else:
+                        dst.copy_(buf)
+                for i, u in zip(idx, orthogonalise_stacked(stacked, ns_steps, ns_dtype).split(counts)):
+                    updates[i] = u
+        _apply(views, updates, lr, wd)
 
     @staticmethod
     def _momentum(grads: list, bufs: list, momentum: float, nesterov: bool) -> list:
@@ -290,7 +322,7 @@ class PerHeadMuon(torch.optim.Optimizer):
 
 
 def _apply(params: list, updates: list, lr: float, wd: float) -> None:
-    """p <- p * (1 - lr * wd) - lr * update, foreach over plain tensors."""
+    """p <- p * (1 - lr * wd) - lr * update, foreach over plain tensors (an update may be of a lower dtype)."""
     with record_function("muon.apply"):
         if wd != 0:
             torch._foreach_mul_(params, 1.0 - lr * wd)
