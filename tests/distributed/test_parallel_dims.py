@@ -81,3 +81,21 @@ def test_activation_checkpointing_reuses_routing_and_updates_once():
         for (name, p), q in zip(plain.named_parameters(), other.parameters()):
             if p.grad is not None:
                 torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=f"{mode}: {name}")
+
+
+def test_torchrun_with_one_process_trains_as_a_plain_process(monkeypatch):
+    """A mesh of one has nothing to shard: no process group, no FSDP (its copies and hooks are pure overhead)."""
+    import torch.distributed as dist
+
+    from titan_k3.config import load_job_config
+    from titan_k3.parallel.distributed import setup_distributed
+
+    for key, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29999", "TORCHELASTIC_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(key, value)
+    out = setup_distributed(load_job_config([]).parallelism, torch.device("cpu"), n_experts=8)
+    assert out.mesh is None and out.dp_group is None and (out.dp_rank, out.dp_world) == (0, 1)
+    assert not dist.is_initialized()
+    with pytest.raises(ConfigError, match="expert_parallel_degree"):  # degrees are still checked against the world
+        setup_distributed(load_job_config(["--parallelism.expert_parallel_degree", "2"]).parallelism,
+                          torch.device("cpu"), n_experts=8)

@@ -49,13 +49,18 @@ def _attempt_store(world: int) -> dict:
 
 
 def setup_distributed(parallelism_cfg, device: torch.device, n_experts: int) -> Distributed:
-    """Init the process group and the mesh under torchrun; a plain single process otherwise."""
+    """Init the process group and the mesh under torchrun with 2+ processes; a plain single process otherwise."""
     if "WORLD_SIZE" not in os.environ:
         return Distributed(ParallelDims.from_config(parallelism_cfg, 1, n_experts), None, 0, 1, None)
     world = int(os.environ["WORLD_SIZE"])
     dims = ParallelDims.from_config(parallelism_cfg, world, n_experts)  # refuse before any collective
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if world == 1:
+        # NOTE: one rank has nothing to shard or reduce. FSDP over a mesh of one only adds parameter and
+        # gradient copies, hooks, and graph breaks where a router's own FSDP group sits inside a compiled
+        # sublayer; torchrun with one process therefore trains exactly as a plain process does.
+        return Distributed(dims, None, 0, 1, None)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None,
                                 **_attempt_store(world))
