@@ -35,7 +35,9 @@ from titan_k3.models.k3.args import count_params, flops_per_token, get_flavor
 from titan_k3.models.k3.impl import resolve_impl
 from titan_k3.models.k3.model import K3Model
 from titan_k3.optim import LRSchedule, ParamSpec, build_optimizers, qk_clip_
-from titan_k3.parallel import CompileWatch, clip_grad_norm_, init_weights, parallelize, setup_distributed
+from titan_k3.parallel import (
+    CompileWatch, clip_grad_norm_, init_weights, parallelize, setup_distributed, sum_replicated_grads,
+)
 
 IGNORE_INDEX = -100
 
@@ -220,6 +222,7 @@ class Trainer:
                                  b.cu_seqlens)
             (out.loss_sum / global_valid).backward()
             loss_sum += out.loss_sum.detach().float()
+        sum_replicated_grads(self.model, self.dp_group)
         loss_t = self._all_reduce(loss_sum) / global_valid
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.reporter.is_log_step(self.step + 1):

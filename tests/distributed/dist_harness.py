@@ -6,7 +6,7 @@ GLOBAL_BATCH / W). Recorded per step: loss, grad norm, the fingerprints of
 every sequence this rank trained on, the largest MLA logit that QK-Clip saw,
 and (distributed) whether the routing state is bit-identical on all ranks;
 per run: how many blocking all-to-alls (expert parallelism's count exchanges,
-each a host wait) ran.
+each a host wait) ran, and how many graph breaks fell at functions dynamo skips.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ def run_trainer(argv: list[str], dump: str, name: str, steps: int = STEPS) -> di
     from titan_k3.config import load_job_config
     from titan_k3.train import Trainer
 
+    from torch._dynamo.utils import counters
+
+    counters.clear()  # graph breaks of this run only
     cfg = load_job_config(BASE_ARGS + argv + ["--job.dump_folder", dump, "--job.name", name])
     trainer = Trainer(cfg)
     seen, max_logits = [], []
@@ -72,10 +75,17 @@ def run_trainer(argv: list[str], dump: str, name: str, steps: int = STEPS) -> di
             if trainer.dp_group is not None:
                 out["routing_identical"].append(_routing_identical(trainer))
         out["qb_bias"] = torch.cat([r.qb_bias for r in trainer.model.moe_routers().values()]).clone()
+        out["router_weight"] = torch.cat([_full(r.weight).detach().flatten() for r in trainer.model.moe_routers().values()])
+        # Breaks at functions dynamo must skip (FSDP hooks inside a compiled region), apart from data-dependent ones.
+        out["skipped_function_breaks"] = sum(n for reason, n in counters["graph_break"].items() if "skipped" in reason)
     finally:
         dist.all_to_all_single = all_to_all_single
         trainer.close()
     return out
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _routing_identical(trainer) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from dist_harness import GLOBAL_BATCH, GRAD_ACCUM, STEPS, run_distributed, run_trainer
@@ -46,6 +47,11 @@ def _check(ranks: list[dict], ref: dict, name: str, steps: int = STEPS) -> None:
             assert sum(len(s) for s in per_rank) == len(set().union(*per_rank)), f"{name}: ranks overlap"
     # The comparison proves something only if training moved the routing state.
     assert any(abs(x) > 0 for x in ranks[0][name]["qb_bias"].tolist())
+    # Router weights: whole on every rank, and trained by the global gradient (summed over the ranks).
+    weights = [result[name]["router_weight"] for result in ranks]
+    assert all(torch.equal(w, weights[0]) for w in weights), f"{name}: router weights differ between ranks"
+    if steps == STEPS:  # the reference's weights are those after all its updates
+        torch.testing.assert_close(weights[0], ref["router_weight"], rtol=1e-4, atol=1e-6, msg=f"{name}: router weights")
 
 
 def test_two_processes_fsdp2_and_ep(reference, tmp_path):
@@ -57,6 +63,8 @@ def test_two_processes_fsdp2_and_ep(reference, tmp_path):
     ranks = run_distributed(2, runs, tmp_path)
     for name, _, steps in runs:
         _check(ranks, reference, name, steps)
+    # The routers stay out of FSDP: no FSDP hook inside a compiled sublayer breaks its graph.
+    assert [rank["fsdp2_compile"]["skipped_function_breaks"] for rank in ranks] == [0, 0]
     for run in (rank["fsdp2_ep2_ac_full"] for rank in ranks):
         # One host wait per MoE layer and microbatch forward: the full-checkpoint recompute reuses the splits.
         assert run["count_exchanges"] == STEPS * GRAD_ACCUM * run["moe_layers"] > 0, run["count_exchanges"]

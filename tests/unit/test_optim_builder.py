@@ -161,3 +161,17 @@ def test_rejects_bad_specs_naming_the_param():
     with pytest.raises(ValueError, match="ParamSpec"):
         build_optimizers(params.items(), lambda n, p: {"use_muon": True}, lr=1e-3)
     assert isinstance(build_optimizers(params.items(), _spec_of, lr=1e-3), Optimizers)
+
+
+def test_replicated_params_get_adamw_groups_of_their_own():
+    """Routers (replicated under FSDP) never share an AdamW group: fused AdamW cannot mix plain tensors and DTensors,
+    and the grouping (which a checkpoint records) must be the same at every world size."""
+    params = {"emb": torch.nn.Parameter(torch.randn(4, 3)), "router": torch.nn.Parameter(torch.randn(2, 3)),
+              "norm": torch.nn.Parameter(torch.ones(3))}
+    specs = {"emb": ParamSpec(use_muon=False), "router": ParamSpec(use_muon=False, replicated=True),
+             "norm": ParamSpec(use_muon=False, weight_decay=False)}
+    opts = build_optimizers(params.items(), lambda name, _p: specs[name], lr=0.1, weight_decay=0.1)
+    groups = [[n for p in g["params"] for n, q in params.items() if q is p] for g in opts.adamw.param_groups]
+    assert groups == [["emb"], ["norm"], ["router"]]
+    assert [g["weight_decay"] for g in opts.adamw.param_groups] == [0.1, 0.0, 0.1]
+    assert opts.names["adamw"] == ["emb", "norm", "router"]

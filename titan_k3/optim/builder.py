@@ -150,9 +150,13 @@ def build_optimizers(
     if not weight_decay >= 0:
         raise ValueError(f"build_optimizers: weight_decay={weight_decay}; must be >= 0")
 
-    # Muon groups keyed by (num_heads, per_expert, weight_decay); AdamW by weight_decay.
+    # Muon groups keyed by (num_heads, per_expert, weight_decay); AdamW by (weight_decay, replicated).
+    # NOTE: replicated parameters get AdamW groups of their own at every world size: under FSDP they are
+    # plain tensors among DTensors, which one fused AdamW call cannot mix, and a checkpoint's grouping must
+    # not depend on the world size that wrote it.
     muon_groups: dict[tuple[int, bool, bool], list[tuple[str, torch.nn.Parameter]]] = {}
-    adamw_groups: dict[bool, list[tuple[str, torch.nn.Parameter]]] = {True: [], False: []}
+    adamw_groups: dict[tuple[bool, bool], list[tuple[str, torch.nn.Parameter]]] = {
+        (decay, replicated): [] for replicated in (False, True) for decay in (True, False)}
     seen: dict[int, str] = {}
     for name, p in named_params:
         if not p.requires_grad:
@@ -165,7 +169,7 @@ def build_optimizers(
         if use_muon and spec.use_muon:
             muon_groups.setdefault((spec.num_heads, spec.per_expert, spec.weight_decay), []).append((name, p))
         else:
-            adamw_groups[spec.weight_decay].append((name, p))
+            adamw_groups[(spec.weight_decay, spec.replicated)].append((name, p))
     if not seen:
         raise ValueError("build_optimizers: named_params holds no trainable parameter")
 
@@ -182,7 +186,7 @@ def build_optimizers(
             ns_steps=ns_steps, ns_dtype=ns_dtype,
         )
         names["muon"] = [n for members in muon_groups.values() for n, _ in members]
-    adamw_members = [(decay, m) for decay, m in adamw_groups.items() if m]
+    adamw_members = [(decay, m) for (decay, _), m in adamw_groups.items() if m]
     if adamw_members:
         params = [p for _, m in adamw_members for _, p in m]
         on_cuda = all(p.is_cuda for p in params)

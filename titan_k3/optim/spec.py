@@ -23,12 +23,17 @@ class ParamSpec:
                   many equal row blocks, each orthogonalised on its own.
     per_expert:   Muon only: a 3-D weight [E, a, b] is E matrices.
     weight_decay: False for norms, A_log, dt_bias and pseudo-queries.
+    replicated:   kept whole on every data-parallel rank (FSDP leaves it out; its
+                  gradient is summed over the ranks): the routers, whose float32
+                  weights must not pass through FSDP's bf16 all-gather. AdamW keeps
+                  these in groups of their own, whatever the world size.
     """
 
     use_muon: bool
     num_heads: int = 1
     per_expert: bool = False
     weight_decay: bool = True
+    replicated: bool = False
 
 
 def check_spec(name: str, shape: torch.Size | tuple[int, ...], spec: ParamSpec) -> None:

@@ -1,9 +1,12 @@
 """Composable parallelism on torch's own stack: DeviceMesh, DTensor, FSDP2, all-to-all EP, AC, compile, FP8."""
 
 from titan_k3.parallel.dims import ParallelDims
-from titan_k3.parallel.distributed import CompileWatch, Distributed, clip_grad_norm_, init_weights, setup_distributed
+from titan_k3.parallel.distributed import (
+    CompileWatch, Distributed, clip_grad_norm_, init_weights, setup_distributed, sum_replicated_grads,
+)
 from titan_k3.parallel.parallelize import parallelize
 
 __all__ = [
     "CompileWatch", "Distributed", "ParallelDims", "clip_grad_norm_", "init_weights", "parallelize", "setup_distributed",
+    "sum_replicated_grads",
 ]

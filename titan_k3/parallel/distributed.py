@@ -128,6 +128,25 @@ def all_gather_small(x: torch.Tensor, group) -> torch.Tensor:
 
 
 @torch.no_grad()
+def sum_replicated_grads(model: nn.Module, group) -> None:
+    """Sum over the data-parallel ranks the gradients of parameters FSDP leaves whole (plain tensors among DTensors).
+
+    One all-reduce for all of them (the routers: a few hundred KB). Like FSDP's
+    own reduction it sums, never averages: the loss is already divided by the
+    global token count. No-op for a plain single process.
+    """
+    if group is None:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None and not isinstance(p, DTensor)]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1).float() for g in grads]).to(comm_device(group))
+    dist.all_reduce(flat, group=group)
+    for g, summed in zip(grads, flat.to(grads[0].device).split([g.numel() for g in grads])):
+        g.copy_(summed.view_as(g))
+
+
+@torch.no_grad()
 def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Global gradient norm over all shards of all parameters (any mix of meshes); scale grads to max_norm.
 

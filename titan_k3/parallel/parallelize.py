@@ -176,24 +176,27 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, mesh, param_dtype: torch.dt
 
     Under EP the experts of a MoE block are their own FSDP group over the
     expert mesh (their DTensors already split over "ep"); the rest of the
-    MoE and the block shard over the dense mesh. Routers keep float32
-    parameters so routing does not depend on the compute dtype.
+    MoE and the block shard over the dense mesh. Replicated parameters (the
+    routers: `optim_hints`) stay out of FSDP as plain float32 tensors, so
+    routing does not depend on the compute dtype; `sum_replicated_grads` sums
+    their gradients.
+    NOTE: a router used to be an FSDP group of its own (float32 policy); its
+    hooks then ran inside the compiled FFN sublayer and broke its graph twice.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    hints = model.optim_hints()
+    replicated = {p for name, p in model.named_parameters() if hints[name].get("replicated", False)}
     dense = dims.dense_mesh(mesh)
     for block in model.layers.values():
-        if block.is_moe:
+        if block.is_moe and dims.ep > 1:
             moe = block.ffn
-            fully_shard(moe.router, mesh=dense, mp_policy=fp32)
-            if dims.ep > 1:
-                rest = [m for m in (moe.w_down, moe.latent_norm, moe.w_up, moe.shared) if m is not None]
-                fully_shard(rest, mesh=dense, mp_policy=mp)
-                fully_shard(moe, mesh=dims.expert_mesh(mesh), mp_policy=mp)
-        fully_shard(block, mesh=dense, mp_policy=mp)
-    fully_shard(model, mesh=dense, mp_policy=mp)
+            rest = [m for m in (moe.w_down, moe.latent_norm, moe.w_up, moe.shared) if m is not None]
+            fully_shard(rest, mesh=dense, mp_policy=mp)
+            fully_shard(moe, mesh=dims.expert_mesh(mesh), mp_policy=mp, ignored_params=replicated)
+        fully_shard(block, mesh=dense, mp_policy=mp, ignored_params=replicated)
+    fully_shard(model, mesh=dense, mp_policy=mp, ignored_params=replicated)
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):
             _sum_gradients(module)

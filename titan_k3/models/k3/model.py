@@ -124,14 +124,17 @@ class K3Model(nn.Module):
         """Per parameter name: how the optimizer should treat it (K3_SPEC §4), as plain dicts.
 
         Keys: use_muon, num_heads (row blocks orthogonalised on their own),
-        per_expert (3-D expert weights: one matrix per expert), weight_decay.
+        per_expert (3-D expert weights: one matrix per expert), weight_decay,
+        replicated (whole on every data-parallel rank: the routers).
         """
         a = self.args
         hints: dict[str, dict] = {}
         for name, p in self.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
             adam = dict(use_muon=False, num_heads=1, per_expert=False, weight_decay=True)
-            if name.startswith(("tok_embeddings", "output")) or ".router." in name or leaf.endswith("_conv"):
+            if ".router." in name:
+                hints[name] = dict(adam, replicated=True)
+            elif name.startswith(("tok_embeddings", "output")) or leaf.endswith("_conv"):
                 hints[name] = adam
             elif leaf in ("A_log", "dt_bias", "o_norm", "query") or "norm" in name.rsplit(".", 2)[-2] or p.ndim == 1:
                 hints[name] = dict(adam, weight_decay=False)
