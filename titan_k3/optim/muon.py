@@ -449,19 +449,19 @@ def _exchange(pg, world: int, me: int, owned: list[list[_Remote]], ns_dtype) -> 
     for owner, members in enumerate(owned):
         if not members:
             continue
-        rows = [m.shard_numel for m in members]
-        out = members[0].direction.new_empty(sum(rows))
+        sizes = [m.shard_numel for m in members]
+        out = members[0].direction.new_empty(sum(sizes))
         send = None
         if me == owner:
             padded = [_padded(u, m.chunk * world).reshape(world, -1) for u, m in zip(full_updates, members)]
             send = [torch.cat([x[r] for x in padded]) for r in range(world)]
         works.append(dist.scatter(out, send, src=dist.get_global_rank(pg, owner), group=pg, async_op=True))
-        results.append((members, out, rows))
+        results.append((members, out, sizes))
     for work in works:
         work.wait()
     updates = {}
-    for members, out, rows in results:
-        for m, piece in zip(members, out.split(rows)):
+    for members, out, sizes in results:
+        for m, piece in zip(members, out.split(sizes)):
             updates[m.p] = piece.view(m.chunk, *m.p.shape[1:])[: m.direction.shape[0]]
     return updates
 
