@@ -64,3 +64,20 @@ def test_profiling_window_must_end_within_the_run():
     with pytest.raises(ConfigError, match="profiling updates 9-10 must end by training.steps = 5"):
         load_job_config(["--training.steps", "5", "--profiling.enable", "true", "--profiling.start_step", "9",
                          "--profiling.steps", "2"])
+
+
+def test_a_failing_profile_summary_is_loud_and_does_not_end_the_run(tmp_path, monkeypatch, capsys):
+    import titan_k3.metrics.profile as profile
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("no kernels table")
+
+    monkeypatch.setattr(profile, "profile_report", broken)
+    assert main(["--model.flavor", "debug", "--training.seq_len", "64", "--training.steps", "3",
+                 "--lr_scheduler.warmup_steps", "1", "--profiling.enable", "true", "--profiling.start_step", "2",
+                 "--job.dump_folder", str(tmp_path), "--job.name", "p"]) == 0
+    assert "writing the profile failed: RuntimeError: no kernels table" in capsys.readouterr().out
+    events = [json.loads(line) for line in (tmp_path / "p" / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["kind"] == "profile_failed"] == [2]
+    last = json.loads((tmp_path / "p" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 3  # the run went on to its last update

@@ -149,7 +149,10 @@ class StepProfiler:
             self._t0 = time.perf_counter()
 
     def after(self, update: int) -> Path | None:
-        """Ends the profile after its last update; returns the summary's path then."""
+        """Ends the profile after its last update; returns the summary's path then.
+
+        If writing it fails, the run goes on: the failure is printed and logged as a "profile_failed" event.
+        """
         if self._prof is None or update != self.last:
             return None
         synchronize()
@@ -159,13 +162,20 @@ class StepProfiler:
         first = self.cfg.start_step
         title = f"rank {self.rank}, updates {first}-{self.last} ({self.last - first + 1})"
         summary = self.run_dir / f"profile-rank{self.rank}.txt"
-        summary.write_text(profile_report(prof, wall, title))
-        if self.cfg.trace:
-            raw = self.run_dir / f"trace-rank{self.rank}.json"
-            prof.export_chrome_trace(str(raw))
-            with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            raw.unlink()
+        try:
+            summary.write_text(profile_report(prof, wall, title))
+            if self.cfg.trace:
+                raw = self.run_dir / f"trace-rank{self.rank}.json"
+                prof.export_chrome_trace(str(raw))
+                with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+                raw.unlink()
+        except Exception as e:  # noqa: BLE001 - a diagnostic must not end the training it observes
+            message = f"updates {first}-{self.last}: writing the profile failed: {type(e).__name__}: {e}"
+            print(f"[profile] {message}", flush=True)
+            if self.events is not None:
+                self.events.emit("profile_failed", message, step=update)
+            return None
         if self.events is not None:
             self.events.emit("profile", f"updates {first}-{self.last} profiled: {summary}", step=update)
         return summary
