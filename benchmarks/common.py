@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 import triton
 
+from titan_k3.metrics.profile import synchronize as sync  # noqa: F401 - the benchmarks' GPU wait
+
 ROOT = Path(__file__).resolve().parents[1]
 # NOTE: run directories of benchmark trainings stay out of the results folder (a device call returns few files).
 RUNS = Path(os.environ.get("BENCH_RUNS", "/tmp/titan_k3-bench-runs"))
@@ -31,12 +33,6 @@ def git_commit() -> str:
     except OSError:
         return "unknown"
     return out.stdout.strip() or "unknown"
-
-
-def sync() -> None:
-    """Wait for the GPU (no-op without CUDA: the scripts also run on CPU, as a smoke test)."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def peak_gib() -> float:

@@ -94,7 +94,8 @@ def profile_report(prof, wall_s: float, title: str = "") -> str:
                      + ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items() if k != "wall"))
         by_kind: dict[str, float] = {}
         for name, s, e in kernels:
-            by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + (e - s)
+            kind = kernel_kind(name)
+            by_kind[kind] = by_kind.get(kind, 0.0) + (e - s)
         total = sum(by_kind.values()) or 1.0
         lines.append("GPU time by kind: " + ", ".join(
             f"{k} {v / 1e3:.1f} ms ({100 * v / total:.1f}%)" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])))
@@ -125,6 +126,7 @@ def profile_activities() -> list:
 
 
 def synchronize() -> None:
+    """Wait for the GPU (no-op without CUDA: CPU runs and tests take the same path)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 

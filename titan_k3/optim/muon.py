@@ -251,10 +251,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         params = [p for p, _ in members]
         grads = [p.grad for p in params]
         bufs = [self.state[p]["momentum_buffer"] for p in params]
-        # NOTE: the named ranges split the optimizer's time in a torch.profiler trace.
-        with record_function("muon.momentum"):
-            torch._foreach_mul_(bufs, momentum)
-            torch._foreach_add_(bufs, grads)
+        _advance_momentum(grads, bufs, momentum)
         ns_dtype = self.ns_dtype or default_ns_dtype(params[0].device)
         views = [blocks_of(p, spec) for p, spec in members]
         updates: list[torch.Tensor | None] = [None] * len(params)
@@ -271,15 +268,6 @@ class PerHeadMuon(torch.optim.Optimizer):
                 for i, u in zip(idx, orthogonalise_stacked(stacked, ns_steps, ns_dtype).split(counts)):
                     updates[i] = u
         _apply(views, updates, lr, wd)
-
-    @staticmethod
-    def _momentum(grads: list, bufs: list, momentum: float, nesterov: bool) -> list:
-        """buf <- momentum * buf + grad (in place, foreach); returns the directions (Nesterov: grad + momentum * buf)."""
-        # NOTE: the named ranges split the optimizer's time in a torch.profiler trace.
-        with record_function("muon.momentum"):
-            torch._foreach_mul_(bufs, momentum)
-            torch._foreach_add_(bufs, grads)
-            return torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else list(bufs)
 
     def _step_sharded(self, items: list) -> None:
         """Muon on dim-0-sharded DTensors (FSDP2, EP), working on local shards only.
@@ -299,7 +287,8 @@ class PerHeadMuon(torch.optim.Optimizer):
         for (momentum, nesterov), params in by_momentum.items():
             grads = [p.grad.to_local() for p in params]
             bufs = [self.state[p]["momentum_buffer"].to_local() for p in params]
-            directions.update(zip(params, self._momentum(grads, bufs, momentum, nesterov)))
+            _advance_momentum(grads, bufs, momentum)
+            directions.update(zip(params, torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else bufs))
         local, remote = {}, []
         for p, group, spec in items:
             local_spec = _local_block_spec(p, spec)
@@ -319,6 +308,14 @@ class PerHeadMuon(torch.optim.Optimizer):
             by_decay.setdefault((group["lr"], group["weight_decay"]), []).append(p)
         for (lr, wd), params in by_decay.items():
             _apply([p.to_local() for p in params], [local_updates[p] for p in params], lr, wd)
+
+
+def _advance_momentum(grads: list, bufs: list, momentum: float) -> None:
+    """buf <- momentum * buf + grad, in place, foreach (the directions are formed by each caller)."""
+    # NOTE: the named ranges split the optimizer's time in a torch.profiler trace.
+    with record_function("muon.momentum"):
+        torch._foreach_mul_(bufs, momentum)
+        torch._foreach_add_(bufs, grads)
 
 
 def _apply(params: list, updates: list, lr: float, wd: float) -> None:
