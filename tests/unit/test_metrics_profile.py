@@ -7,7 +7,11 @@ import pytest
 
 from titan_k3.config import load_job_config
 from titan_k3.config.manager import ConfigError
-from titan_k3.metrics.profile import exposed_length, kernel_kind, timeline, union_length
+from types import SimpleNamespace
+
+from torch.autograd import DeviceType
+
+from titan_k3.metrics.profile import _gpu_kernels, exposed_length, kernel_kind, timeline, union_length
 from titan_k3.train import main
 
 
@@ -32,6 +36,21 @@ def test_timeline_shares_of_the_wall():
     assert shares["compute"] == pytest.approx(0.25)
     assert shares["communication"] == pytest.approx(0.10)
     assert shares["exposed communication"] == pytest.approx(0.05)
+
+
+def test_gpu_annotations_are_not_kernels():
+    """A record_function range mirrored on the GPU spans its kernels and the gaps: neither busy time nor a kernel."""
+    def event(name, start, end, device=DeviceType.CUDA, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    prof = SimpleNamespace(events=lambda: [
+        event("muon.orthogonalise", 0, 100, annotation=True), event("nvjet_tst_a", 0, 10), event("nvjet_tst_b", 90, 100),
+        event("aten::mm", 0, 5, device=DeviceType.CPU), event("empty", 7, 7),
+    ])
+    kernels = _gpu_kernels(prof)
+    assert [k[0] for k in kernels] == ["nvjet_tst_a", "nvjet_tst_b"]
+    assert timeline(kernels, wall=100)["busy"] == pytest.approx(0.20)
 
 
 @pytest.mark.parametrize("name, kind", [

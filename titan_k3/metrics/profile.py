@@ -76,9 +76,18 @@ def timeline(kernels: list[tuple[str, float, float]], wall: float) -> dict[str, 
 
 
 def _gpu_kernels(prof) -> list[tuple[str, float, float]]:
-    """(name, start_us, end_us) of every GPU kernel the profiler saw."""
+    """(name, start_us, end_us) of every GPU kernel the profiler saw.
+
+    NOTE: not the GPU mirrors of `record_function` ranges (user annotations):
+    they span their kernels and the gaps between them, so counting them would
+    call idle time busy and count every annotated kernel twice.
+    """
     return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-            if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
+            if e.device_type == DeviceType.CUDA and not _annotation(e) and e.time_range.end > e.time_range.start]
+
+
+def _annotation(e) -> bool:
+    return bool(getattr(e, "is_user_annotation", False))
 
 
 def profile_report(prof, wall_s: float, title: str = "") -> str:
@@ -104,7 +113,7 @@ def profile_report(prof, wall_s: float, title: str = "") -> str:
     lines += ["", events.table(sort_by=sort, row_limit=30, max_name_column_width=70)]
     if on_gpu:
         ops = sorted((e for e in events if "::" in e.key), key=lambda e: e.self_device_time_total, reverse=True)
-        total = sum(e.self_device_time_total for e in events) or 1
+        total = sum(e.self_device_time_total for e in events if not _annotation(e)) or 1
         lines += ["Operators by self GPU time:"] + [
             f"{e.self_device_time_total / 1e3:10.2f} ms {100 * e.self_device_time_total / total:5.1f}%  "
             f"{e.count:6d} calls  {e.key}" for e in ops[:40]]

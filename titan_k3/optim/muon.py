@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.profiler import record_function
 
+from kernels.muon import decay_add_, nesterov_momentum_
 from titan_k3.optim.spec import ParamSpec, check_spec
 
 # Quintic Newton–Schulz coefficients: they push every singular value of a
@@ -67,9 +68,12 @@ def newton_schulz(
         A = X3 @ X3.mT
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
         s = scale if step == steps - 1 else 1.0
+        if transposed and step == steps - 1:
+            # NOTE: the last step writes the caller's orientation, (B X)^T = X^T B (B is symmetric), so the
+            # result is contiguous and the update pass reads it in order (a transposed view reads strided).
+            return torch.baddbmm(X3.mT, X3.mT, B, beta=a * s, alpha=s).reshape(G.shape)
         X3 = torch.baddbmm(X3, B, X3, beta=a * s, alpha=s)
-    X = X3.reshape(X.shape)
-    return X.mT if transposed else X
+    return X3.reshape(G.shape)
 
 
 def muon_scale(rows: int, cols: int) -> float:
@@ -113,7 +117,7 @@ def orthogonalise_batched(
     """
     blocks = [blocks_of(d, spec) for d, spec in zip(directions, specs)]
     out: list[torch.Tensor | None] = [None] * len(directions)
-    for (rows, cols), idx in by_block_shape(blocks).items():
+    for (rows, cols), idx in _largest_first(by_block_shape(blocks), blocks):
         stacked = blocks[idx[0]] if len(idx) == 1 else torch.cat([blocks[i] for i in idx])
         O = orthogonalise_stacked(stacked, ns_steps, ns_dtype)
         for i, u in zip(idx, O.split([blocks[i].shape[0] for i in idx])):
@@ -243,28 +247,28 @@ class PerHeadMuon(torch.optim.Optimizer):
         Same math as `muon_update` per parameter, with every block of one
         [r, c] shape, over all members, in one batched Newton–Schulz call (a
         step launches a few kernels per block shape; a k3-mini step was
-        host-bound on per-parameter launches). Each Nesterov direction is
-        written once, straight into its place in that call's input, in the NS
-        dtype; the scaled update stays in the NS dtype until it is added to its
-        parameter: no float32 copies, concatenations or casts of ~1B values.
+        host-bound on per-parameter launches). One fused pass per parameter
+        advances its momentum and writes its Nesterov direction straight into
+        its place in that call's input, in the NS dtype; the scaled update stays
+        in the NS dtype until one fused pass decays the parameter and adds it:
+        no float32 copies, concatenations or casts of ~1B values. The largest
+        block shapes go first: the host queues the long expert batches and
+        then the many small ones while the GPU runs (after the step's host sync
+        the queue is empty, and the small batches alone are launch-bound).
         """
         params = [p for p, _ in members]
-        grads = [p.grad for p in params]
-        bufs = [self.state[p]["momentum_buffer"] for p in params]
-        _advance_momentum(grads, bufs, momentum)
         ns_dtype = self.ns_dtype or default_ns_dtype(params[0].device)
         views = [blocks_of(p, spec) for p, spec in members]
         updates: list[torch.Tensor | None] = [None] * len(params)
         with record_function("muon.orthogonalise"):
-            for (rows, cols), idx in by_block_shape(views).items():
+            for (rows, cols), idx in _largest_first(by_block_shape(views), views):
                 counts = [views[i].shape[0] for i in idx]
                 stacked = views[idx[0]].new_empty((sum(counts), rows, cols), dtype=ns_dtype)
-                for i, dst in zip(idx, stacked.split(counts)):
-                    g, buf = blocks_of(grads[i], members[i][1]), blocks_of(bufs[i], members[i][1])
-                    if nesterov:
-                        torch.add(g, buf, alpha=momentum, out=dst)
-                    else:
-                        dst.copy_(buf)
+                with record_function("muon.momentum"):
+                    for i, dst in zip(idx, stacked.split(counts)):
+                        p, spec = members[i]
+                        nesterov_momentum_(blocks_of(p.grad, spec), blocks_of(self.state[p]["momentum_buffer"], spec),
+                                           dst, momentum, nesterov)
                 for i, u in zip(idx, orthogonalise_stacked(stacked, ns_steps, ns_dtype).split(counts)):
                     updates[i] = u
         _apply(views, updates, lr, wd)
@@ -284,11 +288,12 @@ class PerHeadMuon(torch.optim.Optimizer):
         by_momentum: dict[tuple, list] = {}
         for p, group, _ in items:
             by_momentum.setdefault((group["momentum"], group["nesterov"]), []).append(p)
-        for (momentum, nesterov), params in by_momentum.items():
-            grads = [p.grad.to_local() for p in params]
-            bufs = [self.state[p]["momentum_buffer"].to_local() for p in params]
-            _advance_momentum(grads, bufs, momentum)
-            directions.update(zip(params, torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else bufs))
+        with record_function("muon.momentum"):
+            for (momentum, nesterov), params in by_momentum.items():
+                for p in params:
+                    grad = p.grad.to_local()
+                    directions[p] = torch.empty_like(grad)
+                    nesterov_momentum_(grad, self.state[p]["momentum_buffer"].to_local(), directions[p], momentum, nesterov)
         local, remote = {}, []
         for p, group, spec in items:
             local_spec = _local_block_spec(p, spec)
@@ -310,20 +315,16 @@ class PerHeadMuon(torch.optim.Optimizer):
             _apply([p.to_local() for p in params], [local_updates[p] for p in params], lr, wd)
 
 
-def _advance_momentum(grads: list, bufs: list, momentum: float) -> None:
-    """buf <- momentum * buf + grad, in place, foreach (the directions are formed by each caller)."""
-    # NOTE: the named ranges split the optimizer's time in a torch.profiler trace.
-    with record_function("muon.momentum"):
-        torch._foreach_mul_(bufs, momentum)
-        torch._foreach_add_(bufs, grads)
+def _largest_first(groups: dict[tuple[int, int], list[int]], blocks: list[torch.Tensor]) -> list:
+    """The (block shape, indices) groups ordered by total elements, largest first."""
+    return sorted(groups.items(), key=lambda kv: -sum(blocks[i].numel() for i in kv[1]))
 
 
 def _apply(params: list, updates: list, lr: float, wd: float) -> None:
-    """p <- p * (1 - lr * wd) - lr * update, foreach over plain tensors (an update may be of a lower dtype)."""
+    """p <- p * (1 - lr * wd) - lr * update, one fused pass per plain tensor (an update may be of a lower dtype)."""
     with record_function("muon.apply"):
-        if wd != 0:
-            torch._foreach_mul_(params, 1.0 - lr * wd)
-        torch._foreach_add_(params, updates, alpha=-lr)
+        for p, u in zip(params, updates):
+            decay_add_(p, u, 1.0 - lr * wd, -lr)
 
 
 def _row_sharded(p: torch.Tensor) -> bool:
