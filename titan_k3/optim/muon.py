@@ -62,17 +62,20 @@ def newton_schulz(
     transposed = X.size(-2) > X.size(-1)
     if transposed:
         X = X.mT
-    # NOTE: baddbmm fuses each scale-and-add into its matmul: 3 kernels per step instead of 6.
+    # NOTE: one step is X <- a X + b A X + c A^2 X = B' X with B' = a I + b A + c A^2 (A = X X^T): the
+    # small [m, m] B' takes every coefficient (baddbmm, then a I on its diagonal), so the big [m, n]
+    # product is a plain bmm (a baddbmm on X would first copy all of X into its output).
     X3 = X.reshape(-1, *X.shape[-2:])
     for step in range(steps):
-        A = X3 @ X3.mT
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
         s = scale if step == steps - 1 else 1.0
+        A = X3 @ X3.mT
+        B = torch.baddbmm(A, A, A, beta=b * s, alpha=c * s)
+        B.diagonal(dim1=-2, dim2=-1).add_(a * s)
         if transposed and step == steps - 1:
-            # NOTE: the last step writes the caller's orientation, (B X)^T = X^T B (B is symmetric), so the
+            # NOTE: the last step writes the caller's orientation, (B' X)^T = X^T B' (B' is symmetric), so the
             # result is contiguous and the update pass reads it in order (a transposed view reads strided).
-            return torch.baddbmm(X3.mT, X3.mT, B, beta=a * s, alpha=s).reshape(G.shape)
-        X3 = torch.baddbmm(X3, B, X3, beta=a * s, alpha=s)
+            return torch.bmm(X3.mT, B).reshape(G.shape)
+        X3 = torch.bmm(B, X3)
     return X3.reshape(G.shape)
 
 
