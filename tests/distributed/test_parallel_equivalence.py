@@ -6,7 +6,8 @@ with a single process that takes the whole global batch: loss within 1e-5
 relative, grad norm within 1e-4 relative, the routing state bit-identical on
 every rank after every step, and the ranks' sequences together exactly the
 single process's sequences. Activation checkpointing (selective, full) and
-torch.compile ride along on some runs: they must not move the numbers either.
+torch.compile ride along on some runs, and one keeps FSDP2's parameters
+gathered from forward to backward: they must not move the numbers either.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ def _check(ranks: list[dict], ref: dict, name: str, steps: int = STEPS) -> None:
 
 def test_two_processes_fsdp2_and_ep(reference, tmp_path):
     runs = [
-        ("fsdp2_ac_selective", ["--activation_checkpoint.mode", "selective"], STEPS),
+        # Parameters kept gathered from forward to backward (one all-gather per block instead of two).
+        ("fsdp2_ac_selective", ["--activation_checkpoint.mode", "selective", "--parallelism.fsdp_reshard_after_forward",
+                                "false"], STEPS),
         ("fsdp2_ep2_ac_full", ["--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "full"], STEPS),
         ("fsdp2_compile", ["--compile.enable", "true", "--compile.backend", "aot_eager"], 2),
     ]

@@ -120,6 +120,8 @@ class Parallelism:
     """FSDP2 shard degree; -1 takes the rest of the world size."""
     expert_parallel_degree: int = 1
     """Ranks the routed experts are split over (folded onto the data-parallel ranks)."""
+    fsdp_reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward and gather them again for backward (FSDP2's default); false keeps them from forward to backward: one all-gather per block and step instead of two, for the memory of the unsharded bf16 parameters."""
 
 
 @dataclass

@@ -48,7 +48,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg, device: torch.d
         apply_compile(model, cfg.compile.backend)
         choices.append(KernelChoice("compile", cfg.compile.backend, cfg.compile.backend, False, "per sublayer"))
     if mesh is not None:
-        apply_fsdp(model, dims, mesh, param_dtype=DTYPES[cfg.training.compute_dtype])
+        apply_fsdp(model, dims, mesh, param_dtype=DTYPES[cfg.training.compute_dtype],
+                   reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
     fallbacks = [c for c in choices if c.fallback]
     if cfg.job.strict and fallbacks:
         raise ConfigError(f"job.strict = true and {fallbacks[0].op} falls back to '{fallbacks[0].chosen}': {fallbacks[0].reason}")
@@ -171,7 +172,7 @@ def apply_compile(model: nn.Module, backend: str) -> None:
     model.final_mix.compile(backend=backend)
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, mesh, param_dtype: torch.dtype) -> None:
+def apply_fsdp(model: nn.Module, dims: ParallelDims, mesh, param_dtype: torch.dtype, reshard_after_forward: bool = True) -> None:
     """FSDP2 per block and at the root; reduce in float32; no gradient division (the loss is already global).
 
     Under EP the experts of a MoE block are their own FSDP group over the
@@ -186,6 +187,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, mesh, param_dtype: torch.dt
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    shard = functools.partial(fully_shard, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     hints = model.optim_hints()
     replicated = {p for name, p in model.named_parameters() if hints[name].get("replicated", False)}
     dense = dims.dense_mesh(mesh)
@@ -193,10 +195,12 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, mesh, param_dtype: torch.dt
         if block.is_moe and dims.ep > 1:
             moe = block.ffn
             rest = [m for m in (moe.w_down, moe.latent_norm, moe.w_up, moe.shared) if m is not None]
-            fully_shard(rest, mesh=dense, mp_policy=mp)
-            fully_shard(moe, mesh=dims.expert_mesh(mesh), mp_policy=mp, ignored_params=replicated)
-        fully_shard(block, mesh=dense, mp_policy=mp, ignored_params=replicated)
-    fully_shard(model, mesh=dense, mp_policy=mp, ignored_params=replicated)
+            shard(rest, mesh=dense)
+            shard(moe, mesh=dims.expert_mesh(mesh), ignored_params=replicated)
+        shard(block, mesh=dense, ignored_params=replicated)
+    # NOTE: the root's parameters (embedding, final mix and norm, head) are used last in forward and first in
+    # backward: FSDP2 keeps a root gathered between the two whatever it is told.
+    shard(model, mesh=dense, ignored_params=replicated)
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):
             _sum_gradients(module)
