@@ -26,7 +26,9 @@ and the fused gate's derivative).
 import triton
 import triton.language as tl
 
-from kernels.kda.common import block_references, chunk_bounds, decayed_keys, load_state, sequence_bounds
+from kernels.kda.common import (
+    block_of, block_references, chunk_bounds, decayed_keys, load_state, middle_reference, sequence_bounds,
+)
 
 
 @triton.jit
@@ -77,13 +79,17 @@ def _dchunk_kernel(
     q, k, v, b, beta, A, Ai, h, dh, U, dU, do,
     dq, dk, dv, db, dbeta, dM, dA,
     chunk_indices, cu_seqlens, scale, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, PREC: tl.constexpr, FUSE_INTRA: tl.constexpr,
 ):
     """The dense per-chunk gradient terms for one K tile, walking V in tiles.
 
     The K-independent results (dv, dM, dA and their beta terms) come from the first K
     tile alone; dbeta is written per K tile ([NK, T, H]) and summed by the caller.
+    dq, dk, db are written in float32 for `_dintra_kernel` to complete.
+    FUSE_INTRA (the bounded safe gate only, `common.bounded_gate`): every K tile forms dM and dA itself
+    and adds its decayed-product gradients as `_dintra_kernel` would, so that dq, dk are final (stored in
+    their own dtype), db is complete, and neither dM, dA nor float32 dq, dk make a round trip through memory.
     """
     i_c, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, t0 = chunk_bounds(chunk_indices, cu_seqlens, i_c, BT)
@@ -120,17 +126,25 @@ def _dchunk_kernel(
         d_exp += tl.sum(s.to(tl.float32) * ds.to(tl.float32), 1)
         dr = tl.dot(tl.trans(ai.to(dt)), du.to(dt), input_precision=PREC)
         d_xk -= tl.dot(dr.to(dt), tl.trans(s.to(dt)), input_precision=PREC)
-        if i_k == 0:
+        if FUSE_INTRA:
             d_m += tl.dot(d_o.to(dt), tl.trans(u.to(dt)), input_precision=PREC)
             d_l -= tl.dot(dr.to(dt), tl.trans(u.to(dt)), input_precision=PREC)
+        else:
+            if i_k == 0:
+                d_m += tl.dot(d_o.to(dt), tl.trans(u.to(dt)), input_precision=PREC)
+                d_l -= tl.dot(dr.to(dt), tl.trans(u.to(dt)), input_precision=PREC)
+        if i_k == 0:
             vv = tl.load(v + offs_v, mask=m_tv, other=0.0).to(tl.float32)
             tl.store(dv + offs_v, (dr * bt[:, None]).to(dv.dtype.element_ty), mask=m_tv)
             d_beta += tl.sum(vv * dr, 1)
+    # dM: the gradient of the unscaled decayed product q k^T that M scales; dA that of decayed k k^T.
+    d_mm = tl.where(o_t[:, None] >= o_t[None, :], d_m * scale, 0.0)
+    d_l = tl.where(o_t[:, None] > o_t[None, :], d_l, 0.0)
+    d_aa = d_l * bt[:, None]
     if i_k == 0:
-        # Stored as the gradient of the unscaled decayed product q k^T that M scales.
-        tl.store(dM + offs_tt, tl.where(o_t[:, None] >= o_t[None, :], d_m * scale, 0.0), mask=m_t[:, None])
-        d_l = tl.where(o_t[:, None] > o_t[None, :], d_l, 0.0)
-        tl.store(dA + offs_tt, d_l * bt[:, None], mask=m_t[:, None])
+        if not FUSE_INTRA:
+            tl.store(dM + offs_tt, d_mm, mask=m_t[:, None])
+            tl.store(dA + offs_tt, d_aa, mask=m_t[:, None])
         d_beta += tl.sum(d_l * tl.load(A + offs_tt, mask=m_t[:, None], other=0.0), 1)
 
     offs_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
@@ -145,19 +159,72 @@ def _dchunk_kernel(
     xk_dxk = kk * e_b * d_xk
     d_beta += tl.sum(xk_dxk, 1)
     tl.store(dbeta + i_k * T * H + rows * H + i_h, d_beta, mask=m_t)
-    tl.store(dq + offs_k, scale * e_b * d_qd, mask=m_tk)
-    tl.store(dk + offs_k, e_d * d_kd + bt[:, None] * e_b * d_xk, mask=m_tk)
+    d_q = scale * e_b * d_qd
+    d_k = e_d * d_kd + bt[:, None] * e_b * d_xk
     d_b = scale * qq * e_b * d_qd - kd_dkd + bt[:, None] * xk_dxk
     # b_last enters through exp(b_last) h and through every Kd row.
     d_last = tl.sum(kd_dkd, 0) + tl.exp(b_last) * d_exp
     d_b += tl.where((rows == last)[:, None], d_last[None, :], 0.0)
-    tl.store(db + offs_k, d_b, mask=m_tk)
+    if FUSE_INTRA:
+        # Per 16-row block s, the rows of dM, dA, of their transposes and of the dense terms, picked
+        # out of [NS, BC, *] reshapes (register tensors cannot be sliced); then `_dintra_kernel`'s
+        # bounded split products, the reference at the block's middle row.
+        NS: tl.constexpr = BT // BC
+        o_c = tl.arange(0, BC)
+        dm3 = tl.reshape(d_mm, [NS, BC, BT])
+        da3 = tl.reshape(d_aa, [NS, BC, BT])
+        dmT3 = tl.reshape(tl.trans(d_mm), [NS, BC, BT])
+        daT3 = tl.reshape(tl.trans(d_aa), [NS, BC, BT])
+        dq3 = tl.reshape(d_q, [NS, BC, BK])
+        dk3 = tl.reshape(d_k, [NS, BC, BK])
+        db3 = tl.reshape(d_b, [NS, BC, BK])
+        for i_s in tl.static_range(NS):
+            r0 = t0 + i_s * BC
+            rows_s = r0 + o_c
+            m_sk = (rows_s < eos)[:, None] & m_k[None, :]
+            offs_s = rows_s[:, None] * (H * K) + i_h * K + o_k[None, :]
+            b_mid = middle_reference(b, r0, eos, i_h, o_k, m_k, H, K, BC)
+            b_s = tl.load(b + offs_s, mask=m_sk, other=0.0)
+            q_s = tl.load(q + offs_s, mask=m_sk, other=0.0).to(tl.float32)
+            k_s = tl.load(k + offs_s, mask=m_sk, other=0.0).to(tl.float32)
+            m_j = (rows < r0 + BC)[:, None] & m_tk
+            m_i = (rows >= r0)[:, None] & m_tk
+            dq_row, dk_row, dk_col = decayed_grads(
+                block_of(dm3, i_s, NS), block_of(da3, i_s, NS), block_of(dmT3, i_s, NS), block_of(daT3, i_s, NS),
+                b_s, qq, kk, b_t, b_mid, b_mid, m_j, m_i, m_sk, PREC,
+            )
+            tl.store(dq + offs_s, (block_of(dq3, i_s, NS) + dq_row).to(dq.dtype.element_ty), mask=m_sk)
+            tl.store(dk + offs_s, (block_of(dk3, i_s, NS) + dk_row + dk_col).to(dk.dtype.element_ty), mask=m_sk)
+            tl.store(db + offs_s, block_of(db3, i_s, NS) + q_s * dq_row + k_s * (dk_row - dk_col), mask=m_sk)
+    else:
+        tl.store(dq + offs_k, d_q, mask=m_tk)
+        tl.store(dk + offs_k, d_k, mask=m_tk)
+        tl.store(db + offs_k, d_b, mask=m_tk)
+
+
+@triton.jit
+def decayed_grads(dm_r, da_r, dm_c, da_c, b_s, q_t, k_t, b_t, b_row, b_col, m_j, m_i, m_sk, PREC: tl.constexpr):
+    """(dq_row, dk_row, dk_col) [BC, BK] of one 16-row block: its decayed-product gradients as rows and columns.
+
+    dm_r, da_r [BC, BT] are the block's rows of dM, dA, dm_c, da_c [BC, BT] its columns (transposed); b_s [BC, BK]
+    its decays; q_t, k_t, b_t [BT, BK] the chunk's. The row terms take the chunk's rows m_j [BT, BK] as columns j,
+    split at b_row; the column terms its rows m_i as rows i, split at b_col (module docstring).
+    """
+    k_j = k_t * tl.exp(tl.where(m_j, b_row[None, :] - b_t, float("-inf")))
+    e_i = tl.exp(tl.where(m_i, b_t - b_col[None, :], float("-inf")))
+    e_row = tl.exp(tl.where(m_sk, b_s - b_row[None, :], 0.0))
+    e_col = tl.exp(tl.where(m_sk, b_col[None, :] - b_s, 0.0))
+    dq_row = e_row * tl.dot(dm_r, k_j, input_precision=PREC)
+    dk_row = e_row * tl.dot(da_r, k_j, input_precision=PREC)
+    dk_col = e_col * (tl.dot(dm_c, q_t * e_i, input_precision=PREC) + tl.dot(da_c, k_t * e_i, input_precision=PREC))
+    return dq_row, dk_row, dk_col
 
 
 @triton.jit
 def _dintra_kernel(
     q, k, b, dM, dA, dq, dk, db, dq_out, dk_out, chunk_indices, cu_seqlens,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+    BOUNDED: tl.constexpr,
 ):
     """Decayed-product gradients of the 16 rows of block s, as rows (i) and as columns (j) of M and A.
 
@@ -167,7 +234,8 @@ def _dintra_kernel(
     column terms one against its later rows, each split at a reference row: the block's middle row where
     `block_references` says the block fits (the diagonal block included), else the block's first row for
     the row terms and the next block's first row for the column terms, the diagonal block then summed
-    column by column (exact for any decay).
+    column by column (exact for any decay). BOUNDED: every block fits by construction (`common.bounded_gate`);
+    neither the run-time check nor the column loop is compiled.
     """
     i_cs, i_h = tl.program_id(0), tl.program_id(1)
     NS: tl.constexpr = BT // BC
@@ -192,10 +260,18 @@ def _dintra_kernel(
             cols = i_k * BK + tl.arange(0, BK)
             m_k = cols < K
             m_sk = m_rows[:, None] & m_k[None, :]
-            fits, b_r0, b_mid = block_references(b, r0, eos, i_h, cols, m_k, H, K, BC)
-            b_r1 = tl.load(b + r1 * (H * K) + i_h * K + cols, mask=m_k, other=0.0)
-            b_row = tl.where(fits, b_mid, b_r0)
-            b_col = tl.where(fits, b_mid, b_r1)
+            if BOUNDED:
+                b_row = middle_reference(b, r0, eos, i_h, cols, m_k, H, K, BC)
+                b_col = b_row
+                j_end = r0 + BC
+                i_start = r0
+            else:
+                fits, b_r0, b_mid = block_references(b, r0, eos, i_h, cols, m_k, H, K, BC)
+                b_r1 = tl.load(b + r1 * (H * K) + i_h * K + cols, mask=m_k, other=0.0)
+                b_row = tl.where(fits, b_mid, b_r0)
+                b_col = tl.where(fits, b_mid, b_r1)
+                j_end = tl.where(fits, r0 + BC, r0)
+                i_start = tl.where(fits, r0, r0 + BC)
             offs_s = rows[:, None] * (H * K) + i_h * K + cols[None, :]
             b_s = tl.load(b + offs_s, mask=m_sk, other=0.0)
             q_s = tl.load(q + offs_s, mask=m_sk, other=0.0).to(tl.float32)
@@ -206,37 +282,33 @@ def _dintra_kernel(
             k_t = tl.load(k + offs_t, mask=m_tk, other=0.0).to(tl.float32)
             q_t = tl.load(q + offs_t, mask=m_tk, other=0.0).to(tl.float32)
             # Columns j of the row terms, rows i of the column terms (this block's own where it fits).
-            m_j = (rows_t < tl.where(fits, r0 + BC, r0))[:, None] & m_tk
-            m_i = (rows_t >= tl.where(fits, r0, r0 + BC))[:, None] & m_tk
-            k_j = k_t * tl.exp(tl.where(m_j, b_row[None, :] - b_t, float("-inf")))
-            e_i = tl.exp(tl.where(m_i, b_t - b_col[None, :], float("-inf")))
-            e_row = tl.exp(tl.where(m_sk, b_s - b_row[None, :], 0.0))
-            e_col = tl.exp(tl.where(m_sk, b_col[None, :] - b_s, 0.0))
-            dq_row = e_row * tl.dot(dm_r, k_j, input_precision=PREC)
-            dk_row = e_row * tl.dot(da_r, k_j, input_precision=PREC)
-            dk_col = e_col * (tl.dot(dm_c, q_t * e_i, input_precision=PREC)
-                              + tl.dot(da_c, k_t * e_i, input_precision=PREC))
-            if not fits:
-                for t in range(0, BC):
-                    # Row t of the diagonal block as column j = t of the row terms and as row i = t of the
-                    # column terms; a row t past eos meets only masked rows, so its clamped loads are unused.
-                    r_t = tl.minimum(r0 + t, eos - 1)
-                    offs_jt = r_t * (H * K) + i_h * K + cols
-                    b_jt = tl.load(b + offs_jt, mask=m_k, other=0.0)
-                    q_jt = tl.load(q + offs_jt, mask=m_k, other=0.0).to(tl.float32)
-                    k_jt = tl.load(k + offs_jt, mask=m_k, other=0.0).to(tl.float32)
-                    at_col = rows * (H * BT) + i_h * BT + i_s * BC + t
-                    dm_jt = tl.load(dM + at_col, mask=m_rows, other=0.0)
-                    da_jt = tl.load(dA + at_col, mask=m_rows, other=0.0)
-                    at_row = r_t * (H * BT) + i_h * BT + i_s * BC + o_c
-                    dm_it = tl.load(dM + at_row)
-                    da_it = tl.load(dA + at_row)
-                    e = tl.exp(tl.where((o_c >= t)[:, None] & m_sk, b_s - b_jt[None, :], float("-inf")))
-                    dq_row += dm_jt[:, None] * k_jt[None, :] * e
-                    dk_row += da_jt[:, None] * k_jt[None, :] * e
-                    live = r0 + t < eos
-                    e = tl.exp(tl.where((o_c <= t)[:, None] & m_sk & live, b_jt[None, :] - b_s, float("-inf")))
-                    dk_col += (dm_it[:, None] * q_jt[None, :] + da_it[:, None] * k_jt[None, :]) * e
+            m_j = (rows_t < j_end)[:, None] & m_tk
+            m_i = (rows_t >= i_start)[:, None] & m_tk
+            dq_row, dk_row, dk_col = decayed_grads(
+                dm_r, da_r, dm_c, da_c, b_s, q_t, k_t, b_t, b_row, b_col, m_j, m_i, m_sk, PREC,
+            )
+            if not BOUNDED:
+                if not fits:
+                    for t in range(0, BC):
+                        # Row t of the diagonal block as column j = t of the row terms and as row i = t of the
+                        # column terms; a row t past eos meets only masked rows, so its clamped loads are unused.
+                        r_t = tl.minimum(r0 + t, eos - 1)
+                        offs_jt = r_t * (H * K) + i_h * K + cols
+                        b_jt = tl.load(b + offs_jt, mask=m_k, other=0.0)
+                        q_jt = tl.load(q + offs_jt, mask=m_k, other=0.0).to(tl.float32)
+                        k_jt = tl.load(k + offs_jt, mask=m_k, other=0.0).to(tl.float32)
+                        at_col = rows * (H * BT) + i_h * BT + i_s * BC + t
+                        dm_jt = tl.load(dM + at_col, mask=m_rows, other=0.0)
+                        da_jt = tl.load(dA + at_col, mask=m_rows, other=0.0)
+                        at_row = r_t * (H * BT) + i_h * BT + i_s * BC + o_c
+                        dm_it = tl.load(dM + at_row)
+                        da_it = tl.load(dA + at_row)
+                        e = tl.exp(tl.where((o_c >= t)[:, None] & m_sk, b_s - b_jt[None, :], float("-inf")))
+                        dq_row += dm_jt[:, None] * k_jt[None, :] * e
+                        dk_row += da_jt[:, None] * k_jt[None, :] * e
+                        live = r0 + t < eos
+                        e = tl.exp(tl.where((o_c <= t)[:, None] & m_sk & live, b_jt[None, :] - b_s, float("-inf")))
+                        dk_col += (dm_it[:, None] * q_jt[None, :] + da_it[:, None] * k_jt[None, :]) * e
             d_q = tl.load(dq + offs_s, mask=m_sk, other=0.0) + dq_row
             d_k = tl.load(dk + offs_s, mask=m_sk, other=0.0) + dk_row + dk_col
             tl.store(dq_out + offs_s, d_q.to(dq_out.dtype.element_ty), mask=m_sk)

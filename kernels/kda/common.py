@@ -20,6 +20,21 @@ from kernels.kda.reference import check_cu_seqlens_values
 
 BT = 64
 BC = 16
+# The largest |b_i - b_ref| a split product may meet inside a 16-row block: exp(60) ~ 1.1e26 leaves
+# 1e12 of float32's (and bfloat16's) range, 3.4e38, for the products and their sums over K and rows.
+SPAN_LIMIT = 60.0
+
+
+def bounded_gate(lower_bound: float | None) -> bool:
+    """Whether a fused safe gate with this lower bound makes every 16-row block fit its middle row.
+
+    With g >= lb on every token, rows i, j of a block and its middle row m (8 rows after its first)
+    give b_i - b_m <= 8 |lb| (i before m) and b_m - b_j <= 7 |lb| (j after m), so every factor of
+    the split product is at most exp(8 |lb|): within SPAN_LIMIT for lb >= -7.5 (lb = -5: exp(40)).
+    The gate's g = lb * sigmoid(.) is >= lb exactly in float32 (sigmoid <= 1, rounding is monotone),
+    and b, a chunk-local cumulative sum of at most 64 such terms, carries an error of ~1e-4 at most.
+    """
+    return lower_bound is not None and -(BC // 2) * lower_bound <= SPAN_LIMIT and lower_bound <= 0.0
 
 
 def chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device) -> tuple:
@@ -125,8 +140,8 @@ def block_references(b, r0, eos, i_h, cols, m_k, H: tl.constexpr, K: tl.constexp
     block's own decays stay within 60 of the middle row in every column, so that exp(b_i - b_mid)
     and exp(b_mid - b_j) for rows i, j of the block are at most exp(60): finite and normal in float32.
     """
-    # NOTE: 60 admits any gate above -7.5 per token (at most 8 decays on either side of the middle
-    # row), the safe gate's lower bound of -5 included; a hard reset inside the block does not fit.
+    # NOTE: 60 (SPAN_LIMIT) admits any gate above -7.5 per token (at most 8 decays on either side of the
+    # middle row), the safe gate's lower bound of -5 included; a hard reset inside the block does not fit.
     mid = tl.minimum(r0 + BC // 2, eos - 1)
     last = tl.minimum(r0 + BC - 1, eos - 1)
     row = i_h * K + cols
@@ -135,3 +150,16 @@ def block_references(b, r0, eos, i_h, cols, m_k, H: tl.constexpr, K: tl.constexp
     b_last = tl.load(b + last * (H * K) + row, mask=m_k, other=0.0)
     span = tl.maximum(tl.max(b_r0 - b_mid, 0), tl.max(b_mid - b_last, 0))
     return span <= 60.0, b_r0, b_mid
+
+
+@triton.jit
+def middle_reference(b, r0, eos, i_h, cols, m_k, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
+    """b_mid [BK]: the decay at the middle row of the 16-row block starting at row r0 < eos (see bounded_gate)."""
+    mid = tl.minimum(r0 + BC // 2, eos - 1)
+    return tl.load(b + mid * (H * K) + i_h * K + cols, mask=m_k, other=0.0)
+
+
+@triton.jit
+def block_of(x, s, NS: tl.constexpr):
+    """x[s] of a [NS, R, C] register tensor (which cannot be indexed): a select and a sum over its first axis."""
+    return tl.sum(tl.where((tl.arange(0, NS) == s)[:, None, None], x, 0.0), 0)

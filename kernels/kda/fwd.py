@@ -26,7 +26,9 @@ Buffers are [T, H, *] row-major; states are [NT or N, H, K, V].
 import triton
 import triton.language as tl
 
-from kernels.kda.common import block_references, chunk_bounds, decayed_keys, load_state, sequence_bounds
+from kernels.kda.common import (
+    block_of, block_references, chunk_bounds, decayed_keys, load_state, middle_reference, sequence_bounds,
+)
 
 
 @triton.jit
@@ -59,12 +61,15 @@ def _decay_kernel(
 def _scores_kernel(
     q, k, b, M, A, chunk_indices, cu_seqlens, scale,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+    BOUNDED: tl.constexpr,
 ):
     """Rows [16 s, 16 s + 16) of a chunk's M and A, all 64 columns (zero above the diagonal).
 
     The decayed products become one tensor-core product per K tile, q_i exp(b_i - b_ref) . k_j exp(b_ref - b_j):
     with the reference at the block's middle row where `block_references` says the block fits (the diagonal
     block included), else at its first row, the diagonal block then summed column by column (exact for any decay).
+    BOUNDED: every block fits by construction (`common.bounded_gate`), so the middle row always serves and
+    neither the run-time check nor the column loop is compiled.
     """
     i_cs, i_h = tl.program_id(0), tl.program_id(1)
     NS: tl.constexpr = BT // BC
@@ -83,32 +88,38 @@ def _scores_kernel(
             cols = i_k * BK + tl.arange(0, BK)
             m_k = cols < K
             m_sk = m_rows[:, None] & m_k[None, :]
-            fits, b_r0, b_mid = block_references(b, r0, eos, i_h, cols, m_k, H, K, BC)
-            b_ref = tl.where(fits, b_mid, b_r0)
+            if BOUNDED:
+                b_ref = middle_reference(b, r0, eos, i_h, cols, m_k, H, K, BC)
+                j_end = r0 + BC
+            else:
+                fits, b_r0, b_mid = block_references(b, r0, eos, i_h, cols, m_k, H, K, BC)
+                b_ref = tl.where(fits, b_mid, b_r0)
+                j_end = tl.where(fits, r0 + BC, r0)
             offs_s = rows[:, None] * (H * K) + i_h * K + cols[None, :]
             b_s = tl.load(b + offs_s, mask=m_sk, other=0.0)
             q_s = tl.load(q + offs_s, mask=m_sk, other=0.0).to(tl.float32)
             k_s = tl.load(k + offs_s, mask=m_sk, other=0.0).to(tl.float32)
             e_s = tl.exp(tl.where(m_sk, b_s - b_ref[None, :], 0.0))
             # Columns j: the earlier blocks, and this block too where it fits.
-            m_jk = ((rows_t < tl.where(fits, r0 + BC, r0)) & (rows_t < eos))[:, None] & m_k[None, :]
+            m_jk = ((rows_t < j_end) & (rows_t < eos))[:, None] & m_k[None, :]
             offs_t = rows_t[:, None] * (H * K) + i_h * K + cols[None, :]
             b_t = tl.load(b + offs_t, mask=m_jk, other=0.0)
             k_j = tl.load(k + offs_t, mask=m_jk, other=0.0).to(tl.float32)
             k_j = tl.trans(k_j * tl.exp(tl.where(m_jk, b_ref[None, :] - b_t, 0.0)))
             acc_m += tl.dot(q_s * e_s, k_j, input_precision=PREC)
             acc_a += tl.dot(k_s * e_s, k_j, input_precision=PREC)
-            if not fits:
-                for t in range(0, BC):
-                    # A column past eos meets only masked rows (i >= t): its clamped load is never used.
-                    offs_jt = tl.minimum(r0 + t, eos - 1) * (H * K) + i_h * K + cols
-                    b_jt = tl.load(b + offs_jt, mask=m_k, other=0.0)
-                    k_jt = tl.load(k + offs_jt, mask=m_k, other=0.0).to(tl.float32)
-                    e = tl.exp(tl.where((o_c >= t)[:, None] & m_sk, b_s - b_jt[None, :], float("-inf")))
-                    k_e = k_jt[None, :] * e
-                    at_t = (o_t == i_s * BC + t)[None, :]
-                    acc_m += tl.where(at_t, tl.sum(q_s * k_e, 1)[:, None], 0.0)
-                    acc_a += tl.where(at_t, tl.sum(k_s * k_e, 1)[:, None], 0.0)
+            if not BOUNDED:
+                if not fits:
+                    for t in range(0, BC):
+                        # A column past eos meets only masked rows (i >= t): its clamped load is never used.
+                        offs_jt = tl.minimum(r0 + t, eos - 1) * (H * K) + i_h * K + cols
+                        b_jt = tl.load(b + offs_jt, mask=m_k, other=0.0)
+                        k_jt = tl.load(k + offs_jt, mask=m_k, other=0.0).to(tl.float32)
+                        e = tl.exp(tl.where((o_c >= t)[:, None] & m_sk, b_s - b_jt[None, :], float("-inf")))
+                        k_e = k_jt[None, :] * e
+                        at_t = (o_t == i_s * BC + t)[None, :]
+                        acc_m += tl.where(at_t, tl.sum(q_s * k_e, 1)[:, None], 0.0)
+                        acc_a += tl.where(at_t, tl.sum(k_s * k_e, 1)[:, None], 0.0)
         out = rows[:, None] * (H * BT) + i_h * BT + o_t[None, :]
         # NOTE: where, not a product: above the diagonal the fitted product may hold inf (exp(b_i - b_j), i < j).
         tl.store(M + out, tl.where(rows_t[None, :] <= rows[:, None], acc_m * scale, 0.0), mask=m_rows[:, None])
@@ -143,12 +154,6 @@ def _invert_diag_blocks(A, beta, t0, eos, i_h, H: tl.constexpr, BT: tl.constexpr
 
 
 @triton.jit
-def _block(x, s, NS: tl.constexpr):
-    """x[s] of a [NS, BC, BC] tensor."""
-    return tl.sum(tl.where((tl.arange(0, NS) == s)[:, None, None], x, 0.0), 0)
-
-
-@triton.jit
 def _store_tile(Ai, x, t0, eos, i_h, s_row, s_col, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     o_c = tl.arange(0, BC)
     rows = t0 + s_row * BC + o_c
@@ -165,7 +170,7 @@ def _solve_kernel(
     bos, eos, t0 = chunk_bounds(chunk_indices, cu_seqlens, i_c, BT)
     inv = _invert_diag_blocks(A, beta, t0, eos, i_h, H, BT, BC)
     NS: tl.constexpr = BT // BC
-    i00, i11, i22, i33 = _block(inv, 0, NS), _block(inv, 1, NS), _block(inv, 2, NS), _block(inv, 3, NS)
+    i00, i11, i22, i33 = block_of(inv, 0, NS), block_of(inv, 1, NS), block_of(inv, 2, NS), block_of(inv, 3, NS)
     l10 = _load_tile(A, beta, t0, eos, i_h, 1, 0, H, BT, BC)
     l20 = _load_tile(A, beta, t0, eos, i_h, 2, 0, H, BT, BC)
     l21 = _load_tile(A, beta, t0, eos, i_h, 2, 1, H, BT, BC)

@@ -9,7 +9,7 @@ import torch
 import triton
 
 from kernels.kda import bwd, fwd
-from kernels.kda.common import BC, BT, chunk_layout, dot_precision
+from kernels.kda.common import BC, BT, bounded_gate, chunk_layout, dot_precision
 from kernels.kda.reference import DEFAULT_GATE_LOWER_BOUND, check_kda_inputs, l2norm
 
 
@@ -22,19 +22,40 @@ from kernels.kda.reference import DEFAULT_GATE_LOWER_BOUND, check_kda_inputs, l2
 # NOTE: fewer than 8 warps on the state walks spill their [K, BV] float32 state and triple compile time.
 # NOTE: the scores and intra-gradient kernels run unpipelined (num_stages=1) on purpose: Triton 3.6 pipelines
 # their K loop wrongly around the exact column-loop branch, and a bf16 hard reset (g = -1000) then gave
-# non-finite A; unpipelined they are also 4-10% faster.
+# non-finite A; unpipelined they are also 4-10% faster. Their num_stages here applies to the bounded path
+# alone (no column loop); the exact path always runs unpipelined.
+# "safe" picks the fused safe gate's paths when its lower bound bounds every 16-row block (`common.bounded_gate`):
+# diag_dot=1 compiles the scores and intra-gradient kernels without the run-time block check and the exact
+# column loop (`BOUNDED`); fuse_bwd=1 (with diag_dot=1) has the dense gradient kernel add the intra-chunk
+# terms itself ("dfused": its launch), so `_dintra_kernel` and the dM/dA/float32 dq, dk round trip go away.
 LAUNCH = {
+    "safe": dict(diag_dot=1, fuse_bwd=1),
     "decay": dict(num_warps=4, num_stages=1),
-    "scores": dict(BK=32, num_warps=4),
+    "scores": dict(BK=32, num_warps=4, num_stages=1),
     "solve": dict(num_warps=2, num_stages=1),
     "wy": dict(num_warps=4, num_stages=2),
     "state": dict(BV=64, fill_sms=True, num_warps=8, num_stages=2),
     "output": dict(num_warps=4, num_stages=2),
     "dstate": dict(BV=64, fill_sms=True, num_warps=8, num_stages=2),
     "dchunk": dict(BK=64, num_warps=8, num_stages=2),
-    "dintra": dict(BK=32, num_warps=4),
+    "dintra": dict(BK=32, num_warps=4, num_stages=1),
+    "dfused": dict(BK=64, num_warps=8, num_stages=2),
     "ddecay": dict(num_warps=4, num_stages=1),
 }
+
+
+def _bounded(gate) -> tuple[bool, bool]:
+    """(bounded, fused): whether this call takes the safe gate's bounded kernels, and its fused backward."""
+    bounded = gate is not None and bounded_gate(gate[2]) and bool(LAUNCH["safe"]["diag_dot"])
+    return bounded, bounded and bool(LAUNCH["safe"]["fuse_bwd"])
+
+
+def _split_launch(name: str, K: int, V: int, bounded: bool) -> dict:
+    """LAUNCH[name] for the scores / intra-gradient kernels: unpipelined unless bounded (see the NOTE above)."""
+    opts = _launch(name, K, V)
+    if not bounded:
+        opts["num_stages"] = 1
+    return opts
 
 
 def _launch(name: str, K: int, V: int) -> dict:
@@ -108,9 +129,10 @@ def kda_forward(q, k, v, g, beta, scale, h0, output_final_state, batch, cu_seqle
     # Every row of M and A is written whole, zeros above the diagonal included.
     M = torch.empty(T, H, BT, device=dev, dtype=torch.float32)
     A = torch.empty(T, H, BT, device=dev, dtype=torch.float32)
+    bounded, _ = _bounded(gate)
     fwd._scores_kernel[(NT * (BT // BC), H)](
-        q, k, b, M, A, chunk_indices, cu, scale, H=H, K=K, BT=BT, BC=BC, PREC=prec, num_stages=1,
-        **_launch("scores", K, V),
+        q, k, b, M, A, chunk_indices, cu, scale, H=H, K=K, BT=BT, BC=BC, PREC=prec, BOUNDED=bounded,
+        **_split_launch("scores", K, V, bounded),
     )
     Ai = torch.empty(T, H, BT, device=dev, dtype=torch.float32)
     fwd._solve_kernel[(NT, H)](A, beta, Ai, chunk_indices, cu, H=H, BT=BT, BC=BC, PREC=prec, **_launch("solve", K, V))
@@ -153,25 +175,30 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, cu_seqlens, gate, 
         q, k, b, M, Wk, do, dht, dh, dU, dh0, cu, chunk_offsets, scale,
         H=H, K=K, V=V, BT=BT, BK=BK_full, HAS_DHT=dht is not None, HAS_H0=h0 is not None, PREC=prec, **dstate,
     )
-    dq = torch.empty(T, H, K, device=dev, dtype=torch.float32)
-    dk = torch.empty_like(dq)
-    db = torch.empty_like(dq)
+    bounded, fused = _bounded(gate)
+    db = torch.empty(T, H, K, device=dev, dtype=torch.float32)
     dv = torch.empty_like(v)
-    dchunk = _launch("dchunk", K, V)
+    dq_out, dk_out = torch.empty_like(q), torch.empty_like(k)
+    if fused:
+        dchunk = _launch("dfused", K, V)
+        dq, dk, dM, dA = dq_out, dk_out, None, None
+    else:
+        dchunk = _launch("dchunk", K, V)
+        dq, dk = torch.empty_like(db), torch.empty_like(db)
+        dM = torch.empty(T, H, BT, device=dev, dtype=torch.float32)  # written whole by _dchunk_kernel
+        dA = torch.empty_like(dM)
     NK = triton.cdiv(K, dchunk["BK"])
     dbeta = torch.empty(NK, T, H, device=dev, dtype=torch.float32)
-    dM = torch.empty(T, H, BT, device=dev, dtype=torch.float32)  # written whole by _dchunk_kernel
-    dA = torch.empty_like(dM)
     bwd._dchunk_kernel[(NT, NK, H)](
         q, k, v, b, beta, A, Ai, h, dh, U, dU, do, dq, dk, dv, db, dbeta, dM, dA, chunk_indices, cu, scale, T,
-        H=H, K=K, V=V, BT=BT, BV=BV, PREC=prec, **dchunk,
+        H=H, K=K, V=V, BT=BT, BC=BC, BV=BV, PREC=prec, FUSE_INTRA=fused, **dchunk,
     )
     dbeta = dbeta.sum(0)
-    dq_out, dk_out = torch.empty_like(q), torch.empty_like(k)
-    bwd._dintra_kernel[(NT * (BT // BC), H)](
-        q, k, b, dM, dA, dq, dk, db, dq_out, dk_out, chunk_indices, cu, H=H, K=K, BT=BT, BC=BC, PREC=prec,
-        num_stages=1, **_launch("dintra", K, V),
-    )
+    if not fused:
+        bwd._dintra_kernel[(NT * (BT // BC), H)](
+            q, k, b, dM, dA, dq, dk, db, dq_out, dk_out, chunk_indices, cu, H=H, K=K, BT=BT, BC=BC, PREC=prec,
+            BOUNDED=bounded, **_split_launch("dintra", K, V, bounded),
+        )
     A_log, dt_bias, lower_bound = gate if gate is not None else (None, None, None)
     NKD = triton.cdiv(K, BK)
     dg = torch.empty_like(g)

@@ -268,6 +268,120 @@ def test_chunk_kda_hard_resets():
     check_triton_against_recurrent(1, 130, 1, 32, 32, seed=9, g_edit=resets)
 
 
+# The fused safe gate's three backward/forward paths (ops.LAUNCH["safe"]): the bounded split products with the
+# fused dense + intra-chunk gradient kernel (the default), the bounded kernels unfused, and the exact path.
+SAFE_PATHS = {"bounded-fused": dict(diag_dot=1, fuse_bwd=1), "bounded": dict(diag_dot=1, fuse_bwd=0),
+              "exact": dict(diag_dot=0, fuse_bwd=0)}
+
+
+def check_safe_gate_against_recurrent(
+    B, T, H, K, V, *, lengths=None, with_h0=True, seed=0, lower_bound=-5.0, pin=None, path="bounded-fused",
+):
+    """chunk_kda with the safe gate fused in against the float64 recurrence fed the same raw gate.
+
+    pin: None (random raw gate); "bound" (the sigmoid saturated, g = lower_bound exactly on every token and
+    channel); "near" (sigmoid 0.9995 everywhere: g within 0.05% of the bound, the gate's gradient still
+    measurable); "mixed" (runs of 50 tokens alternating between "near" and sigmoid 0.0005, decay ~0).
+    Compares o, the final state and the gradients of q, k, v, the raw gate, beta, the initial state,
+    A_log and dt_bias; "bound" leaves out the last three's gradients (a saturated sigmoid's, ~1e-26 in
+    float64 and 0 in float32) and only asks them to be finite.
+    """
+    N = None if lengths is None else len(lengths)
+    q, k, v, g_raw, beta, h0 = make_inputs(B, T, H, K, V, N=N, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    g_raw = torch.randn(g_raw.shape, generator=gen, dtype=torch.float64) * 2
+    A_log = torch.randn(H, generator=gen, dtype=torch.float64) * 0.5
+    dt_bias = torch.randn(H, K, generator=gen, dtype=torch.float64)
+    if pin is not None:
+        # the sigmoid's argument exp(A_log) (g_raw + dt_bias) set to +-60 or +-7.6 (sigmoid 1 - 5e-4)
+        x = {"bound": 60.0, "near": 7.6, "mixed": 7.6}[pin] * torch.ones_like(g_raw)
+        if pin == "mixed":
+            x = torch.where((torch.arange(T) // 50 % 2 == 0)[None, :, None, None], x, -x)
+        g_raw = x / A_log.exp()[:, None] - dt_bias
+    h0 = h0 if with_h0 else None
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+
+    def run(fn, xs, h, A, dt):
+        A, dt = A.clone().requires_grad_(True), dt.clone().requires_grad_(True)
+        o, S, grads = run_with_grads(fn, *xs, h, A_log=A, dt_bias=dt, gate_lower_bound=lower_bound, cu_seqlens=cu)
+        return o, S, grads + [A.grad, dt.grad]
+
+    o_ref, S_ref, grads_ref = run(recurrent_kda, (q, k, v, g_raw, beta), h0, A_log, dt_bias)
+    with launch_settings(safe=SAFE_PATHS[path]):
+        o, S, grads = run(
+            chunk_kda, [x.to(DEVICE, torch.float32) for x in (q, k, v, g_raw, beta)],
+            None if h0 is None else h0.to(DEVICE, torch.float32),
+            A_log.to(DEVICE, torch.float32), dt_bias.to(DEVICE, torch.float32),
+        )
+    assert all(torch.isfinite(x).all() for x in (o, S, *grads))
+    assert rel_rms(o.cpu(), o_ref) < OUT_TOL
+    assert rel_rms(S.cpu(), S_ref) < OUT_TOL
+    names = GRAD_NAMES[:5] + (["initial_state"] if with_h0 else []) + ["A_log", "dt_bias"]
+    for name, a, b in zip(names, [x for x in grads if x is not None], [x for x in grads_ref if x is not None]):
+        if pin != "bound" or name not in ("g", "A_log", "dt_bias"):
+            assert rel_rms(a.cpu(), b) < GRAD_TOL, name
+
+
+class launch_settings:
+    """ops.LAUNCH entries replaced for the duration of a with block (keyword: kernel name -> settings)."""
+
+    def __init__(self, **changes):
+        self.changes = changes
+
+    def __enter__(self):
+        self.kept = {name: ops.LAUNCH[name] for name in self.changes}
+        ops.LAUNCH.update({name: {**ops.LAUNCH[name], **c} for name, c in self.changes.items()})
+
+    def __exit__(self, *exc):
+        ops.LAUNCH.update(self.kept)
+
+
+def test_safe_gate_paths_are_chosen_by_the_bound_and_the_launch_table():
+    gate = lambda lb: (None, None, lb)  # noqa: E731
+    assert ops._bounded(gate(-5.0)) == (True, True)
+    assert ops._bounded(gate(-7.5)) == (True, True)  # 8 x 7.5 = 60: the last bound that fits
+    assert ops._bounded(gate(-7.6)) == (False, False)
+    assert ops._bounded(gate(None)) == (False, False)  # the softplus gate is unbounded
+    assert ops._bounded(None) == (False, False)  # a precomputed g may hold hard resets
+    with launch_settings(safe=SAFE_PATHS["bounded"]):
+        assert ops._bounded(gate(-5.0)) == (True, False)
+    with launch_settings(safe=dict(diag_dot=0, fuse_bwd=1)):
+        assert ops._bounded(gate(-5.0)) == (False, False)  # the fused backward needs the bounded products
+
+
+@pytest.mark.parametrize("path", list(SAFE_PATHS))
+@pytest.mark.parametrize("B, T, with_h0", [(1, 1, False), (1, 63, True), (2, 65, False), (1, 130, True)])
+def test_safe_gate_matches_recurrent(path, B, T, with_h0):
+    check_safe_gate_against_recurrent(B, T, 2, 32, 32, with_h0=with_h0, seed=T, path=path)
+
+
+@pytest.mark.parametrize("path", list(SAFE_PATHS))
+def test_safe_gate_packed_documents(path):
+    check_safe_gate_against_recurrent(1, 280, 1, 32, 32, lengths=[1, 15, 64, 200], seed=4, path=path)
+
+
+@pytest.mark.parametrize("path", ["bounded-fused", "bounded"])
+def test_safe_gate_wide_uneven_heads(path):
+    """K = 96: two K tiles in the fused backward (the second forms dM, dA on its own), masked columns, V = 40."""
+    check_safe_gate_against_recurrent(1, 130, 2, 96, 40, seed=16, path=path)
+
+
+# NOTE: at lb = -7.5 the products above the diagonal (exp(b_i - b_j), i < j, up to exp(15 * 7.5)) overflow in the
+# interpreter's float32 matmul; the kernel discards them, numpy warns.
+@pytest.mark.filterwarnings("ignore:overflow encountered in matmul", "ignore:invalid value encountered in matmul")
+@pytest.mark.parametrize("path", ["bounded-fused", "bounded"])
+@pytest.mark.parametrize(
+    "lower_bound, pin", [(-5.0, "bound"), (-5.0, "near"), (-5.0, "mixed"), (-7.5, "bound"), (-7.5, "near")],
+)
+def test_safe_gate_pinned_at_the_lower_bound(path, lower_bound, pin):
+    """g at (or within 0.05% of) lb on every token for whole chunks: the widest span a bounded block can meet,
+    at lb = -5 and at the largest bound admitted (-7.5, spans of exactly 60 around the middle row)."""
+    check_safe_gate_against_recurrent(
+        1, 200, 1, 32, 32, seed=17, lower_bound=lower_bound, pin=pin, path=path,
+        lengths=[70, 130] if pin == "mixed" else None,
+    )
+
+
 def test_chunk_kda_fused_options_equal_unfused():
     inputs = [x.float().to(DEVICE) for x in make_inputs(1, 40, 2, 32, 32, seed=12)]
     check_fused_options_equal_unfused(chunk_kda, chunk_kda, inputs, seed=3, out_tol=1e-5, grad_tol=1e-4)
