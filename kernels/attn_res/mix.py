@@ -1,0 +1,198 @@
+"""Triton kernels of the pseudo-query mix: no stacked copy, each source read once forward, twice backward.
+
+Legend: N sources, R rows (B * T tokens), D width, BR / BD the rows / columns of one tile.
+
+The sources arrive as separate [R, D] tensors, one pointer argument each
+(V0, V1, ...; absent ones are None), so nothing stacks them into an [N, R, D]
+copy; N is a compile-time constant and the loops over sources unroll. A
+program owns BR whole rows (BD >= D), which is what lets one read of each
+source tile serve both its row statistics and the weighted sum.
+
+Forward, per row: for each source, rstd_n = rsqrt(mean(v_n^2) + eps) and
+s_n = rstd_n <v_n, q>; an online softmax (running max m, running sum l,
+rescaled accumulator) folds v_n into the output as soon as s_n is known.
+Saved for backward (float32, small): s [N, R], rstd [N, R] and the row's
+largest score m [R]; the weights are w_n = exp(s_n - m) / sum_k exp(s_k - m).
+NOTE: not exp(s_n - lse): scores reach the hundreds, where a float32
+log-sum-exp keeps only ~1e-4 absolute, so those weights would not sum to 1
+by ~1e-4, and ds_n (below) would no longer sum to zero over n.
+
+Backward, with g = dout:
+    dw_n = <g, v_n>,   dbar = sum_k w_k dw_k
+    ds_n = w_n (dw_n - dbar)
+    dv_n = w_n g + ds_n rstd_n (q - rstd_n s_n v_n / D)
+    dq   = sum over rows and n of ds_n rstd_n v_n   (per-program partials [P, D], summed in torch)
+dbar needs every source before any dv_n can be written, so the backward walks
+the sources twice; the second walk re-reads tiles the first has just read
+(from L2 on a GPU).
+NOTE: dbar equals <g, out>, which would save the first walk, but `out` is
+rounded to the sources' dtype, and where the sources nearly agree (or one
+weight nears 1) dw_n - dbar is small enough for that rounding to matter:
+computed from the same float32 dw_n, sum_n ds_n is zero up to float32
+rounding, as in autograd of the float32 reference.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_SOURCES = 12
+
+# Launch settings, fixed (no autotune pause). A tile holds BR rows of BD = next_pow2(D) columns with about
+# `tile` elements in all; each program keeps two (forward) or three to four (backward) such float32 tiles live.
+# NOTE: k3-mini's D = 512 gives 8 rows per program; `benchmarks/attn_res.py --sweep` times alternatives.
+LAUNCH = {
+    "fwd": dict(tile=4096, num_warps=8),
+    "bwd": dict(tile=4096, num_warps=8),
+}
+
+
+def tiles(name: str, D: int) -> tuple[int, int, int]:
+    """(BR, BD, num_warps) of kernel `name` at width D: whole rows, at least one per program."""
+    opts = LAUNCH[name]
+    block_d = max(16, triton.next_power_of_2(D))
+    block_r = max(1, opts["tile"] // block_d)
+    # A row wider than the tile still goes in one program: more warps keep each thread's share bounded.
+    warps = min(16, max(opts["num_warps"], block_d // 512))
+    return block_r, block_d, warps
+
+
+@triton.jit
+def _source(n: tl.constexpr, P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11):
+    """Pointer argument number n (a compile-time choice: the other branches are never built)."""
+    p = P0
+    if n == 1:
+        p = P1
+    if n == 2:
+        p = P2
+    if n == 3:
+        p = P3
+    if n == 4:
+        p = P4
+    if n == 5:
+        p = P5
+    if n == 6:
+        p = P6
+    if n == 7:
+        p = P7
+    if n == 8:
+        p = P8
+    if n == 9:
+        p = P9
+    if n == 10:
+        p = P10
+    if n == 11:
+        p = P11
+    return p
+
+
+@triton.jit
+def _mix_fwd_kernel(
+    V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11,
+    q_ptr, out_ptr, score_ptr, rstd_ptr, smax_ptr, R, D, eps,
+    N: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR).to(tl.int64)
+    cols = tl.arange(0, BD)
+    row_ok = rows < R
+    mask = row_ok[:, None] & (cols < D)[None, :]
+    offs = rows[:, None] * D + cols[None, :]
+    q = tl.load(q_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    m = tl.full([BR], float("-inf"), tl.float32)
+    l = tl.zeros([BR], tl.float32)
+    acc = tl.zeros([BR, BD], tl.float32)
+    for n in tl.static_range(N):
+        v_ptr = _source(n, V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+        s = rstd * tl.sum(v * q[None, :], axis=1)
+        tl.store(score_ptr + n * R + rows, s, mask=row_ok)
+        tl.store(rstd_ptr + n * R + rows, rstd, mask=row_ok)
+        # NOTE: the first source meets m = -inf: its rescale factor is exp(-inf) = 0 on a zero accumulator.
+        m_new = tl.maximum(m, s)
+        scale = tl.exp(m - m_new)
+        p = tl.exp(s - m_new)
+        acc = acc * scale[:, None] + p[:, None] * v
+        l = l * scale + p
+        m = m_new
+    tl.store(out_ptr + offs, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(smax_ptr + rows, m, mask=row_ok)
+
+
+@triton.jit
+def _mix_bwd_kernel(
+    V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11,
+    G0, G1, G2, G3, G4, G5, G6, G7, G8, G9, G10, G11,
+    q_ptr, dout_ptr, score_ptr, rstd_ptr, smax_ptr, dq_part_ptr, R, D,
+    N: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BR + tl.arange(0, BR).to(tl.int64)
+    cols = tl.arange(0, BD)
+    row_ok = rows < R
+    mask = row_ok[:, None] & (cols < D)[None, :]
+    offs = rows[:, None] * D + cols[None, :]
+    q = tl.load(q_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    g = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(smax_ptr + rows, mask=row_ok, other=0.0)
+    e_sum = tl.zeros([BR], tl.float32)
+    e_dw = tl.zeros([BR], tl.float32)
+    for n in tl.static_range(N):
+        v = tl.load(_source(n, V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11) + offs, mask=mask, other=0.0)
+        e = tl.exp(tl.load(score_ptr + n * R + rows, mask=row_ok, other=0.0) - m)
+        e_sum += e
+        e_dw += e * tl.sum(g * v.to(tl.float32), axis=1)
+    dbar = e_dw / e_sum
+    dq_acc = tl.zeros([BR, BD], tl.float32)
+    for n in tl.static_range(N):
+        v = tl.load(_source(n, V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11) + offs, mask=mask, other=0.0)
+        v = v.to(tl.float32)
+        s = tl.load(score_ptr + n * R + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(rstd_ptr + n * R + rows, mask=row_ok, other=0.0)
+        w = tl.exp(s - m) / e_sum
+        ds = w * (tl.sum(g * v, axis=1) - dbar)
+        c = ds * rstd  # coefficient of q in dv_n, and of v_n in dq
+        dv = w[:, None] * g + c[:, None] * q[None, :] - (c * rstd * s / D)[:, None] * v
+        dv_ptr = _source(n, G0, G1, G2, G3, G4, G5, G6, G7, G8, G9, G10, G11)
+        tl.store(dv_ptr + offs, dv.to(dv_ptr.dtype.element_ty), mask=mask)
+        dq_acc += c[:, None] * v
+    tl.store(dq_part_ptr + pid * D + cols, tl.sum(dq_acc, axis=0), mask=cols < D)
+
+
+def _pointers(tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """The MAX_SOURCES pointer arguments: the tensors, then None."""
+    return list(tensors) + [None] * (MAX_SOURCES - len(tensors))
+
+
+def mix_forward(sources: list[torch.Tensor], query: torch.Tensor, eps: float) -> tuple[torch.Tensor, ...]:
+    """sources: N contiguous [..., D] of one dtype, query [D] -> (out like sources[0], s [N, R], rstd [N, R], m [R])."""
+    N, D = len(sources), query.shape[0]
+    R = sources[0].numel() // D
+    out = torch.empty_like(sources[0])
+    f32 = dict(dtype=torch.float32, device=out.device)
+    score, rstd, smax = torch.empty(N, R, **f32), torch.empty(N, R, **f32), torch.empty(R, **f32)
+    if R > 0:
+        br, bd, warps = tiles("fwd", D)
+        _mix_fwd_kernel[(triton.cdiv(R, br),)](
+            *_pointers(sources), query, out, score, rstd, smax, R, D, eps, N=N, BR=br, BD=bd, num_warps=warps,
+        )
+    return out, score, rstd, smax
+
+
+def mix_backward(
+    sources: list[torch.Tensor], query: torch.Tensor, dout: torch.Tensor,
+    score: torch.Tensor, rstd: torch.Tensor, smax: torch.Tensor,
+) -> list[torch.Tensor]:
+    """Gradients [dv_0, ..., dv_{N-1}, dq]: dv_n like the sources, dq [D] in the query's dtype. dout: contiguous."""
+    N, D = len(sources), query.shape[0]
+    R = smax.shape[0]
+    dvs = [torch.empty_like(v) for v in sources]
+    br, bd, warps = tiles("bwd", D)
+    programs = triton.cdiv(R, br)
+    dq_part = torch.empty(programs, D, dtype=torch.float32, device=dout.device)
+    if R > 0:
+        _mix_bwd_kernel[(programs,)](
+            *_pointers(sources), *_pointers(dvs), query, dout, score, rstd, smax, dq_part, R, D,
+            N=N, BR=br, BD=bd, num_warps=warps,
+        )
+    return dvs + [dq_part.sum(0).to(query.dtype)]

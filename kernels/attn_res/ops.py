@@ -1,0 +1,92 @@
+"""The public `pseudo_query_mix`: the Triton forward and backward as two custom ops joined by autograd.
+
+Legend: N sources, R rows (tokens), D width.
+
+Both halves are `torch.library` custom ops with fake kernels, so `torch.compile`
+sees each as one opaque call (no graph break) and autograd saves only what the
+backward reads: the sources, and float32 scores, rstd [N, R] and largest score [R].
+"""
+
+import os
+
+import torch
+
+from kernels.attn_res.mix import MAX_SOURCES, mix_backward, mix_forward
+from kernels.attn_res.reference import check_mix_inputs
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@torch.library.custom_op("attn_res::mix_fwd", mutates_args=())
+def _mix_fwd_op(
+    sources: list[torch.Tensor], query: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return mix_forward(sources, query, eps)
+
+
+@_mix_fwd_op.register_fake
+def _(sources, query, eps):
+    N, R = len(sources), sources[0].numel() // query.shape[0]
+    f32 = dict(dtype=torch.float32)
+    return torch.empty_like(sources[0]), query.new_empty(N, R, **f32), query.new_empty(N, R, **f32), query.new_empty(R, **f32)
+
+
+@torch.library.custom_op("attn_res::mix_bwd", mutates_args=())
+def _mix_bwd_op(
+    sources: list[torch.Tensor], query: torch.Tensor, dout: torch.Tensor,
+    score: torch.Tensor, rstd: torch.Tensor, smax: torch.Tensor,
+) -> list[torch.Tensor]:
+    return mix_backward(sources, query, dout.contiguous(), score, rstd, smax)
+
+
+@_mix_bwd_op.register_fake
+def _(sources, query, dout, score, rstd, smax):
+    return [torch.empty_like(v) for v in sources] + [torch.empty_like(query)]
+
+
+def _setup_context(ctx, inputs, output):
+    sources, query, _ = inputs
+    _, score, rstd, smax = output
+    ctx.n_sources = len(sources)
+    ctx.save_for_backward(*sources, query, score, rstd, smax)
+
+
+def _backward(ctx, dout, _dscore, _drstd, _dsmax):
+    saved = ctx.saved_tensors
+    sources, (query, score, rstd, smax) = list(saved[: ctx.n_sources]), saved[ctx.n_sources :]
+    if dout is None:
+        dout = torch.zeros_like(sources[0])
+    *dsources, dquery = _mix_bwd_op(sources, query, dout, score, rstd, smax)
+    return dsources, dquery, None
+
+
+_mix_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def pseudo_query_mix(sources: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:
+    """sum_n softmax_n(<RMSNorm(v_n), q>) v_n in Triton, differentiable in every source and the query.
+
+    sources: N (1..MAX_SOURCES) tensors [..., D] (the model's [B, T, D]) of one shape, dtype (bfloat16,
+    float16 or float32) and device; query [D], any of those dtypes. Statistics, softmax and accumulation
+    are float32; the output has the sources' dtype and shape, and one source is returned as it is.
+    Needs CUDA tensors, or TRITON_INTERPRET=1 on CPU; `kernels.attn_res.pseudo_query_mix_reference` is the
+    CPU path (and the float64 one).
+    """
+    check_mix_inputs(sources, query)
+    N = len(sources)
+    if N > MAX_SOURCES:
+        raise ValueError(f"pseudo_query_mix takes at most {MAX_SOURCES} sources (kernel pointer arguments), got N={N}")
+    if sources[0].dtype not in DTYPES or query.dtype not in DTYPES:
+        raise ValueError(
+            f"pseudo_query_mix needs bfloat16/float16/float32 sources and query, got {sources[0].dtype} and "
+            f"{query.dtype}; float64 runs in kernels.attn_res.pseudo_query_mix_reference"
+        )
+    if not sources[0].is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"pseudo_query_mix runs Triton kernels and needs CUDA tensors, got device {sources[0].device}; "
+            "use kernels.attn_res.pseudo_query_mix_reference on CPU"
+        )
+    if N == 1:
+        return sources[0]
+    out, *_ = _mix_fwd_op([v.contiguous() for v in sources], query.contiguous(), float(eps))
+    return out

@@ -1,0 +1,52 @@
+"""The pseudo-query mix of Block Attention Residuals (K3_SPEC §1.4) in plain PyTorch.
+
+Legend: N sources, B batch, T tokens, D model width.
+
+Each of N sources v_n [B, T, D] gets a score per token, <RMSNorm(v_n), q>
+(RMSNorm without a weight), the scores go through a softmax over n, and the
+output is the weighted sum of the sources. This is the ground truth of the
+Triton op in `ops.py` and the model's CPU path.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def check_mix_inputs(sources: list[torch.Tensor], query: torch.Tensor) -> None:
+    """Raise ValueError (one line naming the argument) unless N >= 1 sources [..., D] and a query [D] fit together."""
+    if not isinstance(sources, (list, tuple)) or not sources:
+        got = f"an empty {type(sources).__name__}" if isinstance(sources, (list, tuple)) else type(sources).__name__
+        raise ValueError(f"sources must be a non-empty list of [..., D] tensors, got {got}")
+    for n, v in enumerate(sources):
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"sources must be tensors, source {n} is a {type(v).__name__}")
+    first = sources[0]
+    for n, v in enumerate(sources):
+        if v.shape != first.shape or v.dtype != first.dtype or v.device != first.device:
+            raise ValueError(
+                f"sources must share one shape, dtype and device: source 0 is {tuple(first.shape)} {first.dtype} "
+                f"on {first.device}, source {n} is {tuple(v.shape)} {v.dtype} on {v.device}"
+            )
+    if first.dim() == 0 or first.shape[-1] == 0 or not first.is_floating_point():
+        raise ValueError(f"sources must be floating tensors [..., D] with D >= 1, got {tuple(first.shape)} {first.dtype}")
+    if not isinstance(query, torch.Tensor) or query.shape != first.shape[-1:] or not query.is_floating_point():
+        got = f"{tuple(query.shape)} {query.dtype}" if isinstance(query, torch.Tensor) else type(query).__name__
+        raise ValueError(f"query must be a floating tensor [D] = [{first.shape[-1]}] (the sources' width), got {got}")
+    if query.device != first.device:
+        raise ValueError(f"query must be on the sources' device {first.device}, got {query.device}")
+
+
+def pseudo_query_mix_reference(sources: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:
+    """sum_n softmax_n(<RMSNorm(v_n), q>) v_n: N sources [B, T, D], query [D] -> [B, T, D].
+
+    Computed in float32 (float64 when the sources are float64) and returned in
+    the sources' dtype. One source is returned as it is (its weight is 1).
+    """
+    check_mix_inputs(sources, query)
+    if len(sources) == 1:
+        return sources[0]
+    compute = torch.float64 if sources[0].dtype == torch.float64 else torch.float32
+    v_NBTD = torch.stack(sources).to(compute)
+    keys_NBTD = F.rms_norm(v_NBTD, (v_NBTD.shape[-1],), None, eps)
+    weights_NBT = torch.softmax(keys_NBTD @ query.to(compute), dim=0)
+    return (weights_NBT.unsqueeze(-1) * v_NBTD).sum(dim=0).to(sources[0].dtype)
