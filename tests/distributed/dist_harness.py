@@ -24,7 +24,8 @@ GRAD_ACCUM = 2
 BASE_ARGS = [
     "--model.flavor", "debug", "--training.seq_len", "32", "--training.grad_accum", str(GRAD_ACCUM),
     "--training.steps", str(STEPS), "--training.device", "cpu", "--training.compute_dtype", "float32",
-    "--kernels.kda", "torch", "--kernels.experts", "torch", "--kernels.loss", "torch", "--kernels.attention", "math",
+    "--kernels.kda", "torch", "--kernels.experts", "torch", "--kernels.loss", "torch", "--kernels.attn_res", "torch",
+    "--kernels.attention", "math",
     "--lr_scheduler.warmup_steps", "1", "--optimizer.qk_clip_tau", "0.05", "--metrics.log_freq", "1000",
 ]
 

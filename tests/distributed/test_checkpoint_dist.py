@@ -35,7 +35,8 @@ STEPS = 8
 ARGS = [
     "--model.flavor", "debug", "--training.seq_len", "64", "--training.steps", str(STEPS),
     "--training.device", "cpu", "--training.compute_dtype", "float32", "--kernels.kda", "torch",
-    "--kernels.experts", "torch", "--kernels.loss", "torch", "--kernels.attention", "math",
+    "--kernels.experts", "torch", "--kernels.loss", "torch", "--kernels.attn_res", "torch",
+    "--kernels.attention", "math",
     "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1", "--checkpoint.enable", "true",
     "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0",
 ]

@@ -12,6 +12,7 @@ WORLD = 2
 ARGS = [
     "--model.flavor", "debug", "--training.seq_len", "64", "--training.local_batch_size", "1", "--training.steps", "2",
     "--training.device", "cpu", "--kernels.kda", "torch", "--kernels.experts", "torch", "--kernels.loss", "torch",
+    "--kernels.attn_res", "torch",
     "--kernels.attention", "math", "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1000",
     "--invariants.interval", "1", "--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "full",
 ]

@@ -15,7 +15,8 @@ WORLD = 2
 ARGS = [
     "--model.flavor", "debug", "--training.seq_len", "64", "--training.local_batch_size", "1", "--training.steps", "4",
     "--training.device", "cpu", "--training.compute_dtype", "float32", "--kernels.kda", "torch",
-    "--kernels.experts", "torch", "--kernels.loss", "torch", "--kernels.attention", "math",
+    "--kernels.experts", "torch", "--kernels.loss", "torch", "--kernels.attn_res", "torch",
+    "--kernels.attention", "math",
     "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1000", "--invariants.interval", "1",
 ]
 

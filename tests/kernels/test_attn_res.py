@@ -1,7 +1,7 @@
 """kernels.attn_res: the Triton pseudo-query mix (Triton's interpreter on CPU) against the float64 reference.
 
 Also: the backward's closed form against autograd, gradient accumulation into a source used twice,
-input validation, and torch.compile tracing.
+input validation, torch.compile tracing, and the model with kernels.attn_res = triton vs torch.
 """
 
 import os
@@ -235,3 +235,35 @@ def test_compiles_without_graph_break():
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert not counters["graph_break"], dict(counters["graph_break"])
 
+
+def test_model_with_triton_mixes_equals_torch_mixes():
+    """kernels.attn_res = triton and = torch: the same loss and gradients on the debug flavor in float32."""
+    from titan_k3.config import load_job_config
+    from titan_k3.models.k3.args import get_flavor
+    from titan_k3.models.k3.impl import resolve_impl
+    from titan_k3.models.k3.model import K3Model
+
+    results = {}
+    for choice in ("triton", "torch"):
+        cfg = load_job_config(["--kernels.kda", "torch", "--kernels.experts", "torch", "--kernels.loss", "torch",
+                               "--kernels.attn_res", choice, "--kernels.attention", "math"])
+        impl = resolve_impl(cfg.kernels, torch.device(DEVICE))
+        assert [(c.op, c.chosen) for c in impl.choices if c.op == "attn_res"] == [("attn_res", choice)]
+        torch.manual_seed(0)
+        model = K3Model(get_flavor("debug", 256), impl).to(DEVICE)
+        model.init_weights(seed=0)
+        with torch.no_grad():  # pseudo-queries off their zero init, so the mixes are not plain averages
+            for name, p in model.named_parameters():
+                if name.endswith("query"):
+                    p.normal_(0, 0.5, generator=torch.Generator(DEVICE).manual_seed(len(name)))
+        for r in model.moe_routers().values():
+            r.update_enabled = False
+        ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+        out = model(ids, ids)
+        out.loss_sum.backward()
+        results[choice] = (out.loss_sum.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    (loss_t, grads_t), (loss_r, grads_r) = results["triton"], results["torch"]
+    torch.testing.assert_close(loss_t, loss_r, rtol=1e-5, atol=0.0)
+    assert grads_t.keys() == grads_r.keys() and any(n.endswith("mix.query") for n in grads_t)
+    for name in grads_r:
+        assert rel_rms(grads_t[name], grads_r[name]) < 1e-4, name

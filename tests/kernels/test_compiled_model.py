@@ -20,9 +20,10 @@ def test_compiled_model_with_our_kernels_has_no_graph_break():
     torch._dynamo.reset()
     counters.clear()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = load_job_config(["--kernels.kda", "triton", "--kernels.experts", "triton", "--kernels.loss", "triton"])
+    cfg = load_job_config(["--kernels.kda", "triton", "--kernels.experts", "triton", "--kernels.loss", "triton",
+                           "--kernels.attn_res", "triton"])
     impl = resolve_impl(cfg.kernels, device)
-    assert [c.chosen for c in impl.choices][:3] == ["triton"] * 3
+    assert [c.chosen for c in impl.choices][:4] == ["triton"] * 4
     compiled = K3Model(get_flavor("debug", 256), impl).to(device)
     compiled.init_weights(seed=0)
     eager = K3Model(get_flavor("debug", 256), reference_impl()).to(device)

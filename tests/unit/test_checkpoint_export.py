@@ -23,7 +23,7 @@ from dataclasses import asdict
 
 def _impl():
     cfg = load_job_config(["--kernels.kda", "torch", "--kernels.experts", "torch", "--kernels.loss", "torch",
-                           "--kernels.attention", "math"])
+                           "--kernels.attn_res", "torch", "--kernels.attention", "math"])
     return resolve_impl(cfg.kernels, torch.device("cpu"))
 
 

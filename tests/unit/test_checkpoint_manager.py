@@ -33,7 +33,7 @@ class FakeLoader:
 
 def _model(flavor_kw=None, seed=0):
     cfg = load_job_config(["--kernels.kda", "torch", "--kernels.experts", "torch", "--kernels.loss", "torch",
-                           "--kernels.attention", "math"])
+                           "--kernels.attn_res", "torch", "--kernels.attention", "math"])
     args = get_flavor("debug", 512).replace(**(flavor_kw or {}))
     model = K3Model(args, resolve_impl(cfg.kernels, torch.device("cpu")), 1.0)
     model.init_weights(seed=seed)

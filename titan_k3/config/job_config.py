@@ -48,6 +48,8 @@ class Kernels:
     """Routed-expert implementation: triton grouped GEMM, torch._grouped_mm, torch loop, or auto."""
     loss: Literal["auto", "triton", "torch"] = "auto"
     """Head + cross-entropy: fused triton kernel, chunked torch reference, or auto."""
+    attn_res: Literal["auto", "triton", "torch"] = "auto"
+    """Block Attention Residuals' pseudo-query mixes: fused triton kernel, torch reference, or auto (triton on CUDA)."""
     attention: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
     """MLA attention backend for scaled_dot_product_attention; auto prefers cuDNN on CUDA."""
 

@@ -5,23 +5,28 @@ new block opens every `block_size` layers. Each sublayer (and the final norm)
 reads a softmax-weighted mix of the completed blocks and the current partial
 sum; the score of source n is <RMSNorm(v_n), q> with a learned pseudo-query q
 [D] per sublayer, initialised to zero so the first mix is a plain average.
-Scores and the mix are computed in float32.
+Scores and the mix are computed in float32, by the implementation chosen in
+`impl.py` (`kernels.attn_res`): the fused Triton op or the PyTorch reference.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+from typing import Callable
 
-from titan_k3.models.k3.layers import upcast
+import torch
+from torch import nn
 
 
 class PseudoQueryMix(nn.Module):
-    """Mix N sources [B, T, D] into one input with a learned pseudo-query [D]."""
+    """Mix N sources [B, T, D] into one input with a learned pseudo-query [D].
 
-    def __init__(self, dim: int, eps: float = 1e-5):
+    `mix(sources, query, eps) -> [B, T, D]` is the implementation
+    (`kernels.attn_res.pseudo_query_mix` or its reference).
+    """
+
+    def __init__(self, dim: int, mix: Callable, eps: float = 1e-5):
         super().__init__()
+        self.mix = mix
         self.eps = eps
         self.query = nn.Parameter(torch.zeros(dim))
 
@@ -29,12 +34,7 @@ class PseudoQueryMix(nn.Module):
         nn.init.zeros_(self.query)
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        if len(sources) == 1:
-            return sources[0]
-        v_NBTD = upcast(torch.stack(sources))
-        keys = F.rms_norm(v_NBTD, (v_NBTD.shape[-1],), None, self.eps)
-        weights_NBT = torch.softmax(keys @ upcast(self.query), dim=0)
-        return (weights_NBT.unsqueeze(-1) * v_NBTD).sum(dim=0).to(sources[0].dtype)
+        return self.mix(sources, self.query, self.eps)
 
 
 class ResidualBlocks:

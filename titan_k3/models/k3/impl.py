@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from kernels.attn_res.reference import pseudo_query_mix_reference
 from kernels.fused_ce import reference as ce_reference
 from kernels.grouped_gemm import reference as gg_reference
 from kernels.kda import reference as kda_reference
@@ -39,6 +40,8 @@ class Impl:
     experts: Callable
     loss: Callable
     sdpa_backends: list | None
+    attn_res: Callable = pseudo_query_mix_reference
+    """Block Attention Residuals' pseudo-query mix(sources, query, eps)."""
     choices: list[KernelChoice] = field(default_factory=list)
 
     @property
@@ -53,10 +56,12 @@ def reference_impl() -> Impl:
         experts=gg_reference.moe_experts,
         loss=ce_reference.linear_cross_entropy,
         sdpa_backends=None,
+        attn_res=pseudo_query_mix_reference,
         choices=[
             KernelChoice("kda", "torch", "torch", False),
             KernelChoice("experts", "torch", "torch", False),
             KernelChoice("loss", "torch", "torch", False),
+            KernelChoice("attn_res", "torch", "torch", False),
             KernelChoice("attention", "math", "sdpa-default", False),
         ],
     )
@@ -133,8 +138,11 @@ def resolve_impl(kernels_cfg, device: torch.device) -> Impl:
         experts, c_exp = _pick(
             "experts", kernels_cfg.experts, on_cuda, ("kernels.grouped_gemm", "moe_experts", "triton"), gg_reference.moe_experts
         )
+    attn_res, c_res = _pick(
+        "attn_res", kernels_cfg.attn_res, on_cuda, ("kernels.attn_res", "pseudo_query_mix", "triton"), pseudo_query_mix_reference
+    )
     backends, c_attn = _attention_backends(kernels_cfg.attention, on_cuda)
-    return Impl(kda, experts, loss, backends, [c_kda, c_exp, c_loss, c_attn])
+    return Impl(kda, experts, loss, backends, attn_res=attn_res, choices=[c_kda, c_exp, c_loss, c_res, c_attn])
 
 
 def _attention_backends(requested: str, on_cuda: bool) -> tuple[list | None, KernelChoice]:

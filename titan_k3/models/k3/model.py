@@ -27,10 +27,10 @@ class K3Block(nn.Module):
         super().__init__()
         self.layer = layer
         self.is_mla, self.is_moe = args.is_mla(layer), args.is_moe(layer)
-        self.attn_mix = PseudoQueryMix(args.dim, args.norm_eps)
+        self.attn_mix = PseudoQueryMix(args.dim, impl.attn_res, args.norm_eps)
         self.attn_norm = RMSNorm(args.dim, args.norm_eps)
         self.attn = GatedMLA(args, impl.sdpa_backends) if self.is_mla else KimiDeltaAttention(args, impl.kda)
-        self.ffn_mix = PseudoQueryMix(args.dim, args.norm_eps)
+        self.ffn_mix = PseudoQueryMix(args.dim, impl.attn_res, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn = LatentMoE(args, impl.experts, qb_eta) if self.is_moe else SituGluFFN(args.dim, args.dense_hidden)
 
@@ -69,7 +69,7 @@ class K3Model(nn.Module):
         # NOTE: a ModuleDict keyed by layer index keeps parameter names stable
         # when parallelize wraps or replaces blocks (TorchTitan's convention).
         self.layers = nn.ModuleDict({str(i): K3Block(args, i, impl, qb_eta) for i in range(args.n_layers)})
-        self.final_mix = PseudoQueryMix(args.dim, args.norm_eps)
+        self.final_mix = PseudoQueryMix(args.dim, impl.attn_res, args.norm_eps)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.loss_dtype: torch.dtype | None = None
