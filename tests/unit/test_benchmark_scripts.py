@@ -49,6 +49,14 @@ def test_compile_startup_builds_each_depth_in_a_fresh_cache(tmp_path):
     assert "| debug | 1 | B2 T64 |" in (tmp_path / "out" / "compile_startup.md").read_text()
 
 
+def test_attn_res_benchmark_checks_and_times_every_variant(tmp_path):
+    _run("attn_res.py", tmp_path, "--sources", "2,3", "--backend", "aot_eager", "--sweep")
+    rows = json.loads((tmp_path / "out" / "attn_res.json").read_text())["rows"]
+    assert [r["n_sources"] for r in rows] == [2, 3]
+    assert all(r[f"{v}_{k}"] > 0 for r in rows for v in ("eager", "compiled", "ours") for k in ("fwd_ms", "fwd_bwd_ms"))
+    assert "| B2 T64 D64 float32 | 3 |" in (tmp_path / "out" / "attn_res.md").read_text()
+
+
 def test_kda_candidates_change_the_launch_table_forward_and_backward_then_restore_it():
     from benchmarks.kda import launch_settings, parse_candidate
     from kernels.kda import ops
