@@ -5,7 +5,7 @@ Same run, same inputs, same flags, at each shape and gate:
   safe    the raw gate with the safe gate fused into the kernel: g = -5 sigmoid(exp(A_log) (g_raw + dt_bias))
           (fla: use_gate_in_kernel=True, safe_gate=True, lower_bound=-5)
 bf16 inputs, no initial or final state. Ours is checked against fla (relative RMS of
-the output and of dq) before it is timed. The first call of ours (kernel compilation,
+the output and of dq) before it is timed. The first call of ours (safe gate, kernel compilation,
 no autotuning) is timed too.
 
     python benchmarks/kda.py [--shapes b8-t4096-h8,k3-mini,b32-t1024-h8] [--no-fla] [--profile] [--sweep]
@@ -13,6 +13,9 @@ no autotuning) is timed too.
 
 --candidates "kernel.setting=value;..." also times ours under each alternative ops.LAUNCH table in the
 same run (rows labelled with it in the gate column), so a launch change and fla share one measurement.
+The safe gate's paths are settings too: "safe.fuse_bwd=0" (bounded kernels, backward unfused),
+"safe.diag_dot=0" (the exact path, as before the bounded kernels); "dfused.BV=32" and the like tune the fused one.
+--profile prints the per-kernel table of ours for the plain and the safe gate (default launch table).
 Prints a table and appends dated rows to benchmarks/results/kda.md, or to --out (a folder gets kda.md).
 --sweep times ours fwd+bwd with one launch setting of kernels.kda.ops.LAUNCH changed at a time
 (plain gate, at each shape) and appends that table to kda-sweep.md beside the results file.
@@ -50,6 +53,8 @@ SWEEP = [
     ("dchunk", dict(BK=128)), ("dchunk", dict(num_warps=4)), ("dchunk", dict(num_stages=1)),
     ("dintra", dict(BK=64)), ("dintra", dict(num_warps=8)),
 ]
+# ops.LAUNCH entries that only the fused safe gate's bounded paths read
+SAFE_ONLY = {"safe", "dfused"}
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "kda.md")
 LOWER_BOUND = -5.0
 
@@ -120,9 +125,12 @@ def bench_shape(name, shape, with_fla, rep_ms, candidates=()):
     """Rows of one shape: per gate, ours under the defaults and under each candidate launch table, beside fla."""
     B, T, H, D = shape
     (q, k, v), g, g_raw, beta, A_log, dt_bias, do = make_inputs(B, T, H, D)
-    settings = {"ours": {}, **{f"ours[{c}]": parse_candidate(c) for c in candidates}}
+    all_settings = {"ours": {}, **{f"ours[{c}]": parse_candidate(c) for c in candidates}}
     rows = []
     for gate in ("plain", "safe"):
+        # a candidate that changes only the safe gate's paths would time the plain gate's defaults again
+        settings = {name: c for name, c in all_settings.items()
+                    if name == "ours" or gate == "safe" or not set(c) <= SAFE_ONLY}
         g_in = g if gate == "plain" else g_raw
         fns = variants(gate, with_fla)
         fns.update({vname: fns["ours"] for vname in settings})
@@ -162,22 +170,30 @@ def bench_shape(name, shape, with_fla, rep_ms, candidates=()):
 
 
 def first_call_seconds(shape):
-    """Wall time of the very first forward+backward in this process (kernel compilation included)."""
+    """Wall time of the very first forward+backward in this process (kernel compilation included).
+
+    With the safe gate fused in, as the K3 model calls it (its kernels differ from the plain gate's).
+    """
     B, T, H, D = shape
-    (q, k, v), g, _, beta, _, _, do = make_inputs(B, T, H, D)
-    leaves = [x.requires_grad_(True) for x in (q, k, v, g, beta)]
+    (q, k, v), _, g_raw, beta, A_log, dt_bias, do = make_inputs(B, T, H, D)
+    leaves = [x.requires_grad_(True) for x in (q, k, v, g_raw, beta, A_log, dt_bias)]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    chunk_kda(*leaves)[0].backward(do)
+    variants("safe", with_fla=False)["ours"](*leaves).backward(do)
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
 def profile_ours(shape):
+    """Per-kernel CUDA table of ours fwd+bwd, plain gate then safe gate."""
     B, T, H, D = shape
-    (q, k, v), g, _, beta, _, _, do = make_inputs(B, T, H, D)
-    leaves = [x.requires_grad_(True) for x in (q, k, v, g, beta)]
-    print_cuda_profile(lambda: chunk_kda(*leaves)[0].backward(do), row_limit=20)
+    (q, k, v), g, g_raw, beta, A_log, dt_bias, do = make_inputs(B, T, H, D)
+    for gate in ("plain", "safe"):
+        leaves = [x.detach().clone().requires_grad_(True)
+                  for x in (q, k, v, g if gate == "plain" else g_raw, beta, A_log, dt_bias)]
+        fn = variants(gate, with_fla=False)["ours"]
+        print(f"profile of ours, {gate} gate, B{B} T{T} H{H} K=V={D}, 5 fwd+bwd:")
+        print_cuda_profile(lambda fn=fn, leaves=leaves: fn(*leaves).backward(do), row_limit=20)
 
 
 def sweep(name, shape, rep_ms):
@@ -223,7 +239,7 @@ def main():
     commit = args.commit or env["commit"]
     names = args.shapes.split(",")
     first = first_call_seconds(SHAPES[names[0]])
-    print(f"first call of ours (compile, no autotune): {first:.1f} s")
+    print(f"first call of ours, safe gate (compile, no autotune): {first:.1f} s")
     if args.profile:
         profile_ours(SHAPES[names[0]])
     header = (

@@ -189,9 +189,12 @@ def _dchunk_kernel(
             k_s = tl.load(k + offs_s, mask=m_sk, other=0.0).to(tl.float32)
             m_j = (rows < r0 + BC)[:, None] & m_tk
             m_i = (rows >= r0)[:, None] & m_tk
+            # NOTE: the chunk's tiles are loaded again (cache hits) rather than kept live across the blocks.
             dq_row, dk_row, dk_col = decayed_grads(
                 block_of(dm3, i_s, NS), block_of(da3, i_s, NS), block_of(dmT3, i_s, NS), block_of(daT3, i_s, NS),
-                b_s, qq, kk, b_t, b_mid, b_mid, m_j, m_i, m_sk, PREC,
+                b_s, tl.load(q + offs_k, mask=m_tk, other=0.0).to(tl.float32),
+                tl.load(k + offs_k, mask=m_tk, other=0.0).to(tl.float32), tl.load(b + offs_k, mask=m_tk, other=0.0),
+                b_mid, b_mid, m_j, m_i, m_sk, PREC,
             )
             tl.store(dq + offs_s, (block_of(dq3, i_s, NS) + dq_row).to(dq.dtype.element_ty), mask=m_sk)
             tl.store(dk + offs_s, (block_of(dk3, i_s, NS) + dk_row + dk_col).to(dk.dtype.element_ty), mask=m_sk)

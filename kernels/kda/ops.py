@@ -14,8 +14,8 @@ from kernels.kda.reference import DEFAULT_GATE_LOWER_BOUND, check_kda_inputs, l2
 
 
 # Launch settings of every kernel, fixed (no autotuning): a first call only compiles. "BV" is the V tile of
-# the two sequential state walks (their programs are V tiles x sequences x heads), "BK" the K tile of the two
-# kernels that hold a whole chunk's q, k, b tiles. `benchmarks/kda.py --sweep` times alternatives; these won
+# the two sequential state walks (their programs are V tiles x sequences x heads) and of the dense gradient
+# kernel's V loop, "BK" the K tile of the kernels that hold a whole chunk's q, k, b tiles. `benchmarks/kda.py --sweep` times alternatives; these won
 # on an H200 (benchmarks/results/kda.md).
 # "fill_sms" lets a state walk halve its BV (down to 32) while twice its programs still fit one wave of the
 # GPU's SMs (`fill_bv`): k3-mini's 8 sequences x 4 heads at BV=64 are 64 programs, half of an H200's 132 SMs.
@@ -37,9 +37,9 @@ LAUNCH = {
     "state": dict(BV=64, fill_sms=True, num_warps=8, num_stages=2),
     "output": dict(num_warps=4, num_stages=2),
     "dstate": dict(BV=64, fill_sms=True, num_warps=8, num_stages=2),
-    "dchunk": dict(BK=64, num_warps=8, num_stages=2),
+    "dchunk": dict(BK=64, BV=64, num_warps=8, num_stages=2),
     "dintra": dict(BK=32, num_warps=4, num_stages=1),
-    "dfused": dict(BK=64, num_warps=8, num_stages=2),
+    "dfused": dict(BK=64, BV=64, num_warps=8, num_stages=2),
     "ddecay": dict(num_warps=4, num_stages=1),
 }
 
@@ -191,7 +191,7 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, cu_seqlens, gate, 
     dbeta = torch.empty(NK, T, H, device=dev, dtype=torch.float32)
     bwd._dchunk_kernel[(NT, NK, H)](
         q, k, v, b, beta, A, Ai, h, dh, U, dU, do, dq, dk, dv, db, dbeta, dM, dA, chunk_indices, cu, scale, T,
-        H=H, K=K, V=V, BT=BT, BC=BC, BV=BV, PREC=prec, FUSE_INTRA=fused, **dchunk,
+        H=H, K=K, V=V, BT=BT, BC=BC, PREC=prec, FUSE_INTRA=fused, **dchunk,
     )
     dbeta = dbeta.sum(0)
     if not fused:

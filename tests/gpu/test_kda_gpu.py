@@ -1,9 +1,11 @@
 """KDA Triton kernels on a GPU in bfloat16 at the training shape, against float32/float64 references."""
 
+import contextlib
+
 import pytest
 import torch
 
-from kernels.kda import chunk_kda, chunk_kda_reference, l2norm, recurrent_kda
+from kernels.kda import chunk_kda, chunk_kda_reference, l2norm, ops, recurrent_kda
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -82,3 +84,100 @@ def test_hard_resets_bf16_finite():
     xs[3][:, ::37] = -1000.0
     o, S, grads = grads_of(chunk_kda, xs, h0, torch.randn(2, 1000, 4, 128, device="cuda"), torch.randn_like(h0))
     assert all(torch.isfinite(x).all() for x in (o, S, *grads))
+
+
+# The fused safe gate's paths (kernels.kda.ops.LAUNCH["safe"]): bounded split products with the fused dense +
+# intra-chunk backward (the default), the bounded kernels unfused, and the exact path of a precomputed g.
+SAFE_PATHS = {"bounded-fused": dict(diag_dot=1, fuse_bwd=1), "bounded": dict(diag_dot=1, fuse_bwd=0),
+              "exact": dict(diag_dot=0, fuse_bwd=0)}
+
+
+@contextlib.contextmanager
+def safe_path(path):
+    kept = ops.LAUNCH["safe"]
+    ops.LAUNCH["safe"] = {**kept, **SAFE_PATHS[path]}
+    try:
+        yield
+    finally:
+        ops.LAUNCH["safe"] = kept
+
+
+def gate_params(H, K, seed):
+    """A_log [H] and dt_bias [H, K] float32 as K3_SPEC §1.1 initialises them (dt log-uniform in [1e-3, 1e-1])."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    A_log = torch.randn(H, device="cuda", generator=gen) * 0.3
+    dt = torch.exp(torch.empty(H, K, device="cuda").uniform_(-6.9, -2.3, generator=gen))
+    return A_log, dt + torch.log(-torch.expm1(-dt))
+
+
+def safe_grads_of(fn, xs, h0, A_log, dt_bias, do, dS, **kw):
+    leaves = [x.detach().clone().requires_grad_(True) for x in (*xs, h0, A_log, dt_bias)]
+    o, S = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True, A_log=leaves[6], dt_bias=leaves[7],
+              gate_lower_bound=-5.0, **kw)
+    ((o.float() * do).sum() + (S.float() * dS).sum()).backward()
+    return o, S, [x.grad for x in leaves]
+
+
+@pytest.mark.parametrize("path", list(SAFE_PATHS))
+def test_safe_gate_bf16_forward_at_training_shape(path):
+    *xs, h0 = inputs(8, 4096, 8, 128, 128, seed=5)
+    xs[3] = torch.randn_like(xs[3]) * 3  # the raw gate: g = -5 sigmoid(.) spans (-5, 0)
+    A_log, dt_bias = gate_params(8, 128, seed=6)
+    kw = dict(initial_state=h0, output_final_state=True, A_log=A_log, dt_bias=dt_bias, gate_lower_bound=-5.0)
+    with torch.no_grad(), safe_path(path):
+        o, S = chunk_kda(*xs, **kw)
+        o_ref, S_ref = chunk_kda_reference(*(x.float() for x in xs), **kw)
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    assert rel_rms(o, o_ref) < 1e-2
+    assert rel_rms(S, S_ref) < 1e-2
+
+
+@pytest.mark.parametrize("path", list(SAFE_PATHS))
+@pytest.mark.parametrize("lengths", [None, [1, 15, 64, 200, 4000, 3912]])
+def test_safe_gate_bf16_gradients(path, lengths):
+    """Every gradient (q, k, v, the raw gate, beta, h0, A_log, dt_bias) at B2 T4096 H8 and packed documents;
+    the raw gate pushes a third of the tokens to the lower bound (sigmoid of +-30)."""
+    if lengths is None:
+        B, T, N, cu = 2, 4096, None, None
+    else:
+        B, T, N = 1, sum(lengths), len(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    *xs, h0 = inputs(B, T, 8, 128, 128, N=N, seed=7)
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    g_raw = torch.randn(B, T, 8, 128, device="cuda", generator=gen) * 3
+    g_raw[:, ::3] = 30.0
+    xs[3] = g_raw.bfloat16()
+    A_log, dt_bias = gate_params(8, 128, seed=9)
+    do = torch.randn(B, T, 8, 128, device="cuda", generator=gen)
+    dS = torch.randn(h0.shape, device="cuda", generator=gen)
+    with safe_path(path):
+        o, S, grads = safe_grads_of(chunk_kda, xs, h0, A_log, dt_bias, do, dS, cu_seqlens=cu)
+    o_ref, S_ref, grads_ref = safe_grads_of(
+        chunk_kda_reference, [x.float() for x in xs], h0, A_log, dt_bias, do, dS, cu_seqlens=cu,
+    )
+    assert rel_rms(o, o_ref) < 1e-2 and rel_rms(S, S_ref) < 1e-2
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "h0", "A_log", "dt_bias"], grads, grads_ref):
+        assert torch.isfinite(a).all(), name
+        assert rel_rms(a, b) < 2e-2, name
+
+
+@pytest.mark.parametrize("path", ["bounded-fused", "bounded"])
+@pytest.mark.parametrize("pin", ["random", "at the bound"])
+def test_safe_gate_float32_against_float64_recurrence(path, pin):
+    """float32 kernels vs the float64 recurrence; "at the bound": g = -5 on every token (sigmoid of 60), the
+    widest span a bounded block meets. The saturated gate's own gradients (~0) are left out there."""
+    *xs, h0 = inputs(2, 300, 2, 128, 128, dtype=torch.float64, seed=10)
+    xs[3] = torch.randn_like(xs[3]) * 3 if pin == "random" else torch.full_like(xs[3], 60.0)
+    A_log, dt_bias = (x.double() for x in gate_params(2, 128, seed=11))
+    do = torch.randn(2, 300, 2, 128, device="cuda", dtype=torch.float64)
+    dS = torch.randn(h0.shape, device="cuda", dtype=torch.float64)
+    o_ref, S_ref, grads_ref = safe_grads_of(recurrent_kda, xs, h0.double(), A_log, dt_bias, do, dS)
+    with safe_path(path):
+        o, S, grads = safe_grads_of(
+            chunk_kda, [x.float() for x in xs], h0, A_log.float(), dt_bias.float(), do.float(), dS.float(),
+        )
+    assert rel_rms(o, o_ref) < 5e-3 and rel_rms(S, S_ref) < 5e-3
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "h0", "A_log", "dt_bias"], grads, grads_ref):
+        assert torch.isfinite(a).all(), name
+        if pin == "random" or name not in ("g", "A_log", "dt_bias"):
+            assert rel_rms(a, b) < 2e-2, name
