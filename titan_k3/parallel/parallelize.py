@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kernels.attn_res import pseudo_query_mix_reference
 from titan_k3.config import ConfigError
 from titan_k3.models.k3.impl import KernelChoice
 from titan_k3.models.k3.moe import routing_recompute
@@ -146,7 +147,7 @@ def apply_compile(model: nn.Module, backend: str) -> None:
     """torch.compile every block's sublayers and residual mixes in place; graph breaks are reported by CompileWatch.
 
     NOTE: the compiled units are the attention and FFN sublayers (norm +
-    KDA / MLA, norm + dense / MoE FFN) and the residual mixes, not whole
+    KDA / MLA, norm + dense / MoE FFN) and the reference residual mixes, not whole
     blocks: each kind of sublayer is one graph that inductor compiles once
     (the other layers hit its cache), where whole blocks differed in their
     number of residual sources and each compiled its own. The blocks' eager
@@ -167,9 +168,11 @@ def apply_compile(model: nn.Module, backend: str) -> None:
     for block in model.layers.values():
         block.attn_sublayer = torch.compile(block.attn_sublayer, backend=backend)
         block.ffn_sublayer = torch.compile(block.ffn_sublayer, backend=backend)
-        block.attn_mix.compile(backend=backend)
-        block.ffn_mix.compile(backend=backend)
-    model.final_mix.compile(backend=backend)
+    # NOTE: a mix that runs the fused kernel (kernels.attn_res) is one custom op: compiling it would only add
+    # start-up time. The PyTorch reference mix is compiled.
+    for mix in [m for block in model.layers.values() for m in (block.attn_mix, block.ffn_mix)] + [model.final_mix]:
+        if mix.mix is pseudo_query_mix_reference:
+            mix.compile(backend=backend)
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, mesh, param_dtype: torch.dtype, reshard_after_forward: bool = True) -> None:
