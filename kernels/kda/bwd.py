@@ -20,7 +20,9 @@ db_i += x_i dx_i, db_j -= y_j dy_j. Finally dg is the reverse cumsum of db in a 
 Kernels: `_dstate_kernel` (sequential, last chunk first), `_dchunk_kernel`
 (dense per-chunk terms), `_dintra_kernel` (the decayed products, per 16-row
 block, split at reference rows as in fwd.py), `_ddecay_kernel` (reverse cumsum
-and the fused gate's derivative).
+and the fused gate's derivative). With a bounded safe gate (`common.bounded_gate`)
+`_dchunk_kernel` can add the decayed products itself (FUSE_INTRA) and
+`_dintra_kernel` is not launched.
 """
 
 import triton

@@ -18,6 +18,8 @@ non-increasing), which covers the blocks below a 16-row block's diagonal. The
 diagonal block takes r at its middle row when its decays stay within 60 of it
 (`common.block_references`: every gate above -7.5 per token), factors <= exp(60);
 otherwise (a hard reset, say) it is summed exactly, one column at a time.
+A fused safe gate whose lower bound keeps every block within 60 of its middle row
+(`common.bounded_gate`, lb >= -7.5) compiles the split products alone (BOUNDED).
 
 Legend: T total tokens (packed), H heads, K/V widths, NT chunks, BT 64, BC 16.
 Buffers are [T, H, *] row-major; states are [NT or N, H, K, V].

@@ -15,8 +15,8 @@ from kernels.kda.reference import DEFAULT_GATE_LOWER_BOUND, check_kda_inputs, l2
 
 # Launch settings of every kernel, fixed (no autotuning): a first call only compiles. "BV" is the V tile of
 # the two sequential state walks (their programs are V tiles x sequences x heads) and of the dense gradient
-# kernel's V loop, "BK" the K tile of the kernels that hold a whole chunk's q, k, b tiles. `benchmarks/kda.py --sweep` times alternatives; these won
-# on an H200 (benchmarks/results/kda.md).
+# kernel's V loop, "BK" the K tile of the kernels that hold a whole chunk's q, k, b tiles.
+# `benchmarks/kda.py --sweep` / `--candidates` time alternatives; these won on an H200 (benchmarks/results/kda.md).
 # "fill_sms" lets a state walk halve its BV (down to 32) while twice its programs still fit one wave of the
 # GPU's SMs (`fill_bv`): k3-mini's 8 sequences x 4 heads at BV=64 are 64 programs, half of an H200's 132 SMs.
 # NOTE: fewer than 8 warps on the state walks spill their [K, BV] float32 state and triple compile time.
@@ -24,10 +24,13 @@ from kernels.kda.reference import DEFAULT_GATE_LOWER_BOUND, check_kda_inputs, l2
 # their K loop wrongly around the exact column-loop branch, and a bf16 hard reset (g = -1000) then gave
 # non-finite A; unpipelined they are also 4-10% faster. Their num_stages here applies to the bounded path
 # alone (no column loop); the exact path always runs unpipelined.
-# "safe" picks the fused safe gate's paths when its lower bound bounds every 16-row block (`common.bounded_gate`):
-# diag_dot=1 compiles the scores and intra-gradient kernels without the run-time block check and the exact
-# column loop (`BOUNDED`); fuse_bwd=1 (with diag_dot=1) has the dense gradient kernel add the intra-chunk
-# terms itself ("dfused": its launch), so `_dintra_kernel` and the dM/dA/float32 dq, dk round trip go away.
+# "safe" picks the fused safe gate's paths when its lower bound bounds every 16-row block (`common.bounded_gate`,
+# lb >= -7.5): diag_dot=1 compiles the scores and intra-gradient kernels without the run-time block check and
+# the exact column loop (`BOUNDED`); fuse_bwd=1 (with diag_dot=1) has the dense gradient kernel add the
+# intra-chunk terms itself ("dfused": its launch), so `_dintra_kernel` and the round trip of dM, dA and float32
+# dq, dk, db through memory go away. A precomputed g (or the softplus gate) always takes the exact path.
+# NOTE: both bounded paths are not yet timed on a GPU (only compiled for sm_90); "safe.fuse_bwd=0" and
+# "safe.diag_dot=0" as --candidates time them against the previous kernels in the same run.
 LAUNCH = {
     "safe": dict(diag_dot=1, fuse_bwd=1),
     "decay": dict(num_warps=4, num_stages=1),
