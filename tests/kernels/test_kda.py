@@ -362,8 +362,10 @@ def test_safe_gate_packed_documents(path):
 
 @pytest.mark.parametrize("path", ["bounded-fused", "bounded"])
 def test_safe_gate_wide_uneven_heads(path):
-    """K = 96: two K tiles in the fused backward (the second forms dM, dA on its own), masked columns, V = 40."""
+    """K = 96: two K tiles in the fused backward (the second forms dM, dA on its own), masked columns, V = 40;
+    K = 256, the widest head: four K tiles, V tiles of 32."""
     check_safe_gate_against_recurrent(1, 130, 2, 96, 40, seed=16, path=path)
+    check_safe_gate_against_recurrent(1, 70, 1, 256, 48, seed=21, path=path)
 
 
 # NOTE: at lb = -7.5 the products above the diagonal (exp(b_i - b_j), i < j, up to exp(15 * 7.5)) overflow in the
