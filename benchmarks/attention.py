@@ -7,6 +7,8 @@ Timed variants, each causal, bf16, forward and forward + backward (median of
 `triton.testing.do_bench`): cuDNN and memory-efficient attention as the model
 calls them (value width 128), and cuDNN and flash with the values zero-padded
 to 192 (flash needs equal widths; the padded output columns are dropped).
+"model layout" runs cuDNN on the strides the model hands it (transposed views
+of [B, T, H, d] projections) instead of contiguous [B, H, T, d] tensors.
 Every variant's output and gradients are checked against cuDNN's before it is
 timed. Appends a table with ratios to the cuDNN row to OUTDIR/attention.md.
 """
@@ -41,6 +43,7 @@ def attend(q, k, v, backend: SDPBackend, pad_v: bool) -> torch.Tensor:
 
 VARIANTS = {
     "cudnn": (SDPBackend.CUDNN_ATTENTION, False),
+    "cudnn, model layout": (SDPBackend.CUDNN_ATTENTION, False),
     "efficient": (SDPBackend.EFFICIENT_ATTENTION, False),
     "cudnn, v padded": (SDPBackend.CUDNN_ATTENTION, True),
     "flash, v padded": (SDPBackend.FLASH_ATTENTION, True),
@@ -65,11 +68,19 @@ def main(argv=None) -> int:
 
     q, k, v = leaf(a.qk_nope_dim + a.qk_rope_dim), leaf(a.qk_nope_dim + a.qk_rope_dim), leaf(a.v_head_dim)
     do = torch.randn(B, H, T, a.v_head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    # The model's layout: q, k, v are [B, T, H, d] projections seen as [B, H, T, d] (transposed views, v a
+    # slice of the key-value projection); the gradient of o arrives transposed the same way.
+    qm, km = (x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True) for x in (q, k))
+    kv = torch.cat([k.detach()[..., : a.qk_nope_dim], v.detach()], dim=-1).transpose(1, 2).contiguous()
+    vm = kv.transpose(1, 2)[..., a.qk_nope_dim :].detach().requires_grad_(True)
+    dom = do.transpose(1, 2).contiguous().transpose(1, 2)
     env, rows, ref = environment(), [], None
     for name, (backend, pad_v) in VARIANTS.items():
+        model_layout = name.endswith("model layout")
+        qkv, g_out = ((qm, km, vm), dom) if model_layout else ((q, k, v), do)
         try:
-            o = attend(q, k, v, backend, pad_v)
-            grads = torch.autograd.grad(o, (q, k, v), do)
+            o = attend(*qkv, backend, pad_v)
+            grads = torch.autograd.grad(o, qkv, g_out)
         except RuntimeError as e:  # a backend that refuses this shape is a result, not a crash
             rows.append(dict(env, variant=name, error=str(e).splitlines()[0][:120]))
             continue
@@ -78,12 +89,12 @@ def main(argv=None) -> int:
             ref = outs
         err = max(rel_rms(x, r) for x, r in zip(outs, ref))
 
-        def fwd():
+        def fwd(qkv=qkv, backend=backend, pad_v=pad_v):
             with torch.no_grad():
-                attend(q, k, v, backend, pad_v)
+                attend(*qkv, backend, pad_v)
 
-        def fwd_bwd():
-            torch.autograd.grad(attend(q, k, v, backend, pad_v), (q, k, v), do)
+        def fwd_bwd(qkv=qkv, g_out=g_out, backend=backend, pad_v=pad_v):
+            torch.autograd.grad(attend(*qkv, backend, pad_v), qkv, g_out)
 
         rows.append(dict(env, variant=name, fwd_ms=triton.testing.do_bench(fwd, return_mode="median"),
                          fwd_bwd_ms=triton.testing.do_bench(fwd_bwd, return_mode="median"), max_rel_rms=err))

@@ -42,6 +42,7 @@ VARIANTS = {
     "ours-ac-full": ["--activation_checkpoint.mode", "full"],
     # Ablations of the compiled recipe: one part swapped for its reference or another setting.
     "ours-compile-grouped_mm": ["--compile.enable", "true", "--kernels.experts", "grouped_mm"],
+    "ours-compile-triton-mix": ["--compile.enable", "true", "--kernels.attn_res", "triton"],
     "ours-compile-torch-loss": ["--compile.enable", "true", "--kernels.loss", "torch"],
     "ours-compile-adamw": ["--compile.enable", "true", "--optimizer.name", "adamw"],
     "ours-compile-ac-selective": ["--compile.enable", "true", "--activation_checkpoint.mode", "selective"],

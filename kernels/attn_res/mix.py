@@ -165,7 +165,7 @@ def _pointers(tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
 
 
 def mix_forward(sources: list[torch.Tensor], query: torch.Tensor, eps: float) -> tuple[torch.Tensor, ...]:
-    """sources: N contiguous [..., D] of one dtype, query [D] -> (out like sources[0], s [N, R], rstd [N, R], m [R])."""
+    """sources: N contiguous [..., D] (dtypes may differ), query [D] -> (out like sources[0], s [N, R], rstd [N, R], m [R])."""
     N, D = len(sources), query.shape[0]
     R = sources[0].numel() // D
     out = torch.empty_like(sources[0])

@@ -66,9 +66,10 @@ _mix_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 def pseudo_query_mix(sources: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:
     """sum_n softmax_n(<RMSNorm(v_n), q>) v_n in Triton, differentiable in every source and the query.
 
-    sources: N (1..MAX_SOURCES) tensors [..., D] (the model's [B, T, D]) of one shape, dtype (bfloat16,
-    float16 or float32) and device; query [D], any of those dtypes. Statistics, softmax and accumulation
-    are float32; the output has the sources' dtype and shape, and one source is returned as it is.
+    sources: N (1..MAX_SOURCES) tensors [..., D] (the model's [B, T, D]) of one shape and device, each
+    bfloat16, float16 or float32 (they may differ); query [D], any of those dtypes. Statistics, softmax and
+    accumulation are float32; the output has source 0's dtype, each gradient its source's, and one source
+    is returned as it is.
     Needs CUDA tensors, or TRITON_INTERPRET=1 on CPU; `kernels.attn_res.pseudo_query_mix_reference` is the
     CPU path (and the float64 one).
     """
@@ -76,10 +77,11 @@ def pseudo_query_mix(sources: list[torch.Tensor], query: torch.Tensor, eps: floa
     N = len(sources)
     if N > MAX_SOURCES:
         raise ValueError(f"pseudo_query_mix takes at most {MAX_SOURCES} sources (kernel pointer arguments), got N={N}")
-    if sources[0].dtype not in DTYPES or query.dtype not in DTYPES:
+    dtypes = sorted({str(v.dtype) for v in sources} | {str(query.dtype)})
+    if any(v.dtype not in DTYPES for v in sources) or query.dtype not in DTYPES:
         raise ValueError(
-            f"pseudo_query_mix needs bfloat16/float16/float32 sources and query, got {sources[0].dtype} and "
-            f"{query.dtype}; float64 runs in kernels.attn_res.pseudo_query_mix_reference"
+            f"pseudo_query_mix needs bfloat16/float16/float32 sources and query, got {', '.join(dtypes)}; "
+            "float64 runs in kernels.attn_res.pseudo_query_mix_reference"
         )
     if not sources[0].is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(

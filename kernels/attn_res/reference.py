@@ -20,15 +20,19 @@ def check_mix_inputs(sources: list[torch.Tensor], query: torch.Tensor) -> None:
     for n, v in enumerate(sources):
         if not isinstance(v, torch.Tensor):
             raise ValueError(f"sources must be tensors, source {n} is a {type(v).__name__}")
+    # NOTE: dtypes may differ: under bf16 autocast the embedding (source 0) stays float32 while the
+    # sublayer outputs are bf16. Every source is read in float32 (float64) and the output takes source 0's dtype.
     first = sources[0]
     for n, v in enumerate(sources):
-        if v.shape != first.shape or v.dtype != first.dtype or v.device != first.device:
+        if v.shape != first.shape or v.device != first.device:
             raise ValueError(
-                f"sources must share one shape, dtype and device: source 0 is {tuple(first.shape)} {first.dtype} "
-                f"on {first.device}, source {n} is {tuple(v.shape)} {v.dtype} on {v.device}"
+                f"sources must share one shape and device: source 0 is {tuple(first.shape)} on {first.device}, "
+                f"source {n} is {tuple(v.shape)} on {v.device}"
             )
-    if first.dim() == 0 or first.shape[-1] == 0 or not first.is_floating_point():
-        raise ValueError(f"sources must be floating tensors [..., D] with D >= 1, got {tuple(first.shape)} {first.dtype}")
+        if not v.is_floating_point():
+            raise ValueError(f"sources must be floating tensors, source {n} is {v.dtype}")
+    if first.dim() == 0 or first.shape[-1] == 0:
+        raise ValueError(f"sources must be tensors [..., D] with D >= 1, got {tuple(first.shape)}")
     if not isinstance(query, torch.Tensor) or query.shape != first.shape[-1:] or not query.is_floating_point():
         got = f"{tuple(query.shape)} {query.dtype}" if isinstance(query, torch.Tensor) else type(query).__name__
         raise ValueError(f"query must be a floating tensor [D] = [{first.shape[-1]}] (the sources' width), got {got}")
@@ -39,13 +43,13 @@ def check_mix_inputs(sources: list[torch.Tensor], query: torch.Tensor) -> None:
 def pseudo_query_mix_reference(sources: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:
     """sum_n softmax_n(<RMSNorm(v_n), q>) v_n: N sources [B, T, D], query [D] -> [B, T, D].
 
-    Computed in float32 (float64 when the sources are float64) and returned in
-    the sources' dtype. One source is returned as it is (its weight is 1).
+    Computed in float32 (float64 when a source is float64) and returned in
+    source 0's dtype (sources may differ in dtype). One source is returned as it is.
     """
     check_mix_inputs(sources, query)
     if len(sources) == 1:
         return sources[0]
-    compute = torch.float64 if sources[0].dtype == torch.float64 else torch.float32
+    compute = torch.float64 if any(v.dtype == torch.float64 for v in sources) else torch.float32
     v_NBTD = torch.stack(sources).to(compute)
     keys_NBTD = F.rms_norm(v_NBTD, (v_NBTD.shape[-1],), None, eps)
     weights_NBT = torch.softmax(keys_NBTD @ query.to(compute), dim=0)

@@ -172,7 +172,7 @@ def apply_compile(model: nn.Module, backend: str) -> None:
     # start-up time. The PyTorch reference mix is compiled.
     for mix in [m for block in model.layers.values() for m in (block.attn_mix, block.ffn_mix)] + [model.final_mix]:
         if mix.mix is pseudo_query_mix_reference:
-            mix.compile(backend=backend)
+            mix.mix_several = torch.compile(mix.mix_several, backend=backend)
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, mesh, param_dtype: torch.dtype, reshard_after_forward: bool = True) -> None:

@@ -34,6 +34,14 @@ class PseudoQueryMix(nn.Module):
         nn.init.zeros_(self.query)
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        if len(sources) == 1:
+            return sources[0]
+        return self.mix_several(sources)
+
+    # NOTE: the unit `torch.compile` sees (parallelize.apply_compile). A lone source is returned before it:
+    # a compiled frame that traces no op is skipped by dynamo, and the skip sticks to the code object, so
+    # every later mix of every layer would run eager (the first mix of a model has one source).
+    def mix_several(self, sources: list[torch.Tensor]) -> torch.Tensor:
         return self.mix(sources, self.query, self.eps)
 
 
