@@ -32,7 +32,7 @@ from kernels.kda.reference import DEFAULT_GATE_LOWER_BOUND, check_kda_inputs, l2
 # NOTE: both bounded paths are not yet timed on a GPU (only compiled for sm_90); "safe.fuse_bwd=0" and
 # "safe.diag_dot=0" as --candidates time them against the previous kernels in the same run.
 LAUNCH = {
-    "safe": dict(diag_dot=1, fuse_bwd=1),
+    "safe": dict(diag_dot=0, fuse_bwd=0),
     "decay": dict(num_warps=4, num_stages=1),
     "scores": dict(BK=32, num_warps=4, num_stages=1),
     "solve": dict(num_warps=2, num_stages=1),
