@@ -43,7 +43,7 @@ def measure(flavor: str, layers: int, device: str, batch: int, seq: int) -> dict
 
     dev = torch.device(device)
     args = dataclasses.replace(get_flavor(flavor, 512), n_layers=layers)
-    model = K3Model(args, resolve_impl(load_job_config([]).kernels, dev, compiled=True)).to(dev)
+    model = K3Model(args, resolve_impl(load_job_config([]).kernels, dev)).to(dev)
     model.init_weights(seed=0)
     apply_compile(model, "inductor")
     ids = torch.randint(0, 512, (batch, seq), device=dev)

@@ -21,19 +21,27 @@ def test_bf16_newton_schulz_tracks_float32(shape):
     assert s.min() > 0.5 and s.max() < 1.3
 
 
-def _two_steps() -> torch.Tensor:
+def _two_steps() -> tuple[torch.Tensor, torch.Tensor]:
+    """(parameters before, after) two PerHeadMuon steps on one per-expert parameter."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     p = torch.nn.Parameter(torch.randn(8, 256, 544, device="cuda", generator=gen))
+    before = p.detach().clone()
     p.grad = torch.randn(p.shape, device="cuda", generator=gen)
     opt = PerHeadMuon([dict(params=[p], per_expert=True)], lr=0.02, weight_decay=0.1)
     for _ in range(2):
         opt.step()
-    return p.detach()
+    return before, p.detach()
 
 
 def test_fused_step_equals_the_torch_step(monkeypatch):
-    """Two PerHeadMuon steps with the fused CUDA passes equal the same steps with the PyTorch passes."""
-    fused = _two_steps()
+    """Two PerHeadMuon steps with the fused CUDA passes equal the same steps with the PyTorch passes.
+
+    The fused momentum rounds once (a fused multiply-add) where PyTorch rounds twice, so a few bf16
+    Newton–Schulz inputs differ by one unit in the last place: the updates agree to bf16 noise.
+    """
+    before, fused = _two_steps()
     monkeypatch.setattr(muon, "nesterov_momentum_", reference.nesterov_momentum_)
     monkeypatch.setattr(muon, "decay_add_", reference.decay_add_)
-    torch.testing.assert_close(fused, _two_steps(), rtol=1e-3, atol=1e-4)
+    _, plain = _two_steps()
+    update, update_ref = fused - before, plain - before
+    assert ((update - update_ref).norm() / update_ref.norm()).item() < 1e-2

@@ -282,18 +282,3 @@ def test_model_with_triton_mixes_equals_torch_mixes():
     assert grads_t.keys() == grads_r.keys() and any(n.endswith("mix.query") for n in grads_t)
     for name in grads_r:
         assert rel_rms(grads_t[name], grads_r[name]) < 1e-4, name
-
-
-@pytest.mark.parametrize("requested, compiled, chosen", [
-    ("auto", True, "torch (compiled)"), ("auto", False, "triton"), ("triton", True, "triton"), ("torch", False, "torch"),
-])
-def test_auto_on_cuda_takes_the_compiled_reference_only_under_compile(requested, compiled, chosen):
-    """The measured choice (benchmarks/results/attn_res.md), reported as a choice rather than a fallback."""
-    from titan_k3.config import load_job_config
-    from titan_k3.models.k3.impl import resolve_impl
-
-    cfg = load_job_config(["--kernels.attn_res", requested])
-    impl = resolve_impl(cfg.kernels, torch.device("cuda"), compiled=compiled)  # resolving touches no GPU
-    choice = next(c for c in impl.choices if c.op == "attn_res")
-    assert choice.chosen == chosen and not choice.fallback
-    assert (impl.attn_res is pseudo_query_mix_reference) == chosen.startswith("torch")

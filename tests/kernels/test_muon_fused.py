@@ -72,3 +72,5 @@ def test_newton_schulz_writes_the_callers_orientation(shape):
     torch.testing.assert_close(O, O_t.mT, rtol=1e-4, atol=1e-5)
     s = torch.linalg.svdvals((O / 1.5).double())
     assert s.min() > 0.5 and s.max() < 1.3  # approximately orthogonal
+    O64 = newton_schulz(G.double(), 5, dtype=torch.float64, scale=1.5)  # float64 in, norm and all: the tests' ground truth
+    assert O64.dtype == torch.float64 and (O64 - O.double()).abs().max() < 1e-4

@@ -49,7 +49,7 @@ class Kernels:
     loss: Literal["auto", "triton", "torch"] = "auto"
     """Head + cross-entropy: fused triton kernel, chunked torch reference, or auto."""
     attn_res: Literal["auto", "triton", "torch"] = "auto"
-    """Block Attention Residuals' pseudo-query mixes: fused triton kernel, torch reference, or auto (triton on CUDA; the reference, compiled, when compile.enable: measured faster)."""
+    """Block Attention Residuals' pseudo-query mixes: fused triton kernel, torch reference, or auto (triton on CUDA)."""
     attention: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
     """MLA attention backend for scaled_dot_product_attention; auto prefers cuDNN on CUDA."""
 

@@ -56,7 +56,7 @@ def newton_schulz(
     dtype = dtype or default_ns_dtype(G.device)
     # NOTE: the norm accumulates in float32 and the division runs in float32, written once in `dtype`:
     # no float32 copy of G and no separate cast (each a pass over every Muon parameter).
-    norm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    norm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True, dtype=torch.promote_types(G.dtype, torch.float32))
     X = torch.div(G, norm + eps, out=torch.empty(G.shape, dtype=dtype, device=G.device))
     # NOTE: iterate on the wide orientation so that X X^T is the smaller Gram matrix.
     transposed = X.size(-2) > X.size(-1)
