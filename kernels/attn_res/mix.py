@@ -40,10 +40,11 @@ MAX_SOURCES = 12
 
 # Launch settings, fixed (no autotune pause). A tile holds BR rows of BD = next_pow2(D) columns with about
 # `tile` elements in all; each program keeps two (forward) or three to four (backward) such float32 tiles live.
-# NOTE: k3-mini's D = 512 gives 8 rows per program; `benchmarks/attn_res.py --sweep` times alternatives.
+# NOTE: k3-mini's D = 512 gives 4 rows per program. `benchmarks/attn_res.py --sweep` on an H200 (79cfdf1, N = 5):
+# tile 2048 / 4 warps 1.12 ms fwd+bwd, 4096 / 8 warps 1.31, 8192 / 16 warps 1.37 (benchmarks/results/attn_res.md).
 LAUNCH = {
-    "fwd": dict(tile=4096, num_warps=8),
-    "bwd": dict(tile=4096, num_warps=8),
+    "fwd": dict(tile=2048, num_warps=4),
+    "bwd": dict(tile=2048, num_warps=4),
 }
 
 
