@@ -43,13 +43,17 @@ def test_bf16_forward_at_training_shape():
     assert rel_rms(S, S_ref) < 1e-2
 
 
+def batch_layout(lengths):
+    """(B, T, N documents, cu_seqlens): B2 T4096 unpacked for None, else one row packing `lengths`."""
+    if lengths is None:
+        return 2, 4096, None, None
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    return 1, sum(lengths), len(lengths), cu
+
+
 @pytest.mark.parametrize("lengths", [None, [1, 15, 64, 200, 4000, 3912]])
 def test_bf16_gradients(lengths):
-    if lengths is None:
-        B, T, N, cu = 2, 4096, None, None
-    else:
-        B, T, N = 1, sum(lengths), len(lengths)
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    B, T, N, cu = batch_layout(lengths)
     *xs, h0 = inputs(B, T, 8, 128, 128, N=N, seed=1)
     gen = torch.Generator(device="cuda").manual_seed(2)
     do = torch.randn(B, T, 8, 128, device="cuda", generator=gen)
@@ -137,11 +141,7 @@ def test_safe_gate_bf16_forward_at_training_shape(path):
 def test_safe_gate_bf16_gradients(path, lengths):
     """Every gradient (q, k, v, the raw gate, beta, h0, A_log, dt_bias) at B2 T4096 H8 and packed documents;
     the raw gate pushes a third of the tokens to the lower bound (sigmoid of +-30)."""
-    if lengths is None:
-        B, T, N, cu = 2, 4096, None, None
-    else:
-        B, T, N = 1, sum(lengths), len(lengths)
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    B, T, N, cu = batch_layout(lengths)
     *xs, h0 = inputs(B, T, 8, 128, 128, N=N, seed=7)
     gen = torch.Generator(device="cuda").manual_seed(8)
     g_raw = torch.randn(B, T, 8, 128, device="cuda", generator=gen) * 3
