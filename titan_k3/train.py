@@ -90,7 +90,7 @@ class Trainer:
             t.seed, mixture=parse_mixture(cfg.data.mixture), prefetch=cfg.data.prefetch,
         )
 
-        self.impl = resolve_impl(cfg.kernels, self.device)
+        self.impl = resolve_impl(cfg.kernels, self.device, self.args.max_mix_sources)
         if cfg.job.strict and self.impl.fallbacks:
             first = self.impl.fallbacks[0]
             raise ConfigError(

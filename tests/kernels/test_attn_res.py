@@ -282,3 +282,36 @@ def test_model_with_triton_mixes_equals_torch_mixes():
     assert grads_t.keys() == grads_r.keys() and any(n.endswith("mix.query") for n in grads_t)
     for name in grads_r:
         assert rel_rms(grads_t[name], grads_r[name]) < 1e-4, name
+
+
+def test_a_model_with_more_sources_than_the_kernel_takes_is_refused_or_reported_before_any_work():
+    from titan_k3.config import load_job_config
+    from titan_k3.models.k3.args import get_flavor
+    from titan_k3.models.k3.impl import resolve_impl
+
+    assert get_flavor("k3").max_mix_sources == 9 and get_flavor("k3-mini").max_mix_sources == 4
+    deep = get_flavor("debug").replace(n_layers=2 * MAX_SOURCES, attn_res_block_size=2)  # 1 + 12 sources
+    cuda = torch.device("cuda")  # resolving touches no GPU
+    with pytest.raises(ValueError, match=f"'kernels.attn_res' = 'triton': .* up to {MAX_SOURCES + 1} sources"):
+        resolve_impl(load_job_config(["--kernels.attn_res", "triton"]).kernels, cuda, deep.max_mix_sources)
+    impl = resolve_impl(load_job_config([]).kernels, cuda, deep.max_mix_sources)
+    choice = next(c for c in impl.choices if c.op == "attn_res")
+    assert impl.attn_res is pseudo_query_mix_reference and choice.fallback and "at most" in choice.reason
+    fits = resolve_impl(load_job_config([]).kernels, cuda, get_flavor("k3").max_mix_sources)
+    assert fits.attn_res is pseudo_query_mix
+
+
+@pytest.mark.parametrize("n_layers, block", [(4, 2), (5, 2), (3, 4), (6, 1)])
+def test_max_mix_sources_is_what_the_model_reads(n_layers, block):
+    from titan_k3.models.k3.args import get_flavor
+    from titan_k3.models.k3.impl import reference_impl
+    from titan_k3.models.k3.model import K3Model
+
+    args = get_flavor("debug", 64).replace(n_layers=n_layers, attn_res_block_size=block)
+    seen = []
+    impl = reference_impl()
+    impl.attn_res = lambda sources, query, eps: seen.append(len(sources)) or pseudo_query_mix_reference(sources, query, eps)
+    model = K3Model(args, impl)
+    model.init_weights(seed=0)
+    model(torch.randint(0, 64, (1, 8)))
+    assert max(seen) == args.max_mix_sources

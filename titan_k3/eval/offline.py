@@ -44,9 +44,10 @@ def build_model(cfg: JobConfig, device: torch.device):
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     # NOTE: the trainer's rule for the vocabulary (titan_k3/train.py): the tokenizer's, rounded up to 64.
     vocab = cfg.model.vocab_size or -(-tokenizer.vocab_size // 64) * 64
-    impl = resolve_impl(cfg.kernels, device)
+    args = get_flavor(cfg.model.flavor, vocab)
+    impl = resolve_impl(cfg.kernels, device, args.max_mix_sources)
     with torch.device(device):
-        model = K3Model(get_flavor(cfg.model.flavor, vocab), impl, cfg.model.qb_eta)
+        model = K3Model(args, impl, cfg.model.qb_eta)
     return model.eval(), tokenizer, impl.fallbacks
 
 

@@ -54,6 +54,11 @@ class K3Args:
             return tuple(sorted(self.full_attention_layers))
         return tuple(i for i in range(self.n_layers) if i % 4 == 3 or i == self.n_layers - 1)
 
+    @property
+    def max_mix_sources(self) -> int:
+        """The most sources one residual mix reads: the embedding, every completed block, the partial one."""
+        return 1 + -(-self.n_layers // self.attn_res_block_size)
+
     def is_mla(self, layer: int) -> bool:
         return layer in self.mla_layers
 

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from kernels.attn_res.mix import MAX_SOURCES
 from kernels.attn_res.reference import pseudo_query_mix_reference
 from kernels.fused_ce import reference as ce_reference
 from kernels.grouped_gemm import reference as gg_reference
@@ -111,8 +112,12 @@ def fla_chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
                      use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens, **gate)
 
 
-def resolve_impl(kernels_cfg, device: torch.device) -> Impl:
-    """Turn the [kernels] config section into callables, recording each choice."""
+def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None = None) -> Impl:
+    """Turn the [kernels] config section into callables, recording each choice.
+
+    max_mix_sources: the most sources a residual mix of the model reads (`K3Args.max_mix_sources`), checked
+    against the Triton mix's limit here, before any work (None: left to the mix's own check at its first call).
+    """
     on_cuda = device.type == "cuda"
     if kernels_cfg.kda == "fla":
         try:
@@ -143,6 +148,11 @@ def resolve_impl(kernels_cfg, device: torch.device) -> Impl:
     # compiled on its own beat the kernel in isolation (benchmarks/results/attn_res.md).
     attn_res, c_res = _pick("attn_res", kernels_cfg.attn_res, on_cuda,
                             ("kernels.attn_res", "pseudo_query_mix", "triton"), pseudo_query_mix_reference)
+    if c_res.chosen == "triton" and max_mix_sources is not None and max_mix_sources > MAX_SOURCES:
+        why = f"the model's mixes read up to {max_mix_sources} sources; the Triton mix takes at most {MAX_SOURCES}"
+        if kernels_cfg.attn_res == "triton":
+            raise ValueError(f"config key 'kernels.attn_res' = 'triton': {why}")
+        attn_res, c_res = pseudo_query_mix_reference, KernelChoice("attn_res", "auto", "torch", True, why)
     backends, c_attn = _attention_backends(kernels_cfg.attention, on_cuda)
     return Impl(kda, experts, loss, backends, attn_res=attn_res, choices=[c_kda, c_exp, c_loss, c_res, c_attn])
 
