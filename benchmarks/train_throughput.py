@@ -43,6 +43,9 @@ VARIANTS = {
     # Ablations of the compiled recipe: one part swapped for its reference or another setting.
     "ours-compile-grouped_mm": ["--compile.enable", "true", "--kernels.experts", "grouped_mm"],
     "ours-compile-triton-mix": ["--compile.enable", "true", "--kernels.attn_res", "triton"],
+    "ours-compile-torch-mix": ["--compile.enable", "true", "--kernels.attn_res", "torch"],
+    # FP8 on every block linear of k3-mini (the default min_dim 8192 converts none: none paid, fp8.md)
+    "ours-compile-fp8": ["--compile.enable", "true", "--float8.enable", "true", "--float8.min_dim", "256"],
     "ours-compile-torch-loss": ["--compile.enable", "true", "--kernels.loss", "torch"],
     "ours-compile-adamw": ["--compile.enable", "true", "--optimizer.name", "adamw"],
     "ours-compile-ac-selective": ["--compile.enable", "true", "--activation_checkpoint.mode", "selective"],

@@ -77,3 +77,13 @@ def test_muon_benchmark_times_both_passes(tmp_path):
     rows = json.loads((tmp_path / "out" / "muon.json").read_text())["rows"]
     assert [r["variant"] for r in rows] == ["fused", "torch passes"] and all(r["host_ms"] > 0 for r in rows)
     assert "| fused |" in (tmp_path / "out" / "muon.md").read_text()
+
+
+def test_every_throughput_variant_is_a_valid_config():
+    """A variant's overrides are checked here, not on the GPU after a minutes-long start."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks.train_throughput import VARIANTS, base_args
+    from titan_k3.config import load_job_config
+
+    for name, overrides in VARIANTS.items():
+        load_job_config([*base_args("k3-mini", 4096, 8, name), *overrides])
