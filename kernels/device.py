@@ -1,6 +1,16 @@
-"""Moving small host tensors to the GPU without stalling the host (shared by the kernels and the trainer)."""
+"""Where Triton kernels run, and moving small host tensors to the GPU without stalling the host.
+
+Shared by the kernels and the trainer.
+"""
+
+import os
 
 import torch
+
+
+def triton_runs_on(device: torch.device | str) -> bool:
+    """Triton kernels run on CUDA devices, and on the CPU only in Triton's interpreter (TRITON_INTERPRET=1)."""
+    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -7,12 +7,11 @@ sees each as one opaque call (no graph break) and autograd saves only what the
 backward reads: the sources, and float32 scores, rstd [N, R] and largest score [R].
 """
 
-import os
-
 import torch
 
 from kernels.attn_res.mix import MAX_SOURCES, mix_backward, mix_forward
 from kernels.attn_res.reference import check_mix_inputs
+from kernels.device import triton_runs_on
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -83,7 +82,7 @@ def pseudo_query_mix(sources: list[torch.Tensor], query: torch.Tensor, eps: floa
             f"pseudo_query_mix needs bfloat16/float16/float32 sources and query, got {', '.join(dtypes)}; "
             "float64 runs in kernels.attn_res.pseudo_query_mix_reference"
         )
-    if not sources[0].is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not triton_runs_on(sources[0].device):
         raise ValueError(
             f"pseudo_query_mix runs Triton kernels and needs CUDA tensors, got device {sources[0].device}; "
             "use kernels.attn_res.pseudo_query_mix_reference on CPU"

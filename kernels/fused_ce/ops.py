@@ -19,10 +19,9 @@ The op is registered with `torch.library` (fake kernel and autograd included)
 so that `torch.compile` traces through it without a graph break.
 """
 
-import os
-
 import torch
 
+from kernels.device import triton_runs_on
 from kernels.fused_ce.ce_rows import ce_rows
 from kernels.fused_ce.reference import check_inputs, check_target_values, rows_per_chunk
 
@@ -155,7 +154,7 @@ def linear_cross_entropy(
     recompute would redo all three matmuls).
     """
     check_inputs(h, weight, targets)
-    if not h.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not triton_runs_on(h.device):
         raise ValueError(
             f"fused linear_cross_entropy needs CUDA tensors, got device {h.device}; "
             "use kernels.fused_ce.reference.linear_cross_entropy there"

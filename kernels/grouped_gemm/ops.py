@@ -13,9 +13,9 @@ N rows, K reduction width, M output width.
 import torch
 import triton
 
+from kernels.device import triton_runs_on
 from kernels.grouped_gemm.reference import route_permutation
 from kernels.grouped_gemm.triton_gemm import (
-    INTERPRET,
     grouped_mm_dual_kernel,
     grouped_mm_kernel,
     grouped_wgrad_dual_kernel,
@@ -149,7 +149,7 @@ _grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm
 
 
 def _check_device(name: str, t: torch.Tensor) -> None:
-    if t.device.type != "cuda" and not INTERPRET:
+    if not triton_runs_on(t.device):
         raise ValueError(
             f"{name} is on {t.device}; the Triton grouped GEMMs need CUDA tensors (or TRITON_INTERPRET=1); "
             "use kernels.grouped_gemm.reference on CPU"

@@ -3,11 +3,10 @@
 Legend: B batch, T tokens, H heads, K/V widths, N sequences, NT chunks (64 tokens).
 """
 
-import os
-
 import torch
 import triton
 
+from kernels.device import triton_runs_on
 from kernels.kda import bwd, fwd
 from kernels.kda.common import BC, BT, bounded_gate, chunk_layout, dot_precision
 from kernels.kda.reference import DEFAULT_GATE_LOWER_BOUND, check_kda_inputs, l2norm
@@ -323,7 +322,7 @@ def chunk_kda(
     Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] float32 or None).
     """
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not triton_runs_on(q.device):
         raise ValueError(
             f"chunk_kda runs Triton kernels and needs CUDA tensors, got device {q.device}; "
             "use kernels.kda.chunk_kda_reference on CPU"

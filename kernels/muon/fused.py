@@ -12,13 +12,12 @@ Every tensor is taken flat: callers pass contiguous tensors of equal numel
 (a view of a parameter's blocks, a slice of the stacked NS input).
 """
 
-import os
-
 import torch
 
 import triton
 import triton.language as tl
 
+from kernels.device import triton_runs_on
 from kernels.muon import reference
 
 # NOTE: 4096 elements per program and 8 warps: 16 float32 per thread, four 16-byte loads per tensor; a
@@ -52,7 +51,7 @@ def _use_triton(t: torch.Tensor, triton_: bool | None) -> bool:
     """None: the Triton pass on CUDA tensors, the reference elsewhere. True on CPU needs Triton's interpreter."""
     if triton_ is None:
         return t.device.type == "cuda"
-    if triton_ and t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if triton_ and not triton_runs_on(t.device):
         raise ValueError(f"the Triton pass needs a CUDA tensor (or TRITON_INTERPRET=1); got one on {t.device}")
     return triton_
 

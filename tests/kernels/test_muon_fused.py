@@ -74,3 +74,12 @@ def test_newton_schulz_writes_the_callers_orientation(shape):
     assert s.min() > 0.5 and s.max() < 1.3  # approximately orthogonal
     O64 = newton_schulz(G.double(), 5, dtype=torch.float64, scale=1.5)  # float64 in, norm and all: the tests' ground truth
     assert O64.dtype == torch.float64 and (O64 - O.double()).abs().max() < 1e-4
+
+
+def test_triton_runs_on_cuda_and_on_the_cpu_only_when_interpreted(monkeypatch):
+    from kernels.device import triton_runs_on
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert triton_runs_on("cuda") and triton_runs_on(torch.device("cuda", 1)) and not triton_runs_on("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_runs_on("cpu")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -18,6 +17,7 @@ import torch
 
 from kernels.attn_res.mix import MAX_SOURCES
 from kernels.attn_res.reference import pseudo_query_mix_reference
+from kernels.device import triton_runs_on
 from kernels.fused_ce import reference as ce_reference
 from kernels.grouped_gemm import reference as gg_reference
 from kernels.kda import reference as kda_reference
@@ -85,7 +85,7 @@ def _pick(op: str, requested: str, on_cuda: bool, fast: tuple[str, str, str], re
     fn, why = _triton_fn(fast[0], fast[1])
     if requested == "auto" and not on_cuda:
         return reference, KernelChoice(op, requested, "torch", True, "no CUDA device: the Triton kernel needs a GPU")
-    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not on_cuda and not triton_runs_on("cpu"):
         # NOTE: refuse now rather than fail at the first forward, after the run directory exists.
         raise ValueError(f"config key 'kernels.{op}' = '{requested}': the Triton kernel needs a CUDA device "
                          "(or TRITON_INTERPRET=1 for Triton's CPU interpreter)")
