@@ -1,7 +1,8 @@
-"""Packed-document bookkeeping: positions, document ids, validation, and boundaries kept on the host."""
+"""Packed-document bookkeeping: positions, document ids, validation, boundaries kept on the host, and the masks."""
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import create_mask
 
 from titan_k3.models.k3.documents import Documents
 
@@ -28,3 +29,19 @@ def test_boundaries_stay_on_the_host_whatever_the_model_device():
 def test_bad_boundaries_stop_with_one_line(cu, message):
     with pytest.raises(ValueError, match=message):
         Documents.build(2, 6, torch.tensor(cu), torch.device("cpu"))
+
+
+def test_block_mask_skips_blocks_across_documents():
+    """Row 0: two documents of 128 tokens (one block each); row 1: one of 256. Blocks are 128 x 128."""
+    docs = Documents.build(2, 256, torch.tensor([0, 128, 256, 512]), torch.device("cpu"))
+    bm = docs.block_mask()
+    assert bm is docs.block_mask()  # built once per forward
+    assert bm.to_dense()[:, 0].tolist() == [[[1, 0], [0, 1]], [[1, 0], [1, 1]]]
+    assert bm.full_kv_num_blocks[1, 0].tolist() == [0, 1]  # row 1's block (1, 0) is computed without the mask
+    assert torch.equal(create_mask(bm.mask_mod, 2, 1, 256, 256, device="cpu"), docs.attention_mask())
+
+
+def test_block_mask_of_whole_row_documents_is_causal():
+    bm = Documents.build(2, 200, None, torch.device("cpu")).block_mask()
+    causal = torch.ones(200, 200, dtype=torch.bool).tril()
+    assert torch.equal(create_mask(bm.mask_mod, 1, 1, 200, 200, device="cpu")[0, 0], causal)

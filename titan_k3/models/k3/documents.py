@@ -3,7 +3,9 @@
 A microbatch [B, T] with document boundaries `cu_seqlens` (int64 [N+1] over the
 flattened B*T tokens, every row start a boundary) is processed as one packed
 row of B*T tokens for KDA and with a document mask for MLA, so no state and no
-attention ever crosses a document.
+attention ever crosses a document. MLA reads the mask either dense (for
+scaled_dot_product_attention) or as flex_attention's BlockMask, whose empty
+blocks (across documents, above the diagonal) are never computed.
 """
 
 from __future__ import annotations
@@ -11,8 +13,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from kernels.device import host_to_device
+
+
+def causal_mask_mod(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def document_causal_mask_mod(doc_BT: torch.Tensor):
+    """flex_attention mask_mod: causal and same document, read from doc_BT int64 [B, T]."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_BT[b, q_idx] == doc_BT[b, kv_idx])
+
+    return mask_mod
 
 
 @dataclass
@@ -26,6 +42,7 @@ class Documents:
     cu_seqlens_host: torch.Tensor | None = None
     """The same boundaries on the host: kernels that need the document lengths read them here, not from the device."""
     _mask: torch.Tensor | None = None
+    _block_mask: BlockMask | None = None
 
     @staticmethod
     def build(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> "Documents":
@@ -62,3 +79,15 @@ class Documents:
             causal = torch.ones(T, T, dtype=torch.bool, device=self.doc_BT.device).tril()
             self._mask = (same_doc & causal)[:, None]
         return self._mask
+
+    def block_mask(self) -> BlockMask:
+        """flex_attention's BlockMask, causal and same document, over [B, 1, T, T] ([1, 1, T, T], causal, when rows
+        are whole documents). Built once per forward on the model's device, without reading anything back to the host."""
+        if self._block_mask is None:
+            B, T = self.doc_BT.shape
+            device = self.doc_BT.device
+            if self.cu_seqlens is None:
+                self._block_mask = create_block_mask(causal_mask_mod, None, None, T, T, device=device)
+            else:
+                self._block_mask = create_block_mask(document_causal_mask_mod(self.doc_BT), B, None, T, T, device=device)
+        return self._block_mask

@@ -21,6 +21,7 @@ from kernels.device import triton_runs_on
 from kernels.fused_ce import reference as ce_reference
 from kernels.grouped_gemm import reference as gg_reference
 from kernels.kda import reference as kda_reference
+from titan_k3.models.k3.mla import FLEX
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Impl:
     experts: Callable
     loss: Callable
     sdpa_backends: list | None
+    """MLA's attention: SDPBackend values in order of preference, and mla.FLEX for flex_attention (GatedMLA._attend)."""
     attn_res: Callable = pseudo_query_mix_reference
     """Block Attention Residuals' pseudo-query mix(sources, query, eps)."""
     choices: list[KernelChoice] = field(default_factory=list)
@@ -166,11 +168,20 @@ def _attention_backends(requested: str, on_cuda: bool) -> tuple[list | None, Ker
         "efficient": SDPBackend.EFFICIENT_ATTENTION,
         "math": SDPBackend.MATH,
     }
+    if requested == "flex":
+        if not on_cuda:
+            # NOTE: torch's flex_attention runs forward on CPU but refuses backward there, so a CPU run could
+            # not train; refuse now rather than at the first backward, after the run directory exists.
+            raise ValueError("config key 'kernels.attention' = 'flex': flex_attention has no backward on CPU "
+                             f"(torch {torch.__version__}); use a CUDA device, or 'auto' / 'math' on CPU")
+        return [FLEX], KernelChoice("attention", "flex", "flex", False)
     if requested == "auto":
         if not on_cuda:
             return None, KernelChoice("attention", "auto", "math", True, "no CUDA device: SDPA runs its math path")
-        # NOTE: packed documents need a mask, which cuDNN and flash do not take
-        # through SDPA; efficient attention does. Order = preference.
+        # NOTE: a packed batch's dense [B, 1, T, T] mask goes to the first of these that takes it; order = preference.
+        # The candidate for auto is [FLEX, cudnn, efficient]: flex_attention on the documents' BlockMask for packed
+        # batches, cuDNN is_causal for whole-row documents. It becomes auto only once benchmarks/attention.py
+        # measures flex faster than the dense-mask cuDNN path on the GPU; until then ask for it with 'flex'.
         return [table["cudnn"], table["efficient"]], KernelChoice("attention", "auto", "cudnn+efficient", False)
     if requested != "math" and not on_cuda:
         return [table["math"]], KernelChoice("attention", requested, "math", True, "no CUDA device")

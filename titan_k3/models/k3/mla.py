@@ -2,9 +2,11 @@
 
 Legend: B batch, T tokens, D width, H heads, N nope width, R shared ("rope",
 never rotated) key width, V value width. Packed documents are masked so no
-token attends to another document. The layer records, per head, the largest
-pre-softmax logit it produced since the last `pop_max_logit()` (exact, over
-the causal document mask): QK-Clip reads it after each optimizer step.
+token attends to another document: by scaled_dot_product_attention on a dense
+[B, 1, T, T] mask, or by flex_attention on the documents' BlockMask, which
+skips every block that lies across documents. The layer records, per head,
+the largest pre-softmax logit it produced since the last `pop_max_logit()`
+(exact, over the causal document mask): QK-Clip reads it after each optimizer step.
 """
 
 from __future__ import annotations
@@ -12,12 +14,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import sdpa_kernel
+from torch.nn.attention.flex_attention import flex_attention
 
 from titan_k3.models.k3.args import K3Args
 from titan_k3.models.k3.documents import Documents
 from titan_k3.models.k3.layers import RMSNorm, init_linear
 
 MAX_LOGIT_QUERY_CHUNK = 512
+
+FLEX = "flex"
+"""An entry of `GatedMLA.sdpa_backends` next to the SDPBackend ones: packed-document batches attend through flex_attention."""
+
+# NOTE: compiled once, here, as torch's docs ask: eager flex_attention materialises the whole score matrix. Inside a
+# compiled sublayer (parallelize.apply_compile) dynamo traces through this wrapper, so the sublayer's graph holds
+# the fused kernel (with inductor; `compile.backend` 'eager' or 'aot_eager' would run flex's unfused reference);
+# the same call in an eager model compiles on its own.
+compiled_flex_attention = torch.compile(flex_attention)
 
 
 @torch.no_grad()
@@ -69,12 +82,21 @@ class GatedMLA(nn.Module):
         self.max_logit.fill_(float("-inf"))
         return value
 
-    def _attend(self, q, k, v, mask):
-        kwargs = dict(attn_mask=mask, is_causal=mask is None, scale=self.scale)
-        if self.sdpa_backends:
-            from torch.nn.attention import sdpa_kernel
+    def _attend(self, q, k, v, docs: Documents) -> torch.Tensor:
+        """q, k [B, H, T, N+R], v [B, H, T, V] -> [B, H, T, V], causal inside each document.
 
-            with sdpa_kernel(self.sdpa_backends):
+        With FLEX among the backends, packed-document batches run flex_attention on the documents' BlockMask;
+        batches of whole-row documents run the SDPA backends listed with it (is_causal), or flex when none is.
+        Otherwise SDPA runs on the listed backends (all of them when the list is empty) with the dense mask.
+        """
+        backends = self.sdpa_backends or []
+        sdpa = [b for b in backends if b != FLEX]
+        if FLEX in backends and (docs.cu_seqlens is not None or not sdpa):
+            return compiled_flex_attention(q, k, v, block_mask=docs.block_mask(), scale=self.scale)
+        mask = docs.attention_mask()
+        kwargs = dict(attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        if sdpa:
+            with sdpa_kernel(sdpa):
                 return F.scaled_dot_product_attention(q, k, v, **kwargs)
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
@@ -86,9 +108,8 @@ class GatedMLA(nn.Module):
         k_nope, v = self.wkv_b(self.kv_norm(c)).view(B, T, H, N + V).split([N, V], dim=-1)
         k = torch.cat([k_nope, kr[:, :, None, :].expand(B, T, H, R)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        mask = docs.attention_mask()
         if self.training and self.track_max_logit:
-            self.max_logit.copy_(torch.maximum(self.max_logit, max_logit_per_head(q, k, self.scale, mask)))
-        o = self._attend(q, k, v, mask).transpose(1, 2)
+            self.max_logit.copy_(torch.maximum(self.max_logit, max_logit_per_head(q, k, self.scale, docs.attention_mask())))
+        o = self._attend(q, k, v, docs).transpose(1, 2)
         o = o * torch.sigmoid(self.w_gate(x_BTD)).view(B, T, H, V)
         return self.wo(o.reshape(B, T, H * V))
