@@ -50,6 +50,8 @@ class Kernels:
     """Head + cross-entropy: fused triton kernel, chunked torch reference, or auto."""
     attn_res: Literal["auto", "triton", "torch"] = "auto"
     """Block Attention Residuals' pseudo-query mixes: fused triton kernel, torch reference, or auto (triton on CUDA)."""
+    max_logit: Literal["auto", "triton", "torch"] = "auto"
+    """QK-Clip's per-head max logit of MLA: one Triton pass over the allowed key blocks, the chunked torch reference, or auto."""
     attention: Literal["auto", "cudnn", "flash", "efficient", "math", "flex"] = "auto"
     """MLA attention: an SDPA backend on a dense document mask, flex (flex_attention on a BlockMask, CUDA only), or auto."""
 

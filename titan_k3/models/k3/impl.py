@@ -21,6 +21,7 @@ from kernels.device import triton_runs_on
 from kernels.fused_ce import reference as ce_reference
 from kernels.grouped_gemm import reference as gg_reference
 from kernels.kda import reference as kda_reference
+from kernels.max_logit.reference import max_logit_per_head_reference
 from titan_k3.models.k3.mla import FLEX
 
 
@@ -45,6 +46,8 @@ class Impl:
     """MLA's attention: SDPBackend values in order of preference, and mla.FLEX for flex_attention (GatedMLA._attend)."""
     attn_res: Callable = pseudo_query_mix_reference
     """Block Attention Residuals' pseudo-query mix(sources, query, eps)."""
+    max_logit: Callable = max_logit_per_head_reference
+    """QK-Clip's per-head max logit of MLA's masked attention (q, k, scale, pos) -> [H]."""
     choices: list[KernelChoice] = field(default_factory=list)
 
     @property
@@ -65,6 +68,7 @@ def reference_impl() -> Impl:
             KernelChoice("experts", "torch", "torch", False),
             KernelChoice("loss", "torch", "torch", False),
             KernelChoice("attn_res", "torch", "torch", False),
+            KernelChoice("max_logit", "torch", "torch", False),
             KernelChoice("attention", "math", "sdpa-default", False),
         ],
     )
@@ -155,8 +159,11 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
         if kernels_cfg.attn_res == "triton":
             raise ValueError(f"config key 'kernels.attn_res' = 'triton': {why}")
         attn_res, c_res = pseudo_query_mix_reference, KernelChoice("attn_res", "auto", "torch", True, why)
+    max_logit, c_max = _pick("max_logit", kernels_cfg.max_logit, on_cuda,
+                             ("kernels.max_logit", "max_logit_per_head", "triton"), max_logit_per_head_reference)
     backends, c_attn = _attention_backends(kernels_cfg.attention, on_cuda)
-    return Impl(kda, experts, loss, backends, attn_res=attn_res, choices=[c_kda, c_exp, c_loss, c_res, c_attn])
+    return Impl(kda, experts, loss, backends, attn_res=attn_res, max_logit=max_logit,
+                choices=[c_kda, c_exp, c_loss, c_res, c_max, c_attn])
 
 
 def _attention_backends(requested: str, on_cuda: bool) -> tuple[list | None, KernelChoice]:

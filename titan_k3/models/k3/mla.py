@@ -11,17 +11,18 @@ the largest pre-softmax logit it produced since the last `pop_max_logit()`
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 from torch.nn.attention.flex_attention import flex_attention
 
+from kernels.max_logit import max_logit_per_head_reference
 from titan_k3.models.k3.args import K3Args
 from titan_k3.models.k3.documents import Documents
 from titan_k3.models.k3.layers import RMSNorm, init_linear
-
-MAX_LOGIT_QUERY_CHUNK = 512
 
 FLEX = "flex"
 """An entry of `GatedMLA.sdpa_backends` next to the SDPBackend ones: packed-document batches attend through flex_attention."""
@@ -33,31 +34,16 @@ FLEX = "flex"
 compiled_flex_attention = torch.compile(flex_attention)
 
 
-@torch.no_grad()
-def max_logit_per_head(q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, scale: float, mask_B1TT: torch.Tensor | None) -> torch.Tensor:
-    """Largest masked pre-softmax logit per head, float32 [H]; computed in query chunks."""
-    B, H, T, _ = q_BHTE.shape
-    best = torch.full((H,), float("-inf"), device=q_BHTE.device)
-    causal = torch.ones(T, T, dtype=torch.bool, device=q_BHTE.device).tril()
-    for start in range(0, T, MAX_LOGIT_QUERY_CHUNK):
-        stop = min(T, start + MAX_LOGIT_QUERY_CHUNK)
-        # NOTE: in the compute dtype (bf16 on GPU, fp32 accumulation inside the matmul): the max feeds a
-        # threshold test at tau ~ 100, where bf16's 0.4% rounding is immaterial, and fp32 here costs ~10 ms/step.
-        s = torch.einsum("bhqe,bhke->bhqk", q_BHTE[:, :, start:stop], k_BHTE).float() * scale
-        allowed = causal[start:stop] if mask_B1TT is None else mask_B1TT[:, :, start:stop]
-        s = s.masked_fill(~allowed, float("-inf"))
-        best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
-    return best
-
-
 class GatedMLA(nn.Module):
-    def __init__(self, args: K3Args, sdpa_backends: list | None = None):
+    def __init__(self, args: K3Args, sdpa_backends: list | None = None, max_logit: Callable = max_logit_per_head_reference):
         super().__init__()
         D, H = args.dim, args.mla_heads
         self.n_heads, self.nope, self.rope, self.v_dim = H, args.qk_nope_dim, args.qk_rope_dim, args.v_head_dim
         self.kv_lora = args.kv_lora_rank
         self.scale = (self.nope + self.rope) ** -0.5
         self.sdpa_backends = sdpa_backends
+        self.max_logit_fn = max_logit
+        """(q [B, H, T, E], k, scale, pos [B, T] or None) -> float32 [H]: kernels.max_logit or its reference."""
         self.wq_a = nn.Linear(D, args.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
         self.wq_b = nn.Linear(args.q_lora_rank, H * (self.nope + self.rope), bias=False)
@@ -109,7 +95,9 @@ class GatedMLA(nn.Module):
         k = torch.cat([k_nope, kr[:, :, None, :].expand(B, T, H, R)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.training and self.track_max_logit:
-            self.max_logit.copy_(torch.maximum(self.max_logit, max_logit_per_head(q, k, self.scale, docs.attention_mask())))
+            with torch.no_grad():
+                pos = docs.pos_BT if docs.cu_seqlens is not None else None
+                self.max_logit.copy_(torch.maximum(self.max_logit, self.max_logit_fn(q, k, self.scale, pos)))
         o = self._attend(q, k, v, docs).transpose(1, 2)
         o = o * torch.sigmoid(self.w_gate(x_BTD)).view(B, T, H, V)
         return self.wo(o.reshape(B, T, H * V))
