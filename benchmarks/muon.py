@@ -7,15 +7,18 @@ per-head and per-expert blocks, float32 parameters and momenta, bf16
 Newton–Schulz on CUDA), fed random gradients. Per variant, after two warm-up
 steps: GPU time per step (CUDA events around back-to-back steps) and host time
 per step (the Python call alone: when it exceeds the GPU time the step is
-launch-bound). Variants: "fused" (kernels.muon's one-pass momentum and
-update, the default) and "torch passes" (the same step with the PyTorch
-reference passes). Appends a table to OUTDIR/muon.md. `--flavor debug` runs on
-CPU (host time only) as a smoke test.
+launch-bound). Variants: "fused" (kernels.muon's passes, the default: one
+launch per block shape for the momentum and for the update, and the
+Newton–Schulz normalisation on the Gram-side matrices) and "torch passes"
+(the same step with the PyTorch reference passes: one or more kernels per
+parameter). Appends a table to OUTDIR/muon.md. `--flavor debug` runs on CPU
+(host time only) as a smoke test.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import time
@@ -27,12 +30,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import environment, sync, write_results  # noqa: E402
-from kernels.muon import reference  # noqa: E402
+from kernels.muon import decay_add_multi_, nesterov_momentum_multi_, ns_scale_  # noqa: E402
 from titan_k3.models.k3.args import get_flavor  # noqa: E402
 from titan_k3.models.k3.impl import reference_impl  # noqa: E402
 from titan_k3.models.k3.model import K3Model  # noqa: E402
 from titan_k3.optim import ParamSpec, build_optimizers  # noqa: E402
 from titan_k3.optim import muon  # noqa: E402
+
+FUSED_PASSES = (nesterov_momentum_multi_, decay_add_multi_, ns_scale_)  # what "torch passes" swaps for PyTorch's
 
 
 def muon_optimizer(flavor: str, device: torch.device):
@@ -79,13 +84,14 @@ def main(argv=None) -> int:
     opt, numel = muon_optimizer(args.flavor, device)
     env, rows = environment(), []
     for variant in ("fused", "torch passes"):
-        saved = muon.nesterov_momentum_, muon.decay_add_
         if variant == "torch passes":
-            muon.nesterov_momentum_, muon.decay_add_ = reference.nesterov_momentum_, reference.decay_add_
+            for fn in FUSED_PASSES:
+                setattr(muon, fn.__name__, functools.partial(fn, triton_=False))
         try:
             gpu_ms, host_ms = time_steps(opt, args.steps, device.type == "cuda")
         finally:
-            muon.nesterov_momentum_, muon.decay_add_ = saved
+            for fn in FUSED_PASSES:
+                setattr(muon, fn.__name__, fn)
         rows.append(dict(env, variant=variant, flavor=args.flavor, numel=numel, gpu_ms=gpu_ms, host_ms=host_ms))
         print(rows[-1], flush=True)
     lines = [f"\n### Per-Head Muon step, {args.flavor} ({numel / 1e6:.1f}M Muon parameters), {device.type}",

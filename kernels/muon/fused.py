@@ -10,20 +10,44 @@ All arithmetic is float32 whatever the storage dtypes.
 
 Every tensor is taken flat: callers pass contiguous tensors of equal numel
 (a view of a parameter's blocks, a slice of the stacked NS input).
+
+The `_multi_` passes cover a list of tensors in one launch (a k3-mini step
+was host-bound on one launch per parameter). A host-built int64 table has
+one row per non-empty tensor: [first program, numel, offset of its slot in
+the NS-side operand, offset in each other operand]; offsets count elements
+from the operand's first tensor, which is the kernel's pointer argument, so
+the kernel needs no integer-to-pointer casts. A program finds its row by a
+binary search over the first-program column.
+
+`skip_if` (a one-element tensor on the device; nonzero: skip) masks every
+store of the parameters and momentum buffers, read by each program once and
+never by the host, so a trainer can skip a non-finite update without a sync.
+
+`ns_scale_` puts Newton-Schulz's per-matrix normalisation on the first
+step's small [B, m, m] matrices (see `titan_k3.optim.muon.newton_schulz`),
+one vectorised pass each.
 """
+
+from __future__ import annotations
+
+import itertools
 
 import torch
 
 import triton
 import triton.language as tl
 
-from kernels.device import triton_runs_on
+from kernels.device import host_to_device, triton_runs_on
 from kernels.muon import reference
 
 # NOTE: 4096 elements per program and 8 warps: 16 float32 per thread, four 16-byte loads per tensor; a
 # memory-bound pass at this size runs at HBM speed for every tensor of a k3-mini step (>= 64K elements).
 BLOCK = 4096
 NUM_WARPS = 8
+# NOTE: numels and offsets loaded from a table are unknown to the compiler, which would then move one element
+# per instruction; when all are multiples of ALIGN (the kernels' `tl.multiple_of(..., 16)`) the kernel says so
+# and gets its 16-byte loads back.
+ALIGN = 16
 
 
 @triton.jit
@@ -45,6 +69,89 @@ def _decay_add_kernel(p_ptr, u_ptr, n, decay, alpha, BLOCK: tl.constexpr):
     p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask).to(tl.float32)
     tl.store(p_ptr + offs, (decay * p + alpha * u).to(p_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row(table, n_rows, COLS: tl.constexpr):
+    """Pointer to this program's table row: the last row whose first program is <= the program id."""
+    pid = tl.program_id(0)
+    lo = pid * 0
+    hi = lo + n_rows
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        ahead = tl.load(table + mid * COLS) <= pid
+        lo = tl.where(ahead, mid, lo)
+        hi = tl.where(ahead, hi, mid)
+    return table + lo * COLS
+
+
+@triton.jit
+def _field(row, col: tl.constexpr, ALIGNED: tl.constexpr):
+    x = tl.load(row + col)
+    if ALIGNED:
+        x = tl.multiple_of(x, 16)
+    return x
+
+
+@triton.jit
+def _block(row, n, skip_ptr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
+    """(offsets of this program's elements in its tensor, in-bounds mask, in-bounds and not skipped mask)."""
+    offs = (tl.program_id(0) - tl.load(row)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    keep = mask
+    if HAS_SKIP:
+        keep = offs < tl.where(tl.load(skip_ptr) == 0, n, 0)  # skipped: no element in bounds
+    return offs, mask, keep
+
+
+@triton.jit
+def _nesterov_momentum_multi_kernel(table, n_rows, out_ptr, grad_ptr, buf_ptr, skip_ptr, momentum,
+                                    NESTEROV: tl.constexpr, HAS_SKIP: tl.constexpr, ALIGNED: tl.constexpr,
+                                    BLOCK: tl.constexpr):
+    row = _row(table, n_rows, 5)
+    n = _field(row, 1, ALIGNED)
+    out_ptr += _field(row, 2, ALIGNED)
+    grad_ptr += _field(row, 3, ALIGNED)
+    buf_ptr += _field(row, 4, ALIGNED)
+    offs, mask, keep = _block(row, n, skip_ptr, HAS_SKIP, BLOCK)
+    g = tl.load(grad_ptr + offs, mask=keep, other=0.0).to(tl.float32)
+    b = tl.load(buf_ptr + offs, mask=keep, other=0.0).to(tl.float32)
+    b = momentum * b + g
+    tl.store(buf_ptr + offs, b.to(buf_ptr.dtype.element_ty), mask=keep)
+    d = g + momentum * b if NESTEROV else b
+    # NOTE: a skipped step still writes its (zero) directions: Newton-Schulz then runs on zeros, not on stale memory.
+    tl.store(out_ptr + offs, d.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decay_add_multi_kernel(table, n_rows, u_ptr, p_ptr, skip_ptr, decay, alpha, HAS_SKIP: tl.constexpr,
+                            ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    row = _row(table, n_rows, 4)
+    n = _field(row, 1, ALIGNED)
+    u_ptr += _field(row, 2, ALIGNED)
+    p_ptr += _field(row, 3, ALIGNED)
+    offs, _, keep = _block(row, n, skip_ptr, HAS_SKIP, BLOCK)
+    p = tl.load(p_ptr + offs, mask=keep).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=keep).to(tl.float32)
+    tl.store(p_ptr + offs, (decay * p + alpha * u).to(p_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _ns_scale_kernel(x_ptr, sumsq_ptr, mm, m_plus_1, eps, diag, SQUARE: tl.constexpr, HAS_DIAG: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < mm
+    acc = sumsq_ptr.dtype.element_ty
+    s = 1.0 / (tl.sqrt(tl.load(sumsq_ptr + b)) + eps)
+    if SQUARE:
+        s = s * s
+    ptr = x_ptr + b * mm + offs
+    x = tl.load(ptr, mask=mask).to(acc)
+    if HAS_DIAG:
+        x = tl.where(offs % m_plus_1 == 0, x + diag, x)  # row-major [m, m]: the diagonal is every (m + 1)-th element
+    # NOTE: an overflowed norm (s = 0) zeroes the matrix, as dividing G by it did, rather than 0 * inf = nan.
+    tl.store(ptr, tl.where(s == 0.0, 0.0, x * s).to(x_ptr.dtype.element_ty), mask=mask)
 
 
 def _use_triton(t: torch.Tensor, triton_: bool | None) -> bool:
@@ -90,3 +197,163 @@ def decay_add_(
     if n:
         _decay_add_kernel[(triton.cdiv(n, BLOCK),)](param, update, n, float(decay), float(alpha), BLOCK=BLOCK,
                                                    num_warps=NUM_WARPS)
+
+
+class Table:
+    """The table of one multi-tensor launch: rows built and checked on the host, then sent to the device.
+
+    slots: the NS-side operand (momentum's out, the update): one contiguous tensor holding the slots end to end,
+    None for such a tensor that does not exist yet, or one tensor per slot. operands: lists of contiguous tensors,
+    pairwise of one numel with the first list, each list of one dtype and device. Offsets count elements from
+    each list's first non-empty tensor, the kernel's pointer argument.
+    """
+
+    def __init__(self, op: str, slots: torch.Tensor | list[torch.Tensor] | None, *operands: list[torch.Tensor]):
+        self.op, self.cols = op, 3 + len(operands)
+        numels = [t.numel() for t in operands[0]]
+        self.slot_numel = sum(numels)
+        columns = [self._offsets(slots, numels) if isinstance(slots, list) else [0, *itertools.accumulate(numels)]]
+        columns += [self._offsets(ts, numels) for ts in operands]
+        self.rows: list[int] = []  # flat, `cols` per row
+        first = 0
+        for i, n in enumerate(numels):
+            if n:
+                self.rows += [first, n, *(c[i] for c in columns)]
+                first += -(-n // BLOCK)
+        self.programs, self.n_rows = first, len(self.rows) // self.cols
+        self.aligned = all(v % ALIGN == 0 for i, v in enumerate(self.rows) if i % self.cols)
+        self.device: torch.Tensor | None = None
+
+    def _offsets(self, tensors: list[torch.Tensor], numels: list[int]) -> list[int]:
+        if len(tensors) != len(numels):
+            raise ValueError(f"{self.op}: an operand has {len(tensors)} tensors; the first has {len(numels)}")
+        base = first_nonempty(tensors)
+        if base is None:
+            return [0] * len(tensors)
+        ptr, size, dtype, device = base.data_ptr(), base.element_size(), base.dtype, base.device
+        out = []
+        for i, (t, n) in enumerate(zip(tensors, numels)):
+            if t.numel() != n or t.dtype != dtype or not t.is_contiguous() or t.device != device:
+                raise ValueError(f"{self.op}: tensor {i} of an operand ({t.numel()} elements, {t.dtype} on {t.device}, "
+                                 f"strides {t.stride()}) must be contiguous with {n} elements, {dtype} on {device} "
+                                 "like the operand's first")
+            out.append((t.data_ptr() - ptr) // size if n else 0)
+        return out
+
+    def host(self) -> torch.Tensor:
+        """int64 [rows, 3 + operands]: first program, numel, slot offset, offset in each operand."""
+        return torch.tensor(self.rows, dtype=torch.int64).view(-1, self.cols)
+
+    def check_slots(self, slots: torch.Tensor | list[torch.Tensor]) -> None:
+        if isinstance(slots, torch.Tensor) and (not slots.is_contiguous() or slots.numel() != self.slot_numel):
+            raise ValueError(f"{self.op}: the slot tensor must be contiguous with {self.slot_numel} elements (one "
+                             f"slot per tensor, end to end); got shape {tuple(slots.shape)}, strides {slots.stride()}")
+
+
+def first_nonempty(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    return next((t for t in tensors if t.numel()), None)
+
+
+def momentum_table(grads: list[torch.Tensor], bufs: list[torch.Tensor],
+                   out: torch.Tensor | list[torch.Tensor] | None = None) -> Table:
+    """The table of `nesterov_momentum_multi_(grads, bufs, out)` (out None: one tensor to come, slots end to end)."""
+    return Table("nesterov_momentum_multi_", out, grads, bufs)
+
+
+def decay_add_table(params: list[torch.Tensor], update: torch.Tensor | list[torch.Tensor] | None = None) -> Table:
+    """The table of `decay_add_multi_(params, update)` (update None: one tensor to come, slots end to end)."""
+    return Table("decay_add_multi_", update, params)
+
+
+def send_tables(tables: list[Table], device: torch.device | str) -> None:
+    """Put every table on `device` in one asynchronous copy (no host sync), as views of one buffer."""
+    flat = host_to_device(torch.tensor([v for t in tables for v in t.rows], dtype=torch.int64), device)
+    for t, piece in zip(tables, flat.split([len(t.rows) for t in tables])):
+        t.device = piece.view(-1, t.cols)
+
+
+def _prepare(table: Table | None, make, slots, skip_if: torch.Tensor | None, lists: list[list[torch.Tensor]],
+             triton_: bool | None) -> tuple[Table | None, list]:
+    """(the table on the device, or None for the reference path; the kernel's pointer arguments)."""
+    bases = [slots if isinstance(slots, torch.Tensor) else first_nonempty(slots)] + [first_nonempty(l) for l in lists]
+    if bases[1] is None:
+        return None, []
+    if table is None:
+        table = make()
+    table.check_slots(slots)
+    if skip_if is not None and (skip_if.numel() != 1 or skip_if.device != bases[1].device):
+        raise ValueError(f"{table.op}: skip_if must be a one-element tensor on {bases[1].device}; "
+                         f"got shape {tuple(skip_if.shape)} on {skip_if.device}")
+    if not _use_triton(bases[1], triton_):
+        return None, bases
+    if table.device is None:
+        send_tables([table], bases[1].device)
+    return table, bases
+
+
+def nesterov_momentum_multi_(
+    grads: list[torch.Tensor], bufs: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor], momentum: float,
+    nesterov: bool, *, skip_if: torch.Tensor | None = None, table: Table | None = None,
+    triton_: bool | None = None,
+) -> None:
+    """`nesterov_momentum_` of every (grads[i], bufs[i]) into out's slot i, in one launch.
+
+    out: one contiguous tensor holding the slots end to end (a stacked Newton-Schulz input), or one tensor per
+    slot. skip_if: nonzero leaves every buffer as it was (and writes zero directions). table: `momentum_table`
+    of the same tensors, possibly already sent (`send_tables`: several in one copy); None: built and sent here.
+    """
+    table, bases = _prepare(table, lambda: momentum_table(grads, bufs, out), out, skip_if, [grads, bufs], triton_)
+    if table is None:
+        if bases:
+            slots = out if isinstance(out, list) else out.reshape(-1).split([g.numel() for g in grads])
+            for g, b, o in zip(grads, bufs, slots):
+                reference.nesterov_momentum_(g.reshape(-1), b.view(-1), o.view(-1), momentum, nesterov, skip_if)
+        return
+    _nesterov_momentum_multi_kernel[(table.programs,)](
+        table.device, table.n_rows, *bases, skip_if if skip_if is not None else table.device, float(momentum),
+        NESTEROV=bool(nesterov), HAS_SKIP=skip_if is not None, ALIGNED=table.aligned, BLOCK=BLOCK,
+        num_warps=NUM_WARPS)
+
+
+def decay_add_multi_(
+    params: list[torch.Tensor], update: torch.Tensor | list[torch.Tensor], decay: float, alpha: float, *,
+    skip_if: torch.Tensor | None = None, table: Table | None = None, triton_: bool | None = None,
+) -> None:
+    """`decay_add_` of every params[i] with update's slot i, in one launch.
+
+    update: one contiguous tensor holding the slots end to end (a Newton-Schulz output), or one tensor per slot
+    (of one dtype, possibly lower than the parameters'). skip_if: nonzero leaves every parameter as it was.
+    table: `decay_add_table` of the same tensors, possibly already sent; None: built and sent here.
+    """
+    table, bases = _prepare(table, lambda: decay_add_table(params, update), update, skip_if, [params], triton_)
+    if table is None:
+        if bases:
+            slots = update if isinstance(update, list) else update.reshape(-1).split([p.numel() for p in params])
+            for p, u in zip(params, slots):
+                reference.decay_add_(p.view(-1), u.reshape(-1), decay, alpha, skip_if)
+        return
+    _decay_add_multi_kernel[(table.programs,)](
+        table.device, table.n_rows, *bases, skip_if if skip_if is not None else table.device, float(decay),
+        float(alpha), HAS_SKIP=skip_if is not None, ALIGNED=table.aligned, BLOCK=BLOCK, num_warps=NUM_WARPS)
+
+
+def ns_scale_(
+    x: torch.Tensor, sumsq: torch.Tensor, *, square: bool, diag: float = 0.0, eps: float, triton_: bool | None = None
+) -> torch.Tensor:
+    """x[b] <- s_b^(2 if square else 1) * (x[b] + diag * I), in place, with s_b = 1 / (sqrt(sumsq[b]) + eps).
+
+    x [B, m, m] contiguous; sumsq [B] (float32 or float64: the arithmetic's dtype), the squared Frobenius norm
+    of each Newton-Schulz input matrix. One pass over x, rounded once (a broadcast multiply of a low-precision
+    x by a float32 scale runs well below bandwidth in PyTorch).
+    """
+    if x.ndim != 3 or x.shape[1] != x.shape[2] or not x.is_contiguous() or sumsq.shape != x.shape[:1]:
+        raise ValueError(f"ns_scale_: x must be contiguous [B, m, m] and sumsq [B]; got {tuple(x.shape)} "
+                         f"(strides {x.stride()}) and {tuple(sumsq.shape)}")
+    if not _use_triton(x, triton_):
+        return reference.ns_scale_(x, sumsq, square=square, diag=diag, eps=eps)
+    B, m = x.shape[0], x.shape[1]
+    if B and m:
+        _ns_scale_kernel[(B, triton.cdiv(m * m, BLOCK))](
+            x, sumsq.contiguous(), m * m, m + 1, float(eps), float(diag), SQUARE=bool(square), HAS_DIAG=diag != 0.0,
+            BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return x

@@ -3,8 +3,11 @@
 Two gloo processes; parameters are DTensors sharded on dim 0 like FSDP2
 (including an uneven split and an empty shard). Heads that lie whole on one
 shard and per-expert weights are orthogonalised locally: only the other
-matrices may be gathered (one gather per parameter per step).
+matrices may be gathered (one gather per parameter per step). A step skipped
+on the device flag (`skip_if`) leaves every shard and momentum untouched.
 """
+
+import functools
 
 import pytest
 import torch
@@ -38,34 +41,66 @@ def _run(make, together=False):
             p.grad = make(g[name].clone())
         for opt in opts:
             opt.step()
-    return params
+    return params, opts
 
 
-def _compare(rank: int, world: int) -> dict:
+def _skipped_step_changes_nothing(params: dict, opts: list, make) -> bool:
+    """One more step with NaN/inf gradients and skip_if set: every local shard and momentum stays bit-identical."""
+    before = [t.to_local().clone() for opt in opts for p in params.values() if p in opt.state
+              for t in (p, opt.state[p]["momentum_buffer"])]
+    for name, p in params.items():
+        grad = torch.full(CASES[name][0], float("nan"))
+        grad.view(-1)[::2] = float("inf")
+        p.grad = make(grad)
+    for opt in opts:
+        opt.skip_if = torch.tensor(True)
+        opt.step()
+    after = [t.to_local() for opt in opts for p in params.values() if p in opt.state
+             for t in (p, opt.state[p]["momentum_buffer"])]
+    return len(before) == 2 * len(CASES) and all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def _compare(rank: int, world: int, triton_: bool) -> dict:
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
+    if triton_:  # the fused passes in Triton's interpreter (the parent set TRITON_INTERPRET=1 for this process)
+        from kernels.muon import decay_add_multi_, nesterov_momentum_multi_
+        from titan_k3.optim import muon
+
+        muon.nesterov_momentum_multi_ = functools.partial(nesterov_momentum_multi_, triton_=True)
+        muon.decay_add_multi_ = functools.partial(decay_add_multi_, triton_=True)
+
     mesh = init_device_mesh("cpu", (world,))
-    plain = {n: p.detach() for n, p in _run(lambda t: t).items()}
+    def make(t):
+        return distribute_tensor(t, mesh, [Shard(0)])
+
+    plain = {n: p.detach() for n, p in _run(lambda t: t)[0].items()}
     out = {"plain": plain}
     for together in (False, True):
         gathers = []
         gather = dist.gather
         dist.gather = lambda *a, **k: (gathers.append(1), gather(*a, **k))[1]
         try:
-            sharded = _run(lambda t: distribute_tensor(t, mesh, [Shard(0)]), together)
+            sharded, opts = _run(make, together)
         finally:
             dist.gather = gather
-        out[together] = {"sharded": {n: p.detach().full_tensor() for n, p in sharded.items()}, "gathers": len(gathers)}
+        out[together] = {"sharded": {n: p.detach().full_tensor() for n, p in sharded.items()}, "gathers": len(gathers),
+                         "skipped_unchanged": _skipped_step_changes_nothing(sharded, opts, make)}
     return out
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-def test_sharded_muon_equals_single_process(tmp_path):
-    result = spawn_gloo(WORLD, _compare, result_file=tmp_path / "result.pt")[0]
+@pytest.mark.parametrize("triton_", [False, True], ids=["torch passes", "triton passes"])
+def test_sharded_muon_equals_single_process(tmp_path, monkeypatch, triton_):
+    if triton_:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    results = spawn_gloo(WORLD, _compare, triton_, result_file=tmp_path / "result.pt")
+    result = results[0]
     for together in (False, True):
         for name in CASES:
             torch.testing.assert_close(result[together]["sharded"][name], result["plain"][name], rtol=1e-5, atol=1e-6,
                                        msg=f"{name} (one optimizer for all: {together})")
+        assert all(r[together]["skipped_unchanged"] for r in results), f"a skipped step moved a shard ({together})"
     n_gathered = sum(1 for *_, gathered in CASES.values() if gathered)
     assert n_gathered == 3
     assert result[False]["gathers"] == 3 * n_gathered, "a locally orthogonalisable block was gathered (or a matrix was not)"

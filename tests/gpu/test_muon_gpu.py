@@ -1,9 +1,12 @@
-"""Per-Head Muon on CUDA: bf16 Newton–Schulz at the k3-mini expert shapes against float32, and one fused step."""
+"""Per-Head Muon on CUDA: bf16 Newton–Schulz at the k3-mini expert shapes against float32, the fused steps
+against the PyTorch passes, bf16 slots in the multi-tensor passes, and a skipped step with no host sync."""
+
+import functools
 
 import pytest
 import torch
 
-from kernels.muon import reference
+from kernels.muon import decay_add_multi_, nesterov_momentum_multi_, ns_scale_, reference
 from titan_k3.optim import muon
 from titan_k3.optim.muon import PerHeadMuon, newton_schulz
 
@@ -40,8 +43,61 @@ def test_fused_step_equals_the_torch_step(monkeypatch):
     Newton–Schulz inputs differ by one unit in the last place: the updates agree to bf16 noise.
     """
     before, fused = _two_steps()
-    monkeypatch.setattr(muon, "nesterov_momentum_", reference.nesterov_momentum_)
-    monkeypatch.setattr(muon, "decay_add_", reference.decay_add_)
+    for fn in (nesterov_momentum_multi_, decay_add_multi_, ns_scale_):
+        monkeypatch.setattr(muon, fn.__name__, functools.partial(fn, triton_=False))
     _, plain = _two_steps()
     update, update_ref = fused - before, plain - before
     assert ((update - update_ref).norm() / update_ref.norm()).item() < 1e-2
+
+
+def test_multi_tensor_passes_with_bf16_slots_match_the_reference():
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    sizes = [4096 * 3 + 16, 0, 160, 544 * 256]
+    grads = [torch.randn(n, device="cuda", generator=gen) for n in sizes]
+    bufs = [torch.randn(n, device="cuda", generator=gen) for n in sizes]
+    ref_bufs = [b.clone() for b in bufs]
+    out, ref_out = (torch.empty(sum(sizes), dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    nesterov_momentum_multi_(grads, bufs, out, 0.95, True)
+    nesterov_momentum_multi_(grads, ref_bufs, ref_out, 0.95, True, triton_=False)
+    torch.testing.assert_close(torch.cat(bufs), torch.cat(ref_bufs), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=1e-2, atol=1e-2)
+    params = [b.clone() for b in bufs]
+    ref_params = [b.clone() for b in bufs]
+    decay_add_multi_(params, out, 0.99, -0.1)
+    decay_add_multi_(ref_params, out, 0.99, -0.1, triton_=False)
+    torch.testing.assert_close(torch.cat(params), torch.cat(ref_params), rtol=1e-6, atol=1e-6)
+    x = torch.randn(8, 256, 256, device="cuda", generator=gen).bfloat16()
+    sumsq = torch.rand(8, device="cuda", generator=gen) * 100
+    torch.testing.assert_close(ns_scale_(x.clone(), sumsq, square=False, diag=3.4, eps=1e-7).float(),
+                               reference.ns_scale_(x.clone(), sumsq, square=False, diag=3.4, eps=1e-7).float(),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_skipped_step_is_bit_identical_and_never_syncs():
+    """skip_if on the device: a NaN step changes nothing, and neither it nor a normal step waits for the GPU."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=gen)) for s in [(8, 256, 544), (512, 512)]]
+    opt = PerHeadMuon([dict(params=[params[0]], per_expert=True), dict(params=[params[1]], num_heads=4)], lr=0.02)
+
+    def state() -> list[torch.Tensor]:
+        return [t for p in params for t in (p.detach(), opt.state[p]["momentum_buffer"])]
+
+    def step(skip: bool, nan: bool) -> None:
+        for p in params:
+            p.grad = torch.full_like(p, float("nan")) if nan else torch.randn(p.shape, device="cuda", generator=gen)
+        opt.skip_if = torch.full((), skip, dtype=torch.bool, device="cuda")  # a fill, not a host copy
+        opt.step()
+
+    step(False, nan=False)
+    step(True, nan=True)  # both kernel variants compiled outside the sync check
+    torch.cuda.synchronize()
+    before = [t.clone() for t in state()]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(True, nan=True)
+        skipped = [t.clone() for t in state()]
+        step(False, nan=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(a, b) for a, b in zip(before, skipped))
+    assert all(torch.isfinite(t).all() for t in state()) and not any(torch.equal(a, b) for a, b in zip(before, state()))

@@ -1,15 +1,20 @@
-"""kernels.muon: the fused momentum and update passes (Triton interpreter on CPU) against the PyTorch reference."""
+"""kernels.muon: the fused passes (Triton interpreter on CPU) against the PyTorch reference, and Newton-Schulz."""
 
 import os
 
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import functools
+
 import pytest
 import torch
 
-from kernels.muon import decay_add_, nesterov_momentum_, reference
-from titan_k3.optim.muon import newton_schulz
+from kernels.muon import (decay_add_, decay_add_multi_, decay_add_table, momentum_table, nesterov_momentum_,
+                          nesterov_momentum_multi_, ns_scale_, reference, send_tables)
+from kernels.muon.fused import BLOCK
+from titan_k3.optim import muon
+from titan_k3.optim.muon import PerHeadMuon, newton_schulz
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CPU, the real kernels on a GPU
@@ -83,3 +88,211 @@ def test_triton_runs_on_cuda_and_on_the_cpu_only_when_interpreted(monkeypatch):
     assert triton_runs_on("cuda") and triton_runs_on(torch.device("cuda", 1)) and not triton_runs_on("cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert triton_runs_on("cpu")
+
+
+# ragged sizes around the block size, an empty tensor, and (all multiples of 16) the aligned-kernel variant
+SIZES = {"ragged": [5, BLOCK, 100, 0, 2 * BLOCK + 3, 17], "aligned": [BLOCK, 32, 2 * BLOCK + 48]}
+
+
+def _lists(sizes, seed, dtype=torch.float32):
+    return [_rand(n, dtype, seed=seed + i) for i, n in enumerate(sizes)]
+
+
+@pytest.mark.parametrize("sizes", SIZES.values(), ids=SIZES.keys())
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("slots", ["one tensor", "a list"])
+def test_nesterov_momentum_multi_matches_reference(sizes, nesterov, out_dtype, slots):
+    grads, bufs = _lists(sizes, 10), _lists(sizes, 20)
+    ref_bufs = [b.clone() for b in bufs]
+    ref_outs = [torch.empty(n, dtype=out_dtype, device=DEVICE) for n in sizes]
+    for g, b, o in zip(grads, ref_bufs, ref_outs):
+        reference.nesterov_momentum_(g, b, o, 0.9, nesterov)
+    out = torch.full((sum(sizes),), float("nan"), dtype=out_dtype, device=DEVICE)
+    outs = list(out.split(sizes)) if slots == "a list" else out
+    nesterov_momentum_multi_(grads, bufs, outs, 0.9, nesterov, triton_=True)
+    for b, r in zip(bufs, ref_bufs):
+        torch.testing.assert_close(b, r, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, torch.cat(ref_outs), rtol=1e-3 if out_dtype == torch.float16 else 1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("sizes", SIZES.values(), ids=SIZES.keys())
+@pytest.mark.parametrize("update_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("slots", ["one tensor", "a list"])
+def test_decay_add_multi_matches_reference(sizes, update_dtype, slots):
+    params = _lists(sizes, 30)
+    update = _rand(sum(sizes), update_dtype, seed=40)
+    refs = [p.clone() for p in params]
+    for r, u in zip(refs, update.split(sizes)):
+        reference.decay_add_(r, u, 0.999, -0.02)
+    decay_add_multi_(params, list(update.split(sizes)) if slots == "a list" else update, 0.999, -0.02, triton_=True)
+    for p, r in zip(params, refs):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("triton_", [True, False], ids=["triton", "reference"])
+@pytest.mark.parametrize("flag", [torch.tensor(True), torch.tensor(1.0), torch.tensor([float("nan")])],
+                         ids=["bool", "float", "nan"])
+def test_skip_if_leaves_buffers_and_parameters_bit_identical(triton_, flag):
+    """A nonzero flag skips: NaN and inf gradients leave no trace, and the directions written are zeros."""
+    sizes = SIZES["ragged"]
+    grads = _lists(sizes, 50)
+    for g in grads[:3]:
+        g[::2] = float("nan")
+        g[1::3] = float("inf")
+    bufs, params = _lists(sizes, 60), _lists(sizes, 70)
+    bufs0, params0 = [b.clone() for b in bufs], [p.clone() for p in params]
+    out = torch.full((sum(sizes),), float("nan"), device=DEVICE)
+    skip = flag.to(DEVICE)
+    nesterov_momentum_multi_(grads, bufs, out, 0.9, True, skip_if=skip, triton_=triton_)
+    decay_add_multi_(params, grads, 0.9, -1.0, skip_if=skip, triton_=triton_)
+    assert all(torch.equal(b, b0) for b, b0 in zip(bufs, bufs0))
+    assert all(torch.equal(p, p0) for p, p0 in zip(params, params0))
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("triton_", [True, False], ids=["triton", "reference"])
+def test_skip_if_zero_equals_no_flag(triton_):
+    sizes = SIZES["ragged"]
+    results = []
+    for skip in (None, torch.tensor(False, device=DEVICE), torch.tensor(0.0, device=DEVICE)):
+        grads, bufs, params = _lists(sizes, 80), _lists(sizes, 90), _lists(sizes, 100)
+        out = torch.empty(sum(sizes), dtype=torch.float16, device=DEVICE)
+        nesterov_momentum_multi_(grads, bufs, out, 0.95, True, skip_if=skip, triton_=triton_)
+        decay_add_multi_(params, out, 0.99, -0.1, skip_if=skip, triton_=triton_)
+        results.append([out, *bufs, *params])
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+def test_tables_sent_together_drive_each_launch():
+    """Tables built ahead (the stacked output not yet allocated) and sent in one copy equal tables built per call."""
+    sizes = [[7, BLOCK + 1], [300, 0, 64]]
+    grads, bufs, params = ([_lists(s, seed + 10 * k) for k, s in enumerate(sizes)] for seed in (110, 130, 150))
+    tables = [t for k in range(2) for t in (momentum_table(grads[k], bufs[k]), decay_add_table(params[k]))]
+    send_tables(tables, DEVICE)
+    ref = [[b.clone() for b in bufs[k]] + [p.clone() for p in params[k]] for k in range(2)]
+    for k, s in enumerate(sizes):
+        out = torch.empty(sum(s), device=DEVICE)
+        nesterov_momentum_multi_(grads[k], bufs[k], out, 0.9, True, table=tables[2 * k], triton_=True)
+        decay_add_multi_(params[k], out, 0.9, -0.5, table=tables[2 * k + 1], triton_=True)
+        out_ref = torch.empty(sum(s), device=DEVICE)
+        nesterov_momentum_multi_(grads[k], ref[k][:len(s)], out_ref, 0.9, True, triton_=True)
+        decay_add_multi_(ref[k][len(s):], out_ref, 0.9, -0.5, triton_=True)
+        assert all(torch.equal(a, b) for a, b in zip(bufs[k] + params[k], ref[k]))
+
+
+def test_multi_tensor_misuse_stops_with_a_named_error():
+    grads, bufs = _lists([8, 8], 0), _lists([8, 8], 2)
+    with pytest.raises(ValueError, match="slot tensor must be contiguous with 16 elements"):
+        nesterov_momentum_multi_(grads, bufs, _rand(15), 0.9, True, triton_=True)
+    with pytest.raises(ValueError, match="an operand has 1 tensors; the first has 2"):
+        nesterov_momentum_multi_(grads, bufs[:1], _rand(16), 0.9, True, triton_=True)
+    with pytest.raises(ValueError, match=r"tensor 1 of an operand .*torch.float16"):
+        decay_add_multi_([grads[0], grads[1].half()], _rand(16), 1.0, 1.0, triton_=True)
+    with pytest.raises(ValueError, match="must be contiguous with 8 elements"):
+        decay_add_multi_([_rand((4, 2)).t(), grads[1]], _rand(16), 1.0, 1.0, triton_=True)
+    with pytest.raises(ValueError, match="skip_if must be a one-element tensor"):
+        decay_add_multi_(grads, _rand(16), 1.0, 1.0, skip_if=torch.zeros(2, device=DEVICE), triton_=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize("square, diag", [(True, 0.0), (False, 3.4), (False, 0.0)])
+@pytest.mark.parametrize("shape", [(3, 7, 7), (2, 70, 70)])
+def test_ns_scale_matches_reference(dtype, square, diag, shape):
+    x = _rand(shape, dtype, seed=7)
+    sumsq = torch.cat([torch.rand(shape[0] - 1, generator=torch.Generator().manual_seed(8)) * 50, torch.tensor([float("inf")])])
+    sumsq = sumsq.to(DEVICE, torch.float64 if dtype == torch.float64 else torch.float32)
+    ref = reference.ns_scale_(x.clone(), sumsq, square=square, diag=diag, eps=1e-7)
+    got = ns_scale_(x.clone(), sumsq, square=square, diag=diag, eps=1e-7, triton_=True)
+    torch.testing.assert_close(got, ref, rtol=1e-3 if dtype == torch.float16 else 1e-6, atol=1e-5)
+    s = 1 / (sumsq[0].double().sqrt() + 1e-7)
+    expected = (x[0].double() + diag * torch.eye(shape[1], dtype=torch.float64, device=DEVICE)) * s ** (2 if square else 1)
+    torch.testing.assert_close(got[0].double(), expected, rtol=1e-3 if dtype == torch.float16 else 1e-6, atol=1e-5)
+    assert torch.equal(got[-1], torch.zeros_like(got[-1]))  # an overflowed norm: zero, not nan
+
+
+NS_SHAPES = [(3, 24, 10), (2, 10, 24), (16, 16), (2, 3, 9, 5), (40, 7), (1, 64)]
+
+
+@pytest.mark.parametrize("shape", NS_SHAPES)
+@pytest.mark.parametrize("steps", [1, 5])
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_newton_schulz_equals_the_normalise_first_formula(shape, steps, dtype, tol):
+    """Scaling the Gram-side matrices instead of G gives the formula that divides G by its norm first."""
+    for seed, magnitude in ((11, 1.0), (12, 1e-3), (13, 1e12)):
+        G = (_rand(shape, torch.float64, seed=seed) * magnitude).to(dtype)
+        O = newton_schulz(G, steps, dtype=dtype, scale=1.7)
+        ref = reference.newton_schulz(G, steps, dtype=dtype, scale=1.7)
+        assert O.shape == G.shape and O.dtype == dtype and O.is_contiguous()
+        assert ((O - ref).norm() / ref.norm()).item() < tol, (seed, magnitude)
+
+
+def test_newton_schulz_through_the_triton_scaling_equals_the_torch_scaling(monkeypatch):
+    G = _rand((3, 40, 24), seed=14)
+    torch_path = newton_schulz(G, 5, dtype=torch.float32, scale=1.3)
+    monkeypatch.setattr(muon, "ns_scale_", functools.partial(ns_scale_, triton_=True))
+    torch.testing.assert_close(newton_schulz(G, 5, dtype=torch.float32, scale=1.3), torch_path, rtol=1e-5, atol=1e-6)
+
+
+def test_newton_schulz_in_bf16_is_as_close_as_before():
+    """bf16 differs from the normalise-first formula by bf16 rounding only: no further from float64 than it."""
+    G = torch.randn(4, 64, 96, generator=torch.Generator().manual_seed(15))
+    exact = reference.newton_schulz(G.double(), 5, dtype=torch.float64)
+    for g in (G, G.mT.contiguous()):
+        exact_g = exact if g is G else exact.mT
+        err = ((newton_schulz(g, dtype=torch.bfloat16).double() - exact_g).norm() / exact_g.norm()).item()
+        err_ref = ((reference.newton_schulz(g, 5, dtype=torch.bfloat16).double() - exact_g).norm() / exact_g.norm()).item()
+        assert err < 1.25 * err_ref, (err, err_ref)
+
+
+def test_newton_schulz_keeps_zero_and_overflowing_inputs_finite():
+    assert torch.equal(newton_schulz(torch.zeros(2, 4, 6)), torch.zeros(2, 4, 6))
+    huge = newton_schulz(torch.full((2, 6, 4), 1e30))  # its norm overflows float32: zero, as before, not nan
+    assert torch.equal(huge, torch.zeros_like(huge))
+    with pytest.raises(ValueError, match="float16 lacks float32's exponent range"):
+        newton_schulz(torch.ones(4, 4), dtype=torch.float16)
+
+
+def _muon_run(skip_flags, grads_nan_at=None, triton_=False, monkeypatch=None):
+    """PerHeadMuon over a per-head matrix, an expert tensor and two same-shape matrices, one step per flag."""
+    if triton_:
+        monkeypatch.setattr(muon, "nesterov_momentum_multi_", functools.partial(nesterov_momentum_multi_, triton_=True))
+        monkeypatch.setattr(muon, "decay_add_multi_", functools.partial(decay_add_multi_, triton_=True))
+    gen = torch.Generator().manual_seed(16)
+    shapes = [(32, 24), (3, 8, 24), (8, 24), (8, 24)]
+    params = [torch.randn(s, generator=gen).to(DEVICE) for s in shapes]
+    opt = PerHeadMuon([{"params": [params[0]], "num_heads": 4}, {"params": [params[1]], "per_expert": True},
+                       {"params": params[2:]}], lr=0.05, ns_dtype=torch.float32)
+    history = []
+    for k, flag in enumerate(skip_flags):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(DEVICE)
+            if k == grads_nan_at:
+                p.grad[0] = float("nan")
+                p.grad[-1] = float("inf")
+        opt.skip_if = None if flag is None else torch.tensor(flag, device=DEVICE)
+        opt.step()
+        history.append([t.clone() for p in params for t in (p, opt.state[p]["momentum_buffer"])])
+    return history
+
+
+@pytest.mark.parametrize("triton_", [True, False], ids=["triton", "reference"])
+def test_muon_step_skipped_on_the_device_flag(triton_, monkeypatch):
+    """skip_if true: a NaN/inf step leaves parameters and momenta bit-identical; false: the same as no flag."""
+    plain = _muon_run([None, None, None], triton_=triton_, monkeypatch=monkeypatch)
+    flagged = _muon_run([False, True, False], grads_nan_at=1, triton_=triton_, monkeypatch=monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], flagged[0]))  # false: identical to no flag
+    assert all(torch.equal(a, b) for a, b in zip(flagged[0], flagged[1]))  # true: nothing moved
+    assert all(torch.isfinite(t).all() for t in flagged[2])
+    with pytest.raises(ValueError, match="skip_if must be None or a one-element tensor"):
+        opt = PerHeadMuon([torch.zeros(4, 4, device=DEVICE)], lr=0.1)
+        opt.skip_if = torch.zeros(2, device=DEVICE)
+        opt.step()
+
+
+def test_muon_step_through_the_triton_passes_equals_the_reference_passes(monkeypatch):
+    reference_run = _muon_run([None, False])
+    triton_run = _muon_run([None, False], triton_=True, monkeypatch=monkeypatch)
+    for a, b in zip(reference_run[-1], triton_run[-1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

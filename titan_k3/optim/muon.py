@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.profiler import record_function
 
-from kernels.muon import decay_add_, nesterov_momentum_
+from kernels.muon import (decay_add_multi_, decay_add_table, momentum_table, nesterov_momentum_multi_, ns_scale_,
+                          send_tables)
 from titan_k3.optim.spec import ParamSpec, check_spec
 
 # Quintic Newton–Schulz coefficients: they push every singular value of a
@@ -43,10 +44,10 @@ def newton_schulz(
 ) -> torch.Tensor:
     """Approximately orthogonalise each matrix of G: O ~ scale * U V^T for G = U S V^T.
 
-    G [..., m, n] -> O [..., m, n] in `dtype` (default: `default_ns_dtype(G.device)`).
-    Each matrix is first divided by its Frobenius norm (+ eps), computed in
-    float32, so that every singular value starts in [0, 1]; `scale` rides on the
-    last step's matmul.
+    G [..., m, n] -> O [..., m, n] in `dtype` (default: `default_ns_dtype(G.device)`), which must have float32's
+    exponent range (bf16, float32, float64). Each matrix counts as divided by its Frobenius norm (+ eps), summed
+    in float32 (float64 for float64), so that every singular value starts in [0, 1]; `scale` rides on the last
+    step's matmul.
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz: G must have at least 2 dims [..., m, n]; got shape {tuple(G.shape)}")
@@ -54,10 +55,10 @@ def newton_schulz(
         raise ValueError(f"newton_schulz: steps={steps}; must be >= 1")
     a, b, c = NS_COEFFS
     dtype = dtype or default_ns_dtype(G.device)
-    # NOTE: the norm accumulates in float32 and the division runs in float32, written once in `dtype`:
-    # no float32 copy of G and no separate cast (each a pass over every Muon parameter).
-    norm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True, dtype=torch.promote_types(G.dtype, torch.float32))
-    X = torch.div(G, norm + eps, out=torch.empty(G.shape, dtype=dtype, device=G.device))
+    if dtype not in (torch.bfloat16, torch.float32, torch.float64):
+        # NOTE: the first Gram matrix is of the raw G (below); in float16 it overflows once a row's norm passes 256.
+        raise ValueError(f"newton_schulz: dtype {dtype} lacks float32's exponent range; use bfloat16 or float32")
+    X = G.to(dtype)  # no pass when the caller wrote G in the NS dtype (PerHeadMuon does)
     # NOTE: iterate on the wide orientation so that X X^T is the smaller Gram matrix.
     transposed = X.size(-2) > X.size(-1)
     if transposed:
@@ -69,8 +70,17 @@ def newton_schulz(
     for step in range(steps):
         s = scale if step == steps - 1 else 1.0
         A = X3 @ X3.mT
+        if step == 0:
+            # NOTE: normalising G would be a pass over all of it. With r = 1 / (||G||_F + eps) per matrix, the
+            # first step is r (a I + b r^2 G G^T + c (r^2 G G^T)^2) G: the scalars go on the small A (r^2) and
+            # B' (r), and ||G||_F^2 = trace(G G^T) comes off A's diagonal instead of a pass over G.
+            sumsq = A.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.promote_types(dtype, torch.float32))
+            ns_scale_(A, sumsq, square=True, eps=eps)
         B = torch.baddbmm(A, A, A, beta=b * s, alpha=c * s)
-        B.diagonal(dim1=-2, dim2=-1).add_(a * s)
+        if step == 0:
+            ns_scale_(B, sumsq, square=False, diag=a * s, eps=eps)
+        else:
+            B.diagonal(dim1=-2, dim2=-1).add_(a * s)
         if transposed and step == steps - 1:
             # NOTE: the last step writes the caller's orientation, (B' X)^T = X^T B' (B' is symmetric), so the
             # result is contiguous and the update pass reads it in order (a transposed view reads strided).
@@ -111,12 +121,14 @@ def orthogonalise(
 
 
 def orthogonalise_batched(
-    directions: list[torch.Tensor], specs: list[ParamSpec], *, ns_steps: int = 5, ns_dtype: torch.dtype | None = None
+    directions: list[torch.Tensor], specs: list[ParamSpec], *, ns_steps: int = 5, ns_dtype: torch.dtype | None = None,
+    cast: bool = True,
 ) -> list[torch.Tensor]:
     """`orthogonalise` of each plain tensor, with every block of one [r, c] shape in one Newton–Schulz call.
 
     A step then launches a few kernels per block shape rather than per
-    parameter (a k3-mini step was bound by those host launches).
+    parameter (a k3-mini step was bound by those host launches). `cast=False`
+    leaves each update in the NS dtype (the fused update pass reads it as is).
     """
     blocks = [blocks_of(d, spec) for d, spec in zip(directions, specs)]
     out: list[torch.Tensor | None] = [None] * len(directions)
@@ -124,7 +136,7 @@ def orthogonalise_batched(
         stacked = blocks[idx[0]] if len(idx) == 1 else torch.cat([blocks[i] for i in idx])
         O = orthogonalise_stacked(stacked, ns_steps, ns_dtype)
         for i, u in zip(idx, O.split([blocks[i].shape[0] for i in idx])):
-            out[i] = u.to(directions[i].dtype).reshape(directions[i].shape)
+            out[i] = (u.to(directions[i].dtype) if cast else u).reshape(directions[i].shape)
     return out
 
 
@@ -174,6 +186,14 @@ class PerHeadMuon(torch.optim.Optimizer):
         p <- p - lr * muon_update(grad, buf, spec)
     `ns_dtype` is the Newton–Schulz compute dtype (None: bf16 on GPU, float32 on CPU).
     The momentum buffer has the parameter's dtype.
+
+    `skip_if` (attribute, default None): a one-element tensor on the
+    parameters' device, e.g. a trainer's found-inf flag. When it holds a
+    nonzero value, `step` leaves every parameter and momentum buffer
+    bit-identical, whatever the gradients hold (NaN, inf); the flag is read on
+    the device inside the fused passes, never by the host, so a trainer can
+    queue the step without a sync. Under sharding every rank must hold the
+    same value (all collectives still run).
     """
 
     def __init__(
@@ -196,6 +216,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         if ns_steps < 1:
             raise ValueError(f"PerHeadMuon: ns_steps={ns_steps}; must be >= 1")
         self.ns_dtype = ns_dtype
+        self.skip_if: torch.Tensor | None = None
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps, num_heads=1, per_expert=False,
@@ -223,6 +244,9 @@ class PerHeadMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        skip = self.skip_if
+        if skip is not None and (not isinstance(skip, torch.Tensor) or skip.numel() != 1):
+            raise ValueError(f"PerHeadMuon.skip_if must be None or a one-element tensor; got {skip!r}")
         sharded, batches = [], {}
         for group in self.param_groups:
             spec = _spec_of_group(group)
@@ -239,64 +263,74 @@ class PerHeadMuon(torch.optim.Optimizer):
                        group["ns_steps"])
                 batches.setdefault(key, []).append((p, spec))
         for key, members in batches.items():
-            self._step_batch(members, *key[2:])
+            self._step_batch(members, *key[2:], skip)
         if sharded:
-            self._step_sharded(sharded)
+            self._step_sharded(sharded, skip)
         return loss
 
-    def _step_batch(self, members: list, lr: float, wd: float, momentum: float, nesterov: bool, ns_steps: int) -> None:
+    def _step_batch(self, members: list, lr: float, wd: float, momentum: float, nesterov: bool, ns_steps: int,
+                    skip: torch.Tensor | None) -> None:
         """One update of parameters that share a device, a dtype and the group settings.
 
         Same math as `muon_update` per parameter, with every block of one
-        [r, c] shape, over all members, in one batched Newton–Schulz call (a
-        step launches a few kernels per block shape; a k3-mini step was
-        host-bound on per-parameter launches). One fused pass per parameter
-        advances its momentum and writes its Nesterov direction straight into
-        its place in that call's input, in the NS dtype; the scaled update stays
-        in the NS dtype until one fused pass decays the parameter and adds it:
-        no float32 copies, concatenations or casts of ~1B values. The largest
-        block shapes go first: the host queues the long expert batches and
-        then the many small ones while the GPU runs (after the step's host sync
-        the queue is empty, and the small batches alone are launch-bound).
+        [r, c] shape, over all members, in one batched Newton–Schulz call, and
+        per block shape one launch of each fused pass: the momentum pass
+        advances every member's buffer and writes its Nesterov direction
+        straight into its place in that call's input, in the NS dtype; the
+        update pass decays every member and adds its scaled update, still in
+        the NS dtype. No float32 copies, concatenations or casts of ~1B values,
+        and a few launches per block shape, not per parameter (a k3-mini step
+        was host-bound on per-parameter launches). The largest block shapes go
+        first: the host queues the long expert batches and then the many small
+        ones while the GPU runs (after the step's host sync the queue is empty,
+        and the small batches alone are launch-bound).
         """
         params = [p for p, _ in members]
         ns_dtype = self.ns_dtype or default_ns_dtype(params[0].device)
         views = [blocks_of(p, spec) for p, spec in members]
-        updates: list[torch.Tensor | None] = [None] * len(params)
+        grads = [blocks_of(p.grad, spec) for p, spec in members]
+        bufs = [blocks_of(self.state[p]["momentum_buffer"], spec) for p, spec in members]
+        shapes = _largest_first(by_block_shape(views), views)
+        tables = []
+        for _, idx in shapes:
+            tables += [momentum_table([grads[i] for i in idx], [bufs[i] for i in idx]),
+                       decay_add_table([views[i] for i in idx])]
+        send_tables(tables, params[0].device)  # NOTE: every table of the step in one host-to-device copy
         with record_function("muon.orthogonalise"):
-            for (rows, cols), idx in _largest_first(by_block_shape(views), views):
+            for g, ((rows, cols), idx) in enumerate(shapes):
                 counts = [views[i].shape[0] for i in idx]
                 stacked = views[idx[0]].new_empty((sum(counts), rows, cols), dtype=ns_dtype)
                 with record_function("muon.momentum"):
-                    for i, dst in zip(idx, stacked.split(counts)):
-                        p, spec = members[i]
-                        nesterov_momentum_(blocks_of(p.grad, spec), blocks_of(self.state[p]["momentum_buffer"], spec),
-                                           dst, momentum, nesterov)
-                for i, u in zip(idx, orthogonalise_stacked(stacked, ns_steps, ns_dtype).split(counts)):
-                    updates[i] = u
-        _apply(views, updates, lr, wd)
+                    nesterov_momentum_multi_([grads[i] for i in idx], [bufs[i] for i in idx], stacked, momentum,
+                                             nesterov, skip_if=skip, table=tables[2 * g])
+                update = orthogonalise_stacked(stacked, ns_steps, ns_dtype)
+                with record_function("muon.apply"):
+                    decay_add_multi_([views[i] for i in idx], update, 1.0 - lr * wd, -lr, skip_if=skip,
+                                     table=tables[2 * g + 1])
 
-    def _step_sharded(self, items: list) -> None:
+    def _step_sharded(self, items: list, skip: torch.Tensor | None) -> None:
         """Muon on dim-0-sharded DTensors (FSDP2, EP), working on local shards only.
 
         Momentum and weight decay are elementwise, so they run on the local
-        shards (foreach, per group settings). A parameter whose blocks (heads,
-        experts) each lie whole on one shard is orthogonalised locally with no
-        communication. Every other parameter goes to one owner rank of its
-        shard group (`_owner_orthogonalise`: one gather and one scatter per
-        owner, however many parameters), is orthogonalised there while the
-        other owners work on theirs, and its update comes back.
+        shards, one fused launch per group setting and dtype. A parameter whose
+        blocks (heads, experts) each lie whole on one shard is orthogonalised
+        locally with no communication. Every other parameter goes to one owner
+        rank of its shard group (`_owner_orthogonalise`: one gather and one
+        scatter per owner, however many parameters), is orthogonalised there
+        while the other owners work on theirs, and its update comes back.
         """
         directions = {}
         by_momentum: dict[tuple, list] = {}
         for p, group, _ in items:
-            by_momentum.setdefault((group["momentum"], group["nesterov"]), []).append(p)
+            by_momentum.setdefault((group["momentum"], group["nesterov"], p.dtype), []).append(p)
         with record_function("muon.momentum"):
-            for (momentum, nesterov), params in by_momentum.items():
-                for p in params:
-                    grad = p.grad.to_local()
-                    directions[p] = torch.empty_like(grad)
-                    nesterov_momentum_(grad, self.state[p]["momentum_buffer"].to_local(), directions[p], momentum, nesterov)
+            for (momentum, nesterov, _), params in by_momentum.items():
+                grads = [p.grad.to_local() for p in params]
+                flat = grads[0].new_empty(sum(g.numel() for g in grads))
+                nesterov_momentum_multi_(grads, [self.state[p]["momentum_buffer"].to_local() for p in params], flat,
+                                         momentum, nesterov, skip_if=skip)
+                for p, g, d in zip(params, grads, flat.split([g.numel() for g in grads])):
+                    directions[p] = d.view(g.shape)
         local, remote = {}, []
         for p, group, spec in items:
             local_spec = _local_block_spec(p, spec)
@@ -308,26 +342,21 @@ class PerHeadMuon(torch.optim.Optimizer):
         with record_function("muon.orthogonalise"):
             for ns_steps, members in local.items():
                 updates = orthogonalise_batched([d for _, d, _ in members], [s for _, _, s in members],
-                                                ns_steps=ns_steps, ns_dtype=self.ns_dtype)
+                                                ns_steps=ns_steps, ns_dtype=self.ns_dtype, cast=False)
                 local_updates.update((p, u) for (p, _, _), u in zip(members, updates))
             local_updates.update(_owner_orthogonalise(remote, self.ns_dtype))
         by_decay: dict[tuple, list] = {}
         for p, group, _ in items:
-            by_decay.setdefault((group["lr"], group["weight_decay"]), []).append(p)
-        for (lr, wd), params in by_decay.items():
-            _apply([p.to_local() for p in params], [local_updates[p] for p in params], lr, wd)
+            by_decay.setdefault((group["lr"], group["weight_decay"], p.dtype, local_updates[p].dtype), []).append(p)
+        with record_function("muon.apply"):
+            for (lr, wd, _, _), params in by_decay.items():
+                decay_add_multi_([p.to_local() for p in params], [local_updates[p] for p in params], 1.0 - lr * wd,
+                                 -lr, skip_if=skip)
 
 
 def _largest_first(groups: dict[tuple[int, int], list[int]], blocks: list[torch.Tensor]) -> list:
     """The (block shape, indices) groups ordered by total elements, largest first."""
     return sorted(groups.items(), key=lambda kv: -sum(blocks[i].numel() for i in kv[1]))
-
-
-def _apply(params: list, updates: list, lr: float, wd: float) -> None:
-    """p <- p * (1 - lr * wd) - lr * update, one fused pass per plain tensor (an update may be of a lower dtype)."""
-    with record_function("muon.apply"):
-        for p, u in zip(params, updates):
-            decay_add_(p, u, 1.0 - lr * wd, -lr)
 
 
 def _row_sharded(p: torch.Tensor) -> bool:
