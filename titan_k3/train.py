@@ -13,8 +13,9 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from collections import deque
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -46,13 +47,40 @@ class TrainingStopped(RuntimeError):
     """The run cannot continue (e.g. too many non-finite updates in a row); the message says why."""
 
 
-@dataclass
 class StepResult:
-    loss: float
-    grad_norm: float
-    n_tokens: int
-    n_valid: int
-    skipped: bool
+    """One update: its tokens at once; its loss, grad norm, valid tokens and skip read back from the device.
+
+    NOTE: the values are copied to the host without waiting and read when first
+    needed (`Trainer._settle`, in update order), so the host queues the optimizer
+    and the next update while the GPU still runs this one's backward. Reading a
+    value early waits for the copy; nothing is lost either way.
+    """
+
+    def __init__(self, step: int, n_tokens: int, settle: Callable[["StepResult"], None]):
+        self.step, self.n_tokens = step, n_tokens
+        self._settle = settle
+        self._values: tuple[float, float, int, bool] | None = None
+
+    def _read(self) -> tuple[float, float, int, bool]:
+        if self._values is None:
+            self._settle(self)
+        return self._values
+
+    loss = property(lambda self: self._read()[0], doc="Mean loss over the update's valid tokens.")
+    grad_norm = property(lambda self: self._read()[1], doc="Global gradient norm before clipping.")
+    n_valid = property(lambda self: self._read()[2], doc="Valid (non-ignored) target tokens over all ranks.")
+    skipped = property(lambda self: self._read()[3], doc="Whether the update was skipped (non-finite loss or norm).")
+
+
+def _copy_to_host(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """x on the host without waiting: (host tensor, the event after which it is valid, None if it already is)."""
+    if x.device.type != "cuda":
+        return x.cpu(), None
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
 
 
 def _device(cfg: JobConfig) -> torch.device:
@@ -130,6 +158,7 @@ class Trainer:
         self.tokens_seen = 0
         self.skipped_updates = 0
         self.skipped_in_row = 0
+        self._unsettled: deque = deque()
         self._fixed = None
         self.evaluator = Evaluator(cfg, self.tokenizer, self.device, dp_rank=self.dp_rank, dp_world=self.dp_world,
                                    dp_group=self.dp_group)
@@ -232,33 +261,59 @@ class Trainer:
                                     qk_clip_max_logits=self.qk_clip_max_logits)
         max_norm = cfg.training.max_norm if cfg.training.max_norm > 0 else float("inf")
         grad_norm_t = clip_grad_norm_(params, max_norm)
-        # NOTE: the step's one host sync: skipping a non-finite update needs both numbers before the
-        # optimizer runs. After it, the host queues the optimizer and the next step without waiting.
-        loss, grad_norm, n_global = torch.stack([loss_t, grad_norm_t.float(), global_valid]).tolist()
-        self.invariants.after_clip(grad_norm)
-        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        # NOTE: no host sync in the step. A non-finite loss or norm skips the update on the device (the
+        # optimizers leave parameters and state untouched); the host learns of it from an asynchronous
+        # copy when the result settles, at the latest one update later (_settle).
+        skip = ~(torch.isfinite(loss_t) & torch.isfinite(grad_norm_t))
+        stats = torch.stack([loss_t, grad_norm_t.float(), global_valid])
+        result = StepResult(self.step + 1, sum(b.input_ids.numel() for b in batches) * self.dp_world, self._settle)
+        self._unsettled.append((result, *_copy_to_host(stats)))
+        if self.invariants.pending:
+            self.invariants.after_clip(result.grad_norm)  # reads the norm now: a violation can stop the update
         self._last_lr = self.optimizers.lr
-        if skipped:
-            self.skipped_updates += 1
-            self.skipped_in_row += 1
-            self.events.emit("nonfinite", f"loss {loss} / grad norm {grad_norm}: update skipped", step=self.step + 1)
-        else:
-            self.skipped_in_row = 0
-            self.optimizers.step()
-            self._qk_clip()
+        self.optimizers.step(skip_if=skip)
+        self._qk_clip(skip)
         self.optimizers.zero_grad(set_to_none=True)
         self.schedule.step()
-        n_tokens = sum(b.input_ids.numel() for b in batches) * self.dp_world
-        return StepResult(loss, grad_norm, n_tokens, int(n_global), skipped)
+        self._settle(wait=False)
+        while len(self._unsettled) > 1:
+            self._settle(self._unsettled[0][0])
+        return result
+
+    def _settle(self, upto: StepResult | None = None, wait: bool = True) -> None:
+        """Read back pending results in update order, through `upto` (None: all); wait=False: only landed copies.
+
+        A skipped update is counted and reported here, with its own update number.
+        """
+        while self._unsettled:
+            result, host, copied = self._unsettled[0]
+            if not wait and copied is not None and not copied.query():
+                return
+            if copied is not None:
+                copied.synchronize()
+            self._unsettled.popleft()
+            loss, grad_norm, n_valid = host.tolist()
+            skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+            result._values = (loss, grad_norm, int(n_valid), skipped)
+            if skipped:
+                self.skipped_updates += 1
+                self.skipped_in_row += 1
+                self.events.emit("nonfinite", f"loss {loss} / grad norm {grad_norm}: update skipped", step=result.step)
+            else:
+                self.skipped_in_row = 0
+            if result is upto:
+                return
 
     @torch.no_grad()
-    def _qk_clip(self) -> None:
+    def _qk_clip(self, skip: torch.Tensor) -> None:
+        """QK-Clip after the update; a skipped update (`skip`, on the device) clips nothing."""
         tau = self.cfg.optimizer.qk_clip_tau
         for i, layer in self.model.mla_layers().items():
             max_logit = self._all_reduce(layer.pop_max_logit(), dist.ReduceOp.MAX if self.dp_group else None)
             self.qk_clip_max_logits[i] = max_logit
             if tau > 0:
-                qk_clip_(layer.wq_b.weight, layer.wkv_b.weight, max_logit, n_heads=layer.n_heads,
+                # NOTE: a max of 0 clips no head (gamma = 1 unless the max exceeds tau > 0).
+                qk_clip_(layer.wq_b.weight, layer.wkv_b.weight, torch.where(skip, 0.0, max_logit), n_heads=layer.n_heads,
                          nope_dim=layer.nope, rope_dim=layer.rope, v_dim=layer.v_dim, tau=tau)
 
     def _enter_context_stage(self, update: int) -> None:
@@ -285,10 +340,12 @@ class Trainer:
             self.profiler.before(self.step + 1)
             with self.clocks.training():
                 result = self.train_step()
-                if self.device.type == "cuda" and self._window_ends(self.step + 1):
+                if self._window_ends(self.step + 1):
                     # NOTE: between window ends the host runs ahead into the next step while the GPU
                     # finishes this one's optimizer; a window's training clock stops once its work is done.
-                    torch.cuda.synchronize()
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    self._settle()
             self.step += 1
             self.profiler.after(self.step)
             self.tokens_seen += result.n_tokens

@@ -47,3 +47,25 @@ def test_forward_backward_and_optimizer_step_do_not_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_trainer_step_between_window_ends_does_not_sync(tmp_path):
+    """Trainer.train_step as a run calls it: batch, forward, backward, clip, device-side skip, update, QK-Clip."""
+    from titan_k3.config import load_job_config
+    from titan_k3.train import Trainer
+
+    cfg = load_job_config(["--model.flavor", "tiny", "--training.seq_len", "256", "--training.device", "cuda",
+                           "--metrics.log_freq", "1000", "--invariants.enable", "false",
+                           "--job.dump_folder", str(tmp_path)])
+    trainer = Trainer(cfg)
+    try:
+        trainer.train_step()  # first call: kernel compilation and allocator warm-up may sync
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            result = trainer.train_step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert result.n_tokens > 0 and result.loss > 0 and not result.skipped
+    finally:
+        trainer.close()

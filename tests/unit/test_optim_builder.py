@@ -54,7 +54,7 @@ def test_routes_params_and_summarises():
     assert not any(s["momentum_buffer"].any() for s in sd["muon"]["state"].values())
     adamw = opts.adamw
     assert adamw.defaults["betas"] == (0.9, 0.95) and adamw.defaults["eps"] == 1e-8
-    assert adamw.defaults["foreach"] and not adamw.defaults["fused"]
+    assert adamw.defaults["fused"], "fused on every device: its found_inf input is the trainer's device-side skip"
 
 
 def test_use_muon_false_sends_everything_to_adamw():
@@ -103,7 +103,7 @@ def test_eager_state_changes_nothing_and_matches_lazy_adamw():
     groups = [{"params": [lazy_params[n] for n in opts.names["adamw"] if not n.endswith(("norm.weight", "A_log"))]},
               {"params": [lazy_params[n] for n in opts.names["adamw"] if n.endswith(("norm.weight", "A_log"))],
                "weight_decay": 0.0}]
-    lazy = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=True)
+    lazy = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
     for seed in range(2):
         _grads(params, seed)
         _grads(lazy_params, seed)
@@ -175,3 +175,31 @@ def test_replicated_params_get_adamw_groups_of_their_own():
     assert groups == [["emb"], ["norm"], ["router"]]
     assert [g["weight_decay"] for g in opts.adamw.param_groups] == [0.1, 0.0, 0.1]
     assert opts.names["adamw"] == ["emb", "norm", "router"]
+
+
+def test_a_device_side_skip_changes_nothing_and_a_kept_step_is_the_plain_step():
+    """skip_if=True leaves every parameter and state bit-identical, even with NaN gradients; False is a plain step."""
+    params = _params()
+    opts = build_optimizers(params.items(), _spec_of, lr=1e-2)
+    _grads(params, 0)
+    opts.step()  # non-zero momentum and moments, so "unchanged" is not "still zero"
+    before = {n: p.detach().clone() for n, p in params.items()}
+    state_before = copy.deepcopy(opts.state_dict())
+    for p in params.values():
+        p.grad = torch.full_like(p, float("nan"))
+    opts.step(skip_if=torch.tensor(True))
+    for n, p in params.items():
+        assert torch.equal(p, before[n]), n
+    for key, sd in opts.state_dict().items():
+        for name, state in sd["state"].items():
+            for k, v in state.items():
+                assert torch.equal(v, state_before[key]["state"][name][k]), (key, name, k)
+    twin = {n: torch.nn.Parameter(b.clone()) for n, b in before.items()}
+    twin_opts = build_optimizers(twin.items(), _spec_of, lr=1e-2)
+    twin_opts.load_state_dict(copy.deepcopy(state_before))
+    _grads(params, 1)
+    _grads(twin, 1)
+    opts.step(skip_if=torch.tensor(False))
+    twin_opts.step()
+    for n in params:
+        assert torch.equal(params[n], twin[n]), n

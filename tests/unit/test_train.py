@@ -106,3 +106,43 @@ def test_the_step_loop_synchronises_only_where_a_window_ends():
     fake = SimpleNamespace(cfg=cfg, evaluator=SimpleNamespace(due=lambda step, last: Evaluator.due(fake, step, last)))
     ends = [s for s in range(1, 21) if Trainer._window_ends(fake, s)]
     assert ends == [4, 5, 6, 8, 10, 12, 15, 16, 18, 20]
+
+
+def test_results_settle_in_update_order_when_their_copy_lands_or_when_read():
+    """The step never waits for its loss: results settle in update order, and reading one settles all before it."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from titan_k3.train import StepResult, Trainer
+
+    class Copy:  # an asynchronous device-to-host copy that lands when the test says so
+        def __init__(self):
+            self.landed = False
+
+        def query(self):
+            return self.landed
+
+        def synchronize(self):
+            self.landed = True
+
+    emitted = []
+    fake = SimpleNamespace(_unsettled=deque(), skipped_updates=0, skipped_in_row=0,
+                           events=SimpleNamespace(emit=lambda kind, message, step: emitted.append((kind, step))))
+
+    def settle(upto=None, wait=True):
+        Trainer._settle(fake, upto, wait)
+
+    results, copies = [], []
+    for step, loss in enumerate([1.0, float("nan"), float("inf"), 2.0], start=1):
+        results.append(StepResult(step, 10, settle))
+        copies.append(Copy())
+        fake._unsettled.append((results[-1], torch.tensor([loss, 0.5, 7.0]), copies[-1]))
+    settle(wait=False)
+    assert fake.skipped_updates == 0 and len(fake._unsettled) == 4, "nothing has landed: nothing settles"
+    copies[0].landed = copies[1].landed = True
+    settle(wait=False)
+    assert len(fake._unsettled) == 2 and fake.skipped_in_row == 1 and emitted == [("nonfinite", 2)]
+    assert results[3].loss == 2.0
+    assert not fake._unsettled and fake.skipped_updates == 2 and fake.skipped_in_row == 0
+    assert emitted == [("nonfinite", 2), ("nonfinite", 3)], "skips are reported with their own update, in order"
+    assert [r.skipped for r in results] == [False, True, True, False] and results[0].n_valid == 7

@@ -57,6 +57,11 @@ class InvariantRunner:
     def due(self, step: int) -> bool:
         return bool(self.cfg.enable) and step % self.cfg.interval == 0
 
+    @property
+    def pending(self) -> bool:
+        """Whether `before_clip` ran checks this update that `after_clip` must finish (with the clipped norm)."""
+        return self._pending is not None
+
     def _timed(self, name: str, fn, *args, **kwargs) -> list[C.Violation]:
         _sync(self.device)
         t0 = time.perf_counter()

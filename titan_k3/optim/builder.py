@@ -49,9 +49,28 @@ class Optimizers:
     def adamw(self) -> torch.optim.AdamW | None:
         return self.optimizers.get("adamw")
 
-    def step(self) -> None:
+    def step(self, skip_if: torch.Tensor | None = None) -> None:
+        """One update of every optimizer; `skip_if` (0-dim bool on the device, True = skip) decides on the device.
+
+        A skipped update leaves every parameter and every optimizer state bit-identical, without the
+        host reading the flag: Per-Head Muon masks its fused passes, fused AdamW takes it as `found_inf`.
+        """
         for opt in self.optimizers.values():
-            opt.step()
+            if skip_if is None:
+                opt.step()
+            elif isinstance(opt, PerHeadMuon):
+                opt.skip_if = skip_if
+                try:
+                    opt.step()
+                finally:
+                    opt.skip_if = None
+            else:
+                assert opt.defaults.get("fused"), "a device-side skip needs fused AdamW (found_inf)"
+                opt.found_inf = skip_if.float()
+                try:
+                    opt.step()
+                finally:
+                    del opt.found_inf
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers.values():
@@ -188,14 +207,11 @@ def build_optimizers(
         names["muon"] = [n for members in muon_groups.values() for n, _ in members]
     adamw_members = [(decay, m) for (decay, _), m in adamw_groups.items() if m]
     if adamw_members:
-        params = [p for _, m in adamw_members for _, p in m]
-        on_cuda = all(p.is_cuda for p in params)
         groups = [{"params": [p for _, p in m], "weight_decay": weight_decay if decay else 0.0}
                   for decay, m in adamw_members]
-        optimizers["adamw"] = torch.optim.AdamW(
-            groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-            fused=True if on_cuda else None, foreach=None if on_cuda else True,
-        )
+        # NOTE: fused on every device (torch has CPU and CUDA kernels): one launch per group, and the
+        # found_inf input that lets the trainer skip an update without reading a flag on the host.
+        optimizers["adamw"] = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
         names["adamw"] = [n for _, m in adamw_members for n, _ in m]
     return Optimizers(optimizers, names)
 
