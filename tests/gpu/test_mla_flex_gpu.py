@@ -59,7 +59,9 @@ def _math64(docs):
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "whole-rows"])
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+# NOTE: no float32: flex's tiles for 192-wide heads (padded to 256) do not fit float32 in shared memory on an
+# H200 (279,808 of 232,448 bytes); the config refuses flex without bf16 compute (validate.py).
+@pytest.mark.parametrize("dtype, tol", [(torch.float16, 5e-3), (torch.bfloat16, 2e-2)], ids=["fp16", "bf16"])
 def test_flex_matches_dense_mask_math(packed, dtype, tol):
     """Output and dq, dk, dv within tol (relative RMS) of float64 math on the dense mask."""
     docs = _docs(packed)
@@ -73,7 +75,7 @@ def test_flex_matches_dense_mask_math(packed, dtype, tol):
 def test_no_token_attends_or_sends_gradient_across_a_document():
     """Changing one document's q, k, v leaves every other token's output and gradients unchanged."""
     docs = _docs(True)
-    q, k, v, do = _inputs(torch.float32)
+    q, k, v, do = _inputs(torch.bfloat16)
     other = (slice(0, 1), slice(None), slice(16, 80))  # row 0's 64-token document
     q2, k2, v2 = q.clone(), k.clone(), v.clone()
     for t in (q2, k2, v2):
@@ -87,8 +89,8 @@ def test_no_token_attends_or_sends_gradient_across_a_document():
 
 
 def test_flex_inside_a_compiled_sublayer_matches_eager_math():
-    """Two MLA layers share one Documents (the BlockMask is built by the first, inside its compiled graph), as under
-    parallelize.apply_compile; outputs and parameter gradients match the eager math path."""
+    """Two compiled MLA sublayers share one Documents whose BlockMask was built before them, as under
+    parallelize.apply_compile; no graph break, and outputs and parameter gradients match the eager math path (bf16)."""
     args = FLAVORS["k3-mini"]
     torch.manual_seed(0)
     flex = [GatedMLA(args, [FLEX]).cuda() for _ in range(2)]
@@ -101,19 +103,21 @@ def test_flex_inside_a_compiled_sublayer_matches_eager_math():
     def sublayer(layer, x, docs):
         return layer(x, docs)
 
-    compiled = torch.compile(sublayer)
+    compiled = torch.compile(sublayer, fullgraph=True)
     x = torch.randn(2, T, args.dim, device="cuda")
     docs = _docs(True)
-    out = compiled(flex[1], compiled(flex[0], x, docs), docs)
-    assert docs._block_mask is not None
-    ref_docs = _docs(True)
-    ref = math[1](math[0](x, ref_docs), ref_docs)
-    assert _rel_rms(out, ref) < 1e-4
+    mask = docs.block_mask()  # built before the compiled sublayers, as K3Model.hidden does
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = compiled(flex[1], compiled(flex[0], x, docs), docs).float()
+        ref_docs = _docs(True)
+        ref = math[1](math[0](x, ref_docs), ref_docs).float()
+    assert docs.block_mask() is mask
+    assert _rel_rms(out, ref) < 2e-2
     out.square().sum().backward()
     ref.square().sum().backward()
     for f, m in zip(flex, math):
         for (name, p), r in zip(f.named_parameters(), m.parameters()):
-            assert _rel_rms(p.grad, r.grad) < 1e-3, name
+            assert _rel_rms(p.grad, r.grad) < 5e-2, name
 
 
 def test_model_with_flex_attention_matches_math():
@@ -126,20 +130,22 @@ def test_model_with_flex_attention_matches_math():
     device = torch.device("cuda")
     losses, grads = {}, {}
     for attention in ("flex", "math"):
-        impl = resolve_impl(load_job_config(["--kernels.attention", attention]).kernels, device)
+        impl = resolve_impl(load_job_config(["--kernels.attention", attention, "--training.compute_dtype",
+                                               "bfloat16"]).kernels, device)
         assert not [c for c in impl.fallbacks if c.op == "attention"]
         model = K3Model(get_flavor("tiny", 8192), impl).to(device)
         model.init_weights(seed=0)
         assert all(layer.sdpa_backends == ([FLEX] if attention == "flex" else [SDPBackend.MATH])
                    for layer in model.mla_layers().values())
         ids = torch.randint(0, 8192, (2, 256), generator=torch.Generator().manual_seed(0)).to(device)
-        out = model(ids, ids, torch.tensor([0, 100, 256, 300, 512]))
+        with torch.autocast("cuda", dtype=torch.bfloat16):  # flex needs bf16 compute here (validate.py)
+            out = model(ids, ids, torch.tensor([0, 100, 256, 300, 512]))
         out.loss_sum.backward()
         losses[attention] = out.loss_sum.item()
         grads[attention] = {n: p.grad for n, p in model.named_parameters() if ".attn." in n and p.grad is not None}
-    assert abs(losses["flex"] - losses["math"]) < 1e-4 * abs(losses["math"])
+    assert abs(losses["flex"] - losses["math"]) < 1e-2 * abs(losses["math"])
     for name, g in grads["math"].items():
-        assert _rel_rms(grads["flex"][name], g) < 1e-3, name
+        assert _rel_rms(grads["flex"][name], g) < 5e-2, name
 
 
 def test_block_mask_and_flex_do_not_sync():

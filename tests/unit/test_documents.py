@@ -45,3 +45,33 @@ def test_block_mask_of_whole_row_documents_is_causal():
     bm = Documents.build(2, 200, None, torch.device("cpu")).block_mask()
     causal = torch.ones(200, 200, dtype=torch.bool).tril()
     assert torch.equal(create_mask(bm.mask_mod, 1, 1, 200, 200, device="cpu")[0, 0], causal)
+
+
+@pytest.mark.parametrize("seed, T", [(0, 512), (1, 300), (2, 1000), (3, 129)])
+def test_block_tables_match_an_evaluation_of_the_mask_over_every_element(seed, T):
+    """The BlockMask built on the host from the boundaries visits exactly the blocks that hold an allowed (causal,
+    same-document) element, as torch's create_block_mask finds by evaluating the mask_mod everywhere; a block it
+    marks full (run without the mask_mod) is allowed in every element; ragged last blocks included."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from titan_k3.models.k3.documents import FLEX_BLOCK, document_causal_mask_mod
+
+    gen = torch.Generator().manual_seed(seed)
+    B, ends = 3, [0]
+    for b in range(B):
+        while ends[-1] < (b + 1) * T:
+            ends.append(min((b + 1) * T, ends[-1] + int(torch.randint(1, 260, (1,), generator=gen))))
+    docs = Documents.build(B, T, torch.tensor(ends), torch.device("cpu"))
+    ours = docs.block_mask()
+    theirs = create_block_mask(document_causal_mask_mod(docs.doc_BT), B, None, T, T, device="cpu")
+    assert torch.equal(ours.to_dense(), theirs.to_dense())
+    allowed = docs.attention_mask()[:, 0]  # [B, T, T]
+    for b in range(B):
+        for i in range(ours.kv_num_blocks.shape[-1]):
+            rows = slice(i * FLEX_BLOCK, (i + 1) * FLEX_BLOCK)
+            n = int(ours.full_kv_num_blocks[b, 0, i])
+            for j in ours.full_kv_indices[b, 0, i, :n].tolist():
+                assert allowed[b, rows, j * FLEX_BLOCK:(j + 1) * FLEX_BLOCK].all(), (b, i, j)
+    # away from the ragged edge, torch finds the same full blocks
+    whole = T // FLEX_BLOCK
+    assert torch.equal(ours.full_kv_num_blocks[..., :whole], theirs.full_kv_num_blocks[..., :whole].to(torch.int32))

@@ -94,9 +94,14 @@ def test_flex_runs_where_its_entry_says(monkeypatch, backends, packed, flex_runs
 
 
 def test_flex_is_refused_on_cpu_with_the_key_named():
-    cfg = load_job_config(["--kernels.attention", "flex"])
+    cfg = load_job_config(["--kernels.attention", "flex", "--training.compute_dtype", "bfloat16"])
     with pytest.raises(ValueError, match="config key 'kernels.attention' = 'flex'.*no backward on CPU"):
         resolve_impl(cfg.kernels, torch.device("cpu"))
+
+
+def test_flex_without_bf16_compute_is_refused_with_the_key_named():
+    with pytest.raises(ValueError, match="config key 'kernels.attention' = 'flex': needs training.compute_dtype"):
+        load_job_config(["--kernels.attention", "flex"])
 
 
 def test_flex_on_cuda_is_chosen_as_asked_and_auto_keeps_sdpa():

@@ -153,6 +153,11 @@ def validate(cfg: JobConfig) -> None:
     _non_negative("data.prefetch", cfg.data.prefetch)
     parse_mixture(cfg.data.mixture)
     _require(
+        not (cfg.kernels.attention == "flex" and t.compute_dtype != "bfloat16"),
+        "config key 'kernels.attention' = 'flex': needs training.compute_dtype = 'bfloat16' "
+        "(flex_attention's tiles for MLA's 192-wide heads do not fit float32 in shared memory)",
+    )
+    _require(
         not (cfg.float8.enable and t.compute_dtype != "bfloat16"),
         "config key 'float8.enable' = true: needs training.compute_dtype = 'bfloat16'",
     )

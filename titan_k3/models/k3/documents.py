@@ -13,9 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from torch.nn.attention.flex_attention import BlockMask
 
 from kernels.device import host_to_device
+
+
+FLEX_BLOCK = 128
+"""flex_attention's block size (rows and columns of one BlockMask entry)."""
 
 
 def causal_mask_mod(b, h, q_idx, kv_idx):
@@ -82,12 +86,62 @@ class Documents:
 
     def block_mask(self) -> BlockMask:
         """flex_attention's BlockMask, causal and same document, over [B, 1, T, T] ([1, 1, T, T], causal, when rows
-        are whole documents). Built once per forward on the model's device, without reading anything back to the host."""
+        are whole documents). Built once per forward, on the host from the document boundaries (`document_blocks`)
+        and sent with pinned copies: no mask_mod evaluation over T x T and nothing read back from the GPU.
+
+        NOTE: the model builds it before its compiled sublayers run (K3Model.hidden), so they take it as an input;
+        built lazily inside a compiled region, it runs eagerly (a graph break).
+        """
         if self._block_mask is None:
-            B, T = self.doc_BT.shape
-            device = self.doc_BT.device
-            if self.cu_seqlens is None:
-                self._block_mask = create_block_mask(causal_mask_mod, None, None, T, T, device=device)
-            else:
-                self._block_mask = create_block_mask(document_causal_mask_mod(self.doc_BT), B, None, T, T, device=device)
+            self._block_mask = self._build_block_mask()
         return self._block_mask
+
+    @torch.compiler.disable
+    def _build_block_mask(self) -> BlockMask:
+        B, T = self.doc_BT.shape
+        device = self.doc_BT.device
+        if self.cu_seqlens_host is None:
+            starts, mask_mod, batch = torch.zeros(1, T, dtype=torch.int64), causal_mask_mod, 1
+        else:
+            row_starts = torch.arange(B)[:, None] * T
+            starts = (torch.arange(B * T) - _positions(self.cu_seqlens_host, B * T)).view(B, T) - row_starts
+            mask_mod, batch = document_causal_mask_mod(self.doc_BT), B
+        tables = [host_to_device(t, device) for t in document_blocks(starts, FLEX_BLOCK)]
+        return BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(T, T))
+
+
+def _positions(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 [n]: each token's position inside its document, from host boundaries [N+1]."""
+    idx = torch.arange(n)
+    return idx - cu_seqlens[torch.searchsorted(cu_seqlens, idx, right=True) - 1]
+
+
+def document_blocks(starts_BT: torch.Tensor, block: int) -> tuple[torch.Tensor, ...]:
+    """flex_attention block tables of causal, same-document attention, from each token's document start.
+
+    starts_BT int64 [B, T] (host): the row index at which each token's document starts (0 when rows are whole
+    documents). Query block i (rows [i*block, min((i+1)*block, T))) sees key blocks from the one holding its first
+    row's document start up to itself. A key block j < i lies whole in the document of the block's last row, and
+    is therefore fully visible to every row of it, iff j*block >= s_last (the last row's document start); every
+    other visible block, the diagonal included, is partial (the mask_mod decides per element).
+    Returns (kv_num_blocks int32 [B, 1, Q], kv_indices int32 [B, 1, Q, Q], full_kv_num_blocks, full_kv_indices),
+    Q = ceil(T / block), indices ascending, unused slots 0.
+    """
+    B, T = starts_BT.shape
+    Q = -(-T // block)
+    i = torch.arange(Q)
+    first = starts_BT[:, i * block] // block  # [B, Q]: first partial block
+    last_start = starts_BT[:, torch.clamp((i + 1) * block, max=T) - 1]
+    full_from = torch.minimum(-(-last_start // block), i)  # [B, Q]: full blocks are [full_from, i)
+    j = torch.arange(Q)
+    is_full = (j >= full_from[..., None]) & (j < i[:, None])  # [B, Q, Q]
+    is_partial = (j >= first[..., None]) & (j <= i[:, None]) & ~is_full
+
+    def table(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = blocks.sum(-1).to(torch.int32)
+        # NOTE: a stable sort puts the selected blocks first, in ascending order.
+        indices = torch.sort((~blocks).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+        indices = torch.where(j < counts[..., None], indices, 0)
+        return counts[:, None], indices[:, None]
+
+    return (*table(is_partial), *table(is_full))

@@ -16,7 +16,7 @@ from titan_k3.models.k3.documents import Documents
 from titan_k3.models.k3.impl import Impl
 from titan_k3.models.k3.kda import KimiDeltaAttention
 from titan_k3.models.k3.layers import RMSNorm, SituGluFFN, init_linear
-from titan_k3.models.k3.mla import GatedMLA
+from titan_k3.models.k3.mla import FLEX, GatedMLA
 from titan_k3.models.k3.moe import LatentMoE
 
 
@@ -93,6 +93,8 @@ class K3Model(nn.Module):
         """Final normalised hidden states [B, T, D]."""
         B, T = input_ids_BT.shape
         docs = Documents.build(B, T, cu_seqlens, input_ids_BT.device)
+        if FLEX in (self.impl.sdpa_backends or []):
+            docs.block_mask()  # here, eagerly: the compiled MLA sublayers then take it as an input
         stream = ResidualBlocks(self.tok_embeddings(input_ids_BT), self.args.attn_res_block_size)
         for i, block in enumerate(self.layers.values()):
             attn_out, ffn_out = block(stream.completed, stream.partial, docs)
