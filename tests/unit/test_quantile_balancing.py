@@ -124,3 +124,15 @@ def test_count_ids_compiles_to_an_atomic_add_not_a_sort_fallback():
     code = "\n".join(codes)
     fallbacks = [op for op in ("aten.index_put", "aten._index_put_impl_", "aten.index_add") if op in code]
     assert "atomic_add" in code and not fallbacks, fallbacks
+
+
+def test_top_k_rows_is_topk_with_ties_to_the_lowest_index():
+    from titan_k3.models.k3.moe import top_k_rows
+
+    x = torch.randn(300, 176, generator=torch.Generator().manual_seed(0))
+    values, indices = top_k_rows(x, 7)
+    expected = torch.topk(x, 7, dim=-1)
+    assert torch.equal(values, expected.values) and torch.equal(indices, expected.indices)
+    tied = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0], [2.0, 2.0, 2.0, 2.0, 2.0]])
+    values, indices = top_k_rows(tied, 3)
+    assert indices.tolist() == [[1, 2, 4], [0, 1, 2]] and values.tolist() == [[3.0] * 3, [2.0] * 3]

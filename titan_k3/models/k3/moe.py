@@ -29,6 +29,23 @@ from titan_k3.models.k3.layers import RMSNorm, SituGluFFN, init_linear, upcast
 QB_BINS = 1024
 
 
+def top_k_rows(x_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values of each row and their indices, largest first ([T, k] each); ties: the lowest index.
+
+    NOTE: k rounds of (row max, mask the winner) instead of torch.topk: for k3-mini's [32768, 176] scores and
+    k = 7, topk's per-row radix select and gather took 0.68 ms per MoE layer on an H200 (7.2 ms of a 184 ms
+    step), while each round here is one pass over the row that inductor fuses with the previous mask.
+    """
+    cols = torch.arange(x_TE.shape[-1], device=x_TE.device)
+    values, indices = [], []
+    for _ in range(k):
+        v_T, i_T = x_TE.max(dim=-1)
+        values.append(v_T)
+        indices.append(i_T)
+        x_TE = torch.where(cols == i_T[:, None], float("-inf"), x_TE)
+    return torch.stack(values, dim=-1), torch.stack(indices, dim=-1)
+
+
 def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
     """int64 [n]: how often each id in [0, n) occurs in `ids` (any shape).
 
@@ -122,7 +139,7 @@ class QuantileBalancedRouter(nn.Module):
         else:
             bias = self.qb_bias.clone()
         with torch.no_grad():
-            top_vals, top_idx = torch.topk(s_TE + bias, self.top_k + 1, dim=-1)
+            top_vals, top_idx = top_k_rows(s_TE + bias, self.top_k + 1)
         experts_TK = top_idx[:, : self.top_k]
         s_sel = s_TE.gather(1, experts_TK)
         weights_TK = s_sel / s_sel.sum(dim=-1, keepdim=True)
