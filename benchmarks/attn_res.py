@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 if not os.path.exists("/dev/nvidia0"):
@@ -30,9 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-import triton.testing  # noqa: E402
 
-from benchmarks.common import environment, rel_rms, write_results  # noqa: E402
+from benchmarks.common import environment, median_ms, rel_rms, write_results  # noqa: E402
 from kernels.attn_res import mix, pseudo_query_mix, pseudo_query_mix_reference  # noqa: E402
 from titan_k3.models.k3.args import FLAVORS  # noqa: E402
 
@@ -58,22 +55,10 @@ def outputs_and_grads(fn, sources, query, dout) -> list[torch.Tensor]:
     return [out.detach()] + [x.grad for x in (*sources, query)]
 
 
-def time_ms(fn, leaves: list[torch.Tensor]) -> float:
-    """Median ms of fn(): do_bench on CUDA; a few wall-clock runs on the CPU interpreter."""
-    if torch.cuda.is_available():
-        return triton.testing.do_bench(fn, grad_to_none=leaves, return_mode="median")
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
 def measure(name: str, fn, sources, query, dout) -> dict:
     leaves = [*sources, query]
-    fwd = time_ms(lambda: fn(sources, query, EPS), leaves)
-    fwd_bwd = time_ms(lambda: fn(sources, query, EPS).backward(dout), leaves)
+    fwd = median_ms(lambda: fn(sources, query, EPS), leaves)
+    fwd_bwd = median_ms(lambda: fn(sources, query, EPS).backward(dout), leaves)
     return {"variant": name, "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd}
 
 

@@ -3,17 +3,33 @@
 import datetime
 import json
 import os
+import statistics
 import subprocess
+import time
 from pathlib import Path
 
 import torch
 import triton
+import triton.testing
 
 from titan_k3.metrics.profile import synchronize as sync  # noqa: F401 - the benchmarks' GPU wait
 
 ROOT = Path(__file__).resolve().parents[1]
 # NOTE: run directories of benchmark trainings stay out of the results folder (a device call returns few files).
 RUNS = Path(os.environ.get("BENCH_RUNS", "/tmp/titan_k3-bench-runs"))
+
+
+def median_ms(fn, grad_to_none: list[torch.Tensor] | None = None) -> float:
+    """Median ms of fn(): triton's do_bench on CUDA; three wall-clock runs elsewhere (the CPU interpreter's smoke runs,
+    where the time means nothing)."""
+    if torch.cuda.is_available():
+        return triton.testing.do_bench(fn, grad_to_none=grad_to_none, return_mode="median")
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
 
 
 def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:

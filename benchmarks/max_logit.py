@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 if not os.path.exists("/dev/nvidia0"):
@@ -31,9 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-import triton.testing  # noqa: E402
 
-from benchmarks.common import environment, write_results  # noqa: E402
+from benchmarks.common import environment, median_ms, write_results  # noqa: E402
 from kernels.max_logit import kernel, max_logit_per_head, max_logit_per_head_reference  # noqa: E402
 from titan_k3.models.k3.args import FLAVORS  # noqa: E402
 from titan_k3.models.k3.documents import Documents  # noqa: E402
@@ -58,18 +55,6 @@ def packed_pos(batch: int, seq: int, doc_len: int, device: str) -> torch.Tensor:
         while cuts[-1] < (b + 1) * seq:
             cuts.append(min((b + 1) * seq, cuts[-1] + int(torch.randint(1, 2 * doc_len, (1,), generator=gen))))
     return Documents.build(batch, seq, torch.tensor(cuts), torch.device(device)).pos_BT
-
-
-def time_ms(fn) -> float:
-    """Median ms of fn(): do_bench on CUDA; a few wall-clock runs on the CPU interpreter."""
-    if torch.cuda.is_available():
-        return triton.testing.do_bench(fn, return_mode="median")
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 def extra_gib(fn) -> float:
@@ -98,7 +83,7 @@ def sweep_launch(q, k, scale, pos, label: str) -> None:
                 print(f"sweep {label} BQ {bq} BK {bk} warps {warps} stages {stages}: failed: {e}"[:300], flush=True)
                 continue
             assert torch.allclose(got, truth, rtol=1e-4, atol=1e-4), (bq, bk, warps, stages, got, truth)
-            ms = time_ms(lambda: max_logit_per_head(q, k, scale, pos))
+            ms = median_ms(lambda: max_logit_per_head(q, k, scale, pos))
             print(f"sweep {label} BQ {bq} BK {bk} warps {warps} stages {stages}: {ms:.3f} ms", flush=True)
     finally:
         kernel.LAUNCH.clear()
@@ -129,7 +114,7 @@ def main() -> int:
             err = ((fn(q, k, scale, pos) - truth).abs() / truth.abs()).max().item()
             print(f"{label} check {name}: worst head rel error {err:.1e} vs float32", flush=True)
             assert err < (1e-2 if name == "reference" else 1e-4), (label, name, err)  # the reference rounds to bf16
-        timed = {name: time_ms(lambda fn=fn, pos=pos: fn(q, k, scale, pos)) for name, fn in variants.items()}
+        timed = {name: median_ms(lambda fn=fn, pos=pos: fn(q, k, scale, pos)) for name, fn in variants.items()}
         memory = {name: extra_gib(lambda fn=fn, pos=pos: fn(q, k, scale, pos)) for name, fn in variants.items()}
         # Logits inside the mask: a token at position p inside its document sees p + 1 keys.
         n_allowed = args.batch * args.seq * (args.seq + 1) // 2 if pos is None else int((pos + 1).sum())

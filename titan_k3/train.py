@@ -12,9 +12,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-import time
 from collections import deque
-from pathlib import Path
 from typing import Callable
 
 import torch

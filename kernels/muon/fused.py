@@ -8,11 +8,8 @@ gradient and the buffer and writes the buffer and the NS-dtype direction
 reads and writes the parameter and reads the update (10 bytes).
 All arithmetic is float32 whatever the storage dtypes.
 
-Every tensor is taken flat: callers pass contiguous tensors of equal numel
-(a view of a parameter's blocks, a slice of the stacked NS input).
-
-The `_multi_` passes cover a list of tensors in one launch (a k3-mini step
-was host-bound on one launch per parameter). A host-built int64 table has
+Every tensor is taken flat. A pass covers a list of tensors in one launch
+(a k3-mini step was host-bound on one launch per parameter). A host-built int64 table has
 one row per non-empty tensor: [first program, numel, offset of its slot in
 the NS-side operand, offset in each other operand]; offsets count elements
 from the operand's first tensor, which is the kernel's pointer argument, so
@@ -48,27 +45,6 @@ NUM_WARPS = 8
 # per instruction; when all are multiples of ALIGN (the kernels' `tl.multiple_of(..., 16)`) the kernel says so
 # and gets its 16-byte loads back.
 ALIGN = 16
-
-
-@triton.jit
-def _nesterov_momentum_kernel(grad_ptr, buf_ptr, out_ptr, n, momentum, NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
-    b = tl.load(buf_ptr + offs, mask=mask).to(tl.float32)
-    b = momentum * b + g
-    tl.store(buf_ptr + offs, b.to(buf_ptr.dtype.element_ty), mask=mask)
-    d = g + momentum * b if NESTEROV else b
-    tl.store(out_ptr + offs, d.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _decay_add_kernel(p_ptr, u_ptr, n, decay, alpha, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask).to(tl.float32)
-    tl.store(p_ptr + offs, (decay * p + alpha * u).to(p_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -161,42 +137,6 @@ def _use_triton(t: torch.Tensor, triton_: bool | None) -> bool:
     if triton_ and not triton_runs_on(t.device):
         raise ValueError(f"the Triton pass needs a CUDA tensor (or TRITON_INTERPRET=1); got one on {t.device}")
     return triton_
-
-
-def _check(op: str, **tensors: torch.Tensor) -> int:
-    """Same numel, same device, contiguous; returns the numel (raises naming the op and the tensor)."""
-    first_name, first = next(iter(tensors.items()))
-    for name, t in tensors.items():
-        if not t.is_contiguous():
-            raise ValueError(f"{op}: {name} must be contiguous (shape {tuple(t.shape)}, strides {t.stride()})")
-        if t.numel() != first.numel() or t.device != first.device:
-            raise ValueError(f"{op}: {name} has {t.numel()} elements on {t.device}; "
-                             f"{first_name} has {first.numel()} on {first.device}")
-    return first.numel()
-
-
-def nesterov_momentum_(
-    grad: torch.Tensor, buf: torch.Tensor, out: torch.Tensor, momentum: float, nesterov: bool, *, triton_: bool | None = None
-) -> None:
-    """buf <- momentum * buf + grad (in place); out <- grad + momentum * buf (Nesterov) or buf, in out's dtype."""
-    n = _check("nesterov_momentum_", grad=grad, buf=buf, out=out)
-    if not _use_triton(buf, triton_):
-        return reference.nesterov_momentum_(grad, buf, out, momentum, nesterov)
-    if n:
-        _nesterov_momentum_kernel[(triton.cdiv(n, BLOCK),)](grad, buf, out, n, float(momentum), NESTEROV=bool(nesterov),
-                                                           BLOCK=BLOCK, num_warps=NUM_WARPS)
-
-
-def decay_add_(
-    param: torch.Tensor, update: torch.Tensor, decay: float, alpha: float, *, triton_: bool | None = None
-) -> None:
-    """param <- decay * param + alpha * update, in place (update may be of a lower dtype)."""
-    n = _check("decay_add_", param=param, update=update)
-    if not _use_triton(param, triton_):
-        return reference.decay_add_(param, update, decay, alpha)
-    if n:
-        _decay_add_kernel[(triton.cdiv(n, BLOCK),)](param, update, n, float(decay), float(alpha), BLOCK=BLOCK,
-                                                   num_warps=NUM_WARPS)
 
 
 class Table:
@@ -296,7 +236,8 @@ def nesterov_momentum_multi_(
     nesterov: bool, *, skip_if: torch.Tensor | None = None, table: Table | None = None,
     triton_: bool | None = None,
 ) -> None:
-    """`nesterov_momentum_` of every (grads[i], bufs[i]) into out's slot i, in one launch.
+    """bufs[i] <- momentum * bufs[i] + grads[i] (in place); out's slot i <- grads[i] + momentum * bufs[i] (Nesterov)
+    or bufs[i], in out's dtype: every tensor of the lists in one launch.
 
     out: one contiguous tensor holding the slots end to end (a stacked Newton-Schulz input), or one tensor per
     slot. skip_if: nonzero leaves every buffer as it was (and writes zero directions). table: `momentum_table`
@@ -319,7 +260,7 @@ def decay_add_multi_(
     params: list[torch.Tensor], update: torch.Tensor | list[torch.Tensor], decay: float, alpha: float, *,
     skip_if: torch.Tensor | None = None, table: Table | None = None, triton_: bool | None = None,
 ) -> None:
-    """`decay_add_` of every params[i] with update's slot i, in one launch.
+    """params[i] <- decay * params[i] + alpha * update's slot i, in place: every tensor of the list in one launch.
 
     update: one contiguous tensor holding the slots end to end (a Newton-Schulz output), or one tensor per slot
     (of one dtype, possibly lower than the parameters'). skip_if: nonzero leaves every parameter as it was.

@@ -10,8 +10,8 @@ import functools
 import pytest
 import torch
 
-from kernels.muon import (decay_add_, decay_add_multi_, decay_add_table, momentum_table, nesterov_momentum_,
-                          nesterov_momentum_multi_, ns_scale_, reference, send_tables)
+from kernels.muon import (decay_add_multi_, decay_add_table, momentum_table, nesterov_momentum_multi_, ns_scale_,
+                          reference, send_tables)
 from kernels.muon.fused import BLOCK
 from titan_k3.optim import muon
 from titan_k3.optim.muon import PerHeadMuon, newton_schulz
@@ -27,12 +27,12 @@ def _rand(shape, dtype=torch.float32, seed=0):
 @pytest.mark.parametrize("n", [1, 100, 4096, 4097, 3 * 4096 + 17])
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
-def test_nesterov_momentum_matches_reference(n, nesterov, out_dtype):
+def test_one_tensor_momentum_matches_reference_and_the_formula(n, nesterov, out_dtype):
     grad, buf = _rand(n, seed=1), _rand(n, seed=2)
     ref_buf, ref_out = buf.clone(), torch.empty(n, dtype=out_dtype, device=DEVICE)
     reference.nesterov_momentum_(grad, ref_buf, ref_out, 0.95, nesterov)
     out = torch.full((n,), float("nan"), dtype=out_dtype, device=DEVICE)
-    nesterov_momentum_(grad, buf, out, 0.95, nesterov, triton_=True)
+    nesterov_momentum_multi_([grad], [buf], out, 0.95, nesterov, triton_=True)
     torch.testing.assert_close(buf, ref_buf, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out, ref_out, rtol=1e-3 if out_dtype == torch.float16 else 1e-6, atol=1e-6)
     expected = 0.95 * _rand(n, seed=2) + grad  # the formula itself, not only agreement with the reference
@@ -41,11 +41,11 @@ def test_nesterov_momentum_matches_reference(n, nesterov, out_dtype):
 
 @pytest.mark.parametrize("n", [1, 4095, 2 * 4096 + 5])
 @pytest.mark.parametrize("update_dtype", [torch.float32, torch.float16])
-def test_decay_add_matches_reference(n, update_dtype):
+def test_one_tensor_decay_add_matches_reference_and_the_formula(n, update_dtype):
     p, u = _rand(n, seed=3), _rand(n, update_dtype, seed=4)
     ref = p.clone()
     reference.decay_add_(ref, u, 0.999, -0.02)
-    decay_add_(p, u, 0.999, -0.02, triton_=True)
+    decay_add_multi_([p], u, 0.999, -0.02, triton_=True)
     torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(p, 0.999 * _rand(n, seed=3) - 0.02 * u.float())
 
@@ -53,18 +53,10 @@ def test_decay_add_matches_reference(n, update_dtype):
 def test_the_cpu_default_is_the_reference_and_cuda_is_asked_for_by_name(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     p = _rand(10).cpu()
-    decay_add_(p, torch.ones(10), 1.0, 1.0)  # no interpreter needed: the reference ran
+    decay_add_multi_([p], torch.ones(10), 1.0, 1.0)  # no interpreter needed: the reference ran
     torch.testing.assert_close(p, _rand(10).cpu() + 1)
     with pytest.raises(ValueError, match="needs a CUDA tensor"):
-        decay_add_(p, torch.ones(10), 1.0, 1.0, triton_=True)
-
-
-def test_bad_layouts_stop_with_a_named_error():
-    p = _rand((8, 6))
-    with pytest.raises(ValueError, match="decay_add_: update must be contiguous"):
-        decay_add_(p, _rand((6, 8)).t(), 1.0, -0.1)
-    with pytest.raises(ValueError, match="nesterov_momentum_: out has 47 elements"):
-        nesterov_momentum_(_rand(48), _rand(48), _rand(47), 0.9, True)
+        decay_add_multi_([p], torch.ones(10), 1.0, 1.0, triton_=True)
 
 
 @pytest.mark.parametrize("shape", [(3, 24, 10), (2, 10, 24), (16, 16)])

@@ -101,11 +101,11 @@ class Documents:
         B, T = self.doc_BT.shape
         device = self.doc_BT.device
         if self.cu_seqlens_host is None:
-            starts, mask_mod, batch = torch.zeros(1, T, dtype=torch.int64), causal_mask_mod, 1
+            starts, mask_mod = torch.zeros(1, T, dtype=torch.int64), causal_mask_mod
         else:
             row_starts = torch.arange(B)[:, None] * T
             starts = (torch.arange(B * T) - _positions(self.cu_seqlens_host, B * T)).view(B, T) - row_starts
-            mask_mod, batch = document_causal_mask_mod(self.doc_BT), B
+            mask_mod = document_causal_mask_mod(self.doc_BT)
         tables = [host_to_device(t, device) for t in document_blocks(starts, FLEX_BLOCK)]
         return BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(T, T))
 
