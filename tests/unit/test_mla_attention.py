@@ -112,3 +112,11 @@ def test_flex_on_cuda_is_chosen_as_asked_and_auto_keeps_sdpa():
     assert backends == [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION] and not choice.fallback
     backends, choice = _attention_backends("auto", on_cuda=False)
     assert backends is None and choice.fallback and "no CUDA device" in choice.reason
+
+
+def test_flex_under_a_compile_backend_other_than_inductor_is_refused():
+    """Another backend would run flex's unfused reference inside the compiled sublayers: a silent slow path."""
+    with pytest.raises(ValueError, match="'flex' with compile.backend = 'aot_eager'"):
+        load_job_config(["--kernels.attention", "flex", "--training.compute_dtype", "bfloat16",
+                         "--compile.enable", "true", "--compile.backend", "aot_eager"])
+    load_job_config(["--kernels.attention", "flex", "--training.compute_dtype", "bfloat16", "--compile.enable", "true"])

@@ -75,7 +75,7 @@ class Training:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device to train on; auto takes CUDA when present."""
     max_skipped_in_row: int = 5
-    """Stop the run after this many consecutive updates skipped for a non-finite loss or grad norm."""
+    """Stop the run after this many consecutive updates skipped for a non-finite loss or grad norm (on CUDA the loss is read back asynchronously: the stop may come one update later)."""
     fixed_batch: bool = False
     """Repeat the first batch forever (the overfit probe)."""
     context_stages: str = ""

@@ -153,6 +153,12 @@ def validate(cfg: JobConfig) -> None:
     _non_negative("data.prefetch", cfg.data.prefetch)
     parse_mixture(cfg.data.mixture)
     _require(
+        not (cfg.kernels.attention == "flex" and cfg.compile.enable and cfg.compile.backend != "inductor"),
+        f"config key 'kernels.attention' = 'flex' with compile.backend = '{cfg.compile.backend}': inside a compiled "
+        "sublayer flex_attention is fused by inductor only (another backend runs its unfused reference, the whole "
+        "score matrix); use compile.backend = 'inductor' or another kernels.attention",
+    )
+    _require(
         not (cfg.kernels.attention == "flex" and t.compute_dtype != "bfloat16"),
         "config key 'kernels.attention' = 'flex': needs training.compute_dtype = 'bfloat16' "
         "(flex_attention's tiles for MLA's 192-wide heads do not fit float32 in shared memory)",

@@ -29,8 +29,8 @@ FLEX = "flex"
 
 # NOTE: compiled once, here, as torch's docs ask: eager flex_attention materialises the whole score matrix. Inside a
 # compiled sublayer (parallelize.apply_compile) dynamo traces through this wrapper, so the sublayer's graph holds
-# the fused kernel (with inductor; `compile.backend` 'eager' or 'aot_eager' would run flex's unfused reference);
-# the same call in an eager model compiles on its own.
+# the fused kernel (with inductor; another `compile.backend` would run flex's unfused reference, so the config
+# refuses that pair); the same call in an eager model compiles on its own.
 compiled_flex_attention = torch.compile(flex_attention)
 
 
