@@ -81,9 +81,9 @@ def _block(row, n, skip_ptr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _nesterov_momentum_multi_kernel(table, n_rows, out_ptr, grad_ptr, buf_ptr, skip_ptr, momentum,
-                                    NESTEROV: tl.constexpr, HAS_SKIP: tl.constexpr, ALIGNED: tl.constexpr,
-                                    BLOCK: tl.constexpr):
+def _nesterov_momentum_multi_kernel(table, n_rows, out_ptr, grad_ptr, buf_ptr, skip_ptr, scale_ptr, momentum,
+                                    NESTEROV: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_SCALE: tl.constexpr,
+                                    ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     row = _row(table, n_rows, 5)
     n = _field(row, 1, ALIGNED)
     out_ptr += _field(row, 2, ALIGNED)
@@ -91,6 +91,8 @@ def _nesterov_momentum_multi_kernel(table, n_rows, out_ptr, grad_ptr, buf_ptr, s
     buf_ptr += _field(row, 4, ALIGNED)
     offs, mask, keep = _block(row, n, skip_ptr, HAS_SKIP, BLOCK)
     g = tl.load(grad_ptr + offs, mask=keep, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        g = g * tl.load(scale_ptr).to(tl.float32)
     b = tl.load(buf_ptr + offs, mask=keep, other=0.0).to(tl.float32)
     b = momentum * b + g
     tl.store(buf_ptr + offs, b.to(buf_ptr.dtype.element_ty), mask=keep)
@@ -213,7 +215,7 @@ def send_tables(tables: list[Table], device: torch.device | str) -> None:
 
 
 def _prepare(table: Table | None, make, slots, skip_if: torch.Tensor | None, lists: list[list[torch.Tensor]],
-             triton_: bool | None) -> tuple[Table | None, list]:
+             triton_: bool | None, grad_scale: torch.Tensor | None = None) -> tuple[Table | None, list]:
     """(the table on the device, or None for the reference path; the kernel's pointer arguments)."""
     bases = [slots if isinstance(slots, torch.Tensor) else first_nonempty(slots)] + [first_nonempty(l) for l in lists]
     if bases[1] is None:
@@ -221,9 +223,10 @@ def _prepare(table: Table | None, make, slots, skip_if: torch.Tensor | None, lis
     if table is None:
         table = make()
     table.check_slots(slots)
-    if skip_if is not None and (skip_if.numel() != 1 or skip_if.device != bases[1].device):
-        raise ValueError(f"{table.op}: skip_if must be a one-element tensor on {bases[1].device}; "
-                         f"got shape {tuple(skip_if.shape)} on {skip_if.device}")
+    for name, flag in (("skip_if", skip_if), ("grad_scale", grad_scale)):
+        if flag is not None and (flag.numel() != 1 or flag.device != bases[1].device):
+            raise ValueError(f"{table.op}: {name} must be a one-element tensor on {bases[1].device}; "
+                             f"got shape {tuple(flag.shape)} on {flag.device}")
     if not _use_triton(bases[1], triton_):
         return None, bases
     if table.device is None:
@@ -233,26 +236,31 @@ def _prepare(table: Table | None, make, slots, skip_if: torch.Tensor | None, lis
 
 def nesterov_momentum_multi_(
     grads: list[torch.Tensor], bufs: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor], momentum: float,
-    nesterov: bool, *, skip_if: torch.Tensor | None = None, table: Table | None = None,
-    triton_: bool | None = None,
+    nesterov: bool, *, skip_if: torch.Tensor | None = None, grad_scale: torch.Tensor | None = None,
+    table: Table | None = None, triton_: bool | None = None,
 ) -> None:
     """bufs[i] <- momentum * bufs[i] + grads[i] (in place); out's slot i <- grads[i] + momentum * bufs[i] (Nesterov)
     or bufs[i], in out's dtype: every tensor of the lists in one launch.
 
     out: one contiguous tensor holding the slots end to end (a stacked Newton-Schulz input), or one tensor per
-    slot. skip_if: nonzero leaves every buffer as it was (and writes zero directions). table: `momentum_table`
-    of the same tensors, possibly already sent (`send_tables`: several in one copy); None: built and sent here.
+    slot. skip_if: nonzero leaves every buffer as it was (and writes zero directions). grad_scale: a one-element
+    tensor on the device that multiplies every gradient as it is read (a trainer's clip coefficient), so the
+    gradients need no pass of their own. table: `momentum_table` of the same tensors, possibly already sent
+    (`send_tables`: several in one copy); None: built and sent here.
     """
-    table, bases = _prepare(table, lambda: momentum_table(grads, bufs, out), out, skip_if, [grads, bufs], triton_)
+    table, bases = _prepare(table, lambda: momentum_table(grads, bufs, out), out, skip_if, [grads, bufs], triton_,
+                            grad_scale)
     if table is None:
         if bases:
             slots = out if isinstance(out, list) else out.reshape(-1).split([g.numel() for g in grads])
             for g, b, o in zip(grads, bufs, slots):
-                reference.nesterov_momentum_(g.reshape(-1), b.view(-1), o.view(-1), momentum, nesterov, skip_if)
+                reference.nesterov_momentum_(g.reshape(-1), b.view(-1), o.view(-1), momentum, nesterov, skip_if,
+                                             grad_scale)
         return
     _nesterov_momentum_multi_kernel[(table.programs,)](
-        table.device, table.n_rows, *bases, skip_if if skip_if is not None else table.device, float(momentum),
-        NESTEROV=bool(nesterov), HAS_SKIP=skip_if is not None, ALIGNED=table.aligned, BLOCK=BLOCK,
+        table.device, table.n_rows, *bases, skip_if if skip_if is not None else table.device,
+        grad_scale if grad_scale is not None else table.device, float(momentum), NESTEROV=bool(nesterov),
+        HAS_SKIP=skip_if is not None, HAS_SCALE=grad_scale is not None, ALIGNED=table.aligned, BLOCK=BLOCK,
         num_warps=NUM_WARPS)
 
 

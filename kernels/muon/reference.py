@@ -9,12 +9,14 @@ import torch
 
 def nesterov_momentum_(
     grad: torch.Tensor, buf: torch.Tensor, out: torch.Tensor, momentum: float, nesterov: bool,
-    skip_if: torch.Tensor | None = None,
+    skip_if: torch.Tensor | None = None, grad_scale: torch.Tensor | None = None,
 ) -> None:
     """buf <- momentum * buf + grad (in place); out <- grad + momentum * buf (Nesterov) or buf, in out's dtype.
 
-    Skipped: buf keeps its value and out is zero.
+    Skipped: buf keeps its value and out is zero. grad_scale (one element): grad is read as grad * grad_scale.
     """
+    if grad_scale is not None:
+        grad = grad.float() * grad_scale.float().reshape(())
     if skip_if is None:
         buf.mul_(momentum).add_(grad)
         if nesterov:

@@ -288,3 +288,22 @@ def test_muon_step_through_the_triton_passes_equals_the_reference_passes(monkeyp
     triton_run = _muon_run([None, False], triton_=True, monkeypatch=monkeypatch)
     for a, b in zip(reference_run[-1], triton_run[-1]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("triton_", [True, False], ids=["triton", "reference"])
+def test_grad_scale_multiplies_each_gradient_as_it_is_read(triton_):
+    sizes = SIZES["ragged"]
+    grads, bufs = _lists(sizes, 50), _lists(sizes, 60)
+    scale = torch.tensor([0.25], device=DEVICE)
+    ref_bufs = [b.clone() for b in bufs]
+    ref_out = torch.empty(sum(sizes), device=DEVICE)
+    nesterov_momentum_multi_([g * 0.25 for g in grads], ref_bufs, ref_out, 0.9, True, triton_=triton_)
+    out = torch.empty(sum(sizes), device=DEVICE)
+    before = [g.clone() for g in grads]
+    nesterov_momentum_multi_(grads, bufs, out, 0.9, True, grad_scale=scale, triton_=triton_)
+    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
+    for b, r in zip(bufs, ref_bufs):
+        torch.testing.assert_close(b, r, rtol=1e-6, atol=1e-6)
+    assert all(torch.equal(g, b) for g, b in zip(grads, before)), "the gradients are read, never written"
+    with pytest.raises(ValueError, match="grad_scale must be a one-element tensor"):
+        nesterov_momentum_multi_(grads, bufs, out, 0.9, True, grad_scale=torch.ones(2, device=DEVICE), triton_=triton_)

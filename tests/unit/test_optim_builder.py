@@ -203,3 +203,26 @@ def test_a_device_side_skip_changes_nothing_and_a_kept_step_is_the_plain_step():
     twin_opts.step()
     for n in params:
         assert torch.equal(params[n], twin[n]), n
+
+
+def test_grad_scale_equals_scaling_the_gradients_first():
+    """Optimizers.step(grad_scale=c) is a step on c * grad: bitwise for Muon (it multiplies as it reads), to
+    rounding for fused AdamW (it divides by 1 / c); the gradients themselves are left as they were."""
+    scaled, plain = _params(), _params()
+    opts = build_optimizers(scaled.items(), _spec_of, lr=1e-2)
+    twin = build_optimizers(plain.items(), _spec_of, lr=1e-2)
+    coef = torch.tensor(0.37)
+    for seed in range(2):
+        _grads(scaled, seed)
+        _grads(plain, seed)
+        for p in plain.values():
+            p.grad.mul_(coef)
+        grads = {n: p.grad.clone() for n, p in scaled.items()}
+        opts.step(grad_scale=coef)
+        twin.step()
+        assert all(torch.equal(scaled[n].grad, grads[n]) for n in scaled if n in opts.names["muon"])
+    for n in scaled:
+        if n in opts.names["muon"]:
+            assert torch.equal(scaled[n], plain[n]), n
+        else:
+            torch.testing.assert_close(scaled[n], plain[n], rtol=1e-6, atol=1e-7, msg=n)

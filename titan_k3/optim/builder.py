@@ -49,28 +49,30 @@ class Optimizers:
     def adamw(self) -> torch.optim.AdamW | None:
         return self.optimizers.get("adamw")
 
-    def step(self, skip_if: torch.Tensor | None = None) -> None:
-        """One update of every optimizer; `skip_if` (0-dim bool on the device, True = skip) decides on the device.
+    def step(self, skip_if: torch.Tensor | None = None, grad_scale: torch.Tensor | None = None) -> None:
+        """One update of every optimizer, with two optional inputs that stay on the device (0-dim tensors).
 
-        A skipped update leaves every parameter and every optimizer state bit-identical, without the
-        host reading the flag: Per-Head Muon masks its fused passes, fused AdamW takes it as `found_inf`.
+        skip_if (bool, True = skip): a skipped update leaves every parameter and every optimizer state
+        bit-identical, without the host reading the flag. grad_scale (float): every gradient is used as
+        gradient * grad_scale (a clip coefficient), applied as each optimizer reads it, not by a pass of its own.
+        Per-Head Muon takes both in its fused passes; fused AdamW takes them as found_inf and grad_scale
+        (which divides, so it gets the reciprocal).
         """
         for opt in self.optimizers.values():
-            if skip_if is None:
-                opt.step()
-            elif isinstance(opt, PerHeadMuon):
-                opt.skip_if = skip_if
-                try:
-                    opt.step()
-                finally:
-                    opt.skip_if = None
+            if isinstance(opt, PerHeadMuon):
+                flags = {"skip_if": skip_if, "grad_scale": grad_scale}
             else:
-                assert opt.defaults.get("fused"), "a device-side skip needs fused AdamW (found_inf)"
-                opt.found_inf = skip_if.float()
-                try:
-                    opt.step()
-                finally:
-                    del opt.found_inf
+                assert skip_if is None and grad_scale is None or opt.defaults.get("fused"), \
+                    "device-side skip and scaling need fused AdamW (found_inf, grad_scale)"
+                flags = {"found_inf": None if skip_if is None else skip_if.float(),
+                         "grad_scale": None if grad_scale is None else grad_scale.float().reciprocal()}
+            for name, value in flags.items():
+                setattr(opt, name, value)
+            try:
+                opt.step()
+            finally:
+                for name in flags:
+                    setattr(opt, name, None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers.values():

@@ -194,6 +194,10 @@ class PerHeadMuon(torch.optim.Optimizer):
     the device inside the fused passes, never by the host, so a trainer can
     queue the step without a sync. Under sharding every rank must hold the
     same value (all collectives still run).
+    `grad_scale` (attribute, default None): a one-element tensor on the
+    parameters' device that multiplies every gradient as the momentum pass
+    reads it, e.g. a trainer's clip coefficient, so clipping needs no pass
+    over the gradients of its own.
     """
 
     def __init__(
@@ -217,6 +221,7 @@ class PerHeadMuon(torch.optim.Optimizer):
             raise ValueError(f"PerHeadMuon: ns_steps={ns_steps}; must be >= 1")
         self.ns_dtype = ns_dtype
         self.skip_if: torch.Tensor | None = None
+        self.grad_scale: torch.Tensor | None = None
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps, num_heads=1, per_expert=False,
@@ -244,9 +249,10 @@ class PerHeadMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        skip = self.skip_if
-        if skip is not None and (not isinstance(skip, torch.Tensor) or skip.numel() != 1):
-            raise ValueError(f"PerHeadMuon.skip_if must be None or a one-element tensor; got {skip!r}")
+        skip, scale = self.skip_if, self.grad_scale
+        for name, flag in (("skip_if", skip), ("grad_scale", scale)):
+            if flag is not None and (not isinstance(flag, torch.Tensor) or flag.numel() != 1):
+                raise ValueError(f"PerHeadMuon.{name} must be None or a one-element tensor; got {flag!r}")
         sharded, batches = [], {}
         for group in self.param_groups:
             spec = _spec_of_group(group)
@@ -263,13 +269,13 @@ class PerHeadMuon(torch.optim.Optimizer):
                        group["ns_steps"])
                 batches.setdefault(key, []).append((p, spec))
         for key, members in batches.items():
-            self._step_batch(members, *key[2:], skip)
+            self._step_batch(members, *key[2:], skip, scale)
         if sharded:
-            self._step_sharded(sharded, skip)
+            self._step_sharded(sharded, skip, scale)
         return loss
 
     def _step_batch(self, members: list, lr: float, wd: float, momentum: float, nesterov: bool, ns_steps: int,
-                    skip: torch.Tensor | None) -> None:
+                    skip: torch.Tensor | None, scale: torch.Tensor | None) -> None:
         """One update of parameters that share a device, a dtype and the group settings.
 
         Same math as `muon_update` per parameter, with every block of one
@@ -302,13 +308,13 @@ class PerHeadMuon(torch.optim.Optimizer):
                 stacked = views[idx[0]].new_empty((sum(counts), rows, cols), dtype=ns_dtype)
                 with record_function("muon.momentum"):
                     nesterov_momentum_multi_([grads[i] for i in idx], [bufs[i] for i in idx], stacked, momentum,
-                                             nesterov, skip_if=skip, table=tables[2 * g])
+                                             nesterov, skip_if=skip, grad_scale=scale, table=tables[2 * g])
                 update = orthogonalise_stacked(stacked, ns_steps, ns_dtype)
                 with record_function("muon.apply"):
                     decay_add_multi_([views[i] for i in idx], update, 1.0 - lr * wd, -lr, skip_if=skip,
                                      table=tables[2 * g + 1])
 
-    def _step_sharded(self, items: list, skip: torch.Tensor | None) -> None:
+    def _step_sharded(self, items: list, skip: torch.Tensor | None, scale: torch.Tensor | None) -> None:
         """Muon on dim-0-sharded DTensors (FSDP2, EP), working on local shards only.
 
         Momentum and weight decay are elementwise, so they run on the local
@@ -328,7 +334,7 @@ class PerHeadMuon(torch.optim.Optimizer):
                 grads = [p.grad.to_local() for p in params]
                 flat = grads[0].new_empty(sum(g.numel() for g in grads))
                 nesterov_momentum_multi_(grads, [self.state[p]["momentum_buffer"].to_local() for p in params], flat,
-                                         momentum, nesterov, skip_if=skip)
+                                         momentum, nesterov, skip_if=skip, grad_scale=scale)
                 for p, g, d in zip(params, grads, flat.split([g.numel() for g in grads])):
                     directions[p] = d.view(g.shape)
         local, remote = {}, []

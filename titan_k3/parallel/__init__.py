@@ -2,11 +2,12 @@
 
 from titan_k3.parallel.dims import ParallelDims
 from titan_k3.parallel.distributed import (
-    CompileWatch, Distributed, clip_grad_norm_, init_weights, setup_distributed, sum_replicated_grads,
+    CompileWatch, Distributed, grad_norm_and_clip_coef, init_weights, setup_distributed,
+    sum_replicated_grads,
 )
 from titan_k3.parallel.parallelize import parallelize
 
 __all__ = [
-    "CompileWatch", "Distributed", "ParallelDims", "clip_grad_norm_", "init_weights", "parallelize", "setup_distributed",
-    "sum_replicated_grads",
+    "CompileWatch", "Distributed", "ParallelDims", "grad_norm_and_clip_coef", "init_weights",
+    "parallelize", "setup_distributed", "sum_replicated_grads",
 ]

@@ -147,14 +147,14 @@ def sum_replicated_grads(model: nn.Module, group) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Global gradient norm over all shards of all parameters (any mix of meshes); scale grads to max_norm.
+def grad_norm_and_clip_coef(params: list[torch.Tensor], max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(global gradient norm, clip coefficient min(1, max_norm / (norm + 1e-6))), float32 scalars on the device.
 
     Each sharded gradient's local sum of squares is summed over the mesh dims
     that shard it (not those that replicate it), grouped so that there is one
-    all-reduce per (mesh, dims) pair. Returns the norm as a float32 scalar.
-    Same rule as torch.nn.utils.clip_grad_norm_: grads *= min(1, max_norm / (norm + 1e-6)).
-    Plain tensors take the same path.
+    all-reduce per (mesh, dims) pair; plain tensors take the same path. The
+    gradients are not touched: a trainer can hand the coefficient to the
+    optimizers (`Optimizers.step(grad_scale=...)`) instead of a pass over them.
     """
     groups: dict = {}
     for p in params:
@@ -174,14 +174,7 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor
             dist.all_reduce(square, group=mesh.get_group(i))
         total = square if total is None else total + square
     norm = total.sqrt()
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    by_dtype: dict = {}
-    for _, _, locals_ in groups.values():
-        for g in locals_:
-            by_dtype.setdefault(g.dtype, []).append(g)
-    for dtype, gs in by_dtype.items():
-        torch._foreach_mul_(gs, coef.to(dtype))
-    return norm
+    return norm, (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
 def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
