@@ -105,7 +105,7 @@ def test_flex_without_bf16_compute_is_refused_with_the_key_named():
 
 
 def test_flex_on_cuda_is_chosen_as_asked_and_auto_keeps_sdpa():
-    """auto stays on cuDNN + efficient with the dense mask until flex is measured faster on the GPU."""
+    """auto stays on cuDNN + efficient with the dense mask: flex measured no faster in the compiled step."""
     backends, choice = _attention_backends("flex", on_cuda=True)
     assert backends == [FLEX] and choice.chosen == "flex" and not choice.fallback
     backends, choice = _attention_backends("auto", on_cuda=True)

@@ -103,17 +103,11 @@ class Documents:
         if self.cu_seqlens_host is None:
             starts, mask_mod = torch.zeros(1, T, dtype=torch.int64), causal_mask_mod
         else:
-            row_starts = torch.arange(B)[:, None] * T
-            starts = (torch.arange(B * T) - _positions(self.cu_seqlens_host, B * T)).view(B, T) - row_starts
+            cu = self.cu_seqlens_host
+            starts = torch.repeat_interleave(cu[:-1], cu.diff()).view(B, T) - torch.arange(B)[:, None] * T
             mask_mod = document_causal_mask_mod(self.doc_BT)
         tables = [host_to_device(t, device) for t in document_blocks(starts, FLEX_BLOCK)]
         return BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(T, T))
-
-
-def _positions(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
-    """int64 [n]: each token's position inside its document, from host boundaries [N+1]."""
-    idx = torch.arange(n)
-    return idx - cu_seqlens[torch.searchsorted(cu_seqlens, idx, right=True) - 1]
 
 
 def document_blocks(starts_BT: torch.Tensor, block: int) -> tuple[torch.Tensor, ...]:

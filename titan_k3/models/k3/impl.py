@@ -186,9 +186,8 @@ def _attention_backends(requested: str, on_cuda: bool) -> tuple[list | None, Ker
         if not on_cuda:
             return None, KernelChoice("attention", "auto", "math", True, "no CUDA device: SDPA runs its math path")
         # NOTE: a packed batch's dense [B, 1, T, T] mask goes to the first of these that takes it; order = preference.
-        # The candidate for auto is [FLEX, cudnn, efficient]: flex_attention on the documents' BlockMask for packed
-        # batches, cuDNN is_causal for whole-row documents. It becomes auto only once benchmarks/attention.py
-        # measures flex faster than the dense-mask cuDNN path on the GPU; until then ask for it with 'flex'.
+        # Not flex: 2.58x the dense-mask cuDNN path in isolation (attention.md), but no faster in the compiled
+        # k3-mini step (183.7 vs 184.3 ms, host-bound) and ~13 s more compilation (train_throughput.md).
         return [table["cudnn"], table["efficient"]], KernelChoice("attention", "auto", "cudnn+efficient", False)
     if requested != "math" and not on_cuda:
         return [table["math"]], KernelChoice("attention", requested, "math", True, "no CUDA device")
