@@ -327,7 +327,8 @@ def moe_experts(
 
     Expert_e(z) = SiTU-GLU(z @ w1[e], z @ w3[e]) @ w2[e]. x_TL [T, L];
     w1_ELF, w3_ELF [E, L, F] and w2_EFL [E, F, L] in x's dtype; topk_idx_TK
-    int64 [T, k] with values in [0, E) (not checked: that would sync);
+    int64 [T, k] with values in [0, E] (not checked: that would sync); the id E marks a slot no expert here
+    takes (expert parallelism's other ranks): it adds nothing and costs no GEMM work;
     topk_weight_TK [T, k]. The permutation is computed on the device (no host
     sync); the GLU and the combine run in float32; deterministic (no atomics).
     Returns y_TL [T, L] in x's dtype. Differentiable in x, w1, w3, w2 and

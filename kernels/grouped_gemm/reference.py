@@ -71,7 +71,8 @@ def moe_experts(
 ) -> torch.Tensor:
     """The routed-expert block: y[t] = sum_j p[t, j] * Expert_{idx[t, j]}(x[t]).
 
-    Expert_e(z) = SiTU-GLU(z @ w1[e], z @ w3[e]) @ w2[e]. The GLU and the
+    Expert_e(z) = SiTU-GLU(z @ w1[e], z @ w3[e]) @ w2[e]; an id equal to E
+    marks a slot no expert here takes (it adds nothing). The GLU and the
     weighted combine are computed in float32 (float64 for float64 inputs);
     y has x's dtype. Differentiable in x, w1, w3, w2 and topk_weight.
     """

@@ -229,7 +229,6 @@ def decayed_grads(dm_r, da_r, dm_c, da_c, b_s, q_t, k_t, b_t, b_row, b_col, m_j,
 def _dintra_kernel(
     q, k, b, dM, dA, dq, dk, db, dq_out, dk_out, chunk_indices, cu_seqlens,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-    BOUNDED: tl.constexpr,
 ):
     """Decayed-product gradients of the 16 rows of block s, as rows (i) and as columns (j) of M and A.
 
@@ -239,8 +238,10 @@ def _dintra_kernel(
     column terms one against its later rows, each split at a reference row: the block's middle row where
     `block_references` says the block fits (the diagonal block included), else the block's first row for
     the row terms and the next block's first row for the column terms, the diagonal block then summed
-    column by column (exact for any decay). BOUNDED: every block fits by construction (`common.bounded_gate`);
-    neither the run-time check nor the column loop is compiled.
+    column by column (exact for any decay).
+    NOTE: always compiled with the run-time check and the column loop, also under a bounded safe gate: a variant
+    without them (every block fits by construction) gave wrong dq on an H200 with Triton 3.6 (float32, random
+    gate, ragged tail; tests/gpu/test_kda_gpu.py) while passing in the CPU interpreter.
     """
     i_cs, i_h = tl.program_id(0), tl.program_id(1)
     NS: tl.constexpr = BT // BC
@@ -265,18 +266,12 @@ def _dintra_kernel(
             cols = i_k * BK + tl.arange(0, BK)
             m_k = cols < K
             m_sk = m_rows[:, None] & m_k[None, :]
-            if BOUNDED:
-                b_row = middle_reference(b, r0, eos, i_h, cols, m_k, H, K, BC)
-                b_col = b_row
-                j_end = r0 + BC
-                i_start = r0
-            else:
-                fits, b_r0, b_mid = block_references(b, r0, eos, i_h, cols, m_k, H, K, BC)
-                b_r1 = tl.load(b + r1 * (H * K) + i_h * K + cols, mask=m_k, other=0.0)
-                b_row = tl.where(fits, b_mid, b_r0)
-                b_col = tl.where(fits, b_mid, b_r1)
-                j_end = tl.where(fits, r0 + BC, r0)
-                i_start = tl.where(fits, r0, r0 + BC)
+            fits, b_r0, b_mid = block_references(b, r0, eos, i_h, cols, m_k, H, K, BC)
+            b_r1 = tl.load(b + r1 * (H * K) + i_h * K + cols, mask=m_k, other=0.0)
+            b_row = tl.where(fits, b_mid, b_r0)
+            b_col = tl.where(fits, b_mid, b_r1)
+            j_end = tl.where(fits, r0 + BC, r0)
+            i_start = tl.where(fits, r0, r0 + BC)
             offs_s = rows[:, None] * (H * K) + i_h * K + cols[None, :]
             b_s = tl.load(b + offs_s, mask=m_sk, other=0.0)
             q_s = tl.load(q + offs_s, mask=m_sk, other=0.0).to(tl.float32)
@@ -292,28 +287,27 @@ def _dintra_kernel(
             dq_row, dk_row, dk_col = decayed_grads(
                 dm_r, da_r, dm_c, da_c, b_s, q_t, k_t, b_t, b_row, b_col, m_j, m_i, m_sk, PREC,
             )
-            if not BOUNDED:
-                if not fits:
-                    for t in range(0, BC):
-                        # Row t of the diagonal block as column j = t of the row terms and as row i = t of the
-                        # column terms; a row t past eos meets only masked rows, so its clamped loads are unused.
-                        r_t = tl.minimum(r0 + t, eos - 1)
-                        offs_jt = r_t * (H * K) + i_h * K + cols
-                        b_jt = tl.load(b + offs_jt, mask=m_k, other=0.0)
-                        q_jt = tl.load(q + offs_jt, mask=m_k, other=0.0).to(tl.float32)
-                        k_jt = tl.load(k + offs_jt, mask=m_k, other=0.0).to(tl.float32)
-                        at_col = rows * (H * BT) + i_h * BT + i_s * BC + t
-                        dm_jt = tl.load(dM + at_col, mask=m_rows, other=0.0)
-                        da_jt = tl.load(dA + at_col, mask=m_rows, other=0.0)
-                        at_row = r_t * (H * BT) + i_h * BT + i_s * BC + o_c
-                        dm_it = tl.load(dM + at_row)
-                        da_it = tl.load(dA + at_row)
-                        e = tl.exp(tl.where((o_c >= t)[:, None] & m_sk, b_s - b_jt[None, :], float("-inf")))
-                        dq_row += dm_jt[:, None] * k_jt[None, :] * e
-                        dk_row += da_jt[:, None] * k_jt[None, :] * e
-                        live = r0 + t < eos
-                        e = tl.exp(tl.where((o_c <= t)[:, None] & m_sk & live, b_jt[None, :] - b_s, float("-inf")))
-                        dk_col += (dm_it[:, None] * q_jt[None, :] + da_it[:, None] * k_jt[None, :]) * e
+            if not fits:
+                for t in range(0, BC):
+                    # Row t of the diagonal block as column j = t of the row terms and as row i = t of the
+                    # column terms; a row t past eos meets only masked rows, so its clamped loads are unused.
+                    r_t = tl.minimum(r0 + t, eos - 1)
+                    offs_jt = r_t * (H * K) + i_h * K + cols
+                    b_jt = tl.load(b + offs_jt, mask=m_k, other=0.0)
+                    q_jt = tl.load(q + offs_jt, mask=m_k, other=0.0).to(tl.float32)
+                    k_jt = tl.load(k + offs_jt, mask=m_k, other=0.0).to(tl.float32)
+                    at_col = rows * (H * BT) + i_h * BT + i_s * BC + t
+                    dm_jt = tl.load(dM + at_col, mask=m_rows, other=0.0)
+                    da_jt = tl.load(dA + at_col, mask=m_rows, other=0.0)
+                    at_row = r_t * (H * BT) + i_h * BT + i_s * BC + o_c
+                    dm_it = tl.load(dM + at_row)
+                    da_it = tl.load(dA + at_row)
+                    e = tl.exp(tl.where((o_c >= t)[:, None] & m_sk, b_s - b_jt[None, :], float("-inf")))
+                    dq_row += dm_jt[:, None] * k_jt[None, :] * e
+                    dk_row += da_jt[:, None] * k_jt[None, :] * e
+                    live = r0 + t < eos
+                    e = tl.exp(tl.where((o_c <= t)[:, None] & m_sk & live, b_jt[None, :] - b_s, float("-inf")))
+                    dk_col += (dm_it[:, None] * q_jt[None, :] + da_it[:, None] * k_jt[None, :]) * e
             d_q = tl.load(dq + offs_s, mask=m_sk, other=0.0) + dq_row
             d_k = tl.load(dk + offs_s, mask=m_sk, other=0.0) + dk_row + dk_col
             tl.store(dq_out + offs_s, d_q.to(dq_out.dtype.element_ty), mask=m_sk)

@@ -24,8 +24,8 @@ from kernels.kda.reference import DEFAULT_GATE_LOWER_BOUND, check_kda_inputs, l2
 # non-finite A; unpipelined they are also 4-10% faster. Their num_stages here applies to the bounded path
 # alone (no column loop); the exact path always runs unpipelined.
 # "safe" picks the fused safe gate's paths when its lower bound bounds every 16-row block (`common.bounded_gate`,
-# lb >= -7.5): diag_dot=1 compiles the scores and intra-gradient kernels without the run-time block check and
-# the exact column loop (`BOUNDED`); fuse_bwd=1 (with diag_dot=1) has the dense gradient kernel add the
+# lb >= -7.5): diag_dot=1 compiles the scores kernel without the run-time block check and the exact column loop
+# (`BOUNDED`; the intra-gradient kernel keeps both: see its NOTE); fuse_bwd=1 (with diag_dot=1) has the dense gradient kernel add the
 # intra-chunk terms itself ("dfused": its launch), so `_dintra_kernel` and the round trip of dM, dA and float32
 # dq, dk, db through memory go away. A precomputed g (or the softplus gate) always takes the exact path.
 # NOTE: the default is the exact path: on an H200 with Triton 3.6 at the k3-mini shape it ran 2.12 ms fwd+bwd,
@@ -200,7 +200,7 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, cu_seqlens, gate, 
     if not fused:
         bwd._dintra_kernel[(NT * (BT // BC), H)](
             q, k, b, dM, dA, dq, dk, db, dq_out, dk_out, chunk_indices, cu, H=H, K=K, BT=BT, BC=BC, PREC=prec,
-            BOUNDED=bounded, **_split_launch("dintra", K, V, bounded),
+            **_split_launch("dintra", K, V, False),
         )
     A_log, dt_bias, lower_bound = gate if gate is not None else (None, None, None)
     NKD = triton.cdiv(K, BK)

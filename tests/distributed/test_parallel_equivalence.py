@@ -61,14 +61,21 @@ def test_two_processes_fsdp2_and_ep(reference, tmp_path):
         ("fsdp2_ac_selective", ["--activation_checkpoint.mode", "selective", "--parallelism.fsdp_reshard_after_forward",
                                 "false"], STEPS),
         ("fsdp2_ep2_ac_full", ["--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "full"], STEPS),
+        ("fsdp2_ep2_a2a_ac_full", ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_dispatch",
+                                   "all_to_all", "--activation_checkpoint.mode", "full"], STEPS),
         ("fsdp2_compile", ["--compile.enable", "true", "--compile.backend", "aot_eager"], 2),
+        ("fsdp2_ep2_compile", ["--parallelism.expert_parallel_degree", "2", "--compile.enable", "true",
+                               "--compile.backend", "aot_eager"], 2),
     ]
     ranks = run_distributed(2, runs, tmp_path)
     for name, _, steps in runs:
         _check(ranks, reference, name, steps)
     # The routers stay out of FSDP: no FSDP hook inside a compiled sublayer breaks its graph.
     assert [rank["fsdp2_compile"]["skipped_function_breaks"] for rank in ranks] == [0, 0]
-    for run in (rank["fsdp2_ep2_ac_full"] for rank in ranks):
+    # The all-gather dispatch has fixed sizes: no count exchange (that it compiles as one graph:
+    # test_expert_parallel.py).
+    assert [rank["fsdp2_ep2_ac_full"]["count_exchanges"] for rank in ranks] == [0, 0]
+    for run in (rank["fsdp2_ep2_a2a_ac_full"] for rank in ranks):
         # One host wait per MoE layer and microbatch forward: the full-checkpoint recompute reuses the splits.
         assert run["count_exchanges"] == STEPS * GRAD_ACCUM * run["moe_layers"] > 0, run["count_exchanges"]
 

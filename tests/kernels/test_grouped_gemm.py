@@ -192,6 +192,31 @@ def test_moe_experts_matches_float64_reference(skew):
 
 
 @pytest.mark.parametrize("fn", [moe_experts, reference.moe_experts], ids=["triton", "reference"])
+def test_moe_experts_sentinel_slots_contribute_nothing(fn):
+    """Slots with the id E (the EP all_gather dispatch's "another rank's expert") equal slots that are not there.
+
+    Half the slots point past the last expert: output and every gradient must equal a float64 run in which those
+    slots' weights are zero and their ids valid (any expert), and their weight gradients must be exactly zero.
+    """
+    x, w1, w3, w2, idx, prob = make_moe(29, 6, 3, 24, 40, torch.float32, seed=13)
+    foreign = torch.rand(idx.shape, generator=torch.Generator().manual_seed(14)) < 0.5
+    inputs = [t.detach().to(DEVICE).requires_grad_() for t in (x, w1, w3, w2)]
+    prob = torch.where(foreign, 0.0, prob.detach()).to(DEVICE).requires_grad_()
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(15)).to(DEVICE)
+    y = fn(*inputs, torch.where(foreign, 6, idx).to(DEVICE), prob)
+    grads = torch.autograd.grad(y, (*inputs, prob), dy)
+    want, want_grads = float64_grads(
+        lambda a, b, c, d, p: reference.moe_experts(a, b, c, d, idx.to(DEVICE), p), (*inputs, prob), dy
+    )
+    assert rel_rms(y, want) < 1e-3
+    for name, got, ref in zip(("x", "w1", "w3", "w2"), grads, want_grads):
+        assert rel_rms(got, ref) < 5e-3, name
+    d_prob = grads[4].cpu()
+    assert torch.equal(d_prob[foreign], torch.zeros_like(d_prob[foreign]))
+    assert rel_rms(d_prob[~foreign], want_grads[4].cpu()[~foreign]) < 5e-3
+
+
+@pytest.mark.parametrize("fn", [moe_experts, reference.moe_experts], ids=["triton", "reference"])
 def test_moe_experts_empty_batch(fn):
     """No tokens (an empty microbatch shard): zero-size output, zero weight gradients."""
     x, w1, w3, w2, idx, prob = make_moe(0, 4, 2, 16, 24, torch.float32, seed=11)

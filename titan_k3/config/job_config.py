@@ -124,6 +124,8 @@ class Parallelism:
     """FSDP2 shard degree; -1 takes the rest of the world size."""
     expert_parallel_degree: int = 1
     """Ranks the routed experts are split over (folded onto the data-parallel ranks)."""
+    expert_dispatch: Literal["all_gather", "all_to_all"] = "all_gather"
+    """How routed rows reach the experts' ranks under EP. all_gather: every rank gathers the group's latent rows and routing, runs its own experts on the rows routed to them, and a reduce-scatter sums the outputs home; fixed sizes, so no host wait and the MoE sublayer compiles whole, at the cost of expert buffers sized for all the group's token-slots (right for small EP inside a node). all_to_all: only the routed rows travel, sized by a per-layer count exchange the host waits for (right for large EP)."""
     fsdp_reshard_after_forward: bool = True
     """Free each block's gathered parameters after its forward and gather them again for backward (FSDP2's default); false keeps them from forward to backward: one all-gather per block and step instead of two, for the memory of the unsharded bf16 parameters."""
 

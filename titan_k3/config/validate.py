@@ -129,6 +129,11 @@ def validate(cfg: JobConfig) -> None:
         f"config key 'parallelism.expert_parallel_degree' = {p.expert_parallel_degree}: must divide the "
         f"{n_experts} experts of flavor {cfg.model.flavor!r}",
     )
+    _require(
+        p.expert_parallel_degree == 1 or p.expert_dispatch != "all_gather" or cfg.kernels.experts != "grouped_mm",
+        "config key 'parallelism.expert_dispatch' = 'all_gather' with kernels.experts = 'grouped_mm': torch._grouped_mm "
+        "leaves the rows of other ranks' experts unwritten; use kernels.experts = 'triton' or expert_dispatch = 'all_to_all'",
+    )
     _positive("checkpoint.interval", cfg.checkpoint.interval)
     _non_negative("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k)
     _require(

@@ -92,7 +92,7 @@ class InvariantRunner:
                              replicated_state(model, optimizers, qk_clip_max_logits), self.group)
         for dispatcher in expert_dispatchers(model):
             found += self._timed("gradient_scale.ep_token_counts", C.check_ep_token_counts, dispatcher.sent_W,
-                                 dispatcher.received_W, dispatcher.routed_tokens, dispatcher.top_k, dispatcher.group)
+                                 dispatcher.received_W, int(dispatcher.routed_tokens), dispatcher.top_k, dispatcher.group)
             dispatcher.reset_counts()
         gathered = None
         if self._checks_done % self.audit_every == 0:

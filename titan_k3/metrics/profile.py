@@ -112,6 +112,9 @@ def profile_report(prof, wall_s: float, title: str = "") -> str:
         lines.append(f"no GPU activity recorded: host time only, over {wall_s * 1e3:.1f} ms of wall time")
     lines += ["", events.table(sort_by=sort, row_limit=30, max_name_column_width=70)]
     if on_gpu:
+        # NOTE: where the host's time goes (a step the GPU waits for is host-bound: launches, guards, hooks).
+        lines += ["Host time (events by self CPU time):",
+                  events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)]
         ops = sorted((e for e in events if "::" in e.key), key=lambda e: e.self_device_time_total, reverse=True)
         total = sum(e.self_device_time_total for e in events if not _annotation(e)) or 1
         lines += ["Operators by self GPU time:"] + [

@@ -40,7 +40,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg, device: torch.d
     if cfg.float8.enable:
         choices += apply_float8(model, cfg.float8, device)
     if dims.ep > 1:
-        apply_ep(model, mesh["ep"])
+        apply_ep(model, mesh["ep"], device, cfg.parallelism.expert_dispatch)
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(model, cfg.activation_checkpoint.mode)
     if cfg.compile.enable:
@@ -88,8 +88,8 @@ def apply_float8(model: nn.Module, float8_cfg, device: torch.device) -> list[Ker
     ]
 
 
-def apply_ep(model: nn.Module, ep_mesh) -> None:
-    """Shard every LatentMoE's w1/w3/w2 over the "ep" mesh (Shard(0): whole experts) and route through all-to-all."""
+def apply_ep(model: nn.Module, ep_mesh, device: torch.device, dispatch: str) -> None:
+    """Shard every LatentMoE's w1/w3/w2 over the "ep" mesh (Shard(0): whole experts); route with `dispatch`."""
     from torch.distributed.tensor import DTensor, Shard
 
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
@@ -101,7 +101,8 @@ def apply_ep(model: nn.Module, ep_mesh) -> None:
             full = getattr(moe, name)
             local = full.detach().chunk(ep, dim=0)[rank]
             moe.register_parameter(name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
-        moe.experts_fn = ExpertParallel(moe.experts_fn, ep_mesh.get_group(), moe.router.n_experts)
+        moe.experts_fn = ExpertParallel(moe.experts_fn, ep_mesh.get_group(), moe.router.n_experts, moe.router.top_k,
+                                       device, dispatch)
 
 
 def apply_ac(model: nn.Module, mode: str) -> None:

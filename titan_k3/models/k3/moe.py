@@ -192,11 +192,14 @@ class LatentMoE(nn.Module):
         x_TD = x_BTD.reshape(B * T, D)
         experts_TK, weights_TK = self.router(x_TD)
         z_TL = self.w_down(x_TD)
-        # NOTE: the shared expert is queued before the routed experts: under EP their dispatch waits on the
-        # host for the exchanged counts, and the GPU runs the shared expert meanwhile instead of idling.
-        shared_BTD = self.shared(x_BTD) if self.shared is not None else None
+        # NOTE: a dispatch that waits on the host (EP all_to_all) goes after the shared expert, so the GPU runs
+        # it meanwhile; any other goes first, so the shared expert overlaps the collective that brings y home.
+        waits = getattr(self.experts_fn, "waits_on_host", False)
+        shared_BTD = self.shared(x_BTD) if self.shared is not None and waits else None
         w = [p.to(z_TL.dtype) for p in (self.w1, self.w3, self.w2)]
         y_TL = self.experts_fn(z_TL, *w, experts_TK, weights_TK.to(z_TL.dtype))
+        if self.shared is not None and not waits:
+            shared_BTD = self.shared(x_BTD)
         # NOTE: the sum below makes a fresh tensor; FSDP2 warns about (and may mishandle) a block output that is a view.
         y_BTD = self.w_up(self.latent_norm(y_TL)).view(B, T, D)
         return y_BTD + shared_BTD if shared_BTD is not None else y_BTD.clone()
