@@ -13,9 +13,8 @@ no autotuning) is timed too.
 
 --candidates "kernel.setting=value;..." also times ours under each alternative ops.LAUNCH table in the
 same run (rows labelled with it in the gate column), so a launch change and fla share one measurement.
-The safe gate's paths are settings too: the default is the exact path; "safe.diag_dot=1" (bounded kernels,
-backward unfused) and "safe.diag_dot=1;safe.fuse_bwd=1" (bounded, fused backward); "dfused.BV=32" and the
-like tune the fused one.
+The safe gate's paths are settings too: the default is the exact path; "safe.diag_dot=1;safe.fuse_bwd=1" is
+the bounded one (bounded products, fused backward); "dfused.BV=32" and the like tune it.
 --profile prints the per-kernel table of ours for the plain and the safe gate (default launch table).
 Prints a table and appends dated rows to benchmarks/results/kda.md, or to --out (a folder gets kda.md).
 --sweep times ours fwd+bwd with one launch setting of kernels.kda.ops.LAUNCH changed at a time

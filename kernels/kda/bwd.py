@@ -239,9 +239,8 @@ def _dintra_kernel(
     `block_references` says the block fits (the diagonal block included), else the block's first row for
     the row terms and the next block's first row for the column terms, the diagonal block then summed
     column by column (exact for any decay).
-    NOTE: always compiled with the run-time check and the column loop, also under a bounded safe gate: a variant
-    without them (every block fits by construction) gave wrong dq on an H200 with Triton 3.6 (float32, random
-    gate, ragged tail; tests/gpu/test_kda_gpu.py) while passing in the CPU interpreter.
+    Runs on the exact path only (a bounded safe gate fuses these terms into `_dchunk_kernel`, FUSE_INTRA; the
+    bounded forward with this unfused backward is refused: see kernels/kda/ops.py).
     """
     i_cs, i_h = tl.program_id(0), tl.program_id(1)
     NS: tl.constexpr = BT // BC

@@ -25,12 +25,14 @@ from kernels.kda.reference import DEFAULT_GATE_LOWER_BOUND, check_kda_inputs, l2
 # alone (no column loop); the exact path always runs unpipelined.
 # "safe" picks the fused safe gate's paths when its lower bound bounds every 16-row block (`common.bounded_gate`,
 # lb >= -7.5): diag_dot=1 compiles the scores kernel without the run-time block check and the exact column loop
-# (`BOUNDED`; the intra-gradient kernel keeps both: see its NOTE); fuse_bwd=1 (with diag_dot=1) has the dense gradient kernel add the
+# (`BOUNDED`) and needs fuse_bwd=1, which has the dense gradient kernel add the
 # intra-chunk terms itself ("dfused": its launch), so `_dintra_kernel` and the round trip of dM, dA and float32
 # dq, dk, db through memory go away. A precomputed g (or the softplus gate) always takes the exact path.
 # NOTE: the default is the exact path: on an H200 with Triton 3.6 at the k3-mini shape it ran 2.12 ms fwd+bwd,
 # the bounded unfused path 2.17 and the fused one 2.95 (its kernel spills; benchmarks/results/kda.md).
-# "safe.diag_dot=1" and "safe.diag_dot=1;safe.fuse_bwd=1" as --candidates time them again in one run.
+# NOTE: the bounded unfused path (diag_dot=1, fuse_bwd=0) is refused: on an H200 (Triton 3.6) its dq was wrong
+# (float32 against the float64 recurrence, random and pinned gates) while the exact and fused paths matched,
+# and the CPU interpreter passed all three. "safe.diag_dot=1;safe.fuse_bwd=1" as --candidates times the fused one.
 LAUNCH = {
     "safe": dict(diag_dot=0, fuse_bwd=0),
     "decay": dict(num_warps=4, num_stages=1),
@@ -49,6 +51,9 @@ LAUNCH = {
 
 def _bounded(gate) -> tuple[bool, bool]:
     """(bounded, fused): whether this call takes the safe gate's bounded kernels, and its fused backward."""
+    if LAUNCH["safe"]["diag_dot"] and not LAUNCH["safe"]["fuse_bwd"]:
+        raise ValueError("kernels.kda LAUNCH['safe']: diag_dot=1 needs fuse_bwd=1 (the bounded forward with the unfused "
+                         "backward gave wrong dq on an H200, tests/gpu/test_kda_gpu.py)")
     bounded = gate is not None and bounded_gate(gate[2]) and bool(LAUNCH["safe"]["diag_dot"])
     return bounded, bounded and bool(LAUNCH["safe"]["fuse_bwd"])
 

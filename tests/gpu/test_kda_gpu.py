@@ -92,8 +92,7 @@ def test_hard_resets_bf16_finite():
 
 # The fused safe gate's paths (kernels.kda.ops.LAUNCH["safe"]): bounded split products with the fused dense +
 # intra-chunk backward (the default), the bounded kernels unfused, and the exact path of a precomputed g.
-SAFE_PATHS = {"bounded-fused": dict(diag_dot=1, fuse_bwd=1), "bounded": dict(diag_dot=1, fuse_bwd=0),
-              "exact": dict(diag_dot=0, fuse_bwd=0)}
+SAFE_PATHS = {"bounded-fused": dict(diag_dot=1, fuse_bwd=1), "exact": dict(diag_dot=0, fuse_bwd=0)}
 
 
 @contextlib.contextmanager

@@ -270,8 +270,7 @@ def test_chunk_kda_hard_resets():
 
 # The fused safe gate's three backward/forward paths (ops.LAUNCH["safe"]): the bounded split products with the
 # fused dense + intra-chunk gradient kernel (the default), the bounded kernels unfused, and the exact path.
-SAFE_PATHS = {"bounded-fused": dict(diag_dot=1, fuse_bwd=1), "bounded": dict(diag_dot=1, fuse_bwd=0),
-              "exact": dict(diag_dot=0, fuse_bwd=0)}
+SAFE_PATHS = {"bounded-fused": dict(diag_dot=1, fuse_bwd=1), "exact": dict(diag_dot=0, fuse_bwd=0)}
 
 
 def check_safe_gate_against_recurrent(
@@ -346,8 +345,8 @@ def test_safe_gate_paths_are_chosen_by_the_bound_and_the_launch_table():
         assert ops._bounded(gate(-7.6)) == (False, False)
         assert ops._bounded(gate(None)) == (False, False)  # the softplus gate is unbounded
         assert ops._bounded(None) == (False, False)  # a precomputed g may hold hard resets
-    with launch_settings(safe=SAFE_PATHS["bounded"]):
-        assert ops._bounded(gate(-5.0)) == (True, False)
+    with launch_settings(safe=dict(diag_dot=1, fuse_bwd=0)), pytest.raises(ValueError, match="needs fuse_bwd=1"):
+        ops._bounded(gate(-5.0))  # the bounded unfused path: wrong dq on an H200
     with launch_settings(safe=dict(diag_dot=0, fuse_bwd=1)):
         assert ops._bounded(gate(-5.0)) == (False, False)  # the fused backward needs the bounded products
 
@@ -363,7 +362,7 @@ def test_safe_gate_packed_documents(path):
     check_safe_gate_against_recurrent(1, 280, 1, 32, 32, lengths=[1, 15, 64, 200], seed=4, path=path)
 
 
-@pytest.mark.parametrize("path", ["bounded-fused", "bounded"])
+@pytest.mark.parametrize("path", ["bounded-fused", "exact"])
 def test_safe_gate_wide_uneven_heads(path):
     """K = 96: two K tiles in the fused backward (the second forms dM, dA on its own), masked columns, V = 40;
     K = 256, the widest head: four K tiles, V tiles of 32."""
@@ -374,7 +373,7 @@ def test_safe_gate_wide_uneven_heads(path):
 # NOTE: at lb = -7.5 the products above the diagonal (exp(b_i - b_j), i < j, up to exp(15 * 7.5)) overflow in the
 # interpreter's float32 matmul; the kernel discards them, numpy warns.
 @pytest.mark.filterwarnings("ignore:overflow encountered in matmul", "ignore:invalid value encountered in matmul")
-@pytest.mark.parametrize("path", ["bounded-fused", "bounded"])
+@pytest.mark.parametrize("path", ["bounded-fused", "exact"])
 @pytest.mark.parametrize(
     "lower_bound, pin", [(-5.0, "bound"), (-5.0, "near"), (-5.0, "mixed"), (-7.5, "bound"), (-7.5, "near")],
 )
