@@ -179,14 +179,20 @@ def apply_compile(model: nn.Module, backend: str) -> None:
 def apply_fsdp(model: nn.Module, dims: ParallelDims, mesh, param_dtype: torch.dtype, reshard_after_forward: bool = True) -> None:
     """FSDP2 per block and at the root; reduce in float32; no gradient division (the loss is already global).
 
-    Under EP the experts of a MoE block are their own FSDP group over the
-    expert mesh (their DTensors already split over "ep"); the rest of the
-    MoE and the block shard over the dense mesh. Replicated parameters (the
-    routers: `optim_hints`) stay out of FSDP as plain float32 tensors, so
-    routing does not depend on the compute dtype; `sum_replicated_grads` sums
-    their gradients.
-    NOTE: a router used to be an FSDP group of its own (float32 policy); its
-    hooks then ran inside the compiled FFN sublayer and broke its graph twice.
+    Under EP the experts' DTensors are already split over "ep". Where the
+    expert mesh has more than one rank (efsdp > 1, or HSDP replicas), each MoE
+    block's experts are their own FSDP group over it, and the rest of the MoE
+    a group over the dense mesh. Where it has one rank (EP = the shard degree,
+    no replicas) there is nothing to shard or reduce: the experts stay out of
+    FSDP altogether (DTensors over "ep", float32, cast by the MoE's forward),
+    so no FSDP hook sits inside the compiled MoE sublayer. Replicated
+    parameters (the routers: `optim_hints`) stay out of FSDP as plain float32
+    tensors, so routing does not depend on the compute dtype;
+    `sum_replicated_grads` sums their gradients.
+    NOTE: FSDP hooks inside a compiled sublayer are functions dynamo skips: a
+    router's own FSDP group once broke its graph twice, and the expert and
+    rest groups under EP broke each MoE sublayer five times (55 more compiled
+    pieces per k3-mini step, ~150 ms more host time per update on two H200s).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -195,16 +201,20 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, mesh, param_dtype: torch.dt
     hints = model.optim_hints()
     replicated = {p for name, p in model.named_parameters() if hints[name].get("replicated", False)}
     dense = dims.dense_mesh(mesh)
+    expert_mesh = dims.expert_mesh(mesh) if dims.ep > 1 else None
+    unsharded = replicated
+    if expert_mesh is not None and expert_mesh.size() == 1:
+        unsharded = replicated | {getattr(b.ffn, n) for b in model.layers.values() if b.is_moe for n in ("w1", "w3", "w2")}
     for block in model.layers.values():
-        if block.is_moe and dims.ep > 1:
+        if block.is_moe and expert_mesh is not None and expert_mesh.size() > 1:
             moe = block.ffn
             rest = [m for m in (moe.w_down, moe.latent_norm, moe.w_up, moe.shared) if m is not None]
             shard(rest, mesh=dense)
-            shard(moe, mesh=dims.expert_mesh(mesh), ignored_params=replicated)
-        shard(block, mesh=dense, ignored_params=replicated)
+            shard(moe, mesh=expert_mesh, ignored_params=replicated)
+        shard(block, mesh=dense, ignored_params=unsharded)
     # NOTE: the root's parameters (embedding, final mix and norm, head) are used last in forward and first in
     # backward: FSDP2 keeps a root gathered between the two whatever it is told.
-    shard(model, mesh=dense, ignored_params=replicated)
+    shard(model, mesh=dense, ignored_params=unsharded)
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):
             _sum_gradients(module)
