@@ -309,6 +309,28 @@ def _backward(ctx, do, dht, *_unused):
 _chunk_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _refuse_unfused_wide_float32(q, K: int, A_log, gate_lower_bound, inputs) -> None:
+    """Stop before any work where the unfused backward is known to give wrong gradients.
+
+    NOTE: on an H200 with Triton 3.6, float32 inputs with K = 128 took dq, dk and dg 40-120% off the float64
+    recurrence through the unfused backward (`_dchunk_kernel` + `_dintra_kernel`), down to one 16-token chunk,
+    while bfloat16 at the same shapes, float32 at K = 64, the fused backward and the CPU interpreter all matched
+    (.gpu diagnostics of 2026-11-30, tests/gpu/test_kda_gpu.py). Training runs bfloat16; a differentiable
+    float32 or float16 call with K > 64 on CUDA is refused until the cause is found.
+    """
+    if not q.is_cuda or q.dtype == torch.bfloat16 or K <= 64:
+        return
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)):
+        return  # the forward is right
+    gate = None if A_log is None or gate_lower_bound is None else (None, None, float(gate_lower_bound))
+    if _bounded(gate)[1]:
+        return  # the fused backward matched
+    raise ValueError(
+        f"chunk_kda: a {q.dtype} backward with K = {K} > 64 on CUDA gives wrong gradients on the unfused path "
+        "(known defect, kernels/kda/ops.py); train in bfloat16, or use kernels.kda = 'fla' or 'torch'"
+    )
+
+
 def chunk_kda(
     q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
     A_log=None, dt_bias=None, gate_lower_bound=DEFAULT_GATE_LOWER_BOUND, use_qk_l2norm=False, beta_is_logit=False,
@@ -338,6 +360,7 @@ def chunk_kda(
         )
     B, T, H, K = q.shape
     V = v.shape[-1]
+    _refuse_unfused_wide_float32(q, K, A_log, gate_lower_bound, (q, k, v, g, beta, initial_state, A_log, dt_bias))
     scale = K**-0.5 if scale is None else float(scale)
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
