@@ -24,6 +24,7 @@ from titan_k3.config import ConfigError, JobConfig, help_text, load_job_config
 from titan_k3.config.validate import parse_context_stages, parse_mixture, seq_len_at
 from titan_k3.data.loader import check_token_ids
 from titan_k3.eval.runner import Evaluator, format_metrics
+from titan_k3.gc_schedule import ScheduledGC
 from titan_k3.metrics.clocks import TwoClocks
 from titan_k3.metrics.events import EventLog
 from titan_k3.invariants import InvariantRunner, InvariantViolationError
@@ -186,9 +187,12 @@ class Trainer:
         self._report_start()
         self.checkpointer = build_checkpointer(self)
         self.checkpointer.load()
+        self.gc_schedule = ScheduledGC(t.gc_every)  # last: a failed start leaves Python's collector as it was
 
     def close(self) -> None:
-        """Stop the metric sinks and teeing stdout into the run directory."""
+        """Stop the metric sinks and teeing stdout into the run directory; give Python its collector back."""
+        if getattr(self, "gc_schedule", None) is not None:
+            self.gc_schedule.close()
         self.reporter.close()
         if isinstance(sys.stdout, Tee) and getattr(self, "_stdout", None) is not None:
             sys.stdout.file.close()
@@ -237,6 +241,7 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         cfg = self.cfg
+        self.gc_schedule.before_update(self.step + 1)
         batches = [self._next_batch() for _ in range(cfg.training.grad_accum)]
         n_valid = host_to_device(sum((b.labels != IGNORE_INDEX).sum() for b in batches).float(), self.device)
         global_valid = self._all_reduce(n_valid.clone()).clamp(min=1)

@@ -146,3 +146,36 @@ def test_results_settle_in_update_order_when_their_copy_lands_or_when_read():
     assert not fake._unsettled and fake.skipped_updates == 2 and fake.skipped_in_row == 0
     assert emitted == [("nonfinite", 2), ("nonfinite", 3)], "skips are reported with their own update, in order"
     assert [r.skipped for r in results] == [False, True, True, False] and results[0].n_valid == 7
+
+
+def test_python_gc_is_scheduled_between_updates_and_given_back(tmp_path, monkeypatch):
+    """training.gc_every: automatic collection off while the trainer lives, a generation-1 pass before every
+    gc_every-th update, the collector's previous state restored by close; 0 leaves it alone."""
+    import gc
+
+    calls = []
+    collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation) or collect(generation))
+    assert gc.isenabled()
+    trainer = Trainer(load_job_config([*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "5",
+                                       "--training.gc_every", "2"]))
+    try:
+        assert not gc.isenabled()
+        assert calls == [1]  # once when the trainer is built
+        updates = []
+        original = trainer.gc_schedule.before_update
+        trainer.gc_schedule.before_update = lambda u: (updates.append((u, len(calls))), original(u))[1]
+        trainer.train()
+        assert [u for u, _ in updates] == [1, 2, 3, 4, 5]
+        assert calls == [1, 1, 1]  # before updates 2 and 4
+    finally:
+        trainer.close()
+    assert gc.isenabled()
+    trainer = Trainer(load_job_config([*FAST, "--job.dump_folder", str(tmp_path / "off"), "--training.steps", "3",
+                                       "--training.gc_every", "0"]))
+    try:
+        assert gc.isenabled()
+        trainer.train()
+    finally:
+        trainer.close()
+    assert gc.isenabled()

@@ -80,6 +80,8 @@ class Training:
     """Repeat the first batch forever (the overfit probe)."""
     context_stages: str = ""
     """Context curriculum as 'update:seq_len,...': from that update on, sequences of that length (training.seq_len before the first); every token of the stream is kept."""
+    gc_every: int = 50
+    """Python's automatic garbage collection is off while the trainer runs; a generation-1 collection runs before every gc_every-th update (0: leave the automatic collector on). A host-bound step pauses with the host."""
 
 
 @dataclass

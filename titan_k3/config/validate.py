@@ -136,6 +136,7 @@ def validate(cfg: JobConfig) -> None:
     )
     _positive("checkpoint.interval", cfg.checkpoint.interval)
     _non_negative("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k)
+    _non_negative("training.gc_every", cfg.training.gc_every)
     _require(
         cfg.checkpoint.load_step >= -1,
         f"config key 'checkpoint.load_step' = {cfg.checkpoint.load_step}: must be -1 (latest) or a saved step",
