@@ -87,3 +87,13 @@ def test_every_throughput_variant_is_a_valid_config():
 
     for name, overrides in VARIANTS.items():
         load_job_config([*base_args("k3-mini", 4096, 8, name), *overrides])
+
+
+def test_kda_precision_smoke_measures_every_gradient(tmp_path):
+    """One small float32 case on the CPU interpreter: every error column present and small (the interpreter is right)."""
+    from benchmarks import kda_precision
+
+    assert kda_precision.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "kda_precision.json").read_text())["rows"]
+    assert len(rows) == 1 and all(rows[0][name] < 1e-4 for name in kda_precision.NAMES)
+    assert "KDA gradients vs the float64 recurrence" in (tmp_path / "kda_precision.md").read_text()
