@@ -34,6 +34,7 @@ from titan_k3.metrics.run_dir import Tee, prepare_run_dir, run_dir_path
 from titan_k3.models.k3.args import count_params, flops_per_token, get_flavor
 from titan_k3.models.k3.impl import resolve_impl
 from titan_k3.models.k3.model import K3Model
+from titan_k3.models.k3.moe import apply_deferred_updates
 from titan_k3.optim import LRSchedule, ParamSpec, build_optimizers, qk_clip_
 from titan_k3.parallel import (
     CompileWatch, grad_norm_and_clip_coef, init_weights, parallelize, setup_distributed, sum_replicated_grads,
@@ -132,9 +133,11 @@ class Trainer:
         for router in model.moe_routers().values():
             router.update_enabled = cfg.model.qb_update
             router.dp_group = self.dp_group
+            router.defer_update = True  # moved after each micro-batch's backward, all routers in one all-reduce
         if self.device.type == "cuda" and t.compute_dtype == "bfloat16":
             model.loss_dtype = torch.bfloat16
         self.model = model.train()
+        self._routers = list(model.moe_routers().values())
 
         hints = model.optim_hints()
         o = cfg.optimizer
@@ -253,6 +256,7 @@ class Trainer:
                 out = self.model(host_to_device(b.input_ids, self.device), host_to_device(b.labels, self.device),
                                  b.cu_seqlens)
             (out.loss_sum / global_valid).backward()
+            apply_deferred_updates(self._routers, self.dp_group)  # QB, before the next micro-batch routes
             loss_sum += out.loss_sum.detach().float()
         sum_replicated_grads(self.model, self.dp_group)
         loss_t = self._all_reduce(loss_sum) / global_valid

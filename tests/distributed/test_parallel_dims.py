@@ -47,13 +47,15 @@ def test_activation_checkpointing_reuses_routing_and_updates_once():
     from titan_k3.models.k3.args import get_flavor
     from titan_k3.models.k3.impl import reference_impl
     from titan_k3.models.k3.model import K3Model
+    from titan_k3.models.k3.moe import apply_deferred_updates
     from titan_k3.parallel.parallelize import apply_ac, apply_compile
 
     args = get_flavor("debug", 512)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 512, (2, 32), generator=gen)
     runs = {}
-    for mode in ("none", "full", "compile", "full+compile"):
+    # "defer": the trainer's way, the bias moved by apply_deferred_updates after each backward.
+    for mode in ("none", "full", "compile", "full+compile", "full+compile+defer"):
         torch._dynamo.reset()
         counters.clear()
         model = K3Model(args, reference_impl())
@@ -63,11 +65,14 @@ def test_activation_checkpointing_reuses_routing_and_updates_once():
         if "compile" in mode:
             apply_compile(model, "aot_eager")
         updates = []
-        for router in model.moe_routers().values():
+        routers = list(model.moe_routers().values())
+        for router in routers:
             original = router._update_bias
             router._update_bias = lambda *a, _o=original: (updates.append(1), _o(*a))
+            router.defer_update = "defer" in mode
         for _ in range(2):  # the second forward routes with the bias the first one produced
             model(ids, ids).loss_sum.backward()
+            apply_deferred_updates(routers, None)
         runs[mode] = (model, len(updates))
         if mode == "compile":
             breaks = list(counters["graph_break"])

@@ -136,3 +136,26 @@ def test_top_k_rows_is_topk_with_ties_to_the_lowest_index():
     tied = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0], [2.0, 2.0, 2.0, 2.0, 2.0]])
     values, indices = top_k_rows(tied, 3)
     assert indices.tolist() == [[1, 2, 4], [0, 1, 2]] and values.tolist() == [[3.0] * 3, [2.0] * 3]
+
+
+def test_deferred_updates_move_every_bias_as_the_forward_would():
+    """defer_update + apply_deferred_updates (one call for several routers) equals each router updating itself
+    inside its forward, micro-batch after micro-batch; nothing moves before the call, nothing twice."""
+    from titan_k3.models.k3.moe import apply_deferred_updates
+
+    now = [skewed_router(seed=s) for s in (0, 1, 2)]
+    later = [skewed_router(seed=s) for s in (0, 1, 2)]
+    for r in later:
+        r.defer_update = True
+    for step in range(4):
+        x = tokens(384)
+        for a, b in zip(now, later):
+            a(x)
+            before = b.qb_bias.clone()
+            b(x)
+            assert torch.equal(b.qb_bias, before), "a deferred router moved inside its forward"
+        apply_deferred_updates(later, group=None)
+        apply_deferred_updates(later, group=None)  # nothing pending: a no-op
+        for a, b in zip(now, later):
+            assert torch.equal(b.qb_bias, a.qb_bias), f"step {step}"
+    assert any(r.qb_bias.abs().max() > 0 for r in later)

@@ -11,7 +11,10 @@ m_ij = s_ij + b_j - alpha_i, expert j is selected exactly when m_ij > 0. If
 c_j, the (1 - k/E) quantile of m_:j, is positive, more than k/E of the tokens
 select j; `b_j -= eta * c_j` moves that quantile to zero. The quantile comes
 from per-expert histograms that are summed over the data-parallel group with
-one all-reduce, so b stays bit-identical on every rank.
+one all-reduce, so b stays bit-identical on every rank. The trainer defers the
+move to just after each micro-batch's backward (`apply_deferred_updates`: one
+all-reduce for every router, none inside the forward); a router used alone
+moves b inside its forward.
 """
 
 from __future__ import annotations
@@ -61,6 +64,31 @@ def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int32, device=flat.device).index_add_(0, flat, ones).to(torch.int64)
 
 
+def margin_histogram(margins_TE: torch.Tensor, half_range: torch.Tensor) -> torch.Tensor:
+    """Per-expert histogram of the margins over [-half_range, half_range], QB_BINS bins: float64 [E, NB] counts."""
+    T, E = margins_TE.shape
+    lo, width = -half_range, 2 * half_range / QB_BINS
+    bins_TE = ((margins_TE - lo) / width).floor().clamp_(0, QB_BINS - 1).long()
+    flat = (bins_TE + torch.arange(E, device=bins_TE.device) * QB_BINS).flatten()
+    return count_ids(flat, E * QB_BINS).view(E, QB_BINS).to(torch.float64)
+
+
+def histogram_quantiles(hist_XB: torch.Tensor, quantile: float, half_range_X1: torch.Tensor) -> torch.Tensor:
+    """The `quantile` of each row's histogram over [-half_range, half_range], float32 [X].
+
+    Linear interpolation inside the bin that holds the quantile. Rows may
+    stack several routers' experts (half_range [X, 1] per row, or one scalar).
+    """
+    lo, width = -half_range_X1, 2 * half_range_X1 / QB_BINS
+    cum_XB = hist_XB.cumsum(dim=1)
+    target_X1 = quantile * cum_XB[:, -1:]
+    bin_X1 = torch.searchsorted(cum_XB, target_X1).clamp_(max=QB_BINS - 1)
+    before = torch.where(bin_X1 > 0, cum_XB.gather(1, (bin_X1 - 1).clamp(min=0)), torch.zeros_like(target_X1))
+    inside = hist_XB.gather(1, bin_X1).clamp(min=1)
+    frac = ((target_X1 - before) / inside).clamp(0, 1)
+    return (lo + width * (bin_X1.to(torch.float64) + frac)).squeeze(1).to(torch.float32)
+
+
 def margin_quantiles(
     margins_TE: torch.Tensor, quantile: float, half_range: torch.Tensor, group: dist.ProcessGroup | None
 ) -> torch.Tensor:
@@ -69,20 +97,10 @@ def margin_quantiles(
     Histogram over [-half_range, half_range] with QB_BINS bins, summed with one
     all-reduce, interpolated linearly inside the bin that holds the quantile.
     """
-    T, E = margins_TE.shape
-    lo, width = -half_range, 2 * half_range / QB_BINS
-    bins_TE = ((margins_TE - lo) / width).floor().clamp_(0, QB_BINS - 1).long()
-    flat = (bins_TE + torch.arange(E, device=bins_TE.device) * QB_BINS).flatten()
-    hist_EB = count_ids(flat, E * QB_BINS).view(E, QB_BINS).to(torch.float64)
+    hist_EB = margin_histogram(margins_TE, half_range)
     if group is not None:
         dist.all_reduce(hist_EB, group=group)
-    cum_EB = hist_EB.cumsum(dim=1)
-    target_E1 = quantile * cum_EB[:, -1:]
-    bin_E1 = torch.searchsorted(cum_EB, target_E1).clamp_(max=QB_BINS - 1)
-    before = torch.where(bin_E1 > 0, cum_EB.gather(1, (bin_E1 - 1).clamp(min=0)), torch.zeros_like(target_E1))
-    inside = hist_EB.gather(1, bin_E1).clamp(min=1)
-    frac = ((target_E1 - before) / inside).clamp(0, 1)
-    return (lo + width * (bin_E1.to(torch.float64) + frac)).squeeze(1).to(torch.float32)
+    return histogram_quantiles(hist_EB, quantile, half_range)
 
 
 class _RoutingRecompute:
@@ -115,6 +133,12 @@ class QuantileBalancedRouter(nn.Module):
         super().__init__()
         self.n_experts, self.top_k, self.eta = n_experts, top_k, eta
         self.update_enabled = True
+        # NOTE: a trainer sets defer_update and calls `apply_deferred_updates` after each micro-batch's
+        # backward: the forward then keeps its local histogram (no all-reduce inside the forward, which made
+        # every MoE layer a point where the data-parallel ranks wait for each other) and one all-reduce
+        # serves every router. The bias moves exactly as without deferral, before the next micro-batch routes.
+        self.defer_update = False
+        self._pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.dp_group: dist.ProcessGroup | None = None
         self.weight = nn.Parameter(torch.empty(n_experts, dim))
         self.register_buffer("qb_bias", torch.zeros(n_experts, dtype=torch.float32), persistent=True)
@@ -147,17 +171,55 @@ class QuantileBalancedRouter(nn.Module):
             self._bias_for_recompute = bias
             with torch.no_grad():
                 self.load_counts += count_ids(experts_TK, self.n_experts).to(torch.float64)
-                if self.update_enabled:
+                if self.update_enabled and self.defer_update:
+                    self._pending = self._histogram(s_TE.detach(), bias, top_vals[:, self.top_k])
+                elif self.update_enabled:
                     self._update_bias(s_TE.detach(), bias, top_vals[:, self.top_k])
         return experts_TK, weights_TK
 
     @torch.no_grad()
-    def _update_bias(self, s_TE: torch.Tensor, bias_E: torch.Tensor, alpha_T: torch.Tensor) -> None:
+    def _histogram(self, s_TE: torch.Tensor, bias_E: torch.Tensor, alpha_T: torch.Tensor) -> tuple:
+        """(local margin histogram [E, NB], its half range, the bias it was routed with)."""
         margins_TE = s_TE + bias_E - alpha_T[:, None]
         half_range = 1.0 + (bias_E.max() - bias_E.min()).float()
-        c_E = margin_quantiles(margins_TE, 1.0 - self.top_k / self.n_experts, half_range, self.dp_group)
+        return margin_histogram(margins_TE, half_range), half_range, bias_E
+
+    @torch.no_grad()
+    def _update_bias(self, s_TE: torch.Tensor, bias_E: torch.Tensor, alpha_T: torch.Tensor) -> None:
+        hist_EB, half_range, _ = self._histogram(s_TE, bias_E, alpha_T)
+        if self.dp_group is not None:
+            dist.all_reduce(hist_EB, group=self.dp_group)
+        c_E = histogram_quantiles(hist_EB, 1.0 - self.top_k / self.n_experts, half_range)
         new_bias = bias_E - self.eta * c_E
         self.qb_bias.copy_(new_bias - new_bias.mean())
+
+
+@torch.no_grad()
+def apply_deferred_updates(routers: list[QuantileBalancedRouter], group: dist.ProcessGroup | None) -> None:
+    """Move every router's bias by the histogram its last training forward kept (`defer_update`).
+
+    One all-reduce of all the routers' histograms over `group`, then the
+    quantiles and bias moves of all routers at once; the same numbers as each
+    router updating itself inside its forward. Routers with nothing pending
+    are left alone.
+    """
+    pending = [r for r in routers if r._pending is not None]
+    if not pending:
+        return
+    hists, half_ranges, biases = (torch.stack(parts) for parts in zip(*(r._pending for r in pending)))
+    if group is not None:
+        dist.all_reduce(hists, group=group)
+    settings = {(r.top_k, r.n_experts, r.eta) for r in pending}
+    if len(settings) != 1:
+        raise ValueError(f"apply_deferred_updates: routers differ in (top_k, n_experts, eta): {sorted(settings)}")
+    (top_k, n_experts, eta), = settings
+    R, E, NB = hists.shape
+    c_RE = histogram_quantiles(hists.view(R * E, NB), 1.0 - top_k / n_experts,
+                               half_ranges.repeat_interleave(E).view(R * E, 1)).view(R, E)
+    new_RE = biases - eta * c_RE
+    torch._foreach_copy_([r.qb_bias for r in pending], list((new_RE - new_RE.mean(dim=1, keepdim=True)).unbind(0)))
+    for r in pending:
+        r._pending = None
 
 
 class LatentMoE(nn.Module):
