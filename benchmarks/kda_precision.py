@@ -27,7 +27,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import environment, write_results  # noqa: E402
+from benchmarks.common import environment, rel_rms, write_results  # noqa: E402
+from benchmarks.kda import launch_settings, parse_candidate  # noqa: E402
 from kernels.kda import chunk_kda, l2norm, ops, recurrent_kda  # noqa: E402
 
 PATHS = {"exact": dict(diag_dot=0, fuse_bwd=0), "bounded-fused": dict(diag_dot=1, fuse_bwd=1)}
@@ -39,11 +40,6 @@ CASES = [
     ("exact", 1, 16, 1, 128, torch.float32), ("exact", 2, 300, 8, 128, torch.float32),
 ]
 SMOKE = [("exact", 1, 20, 1, 16, torch.float32)]
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
 
 
 def grads_of(fn, leaves_in: list[torch.Tensor], do: torch.Tensor, dS: torch.Tensor) -> list[torch.Tensor]:
@@ -70,13 +66,9 @@ def case(path: str, B: int, T: int, H: int, K: int, dtype: torch.dtype, device: 
     do = torch.randn(B, T, H, K, generator=gen, **dev)
     dS = torch.randn(h0.shape, generator=gen, **dev)
     want = grads_of(recurrent_kda, [q, k, v, g, beta, h0, A_log, dt_bias], do, dS)
-    kept = ops.LAUNCH["safe"]
-    ops.LAUNCH["safe"] = {**kept, **PATHS[path]}
-    try:
+    with launch_settings({"safe": PATHS[path]}):
         low = [x.to(dtype) for x in (q, k, v, g, beta)] + [h0.float(), A_log.float(), dt_bias.float()]
         got = grads_of(chunk_kda, low, do, dS)
-    finally:
-        ops.LAUNCH["safe"] = kept
     return [rel_rms(a, b) for a, b in zip(got, want)]
 
 
@@ -90,19 +82,16 @@ def main(argv=None) -> int:
     if device == "cpu" and not args.smoke:
         print("kda_precision: needs CUDA (the defect it measures is a GPU one); --smoke checks the script on CPU")
         return 2
-    for item in filter(None, args.launch.split(";")):
-        key, value = item.split("=")
-        kernel, setting = key.split(".")
-        ops.LAUNCH[kernel] = {**ops.LAUNCH[kernel], setting: int(value)}
     refuse = ops._refuse_unfused_wide_float32
     ops._refuse_unfused_wide_float32 = lambda *a, **kw: None  # measure what the refusal guards against
     env, rows = environment(), []
     try:
-        for path, B, T, H, K, dtype in SMOKE if args.smoke else CASES:
-            errs = case(path, B, T, H, K, dtype, device)
-            rows.append(dict(env, path=path, shape=f"B{B} T{T} H{H} K=V={K}", dtype=str(dtype).split(".")[-1],
-                             launch=args.launch or "default", **dict(zip(NAMES, errs))))
-            print(rows[-1], flush=True)
+        with launch_settings(parse_candidate(args.launch)):
+            for path, B, T, H, K, dtype in SMOKE if args.smoke else CASES:
+                errs = case(path, B, T, H, K, dtype, device)
+                rows.append(dict(env, path=path, shape=f"B{B} T{T} H{H} K=V={K}", dtype=str(dtype).split(".")[-1],
+                                 launch=args.launch or "default", **dict(zip(NAMES, errs))))
+                print(rows[-1], flush=True)
     finally:
         ops._refuse_unfused_wide_float32 = refuse
     lines = ["\n### KDA gradients vs the float64 recurrence (relative RMS error)",
