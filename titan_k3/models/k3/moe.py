@@ -186,12 +186,8 @@ class QuantileBalancedRouter(nn.Module):
 
     @torch.no_grad()
     def _update_bias(self, s_TE: torch.Tensor, bias_E: torch.Tensor, alpha_T: torch.Tensor) -> None:
-        hist_EB, half_range, _ = self._histogram(s_TE, bias_E, alpha_T)
-        if self.dp_group is not None:
-            dist.all_reduce(hist_EB, group=self.dp_group)
-        c_E = histogram_quantiles(hist_EB, 1.0 - self.top_k / self.n_experts, half_range)
-        new_bias = bias_E - self.eta * c_E
-        self.qb_bias.copy_(new_bias - new_bias.mean())
+        self._pending = self._histogram(s_TE, bias_E, alpha_T)
+        apply_deferred_updates([self], self.dp_group)
 
 
 @torch.no_grad()
@@ -209,10 +205,9 @@ def apply_deferred_updates(routers: list[QuantileBalancedRouter], group: dist.Pr
     hists, half_ranges, biases = (torch.stack(parts) for parts in zip(*(r._pending for r in pending)))
     if group is not None:
         dist.all_reduce(hists, group=group)
-    settings = {(r.top_k, r.n_experts, r.eta) for r in pending}
-    if len(settings) != 1:
-        raise ValueError(f"apply_deferred_updates: routers differ in (top_k, n_experts, eta): {sorted(settings)}")
-    (top_k, n_experts, eta), = settings
+    top_k, n_experts, eta = pending[0].top_k, pending[0].n_experts, pending[0].eta
+    if any((r.top_k, r.n_experts, r.eta) != (top_k, n_experts, eta) for r in pending):
+        raise ValueError("apply_deferred_updates: routers differ in top_k, n_experts or eta")
     R, E, NB = hists.shape
     c_RE = histogram_quantiles(hists.view(R * E, NB), 1.0 - top_k / n_experts,
                                half_ranges.repeat_interleave(E).view(R * E, 1)).view(R, E)
