@@ -5,9 +5,8 @@
 Each case runs the safe gate (random raw gate, lower bound -5, K3_SPEC's A_log / dt_bias initialisation)
 forward and backward through `kernels.kda.chunk_kda` under one launch path ("exact": the default unfused
 backward; "bounded-fused": bounded products, fused backward) and through `recurrent_kda` in float64, and
-reports the relative RMS error of the output and of every gradient. The refusal of a wide float32 unfused
-backward (kernels/kda/ops.py) is lifted for the run, so that the defect it guards against can be measured;
-`--launch` overrides ops.LAUNCH entries (e.g. "dchunk.num_stages=1") to test a fix.
+reports the relative RMS error of the output and of every gradient. `--launch` overrides ops.LAUNCH entries
+(e.g. "dchunk.BK=32") to check a launch setting's precision before it is timed.
 A correctness tool, not a timing: appends a table to OUTDIR/kda_precision.md. Without a GPU, `--smoke`
 runs one small float32 case on Triton's CPU interpreter (a check of the script, not of the GPU).
 """
@@ -82,18 +81,13 @@ def main(argv=None) -> int:
     if device == "cpu" and not args.smoke:
         print("kda_precision: needs CUDA (the defect it measures is a GPU one); --smoke checks the script on CPU")
         return 2
-    refuse = ops._refuse_unfused_wide_float32
-    ops._refuse_unfused_wide_float32 = lambda *a, **kw: None  # measure what the refusal guards against
     env, rows = environment(), []
-    try:
-        with launch_settings(parse_candidate(args.launch)):
-            for path, B, T, H, K, dtype in SMOKE if args.smoke else CASES:
-                errs = case(path, B, T, H, K, dtype, device)
-                rows.append(dict(env, path=path, shape=f"B{B} T{T} H{H} K=V={K}", dtype=str(dtype).split(".")[-1],
-                                 launch=args.launch or "default", **dict(zip(NAMES, errs))))
-                print(rows[-1], flush=True)
-    finally:
-        ops._refuse_unfused_wide_float32 = refuse
+    with launch_settings(parse_candidate(args.launch)):
+        for path, B, T, H, K, dtype in SMOKE if args.smoke else CASES:
+            errs = case(path, B, T, H, K, dtype, device)
+            rows.append(dict(env, path=path, shape=f"B{B} T{T} H{H} K=V={K}", dtype=str(dtype).split(".")[-1],
+                             launch=args.launch or "default", **dict(zip(NAMES, errs))))
+            print(rows[-1], flush=True)
     lines = ["\n### KDA gradients vs the float64 recurrence (relative RMS error)",
              "| date | commit | GPU | torch | triton | launch | path | shape | dtype | " + " | ".join(NAMES) + " |",
              "|" + "---|" * (9 + len(NAMES))]

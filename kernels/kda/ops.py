@@ -191,7 +191,7 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, cu_seqlens, gate, 
         dchunk = _launch("dfused", K, V)
         dq, dk, dM, dA = dq_out, dk_out, None, None
     else:
-        dchunk = _launch("dchunk", K, V)
+        dchunk = _dchunk_launch(K, V, q.dtype)
         dq, dk = torch.empty_like(db), torch.empty_like(db)
         dM = torch.empty(T, H, BT, device=dev, dtype=torch.float32)  # written whole by _dchunk_kernel
         dA = torch.empty_like(dM)
@@ -309,26 +309,19 @@ def _backward(ctx, do, dht, *_unused):
 _chunk_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _refuse_unfused_wide_float32(q, K: int, A_log, gate_lower_bound, inputs) -> None:
-    """Stop before any work where the unfused backward is known to give wrong gradients.
+def _dchunk_launch(K: int, V: int, dtype: torch.dtype) -> dict:
+    """LAUNCH["dchunk"] for the unfused backward, unpipelined for float32 / float16 inputs over several K tiles.
 
-    NOTE: on an H200 with Triton 3.6, float32 inputs with K = 128 took dq, dk and dg 40-120% off the float64
-    recurrence through the unfused backward (`_dchunk_kernel` + `_dintra_kernel`), down to one 16-token chunk,
-    while bfloat16 at the same shapes, float32 at K = 64, the fused backward and the CPU interpreter all matched
-    (.gpu diagnostics of 2026-11-30, tests/gpu/test_kda_gpu.py). Training runs bfloat16; a differentiable
-    float32 or float16 call with K > 64 on CUDA is refused until the cause is found.
+    NOTE: on an H200 with Triton 3.6, float32 inputs with K = 128 (two K tiles, the `i_k == 0` products inside
+    the pipelined V loop) took dq, dk and dg 40-120% off the float64 recurrence, down to one 16-token chunk,
+    while bfloat16, K = 64 (one tile), the fused backward and the CPU interpreter matched. Unpipelined
+    (num_stages=1) every gradient matched to ~1e-6 (benchmarks/results/kda.md, benchmarks/kda_precision.py);
+    bfloat16, the training dtype, keeps the measured-best pipelined launch.
     """
-    if not q.is_cuda or q.dtype == torch.bfloat16 or K <= 64:
-        return
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)):
-        return  # the forward is right
-    gate = None if A_log is None or gate_lower_bound is None else (None, None, float(gate_lower_bound))
-    if _bounded(gate)[1]:
-        return  # the fused backward matched
-    raise ValueError(
-        f"chunk_kda: a {q.dtype} backward with K = {K} > 64 on CUDA gives wrong gradients on the unfused path "
-        "(known defect, kernels/kda/ops.py); train in bfloat16, or use kernels.kda = 'fla' or 'torch'"
-    )
+    opts = _launch("dchunk", K, V)
+    if dtype != torch.bfloat16 and triton.cdiv(K, opts["BK"]) > 1:
+        opts["num_stages"] = 1
+    return opts
 
 
 def chunk_kda(
@@ -360,7 +353,6 @@ def chunk_kda(
         )
     B, T, H, K = q.shape
     V = v.shape[-1]
-    _refuse_unfused_wide_float32(q, K, A_log, gate_lower_bound, (q, k, v, g, beta, initial_state, A_log, dt_bias))
     scale = K**-0.5 if scale is None else float(scale)
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)

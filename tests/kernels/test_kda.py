@@ -237,6 +237,17 @@ def test_state_walk_tile_fills_the_sms():
     assert ops.fill_bv(64, 128, walks=1, sms=0) == 64  # no SM count (CPU interpreter): the table's tile
 
 
+def test_dense_gradient_kernel_is_unpipelined_for_wide_float_inputs():
+    """Pipelined over two K tiles, float32 took dq, dk, dg 40-120% off on an H200 (Triton 3.6): such launches
+    run unpipelined; bf16 (training) and one-tile widths keep the table's measured-best pipelining."""
+    table = ops.LAUNCH["dchunk"]["num_stages"]
+    assert table > 1  # otherwise the cases below prove nothing
+    assert ops._dchunk_launch(128, 128, torch.float32)["num_stages"] == 1
+    assert ops._dchunk_launch(128, 128, torch.float16)["num_stages"] == 1
+    assert ops._dchunk_launch(128, 128, torch.bfloat16)["num_stages"] == table
+    assert ops._dchunk_launch(64, 64, torch.float32)["num_stages"] == table
+
+
 def test_chunk_kda_narrow_state_walk_tiles(monkeypatch):
     # Pretend to be a GPU of many SMs, so that both state walks run 32-wide V tiles (4 per head at V = 128).
     monkeypatch.setattr(ops, "_sm_count", lambda device: 10**6)
