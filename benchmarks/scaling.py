@@ -82,6 +82,12 @@ def launch(name: str, nproc: int, overrides: list[str], args, extra: list[str]) 
     return RUNS / slug
 
 
+def _startup_seconds(run_dir: Path) -> float | None:
+    """Rank 0's "startup" event: seconds from its process start to the end of its first update (None if absent)."""
+    events = read_jsonl(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() else []
+    return next((e["seconds"] for e in events if e["kind"] == "startup"), None)
+
+
 def _loss_gaps(run: dict, base: dict) -> tuple[float, float]:
     """(largest absolute, largest relative) loss difference to `base` over the updates both logged."""
     common = [s for s in run["losses"] if s in base["losses"]]
@@ -139,21 +145,21 @@ def main() -> int:
             shutil.copy(summary, args.out / f"profile-{run_dir.name}-{summary.stem.split('-')[-1]}.txt")
         records = read_jsonl(run_dir / "metrics.jsonl")
         steady = steady_state(records, args.warmup_step)
-        rows.append({"setup": name, "gpus": nproc, "losses": {r["step"]: r["loss"] for r in records},
-                     "tokens_per_s": steady.tokens_per_second, "mfu": steady.mfu,
+        rows.append({"setup": name, "gpus": nproc, "steps": args.steps, "losses": {r["step"]: r["loss"] for r in records},
+                     "tokens_per_s": steady.tokens_per_second, "mfu": steady.mfu, "startup_s": _startup_seconds(run_dir),
                      "peak_gib": max((r.get("memory_peak_allocated_gib", 0.0) for r in records), default=0.0)})
         print(json.dumps(rows[-1]), flush=True)
     base = next((r for r in rows if r["setup"] == "1 GPU" and "error" not in r), None)
     noise = next((r for r in rows if r["setup"] == NOISE and "error" not in r), None)
     header = ("| date | commit | GPUs | torch | setup | shape | updates | loss at logged updates (first / mid / last) | "
               "max loss gap vs 1 GPU, abs / rel | gap / noise | tokens/s (all GPUs) | tokens/s per GPU | scaling vs 1 GPU "
-              "| MFU | peak GiB per GPU |\n|" + "---|" * 15)
+              "| MFU | peak GiB per GPU | process start to first update s |\n|" + "---|" * 16)
     noise_gap = _loss_gaps(noise, base)[0] if noise is not None and base is not None else None
     lines = []
     for r in rows:
         lead = f"| {env['date']} | {env['commit']} | {r['gpus']}x {env['gpu']} | {env['torch']} | {r['setup']} |"
         if "error" in r:
-            lines.append(f"{lead} B{args.batch} T{args.seq} | {args.steps} | — | — | — | — | — | — | — | failed: {r['error']} |")
+            lines.append(f"{lead} B{args.batch} T{args.seq} | {args.steps} | — | — | — | — | — | — | — | — | failed: {r['error']} |")
             continue
         steps = sorted(r["losses"])
         shown = " / ".join(f"{r['losses'][s]:.4f}" for s in (steps[0], steps[len(steps) // 2], steps[-1]))
@@ -164,9 +170,10 @@ def main() -> int:
             scaling = f"{r['tokens_per_s'] / (r['gpus'] * base['tokens_per_s']):.2f}"
             if noise_gap and r is not noise and r is not base:
                 vs_noise = f"{r['max_abs_gap'] / noise_gap:.1f}x"
-        lines.append(f"{lead} B{args.batch} T{args.seq}, global {args.batch * args.gpus} seqs | {args.steps} | {shown} | "
-                     f"{gap} | {vs_noise} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / r['gpus']:,.0f} | {scaling} | "
-                     f"{100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} |")
+        startup = f"{r['startup_s']:.1f}" if r.get("startup_s") is not None else "—"
+        lines.append(f"{lead} B{args.batch} T{args.seq}, global {args.batch * args.gpus} seqs | {r.get('steps', '—')} | "
+                     f"{shown} | {gap} | {vs_noise} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / r['gpus']:,.0f} | "
+                     f"{scaling} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | {startup} |")
     table = header + "\n" + "\n".join(lines)
     if extra:
         table += f"\n\nExtra trainer overrides for every setup: `{' '.join(extra)}`"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from collections import deque
 from typing import Callable
 
@@ -25,7 +26,7 @@ from titan_k3.config.validate import parse_context_stages, parse_mixture, seq_le
 from titan_k3.data.loader import check_token_ids
 from titan_k3.eval.runner import Evaluator, format_metrics
 from titan_k3.gc_schedule import ScheduledGC
-from titan_k3.metrics.clocks import TwoClocks
+from titan_k3.metrics.clocks import TwoClocks, process_start_time
 from titan_k3.metrics.events import EventLog
 from titan_k3.invariants import InvariantRunner, InvariantViolationError
 from titan_k3.metrics.profile import StepProfiler
@@ -96,6 +97,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.clocks = TwoClocks()
+        self.startup_seconds = float("nan")  # set after this process's first update
         self.device = _device(cfg)
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.rank = int(os.environ.get("RANK", 0))
@@ -356,6 +358,8 @@ class Trainer:
                         torch.cuda.synchronize()
                     self._settle()
             self.step += 1
+            if not results:
+                self._report_startup()
             self.profiler.after(self.step)
             self.tokens_seen += result.n_tokens
             window["tokens"] += result.n_tokens
@@ -384,6 +388,17 @@ class Trainer:
         self.checkpointer.close()
         return results
 
+    def _report_startup(self) -> None:
+        """One "startup" event: seconds from this process's start (interpreter, imports, build, compile, first
+        autotuning) to the end of its first update, GPU work included; `startup_seconds` in the summary."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # once: the first update's GPU work counts
+        start = process_start_time()
+        since, origin = (time.time() - start, "process start") if start else (self.clocks.session_seconds, "trainer start")
+        self.startup_seconds = since
+        self.events.emit("startup", f"update {self.step} done {since:.1f} s after the {origin}", step=self.step,
+                         seconds=round(since, 3), origin=origin)
+
     def _window_ends(self, step: int) -> bool:
         """Whether anything reads the clocks or the device state after update `step` (log, eval, checkpoint, end)."""
         cfg = self.cfg
@@ -400,6 +415,7 @@ class Trainer:
             f"run {self.run_dir}  ({self.step} updates, {self.skipped_updates} skipped)",
             f"loss first {first:.4f} -> last {last:.4f}",
             f"tokens/update {self.tokens_per_update:,} | tokens seen {self.tokens_seen:,}",
+            f"startup {self.startup_seconds:.1f} s to the end of the first update | "
             f"tokens/s training clock {self.tokens_seen / max(c.training_seconds, 1e-9):,.0f} | "
             f"session clock {self.tokens_seen / max(c.session_seconds, 1e-9):,.0f}",
             f"files: {self.run_dir}/metrics.jsonl, events.jsonl, stdout.log, manifest.json, config.toml",

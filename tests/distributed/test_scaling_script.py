@@ -37,6 +37,7 @@ def test_scaling_script_runs_every_setup_and_compares_losses(tmp_path):
         again = _scaling(tmp_path, tmp_path / "again", "--only", *(r["setup"] for r in failed))
         assert all("error" not in r for r in again), again
         rows = [next((a for a in again if a["setup"] == r["setup"]), r) for r in rows]
+    assert all(r["startup_s"] > 0 for r in rows)  # rank 0's process start to its first update, from events.jsonl
     base = rows[0]["losses"]
     for r in rows[1:]:  # the same global batch: one process accumulating equals two processes side by side
         assert r["losses"].keys() == base.keys()

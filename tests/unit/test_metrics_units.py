@@ -1,6 +1,8 @@
 """Metric pieces on their own: FLOP formula, grad-norm groups, expert load and the collapse alarm, sinks."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,6 +25,14 @@ def debug_model():
     model = K3Model(get_flavor("debug"), reference_impl())
     model.init_weights(seed=0)
     return model
+
+
+def test_process_start_time_counts_from_the_process_start():
+    """A process that slept 1 s before asking is at least 1 s old (and at most ~1 s more: boot time is whole s)."""
+    code = ("import time; time.sleep(1.0); from titan_k3.metrics.clocks import process_start_time; "
+            "print(time.time() - process_start_time())")
+    age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert 1.0 <= age < 1.0 + 1.0 + 10.0  # + the boot time's rounding + interpreter start on a slow machine
 
 
 def test_flop_formula_matches_torch_flop_counter(debug_model):

@@ -36,6 +36,9 @@ def test_run_directory_holds_what_design_promises(tmp_path):
     assert all(k in records[-1] for k in ("loss", "lr", "grad_norm", "tokens_per_second_training", "mfu", "moe/1/dead_fraction"))
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     assert any(e["kind"] == "kernel_report" for e in events)
+    startup = [e for e in events if e["kind"] == "startup"]
+    assert len(startup) == 1 and startup[0]["step"] == 1 and startup[0]["origin"] == "process start"
+    assert startup[0]["seconds"] > 0
     assert "tokens per update = 1 batch x 64 seq x 1 accum x 1 dp = 64" in (run / "stdout.log").read_text()
 
 
