@@ -102,8 +102,6 @@ class Optimizer:
     """Muon Nesterov momentum."""
     ns_steps: int = 5
     """Newton-Schulz iterations in Muon."""
-    ns_cuda_graphs: bool = False
-    """Replay each block shape's Newton-Schulz as a CUDA graph (CUDA, unsharded parameters): one launch instead of ~25 per shape and update, for ~2x the Muon parameters of reserved memory in the NS dtype. Off until a GPU run measures it."""
     qk_clip_tau: float = 100.0
     """QK-Clip threshold on the per-head max pre-softmax logit of MLA layers; 0 disables QK-Clip."""
 

@@ -16,7 +16,7 @@ gathered itself; `PerHeadMuon` only owns state and applies the update.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -210,7 +210,6 @@ class PerHeadMuon(torch.optim.Optimizer):
         weight_decay: float = 0.1,
         ns_steps: int = 5,
         ns_dtype: torch.dtype | None = None,
-        ns_cuda_graphs: bool = False,
     ) -> None:
         if lr < 0:
             raise ValueError(f"PerHeadMuon: lr={lr}; must be >= 0")
@@ -221,7 +220,6 @@ class PerHeadMuon(torch.optim.Optimizer):
         if ns_steps < 1:
             raise ValueError(f"PerHeadMuon: ns_steps={ns_steps}; must be >= 1")
         self.ns_dtype = ns_dtype
-        self.ns_graphs = NewtonSchulzGraphs() if ns_cuda_graphs else None
         self.skip_if: torch.Tensor | None = None
         self.grad_scale: torch.Tensor | None = None
         defaults = dict(
@@ -304,22 +302,14 @@ class PerHeadMuon(torch.optim.Optimizer):
             tables += [momentum_table([grads[i] for i in idx], [bufs[i] for i in idx]),
                        decay_add_table([views[i] for i in idx])]
         send_tables(tables, params[0].device)  # NOTE: every table of the step in one host-to-device copy
-        graphs = self.ns_graphs if params[0].is_cuda else None
         with record_function("muon.orthogonalise"):
             for g, ((rows, cols), idx) in enumerate(shapes):
                 shape = (sum(views[i].shape[0] for i in idx), rows, cols)
-                key = (tuple(id(params[i]) for i in idx), ns_steps, ns_dtype)
-                if graphs is not None:
-                    stacked = graphs.input(key, shape, ns_dtype, params[0].device)
-                else:
-                    stacked = views[idx[0]].new_empty(shape, dtype=ns_dtype)
+                stacked = views[idx[0]].new_empty(shape, dtype=ns_dtype)
                 with record_function("muon.momentum"):
                     nesterov_momentum_multi_([grads[i] for i in idx], [bufs[i] for i in idx], stacked, momentum,
                                              nesterov, skip_if=skip, grad_scale=scale, table=tables[2 * g])
-                if graphs is not None:
-                    update = graphs.run(key, lambda x=stacked: orthogonalise_stacked(x, ns_steps, ns_dtype))
-                else:
-                    update = orthogonalise_stacked(stacked, ns_steps, ns_dtype)
+                update = orthogonalise_stacked(stacked, ns_steps, ns_dtype)
                 with record_function("muon.apply"):
                     decay_add_multi_([views[i] for i in idx], update, 1.0 - lr * wd, -lr, skip_if=skip,
                                      table=tables[2 * g + 1])
@@ -368,53 +358,6 @@ class PerHeadMuon(torch.optim.Optimizer):
             for (lr, wd, _, _), params in by_decay.items():
                 decay_add_multi_([p.to_local() for p in params], [local_updates[p] for p in params], 1.0 - lr * wd,
                                  -lr, skip_if=skip)
-
-
-class NewtonSchulzGraphs:
-    """Each block-shape group's Newton–Schulz replayed as a CUDA graph: one launch instead of ~25 per step.
-
-    The momentum pass writes a group's directions into a persistent input buffer (`input`); `run` computes
-    the group's NS the first time eagerly (a warm-up: cuBLAS picks its kernels and workspaces outside a
-    capture), captures it the second time and replays it from then on. Graph outputs are persistent too:
-    an update is read (by the update pass) before the group's next replay. A group is keyed by its members'
-    identities, steps and dtype: a different membership (a parameter without a gradient) is another group.
-    NOTE: the buffers stay reserved (about twice the Muon parameters in the NS dtype), and the kernels are
-    those of the eager NS; for CUDA only, where the step's host launches were measured at 42 ms against
-    15 ms of GPU work (benchmarks/results/train_throughput.md).
-    """
-
-    def __init__(self):
-        self._inputs: dict = {}
-        self._graphs: dict = {}
-        self._warm: set = set()
-        self._pool = None
-
-    def input(self, key, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        buf = self._inputs.get(key)
-        if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype:
-            buf = self._inputs[key] = torch.empty(shape, dtype=dtype, device=device)
-            self._graphs.pop(key, None)
-            self._warm.discard(key)
-        return buf
-
-    def run(self, key, ns: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """ns() reads only `input(key)`'s buffer; returns its result (the graph's persistent output)."""
-        entry = self._graphs.get(key)
-        if entry is not None:
-            entry[0].replay()
-            return entry[1]
-        if key not in self._warm:
-            self._warm.add(key)
-            return ns()
-        graph = torch.cuda.CUDAGraph()
-        # NOTE: torch.cuda.graph synchronises the device once here (the capture); thread_local: the data
-        # prefetch thread may touch CUDA meanwhile without invalidating the capture.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = ns()
-        self._pool = graph.pool()
-        self._graphs[key] = (graph, out)
-        graph.replay()  # a capture only records: this step's update comes from the first replay
-        return out
 
 
 def _largest_first(groups: dict[tuple[int, int], list[int]], blocks: list[torch.Tensor]) -> list:
