@@ -11,7 +11,9 @@ launch-bound). Variants: "fused" (kernels.muon's passes, the default: one
 launch per block shape for the momentum and for the update, and the
 Newton–Schulz normalisation on the Gram-side matrices), "torch passes"
 (the same step with the PyTorch reference passes: one or more kernels per
-parameter). Appends a table to OUTDIR/muon.md. `--flavor debug` runs on CPU
+parameter) and, on CUDA, "fused + NS graphs" (`optimizer.ns_cuda_graphs`:
+each block shape's Newton–Schulz replayed as a CUDA graph; its two warm-up
+steps are the eager warm-up and the capture). Appends a table to OUTDIR/muon.md. `--flavor debug` runs on CPU
 (host time only) as a smoke test.
 """
 
@@ -83,15 +85,18 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     opt, numel = muon_optimizer(args.flavor, device)
     env, rows = environment(), []
-    for variant in ("fused", "torch passes"):
+    variants = ("fused", "torch passes") + (("fused + NS graphs",) if device.type == "cuda" else ())
+    for variant in variants:
         if variant == "torch passes":
             for fn in FUSED_PASSES:
                 setattr(muon, fn.__name__, functools.partial(fn, triton_=False))
+        opt.ns_graphs = muon.NewtonSchulzGraphs() if variant == "fused + NS graphs" else None
         try:
             gpu_ms, host_ms = time_steps(opt, args.steps, device.type == "cuda")
         finally:
             for fn in FUSED_PASSES:
                 setattr(muon, fn.__name__, fn)
+            opt.ns_graphs = None
         rows.append(dict(env, variant=variant, flavor=args.flavor, numel=numel, gpu_ms=gpu_ms, host_ms=host_ms))
         print(rows[-1], flush=True)
     lines = [f"\n### Per-Head Muon step, {args.flavor} ({numel / 1e6:.1f}M Muon parameters), {device.type}",

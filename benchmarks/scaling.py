@@ -13,6 +13,8 @@ absolute and relative gap to the one-GPU run and that gap over the noise
 reference's, steady training tokens/s (time-weighted over the
 logging windows after `--warmup-step`), tokens/s per GPU, and scaling =
 rate / (N x one-GPU rate). Prints a table last and appends it to OUTDIR/scaling.md.
+`--weak A` measures weak scaling instead: every GPU, the one-GPU run included, runs A micro-batches per
+update, so the global batch grows with the GPUs and only the rates are compared.
 With `-- --profiling.enable true --profiling.start_step U`, each setup's per-rank
 profile summaries (GPU busy / idle / exposed communication) land in OUTDIR too.
 """
@@ -39,14 +41,20 @@ from titan_k3.tools.summarize import steady_state  # noqa: E402
 NOISE = "1 GPU, split finer"
 
 
-def setups(gpus: int, batch: int) -> dict[str, tuple[int, list[str]]]:
+def setups(gpus: int, batch: int, weak_accum: int = 0) -> dict[str, tuple[int, list[str]]]:
     """name -> (processes, overrides); the one-GPU run accumulates what N GPUs run side by side.
 
     The noise reference runs the same global batch on one GPU in micro-batches
     half as large: the same math summed in another order, so its loss gap to
     "1 GPU" is what rounding alone does to the trajectory (the bf16 noise a
     parallel setup's gap is judged against).
+    weak_accum = A > 0 (weak scaling): every GPU, the one-GPU run included, runs A micro-batches per update,
+    so N GPUs train an N times larger global batch (no loss comparison, no noise reference).
     """
+    if weak_accum:
+        accum = ["--training.grad_accum", str(weak_accum)]
+        return {"1 GPU": (1, accum), f"FSDP2 x{gpus}": (gpus, accum),
+                f"FSDP2 x{gpus} + EP{gpus}": (gpus, [*accum, "--parallelism.expert_parallel_degree", str(gpus)])}
     finer = [NOISE] if batch % 2 == 0 else []
     return {
         "1 GPU": (1, ["--training.grad_accum", str(gpus)]),
@@ -122,6 +130,9 @@ def main() -> int:
     p.add_argument("--merge", type=Path, nargs="+", default=[],
                    help="scaling.json files of earlier launches (e.g. --only runs on separate GPUs): their rows join "
                         "this table in setup order, and setups they hold are not launched again")
+    p.add_argument("--weak", type=int, default=0, metavar="A",
+                   help="weak scaling: every GPU (the one-GPU run too) runs A micro-batches per update; the global "
+                        "batch grows with the GPUs, so losses are not compared")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -129,7 +140,7 @@ def main() -> int:
     earlier = {r["setup"]: {**r, "losses": {int(s): loss for s, loss in r["losses"].items()}}  # JSON keys are str
                for path in args.merge for r in json.loads(path.read_text())["rows"] if "error" not in r}
     rows = []
-    for name, (nproc, overrides) in setups(args.gpus, args.batch).items():
+    for name, (nproc, overrides) in setups(args.gpus, args.batch, args.weak).items():
         if name in earlier:
             rows.append(earlier[name])
             continue
@@ -165,13 +176,15 @@ def main() -> int:
         shown = " / ".join(f"{r['losses'][s]:.4f}" for s in (steps[0], steps[len(steps) // 2], steps[-1]))
         gap, vs_noise, scaling = "—", "—", "—"
         if base is not None:
+            scaling = f"{r['tokens_per_s'] / (r['gpus'] * base['tokens_per_s']):.2f}"
+        if base is not None and not args.weak:
             r["max_abs_gap"], r["max_rel_gap"] = _loss_gaps(r, base)
             gap = f"{r['max_abs_gap']:.4f} / {r['max_rel_gap']:.2%}"
-            scaling = f"{r['tokens_per_s'] / (r['gpus'] * base['tokens_per_s']):.2f}"
             if noise_gap and r is not noise and r is not base:
                 vs_noise = f"{r['max_abs_gap'] / noise_gap:.1f}x"
         startup = f"{r['startup_s']:.1f}" if r.get("startup_s") is not None else "—"
-        lines.append(f"{lead} B{args.batch} T{args.seq}, global {args.batch * args.gpus} seqs | {r.get('steps', '—')} | "
+        seqs = args.batch * (r["gpus"] * args.weak if args.weak else args.gpus)
+        lines.append(f"{lead} B{args.batch} T{args.seq}, global {seqs} seqs | {r.get('steps', '—')} | "
                      f"{shown} | {gap} | {vs_noise} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / r['gpus']:,.0f} | "
                      f"{scaling} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | {startup} |")
     table = header + "\n" + "\n".join(lines)

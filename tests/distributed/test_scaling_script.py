@@ -51,3 +51,15 @@ def test_scaling_script_runs_every_setup_and_compares_losses(tmp_path):
         assert table.count("| FSDP2 x2") == 2 and "failed" not in table
         noise_row = next(line for line in table.splitlines() if "| 1 GPU, split finer |" in line)
         assert noise_row.count("—") == 1  # its own gap over the noise is not a measurement
+
+
+def test_weak_scaling_setups_give_every_gpu_the_one_gpu_work():
+    sys.path.insert(0, str(REPO))
+    from benchmarks.scaling import setups
+
+    strong = setups(2, 8)
+    assert strong["1 GPU"] == (1, ["--training.grad_accum", "2"]) and strong["FSDP2 x2"] == (2, [])
+    weak = setups(2, 8, weak_accum=2)
+    assert list(weak) == ["1 GPU", "FSDP2 x2", "FSDP2 x2 + EP2"]  # no noise reference: losses are not compared
+    assert weak["1 GPU"] == (1, ["--training.grad_accum", "2"]) and weak["FSDP2 x2"] == (2, ["--training.grad_accum", "2"])
+    assert weak["FSDP2 x2 + EP2"] == (2, ["--training.grad_accum", "2", "--parallelism.expert_parallel_degree", "2"])

@@ -102,6 +102,8 @@ class Optimizer:
     """Muon Nesterov momentum."""
     ns_steps: int = 5
     """Newton-Schulz iterations in Muon."""
+    ns_cuda_graphs: bool = False
+    """Replay each block shape's Newton-Schulz as a CUDA graph (CUDA; plain and FSDP2/EP-sharded parameters): one launch instead of ~25 per shape and update, for ~2x the Muon parameters this rank orthogonalises of reserved memory in the NS dtype. Pays where the host is the bottleneck (benchmarks/results/scaling.md); one GPU measured no gain (train_throughput.md)."""
     qk_clip_tau: float = 100.0
     """QK-Clip threshold on the per-head max pre-softmax logit of MLA layers; 0 disables QK-Clip."""
 

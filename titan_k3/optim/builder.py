@@ -159,6 +159,7 @@ def build_optimizers(
     ns_steps: int = 5,
     use_muon: bool = True,
     ns_dtype: torch.dtype | None = None,
+    ns_cuda_graphs: bool = False,
 ) -> Optimizers:
     """Split the trainable parameters between Per-Head Muon and AdamW.
 
@@ -204,7 +205,7 @@ def build_optimizers(
         ]
         optimizers["muon"] = PerHeadMuon(
             groups, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-            ns_steps=ns_steps, ns_dtype=ns_dtype,
+            ns_steps=ns_steps, ns_dtype=ns_dtype, ns_cuda_graphs=ns_cuda_graphs,
         )
         names["muon"] = [n for members in muon_groups.values() for n, _ in members]
     adamw_members = [(decay, m) for (decay, _), m in adamw_groups.items() if m]

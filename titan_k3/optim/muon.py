@@ -16,7 +16,7 @@ gathered itself; `PerHeadMuon` only owns state and applies the update.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -122,19 +122,26 @@ def orthogonalise(
 
 def orthogonalise_batched(
     directions: list[torch.Tensor], specs: list[ParamSpec], *, ns_steps: int = 5, ns_dtype: torch.dtype | None = None,
-    cast: bool = True,
+    cast: bool = True, graphs: "NewtonSchulzGraphs | None" = None, key=None,
 ) -> list[torch.Tensor]:
     """`orthogonalise` of each plain tensor, with every block of one [r, c] shape in one Newton–Schulz call.
 
     A step then launches a few kernels per block shape rather than per
     parameter (a k3-mini step was bound by those host launches). `cast=False`
     leaves each update in the NS dtype (the fused update pass reads it as is).
+    With `graphs` (CUDA), each block shape's NS is a CUDA graph keyed by (`key`, shape); the updates are then
+    views of the graphs' persistent outputs, valid until the same call next step.
     """
     blocks = [blocks_of(d, spec) for d, spec in zip(directions, specs)]
     out: list[torch.Tensor | None] = [None] * len(directions)
     for (rows, cols), idx in _largest_first(by_block_shape(blocks), blocks):
-        stacked = blocks[idx[0]] if len(idx) == 1 else torch.cat([blocks[i] for i in idx])
-        O = orthogonalise_stacked(stacked, ns_steps, ns_dtype)
+        if graphs is not None:
+            shape = (sum(blocks[i].shape[0] for i in idx), rows, cols)
+            O = graphs.orthogonalise((key, rows, cols), [blocks[i] for i in idx], shape, ns_steps,
+                                     ns_dtype or default_ns_dtype(blocks[idx[0]].device))
+        else:
+            stacked = blocks[idx[0]] if len(idx) == 1 else torch.cat([blocks[i] for i in idx])
+            O = orthogonalise_stacked(stacked, ns_steps, ns_dtype)
         for i, u in zip(idx, O.split([blocks[i].shape[0] for i in idx])):
             out[i] = (u.to(directions[i].dtype) if cast else u).reshape(directions[i].shape)
     return out
@@ -210,6 +217,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         weight_decay: float = 0.1,
         ns_steps: int = 5,
         ns_dtype: torch.dtype | None = None,
+        ns_cuda_graphs: bool = False,
     ) -> None:
         if lr < 0:
             raise ValueError(f"PerHeadMuon: lr={lr}; must be >= 0")
@@ -220,6 +228,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         if ns_steps < 1:
             raise ValueError(f"PerHeadMuon: ns_steps={ns_steps}; must be >= 1")
         self.ns_dtype = ns_dtype
+        self.ns_graphs = NewtonSchulzGraphs() if ns_cuda_graphs else None
         self.skip_if: torch.Tensor | None = None
         self.grad_scale: torch.Tensor | None = None
         defaults = dict(
@@ -302,14 +311,22 @@ class PerHeadMuon(torch.optim.Optimizer):
             tables += [momentum_table([grads[i] for i in idx], [bufs[i] for i in idx]),
                        decay_add_table([views[i] for i in idx])]
         send_tables(tables, params[0].device)  # NOTE: every table of the step in one host-to-device copy
+        graphs = self.ns_graphs if params[0].is_cuda else None
         with record_function("muon.orthogonalise"):
             for g, ((rows, cols), idx) in enumerate(shapes):
                 shape = (sum(views[i].shape[0] for i in idx), rows, cols)
-                stacked = views[idx[0]].new_empty(shape, dtype=ns_dtype)
+                key = (tuple(id(params[i]) for i in idx), ns_steps, ns_dtype)
+                if graphs is not None:
+                    stacked = graphs.input(key, shape, ns_dtype, params[0].device)
+                else:
+                    stacked = views[idx[0]].new_empty(shape, dtype=ns_dtype)
                 with record_function("muon.momentum"):
                     nesterov_momentum_multi_([grads[i] for i in idx], [bufs[i] for i in idx], stacked, momentum,
                                              nesterov, skip_if=skip, grad_scale=scale, table=tables[2 * g])
-                update = orthogonalise_stacked(stacked, ns_steps, ns_dtype)
+                if graphs is not None:
+                    update = graphs.run(key, lambda x=stacked: orthogonalise_stacked(x, ns_steps, ns_dtype))
+                else:
+                    update = orthogonalise_stacked(stacked, ns_steps, ns_dtype)
                 with record_function("muon.apply"):
                     decay_add_multi_([views[i] for i in idx], update, 1.0 - lr * wd, -lr, skip_if=skip,
                                      table=tables[2 * g + 1])
@@ -345,12 +362,14 @@ class PerHeadMuon(torch.optim.Optimizer):
             elif directions[p].numel() > 0:
                 local.setdefault(group["ns_steps"], []).append((p, directions[p], local_spec))
         local_updates = {p: torch.zeros_like(p.to_local()) for p, _, _ in items if p.to_local().numel() == 0}
+        graphs = self.ns_graphs if items[0][0].is_cuda else None
         with record_function("muon.orthogonalise"):
             for ns_steps, members in local.items():
                 updates = orthogonalise_batched([d for _, d, _ in members], [s for _, _, s in members],
-                                                ns_steps=ns_steps, ns_dtype=self.ns_dtype, cast=False)
+                                                ns_steps=ns_steps, ns_dtype=self.ns_dtype, cast=False, graphs=graphs,
+                                                key=("local", *(id(p) for p, _, _ in members)))
                 local_updates.update((p, u) for (p, _, _), u in zip(members, updates))
-            local_updates.update(_owner_orthogonalise(remote, self.ns_dtype))
+            local_updates.update(_owner_orthogonalise(remote, self.ns_dtype, graphs))
         by_decay: dict[tuple, list] = {}
         for p, group, _ in items:
             by_decay.setdefault((group["lr"], group["weight_decay"], p.dtype, local_updates[p].dtype), []).append(p)
@@ -358,6 +377,70 @@ class PerHeadMuon(torch.optim.Optimizer):
             for (lr, wd, _, _), params in by_decay.items():
                 decay_add_multi_([p.to_local() for p in params], [local_updates[p] for p in params], 1.0 - lr * wd,
                                  -lr, skip_if=skip)
+
+
+class NewtonSchulzGraphs:
+    """Each block-shape group's Newton–Schulz replayed as a CUDA graph: one launch instead of ~25 per step.
+
+    A group's directions go into a persistent input buffer (`input`); `run` computes the group's NS the
+    first time eagerly (a warm-up: cuBLAS picks its kernels outside a capture), captures it the second time
+    and replays it from then on. Graph outputs are persistent too: an update is read (by the update pass)
+    before the group's next replay. A group is keyed by its call site, its members' identities, steps and
+    dtype: a different membership (a parameter without a gradient) is another group.
+    NOTE: the buffers stay reserved (inputs and outputs: about twice the Muon parameters this rank
+    orthogonalises, in the NS dtype), and the kernels are those of the eager NS. It pays where the host is
+    the bottleneck: under FSDP2 the sharded step's NS calls took ~25 ms of host for ~10 ms of GPU work
+    (benchmarks/results/scaling.md); on one GPU the step's host launches overlap the backward's tail.
+    """
+
+    def __init__(self):
+        self._inputs: dict = {}
+        self._graphs: dict = {}
+        self._warm: set = set()
+        self._pool = None
+        self._stream: torch.cuda.Stream | None = None
+
+    def input(self, key, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = self._inputs.get(key)
+        if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype:
+            buf = self._inputs[key] = torch.empty(shape, dtype=dtype, device=device)
+            self._graphs.pop(key, None)
+            self._warm.discard(key)
+        return buf
+
+    def run(self, key, ns: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """ns() reads only `input(key)`'s buffer; returns its result (the graph's persistent output)."""
+        entry = self._graphs.get(key)
+        if entry is not None:
+            entry[0].replay()
+            return entry[1]
+        if key not in self._warm:
+            self._warm.add(key)
+            return ns()
+        graph = torch.cuda.CUDAGraph()
+        # NOTE: captured by hand rather than with torch.cuda.graph, which synchronises the device, runs a full
+        # gc.collect and empties the cache per capture (seconds at start for ~15 groups). A capture records
+        # without running anything, so it needs no wait on the work queued before it. thread_local: the data
+        # prefetch thread may touch CUDA meanwhile without invalidating the capture.
+        self._stream = self._stream or torch.cuda.Stream()
+        with torch.cuda.stream(self._stream):
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                out = ns()
+            finally:
+                graph.capture_end()
+        self._pool = graph.pool()
+        self._graphs[key] = (graph, out)
+        graph.replay()  # a capture only records: this step's update comes from the first replay
+        return out
+
+    def orthogonalise(self, key, blocks: list[torch.Tensor], shape: tuple[int, int, int], ns_steps: int,
+                      ns_dtype: torch.dtype) -> torch.Tensor:
+        """`orthogonalise_stacked` of the blocks [b_i, r, c] concatenated: one copy into the group's input,
+        one replay."""
+        stacked = self.input((key, ns_steps, ns_dtype), shape, ns_dtype, blocks[0].device)
+        torch.cat(blocks, out=stacked)
+        return self.run((key, ns_steps, ns_dtype), lambda: orthogonalise_stacked(stacked, ns_steps, ns_dtype))
 
 
 def _largest_first(groups: dict[tuple[int, int], list[int]], blocks: list[torch.Tensor]) -> list:
@@ -425,7 +508,7 @@ def _assign_owners(members: list[_Remote], world: int) -> list[list[_Remote]]:
     return owned
 
 
-def _owner_orthogonalise(remote: list, ns_dtype) -> dict:
+def _owner_orthogonalise(remote: list, ns_dtype, graphs: NewtonSchulzGraphs | None = None) -> dict:
     """Gather each direction to its owner, orthogonalise it there, scatter the update back.
 
     FSDP2 splits dim 0 like torch.chunk: rank i holds rows [i*c, min((i+1)*c, n)),
@@ -444,7 +527,7 @@ def _owner_orthogonalise(remote: list, ns_dtype) -> dict:
         groups.setdefault((pg, world, p.device_mesh.get_local_rank(dim), direction.dtype), []).append(member)
     updates = {}
     for (pg, world, me, _), members in groups.items():
-        updates.update(_exchange(pg, world, me, _assign_owners(members, world), ns_dtype))
+        updates.update(_exchange(pg, world, me, _assign_owners(members, world), ns_dtype, graphs))
     return updates
 
 
@@ -453,7 +536,8 @@ def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x if x.shape[0] == rows else torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
 
 
-def _exchange(pg, world: int, me: int, owned: list[list[_Remote]], ns_dtype) -> dict:
+def _exchange(pg, world: int, me: int, owned: list[list[_Remote]], ns_dtype,
+              graphs: NewtonSchulzGraphs | None = None) -> dict:
     """One shard group: gather to each owner, orthogonalise what this rank owns, scatter the updates back."""
     gathered, works = [], []
     for owner, members in enumerate(owned):
@@ -478,7 +562,7 @@ def _exchange(pg, world: int, me: int, owned: list[list[_Remote]], ns_dtype) -> 
         full_updates = [None] * len(mine)
         for ns_steps, idx in by_steps.items():
             outs = orthogonalise_batched([fulls[i] for i in idx], [mine[i].spec for i in idx], ns_steps=ns_steps,
-                                         ns_dtype=ns_dtype)
+                                         ns_dtype=ns_dtype, graphs=graphs, key=("owned", *(id(mine[i].p) for i in idx)))
             for i, u in zip(idx, outs):
                 full_updates[i] = u
     results, works = [], []
