@@ -17,6 +17,8 @@ import os
 import triton
 import triton.language as tl
 
+from kernels.grouped_gemm.tuned import prune_to_tuned
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -184,7 +186,14 @@ def _grouped_wgrad_kernel(
 
 _KEY = ["K", "M", "N_EXPERTS", "GATHER", "DUAL"]
 # One jitted body, tuned separately for the single- and two-accumulator uses.
-grouped_mm_kernel = triton.autotune(configs=mm_configs(), key=_KEY)(_grouped_mm_kernel)
-grouped_mm_dual_kernel = triton.autotune(configs=epilogue_configs(), key=_KEY)(_grouped_mm_kernel)
-grouped_wgrad_kernel = triton.autotune(configs=wgrad_configs(dual=False), key=_KEY)(_grouped_wgrad_kernel)
-grouped_wgrad_dual_kernel = triton.autotune(configs=wgrad_configs(dual=True), key=_KEY)(_grouped_wgrad_kernel)
+
+
+def tuned_autotune(kernel: str, configs, key=_KEY):
+    """triton.autotune over `configs`, down to the known winner for keys measured before (kernels/grouped_gemm/tuned.py)."""
+    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune_to_tuned(kernel, key)})
+
+
+grouped_mm_kernel = tuned_autotune("mm", mm_configs())(_grouped_mm_kernel)
+grouped_mm_dual_kernel = tuned_autotune("mm_dual", epilogue_configs())(_grouped_mm_kernel)
+grouped_wgrad_kernel = tuned_autotune("wgrad", wgrad_configs(dual=False))(_grouped_wgrad_kernel)
+grouped_wgrad_dual_kernel = tuned_autotune("wgrad_dual", wgrad_configs(dual=True))(_grouped_wgrad_kernel)

@@ -8,7 +8,7 @@ expert, E experts, L latent width, F expert hidden width.
 import triton
 import triton.language as tl
 
-from kernels.grouped_gemm.triton_gemm import INTERPRET, epilogue_configs, row_tile
+from kernels.grouped_gemm.triton_gemm import INTERPRET, epilogue_configs, row_tile, tuned_autotune
 
 
 @triton.jit
@@ -35,7 +35,7 @@ def _slot_tile(pid, offsets_ptr, n_rows, F, N_EXPERTS: tl.constexpr, E_POW2: tl.
     return expert, row_start, row_end, local, row_mask, cols, col_mask
 
 
-@triton.autotune(configs=epilogue_configs(), key=["L", "F", "N_EXPERTS", "STORE_GU"])
+@tuned_autotune("glu_up", epilogue_configs(), key=["L", "F", "N_EXPERTS", "STORE_GU"])
 @triton.jit
 def glu_up_kernel(
     x_ptr, w1_ptr, w3_ptr, h_ptr, g_ptr, u_ptr, offsets_ptr, token_ptr,
@@ -79,7 +79,7 @@ def glu_up_kernel(
         tl.store(u_ptr + base + s_off, acc_u.to(u_ptr.dtype.element_ty), mask=s_mask)
 
 
-@triton.autotune(configs=epilogue_configs(), key=["L", "F", "N_EXPERTS"])
+@tuned_autotune("glu_bwd", epilogue_configs(), key=["L", "F", "N_EXPERTS"])
 @triton.jit
 def glu_bwd_kernel(
     dout_ptr, w2_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, offsets_ptr,

@@ -255,3 +255,24 @@ def test_custom_ops_compile_without_graph_break():
     want = torch.autograd.grad(block(*inputs), inputs)
     for g, w in zip(got, want):
         assert torch.allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_a_measured_key_compiles_its_winner_alone(monkeypatch):
+    """kernels/grouped_gemm/tuned.py: on the measured GPU, dtype and key, autotune gets one candidate; else all."""
+    from kernels.grouped_gemm import tuned
+
+    class Operand:  # what the prune reads of a kernel's first argument
+        def __init__(self, device="cuda", dtype=torch.bfloat16):
+            self.device, self.dtype = torch.device(device), dtype
+
+    monkeypatch.setattr(tuned.torch.cuda, "get_device_capability", lambda device: (9, 0))
+    prune = tuned.prune_to_tuned("glu_bwd", ["L", "F", "N_EXPERTS"])
+    candidates = ["c0", "c1", "c2"]
+    measured = {"dout_ptr": Operand(), "n_rows": 4096, "L": 256, "F": 544}
+    assert prune(candidates, measured, N_EXPERTS=176) == ["c2"]
+    assert prune(candidates, {**measured, "F": 512}, N_EXPERTS=176) == candidates  # another shape
+    assert prune(candidates, measured, N_EXPERTS=88) == candidates  # another expert count (EP's local experts)
+    assert prune(candidates, {**measured, "dout_ptr": Operand(dtype=torch.float16)}, N_EXPERTS=176) == candidates
+    assert prune(candidates, {**measured, "dout_ptr": Operand("cpu")}, N_EXPERTS=176) == candidates
+    monkeypatch.setattr(tuned.torch.cuda, "get_device_capability", lambda device: (8, 0))
+    assert prune(candidates, measured, N_EXPERTS=176) == candidates  # another GPU architecture
