@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import gc
 
-AFTER_COMPILE = 3  # updates 1 and 2 compile (the forward and backward, then the optimizer's first step)
-
 
 class ScheduledGC:
     """Turns automatic collection off for a training run and collects generations 0-1 every `every` updates.
@@ -30,15 +28,8 @@ class ScheduledGC:
             gc.collect(1)
 
     def before_update(self, update: int) -> None:
-        """Collect before update number `update` (1-based) when it is a multiple of `every`, and before update 3.
-
-        NOTE: with the collector off, everything the first updates allocate (torch.compile's graphs and
-        guards: millions of objects) stays in the young generations until the first pass, which then walks it
-        all: ~0.7 s inside update `every` on an H200 host (benchmarks/results/scaling.md). One pass before
-        update 3, once compilation is done, moves the survivors to the old generation during start-up, where
-        the scheduled generation-1 passes never walk them again.
-        """
-        if self.every and (update % self.every == 0 or update == AFTER_COMPILE):
+        """Collect before update number `update` (1-based) when it is a multiple of `every`."""
+        if self.every and update % self.every == 0:
             gc.collect(1)
 
     def close(self) -> None:
