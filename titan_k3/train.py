@@ -193,6 +193,7 @@ class Trainer:
         self.checkpointer = build_checkpointer(self)
         self.checkpointer.load()
         self.gc_schedule = ScheduledGC(t.gc_every)  # last: a failed start leaves Python's collector as it was
+        self._built_at = time.time()
 
     def close(self) -> None:
         """Stop the metric sinks and teeing stdout into the run directory; give Python its collector back."""
@@ -393,11 +394,14 @@ class Trainer:
         autotuning) to the end of its first update, GPU work included; `startup_seconds` in the summary."""
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # once: the first update's GPU work counts
-        start = process_start_time()
-        since, origin = (time.time() - start, "process start") if start else (self.clocks.session_seconds, "trainer start")
+        now, start = time.time(), process_start_time()
+        since, origin = (now - start, "process start") if start else (self.clocks.session_seconds, "trainer start")
+        first = now - self._built_at  # compilation, autotuning and the update itself
         self.startup_seconds = since
-        self.events.emit("startup", f"update {self.step} done {since:.1f} s after the {origin}", step=self.step,
-                         seconds=round(since, 3), origin=origin)
+        self.events.emit("startup", f"update {self.step} done {since:.1f} s after the {origin} ({since - first:.1f} s "
+                         f"to build the trainer: imports, model, optimizers, data; {first:.1f} s in the first update: "
+                         "compilation, autotuning, the update)", step=self.step, seconds=round(since, 3), origin=origin,
+                         build_seconds=round(since - first, 3), first_update_seconds=round(first, 3))
 
     def _window_ends(self, step: int) -> bool:
         """Whether anything reads the clocks or the device state after update `step` (log, eval, checkpoint, end)."""

@@ -38,7 +38,8 @@ def test_run_directory_holds_what_design_promises(tmp_path):
     assert any(e["kind"] == "kernel_report" for e in events)
     startup = [e for e in events if e["kind"] == "startup"]
     assert len(startup) == 1 and startup[0]["step"] == 1 and startup[0]["origin"] == "process start"
-    assert startup[0]["seconds"] > 0
+    assert startup[0]["seconds"] > 0 and startup[0]["build_seconds"] > 0 and startup[0]["first_update_seconds"] > 0
+    assert startup[0]["build_seconds"] + startup[0]["first_update_seconds"] == pytest.approx(startup[0]["seconds"], abs=2e-3)
     assert "tokens per update = 1 batch x 64 seq x 1 accum x 1 dp = 64" in (run / "stdout.log").read_text()
 
 
