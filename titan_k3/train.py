@@ -320,8 +320,13 @@ class Trainer:
     def _qk_clip(self, skip: torch.Tensor) -> None:
         """QK-Clip after the update; a skipped update (`skip`, on the device) clips nothing."""
         tau = self.cfg.optimizer.qk_clip_tau
-        for i, layer in self.model.mla_layers().items():
-            max_logit = self._all_reduce(layer.pop_max_logit(), dist.ReduceOp.MAX if self.dp_group else None)
+        layers = self.model.mla_layers()
+        if not layers:
+            return
+        # NOTE: every MLA layer's per-head maxima in one all-reduce, not one collective per layer.
+        maxima = torch.cat([layer.pop_max_logit() for layer in layers.values()])
+        maxima = self._all_reduce(maxima, dist.ReduceOp.MAX if self.dp_group else None)
+        for (i, layer), max_logit in zip(layers.items(), maxima.split([layer.n_heads for layer in layers.values()])):
             self.qk_clip_max_logits[i] = max_logit
             if tau > 0:
                 # NOTE: a max of 0 clips no head (gamma = 1 unless the max exceeds tau > 0).
