@@ -90,6 +90,12 @@ def launch(name: str, nproc: int, overrides: list[str], args, extra: list[str]) 
     return RUNS / slug
 
 
+def _spread(row: dict) -> str:
+    """' (290K / 301K / 324K)': the window rates' min / median / max, where the row has them."""
+    spread = row.get("window_spread")
+    return f" ({' / '.join(f'{x / 1e3:.0f}K' for x in spread)})" if spread else ""
+
+
 def _startup_seconds(run_dir: Path) -> float | None:
     """Rank 0's "startup" event: seconds from its process start to the end of its first update (None if absent)."""
     events = read_jsonl(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() else []
@@ -157,13 +163,15 @@ def main() -> int:
         records = read_jsonl(run_dir / "metrics.jsonl")
         steady = steady_state(records, args.warmup_step)
         rows.append({"setup": name, "gpus": nproc, "steps": args.steps, "losses": {r["step"]: r["loss"] for r in records},
-                     "tokens_per_s": steady.tokens_per_second, "mfu": steady.mfu, "startup_s": _startup_seconds(run_dir),
+                     "tokens_per_s": steady.tokens_per_second, "window_spread": steady.spread, "mfu": steady.mfu,
+                     "startup_s": _startup_seconds(run_dir),
                      "peak_gib": max((r.get("memory_peak_allocated_gib", 0.0) for r in records), default=0.0)})
         print(json.dumps(rows[-1]), flush=True)
     base = next((r for r in rows if r["setup"] == "1 GPU" and "error" not in r), None)
     noise = next((r for r in rows if r["setup"] == NOISE and "error" not in r), None)
     header = ("| date | commit | GPUs | torch | setup | shape | updates | loss at logged updates (first / mid / last) | "
-              "max loss gap vs 1 GPU, abs / rel | gap / noise | tokens/s (all GPUs) | tokens/s per GPU | scaling vs 1 GPU "
+              "max loss gap vs 1 GPU, abs / rel | gap / noise | tokens/s (all GPUs; windows min / median / max) | "
+              "tokens/s per GPU | scaling vs 1 GPU "
               "| MFU | peak GiB per GPU | process start to first update s |\n|" + "---|" * 16)
     noise_gap = _loss_gaps(noise, base)[0] if noise is not None and base is not None else None
     lines = []
@@ -185,7 +193,7 @@ def main() -> int:
         startup = f"{r['startup_s']:.1f}" if r.get("startup_s") is not None else "—"
         seqs = args.batch * (r["gpus"] * args.weak if args.weak else args.gpus)
         lines.append(f"{lead} B{args.batch} T{args.seq}, global {seqs} seqs | {r.get('steps', '—')} | "
-                     f"{shown} | {gap} | {vs_noise} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / r['gpus']:,.0f} | "
+                     f"{shown} | {gap} | {vs_noise} | {r['tokens_per_s']:,.0f}{_spread(r)} | {r['tokens_per_s'] / r['gpus']:,.0f} | "
                      f"{scaling} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | {startup} |")
     table = header + "\n" + "\n".join(lines)
     if extra:

@@ -1,6 +1,7 @@
 """The summarizer's arithmetic on hand-written records: time-weighted windows, warm-up, restarts, probes."""
 
 import json
+import math
 
 import pytest
 
@@ -28,6 +29,9 @@ def test_steady_rate_is_time_weighted_over_windows_after_warmup():
     assert steady.mfu == pytest.approx((0.05 * 10 + 0.025 * 20 + 0.05 * 10) / 40)
     assert steady_state(RECORDS, warmup_step=0).tokens_per_second == pytest.approx(4000 / 90)
     assert steady_state(RECORDS, warmup_step=15).windows == 2  # the window starting at 10 is excluded
+    assert steady.rates == pytest.approx((100, 50, 100)) and steady.spread == pytest.approx((50, 100, 100))
+    assert steady_state(RECORDS, warmup_step=15).spread == pytest.approx((50, 75, 100))  # even count: mean of two
+    assert all(math.isnan(x) for x in steady_state(RECORDS, warmup_step=99).spread)
 
 
 def test_a_restart_opens_no_window_across_it():

@@ -40,10 +40,19 @@ class Steady:
     seconds: float
     windows: int
     mfu: float
+    rates: tuple[float, ...] = ()  # each counted window's tokens/s, in step order
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+    @property
+    def spread(self) -> tuple[float, float, float]:
+        """(min, median, max) of the window rates: how steady the steady rate was (nan without windows)."""
+        if not self.rates:
+            return (float("nan"),) * 3
+        r = sorted(self.rates)
+        return r[0], (r[(len(r) - 1) // 2] + r[len(r) // 2]) / 2, r[-1]
 
 
 def windows(records: list[dict]) -> list[tuple[dict, dict]]:
@@ -63,7 +72,7 @@ def windows(records: list[dict]) -> list[tuple[dict, dict]]:
 def steady_state(records: list[dict], warmup_step: int = 0) -> Steady:
     """Tokens and training seconds summed over the windows starting at or after `warmup_step`."""
     tokens = seconds = mfu_seconds = 0.0
-    n = 0
+    rates = []
     for prev, cur in windows(records):
         if prev["step"] < warmup_step:
             continue
@@ -72,8 +81,8 @@ def steady_state(records: list[dict], warmup_step: int = 0) -> Steady:
         seconds += dt
         # A record's MFU is its window's rate times a constant, so weighting by time recovers the steady MFU.
         mfu_seconds += cur.get("mfu", float("nan")) * dt
-        n += 1
-    return Steady(tokens, seconds, n, mfu_seconds / seconds if seconds > 0 else float("nan"))
+        rates.append((cur["tokens_seen"] - prev["tokens_seen"]) / dt)
+    return Steady(tokens, seconds, len(rates), mfu_seconds / seconds if seconds > 0 else float("nan"), tuple(rates))
 
 
 def probe_of(config: dict) -> str | None:
