@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,8 +52,7 @@ class Steady:
         """(min, median, max) of the window rates: how steady the steady rate was (nan without windows)."""
         if not self.rates:
             return (float("nan"),) * 3
-        r = sorted(self.rates)
-        return r[0], (r[(len(r) - 1) // 2] + r[len(r) // 2]) / 2, r[-1]
+        return min(self.rates), statistics.median(self.rates), max(self.rates)
 
 
 def windows(records: list[dict]) -> list[tuple[dict, dict]]:
