@@ -395,18 +395,15 @@ class Trainer:
         return results
 
     def _report_startup(self) -> None:
-        """One "startup" event: seconds from this process's start (interpreter, imports, build, compile, first
-        autotuning) to the end of its first update, GPU work included; `startup_seconds` in the summary."""
+        """Seconds from this process's start (interpreter, imports, build, compile, first autotuning) to the end of
+        its first update, GPU work included: the reporter's "startup" event and gauge, `startup_seconds` here."""
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # once: the first update's GPU work counts
         now, start = time.time(), process_start_time()
         since, origin = (now - start, "process start") if start else (self.clocks.session_seconds, "trainer start")
         first = now - self._built_at  # compilation, autotuning and the update itself
         self.startup_seconds = since
-        self.events.emit("startup", f"update {self.step} done {since:.1f} s after the {origin} ({since - first:.1f} s "
-                         f"to build the trainer: imports, model, optimizers, data; {first:.1f} s in the first update: "
-                         "compilation, autotuning, the update)", step=self.step, seconds=round(since, 3), origin=origin,
-                         build_seconds=round(since - first, 3), first_update_seconds=round(first, 3))
+        self.reporter.report_startup(self.step, since - first, first, origin)
 
     def _window_ends(self, step: int) -> bool:
         """Whether anything reads the clocks or the device state after update `step` (log, eval, checkpoint, end)."""

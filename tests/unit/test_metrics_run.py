@@ -146,6 +146,8 @@ def test_endpoint_serves_parseable_exposition_during_the_run(run):
     assert value("titan_k3_step") == STEPS
     assert value("titan_k3_kernel_fallback", op="kda") == 1.0  # auto on a CPU falls back to the torch reference
     assert value("titan_k3_memory_bytes", kind="host_rss") > 0
+    build, first = value("titan_k3_startup_seconds", phase="build"), value("titan_k3_startup_seconds", phase="first_update")
+    assert build > 0 and first > 0 and value("titan_k3_startup_seconds", phase="total") == pytest.approx(build + first)
     exposed = {s[0] for s in samples}
     for name, (kind, _, _) in NAMES.items():
         if name != "titan_k3_invariant_violations_total":

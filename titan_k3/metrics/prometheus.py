@@ -33,6 +33,9 @@ NAMES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "titan_k3_invariant_violations_total": ("counter", ("check",), "Invariant violations by check."),
     "titan_k3_kernel_fallback": ("gauge", ("op",), "1 when the op runs a fallback instead of the fast path asked for."),
     "titan_k3_data_wait_fraction": ("gauge", (), "Share of the training clock spent waiting for batches."),
+    "titan_k3_startup_seconds": ("gauge", ("phase",), "Seconds from the process start to the end of its first update: "
+                                 "phase=build (imports, model, optimizers, data), first_update (compilation, "
+                                 "autotuning, the update) or total."),
     "titan_k3_expert_relative_load": ("histogram", ("layer",),
                                       "Each expert's load over the uniform share, observed every log step (1 = balanced)."),
 }
@@ -92,6 +95,11 @@ class PrometheusExporter:
         """choices: KernelChoice-like objects with .op and .fallback."""
         for c in choices:
             self._m("titan_k3_kernel_fallback", op=c.op).set(1.0 if c.fallback else 0.0)
+
+    def set_startup(self, build_seconds: float, first_update_seconds: float) -> None:
+        for phase, seconds in (("build", build_seconds), ("first_update", first_update_seconds),
+                               ("total", build_seconds + first_update_seconds)):
+            self._m("titan_k3_startup_seconds", phase=phase).set(seconds)
 
     def declare_checks(self, checks) -> None:
         """Expose every invariant's counter at 0 from the start."""

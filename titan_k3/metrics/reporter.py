@@ -96,6 +96,20 @@ class MetricsReporter:
         if self.exporter is not None:
             self.exporter.set_kernels(choices)
 
+    def report_startup(self, step: int, build_seconds: float, first_update_seconds: float, origin: str) -> None:
+        """The "startup" event and gauge: the seconds from `origin` (the process start) to the end of update `step`,
+        split into building the trainer and the first update."""
+        if self.rank != 0:
+            return
+        total = build_seconds + first_update_seconds
+        self.events.emit("startup", f"update {step} done {total:.1f} s after the {origin} ({build_seconds:.1f} s to "
+                         f"build the trainer: imports, model, optimizers, data; {first_update_seconds:.1f} s in the first "
+                         "update: compilation, autotuning, the update)", step=step, seconds=round(total, 3),
+                         origin=origin, build_seconds=round(build_seconds, 3),
+                         first_update_seconds=round(first_update_seconds, 3))
+        if self.exporter is not None:
+            self.exporter.set_startup(build_seconds, first_update_seconds)
+
     # ------------------------------------------------------------------ per step
     def is_log_step(self, step: int) -> bool:
         return step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps
