@@ -230,6 +230,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         self.ns_dtype = ns_dtype
         self.ns_graphs = NewtonSchulzGraphs() if ns_cuda_graphs else None
         self.skip_if: torch.Tensor | None = None
+        self._layouts: dict[torch.Tensor, tuple[bool, ParamSpec | None]] = {}
         self.grad_scale: torch.Tensor | None = None
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
@@ -271,7 +272,7 @@ class PerHeadMuon(torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
-                if _row_sharded(p):
+                if self._layout(p, spec)[0]:
                     sharded.append((p, group, spec))
                     continue
                 key = (p.device, p.dtype, group["lr"], group["weight_decay"], group["momentum"], group["nesterov"],
@@ -282,6 +283,18 @@ class PerHeadMuon(torch.optim.Optimizer):
         if sharded:
             self._step_sharded(sharded, skip, scale)
         return loss
+
+    def _layout(self, p: torch.Tensor, spec: ParamSpec) -> tuple[bool, ParamSpec | None]:
+        """(row-sharded, the spec of its local blocks or None) of a parameter: fixed for its life, found once.
+
+        NOTE: worked out per parameter and step, these placement and mesh queries were a few ms of host time
+        per update in the sharded step, which bounds an FSDP2 update (benchmarks/results/scaling.md).
+        """
+        layout = self._layouts.get(p)
+        if layout is None:
+            sharded = _row_sharded(p)
+            layout = self._layouts[p] = (sharded, _local_block_spec(p, spec) if sharded else None)
+        return layout
 
     def _step_batch(self, members: list, lr: float, wd: float, momentum: float, nesterov: bool, ns_steps: int,
                     skip: torch.Tensor | None, scale: torch.Tensor | None) -> None:
@@ -356,7 +369,7 @@ class PerHeadMuon(torch.optim.Optimizer):
                     directions[p] = d.view(g.shape)
         local, remote = {}, []
         for p, group, spec in items:
-            local_spec = _local_block_spec(p, spec)
+            local_spec = self._layout(p, spec)[1]
             if local_spec is None:
                 remote.append((p, group, spec, directions[p]))
             elif directions[p].numel() > 0:
