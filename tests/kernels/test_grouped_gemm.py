@@ -276,3 +276,24 @@ def test_a_measured_key_compiles_its_winner_alone(monkeypatch):
     assert prune(candidates, {**measured, "dout_ptr": Operand("cpu")}, N_EXPERTS=176) == candidates
     monkeypatch.setattr(tuned.torch.cuda, "get_device_capability", lambda device: (8, 0))
     assert prune(candidates, measured, N_EXPERTS=176) == candidates  # another GPU architecture
+
+
+def test_every_known_winner_names_a_candidate_of_its_kernel(monkeypatch):
+    """The GPU candidate lists (not the interpreter's single config) hold every tuned index, with the tile the
+    results table names (benchmarks/results/grouped_gemm.md, session 8)."""
+    from kernels.grouped_gemm import triton_gemm, tuned
+
+    monkeypatch.setattr(triton_gemm, "INTERPRET", False)
+    candidates = {"mm": triton_gemm.mm_configs(), "mm_dual": triton_gemm.epilogue_configs(),
+                  "wgrad": triton_gemm.wgrad_configs(dual=False), "wgrad_dual": triton_gemm.wgrad_configs(dual=True),
+                  "glu_up": triton_gemm.epilogue_configs(), "glu_bwd": triton_gemm.epilogue_configs()}
+    winners = {kernel: (candidates[kernel][index].kwargs, candidates[kernel][index].num_warps)
+               for (kernel, *_), index in tuned.TUNED.items()}
+    assert winners == {
+        "mm": ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8),
+        "mm_dual": ({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, 8),
+        "wgrad": ({"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_R": 64}, 8),
+        "wgrad_dual": ({"BLOCK_K": 128, "BLOCK_N": 64, "BLOCK_R": 64}, 8),
+        "glu_up": ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, 8),
+        "glu_bwd": ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4),
+    }
