@@ -66,6 +66,17 @@ def test_bf16_gradients(lengths):
         assert rel_rms(a, b) < 2e-2, name
 
 
+def float32_errors(xs, h0) -> dict[str, float]:
+    """Relative RMS errors of the float32 kernels against the float64 recurrence: o, S and every gradient."""
+    do = torch.randn(*xs[2].shape, device="cuda", dtype=torch.float64)
+    dS = torch.randn(h0.shape, device="cuda", dtype=torch.float64)
+    o_ref, S_ref, grads_ref = grads_of(recurrent_kda, xs, h0.double(), do, dS)
+    o, S, grads = grads_of(chunk_kda, [x.float() for x in xs], h0, do.float(), dS.float())
+    errors = {"o": rel_rms(o, o_ref), "S": rel_rms(S, S_ref)}
+    errors.update((name, rel_rms(a, b)) for name, a, b in zip(["q", "k", "v", "g", "beta", "h0"], grads, grads_ref))
+    return errors
+
+
 @pytest.mark.parametrize("decay", ["random", "constant -8", "resets"])
 def test_float32_small_against_float64_recurrence(decay):
     """Random decays take the split tensor-core products; -8 everywhere and g = -1000 resets the exact column loop."""
@@ -74,13 +85,10 @@ def test_float32_small_against_float64_recurrence(decay):
         xs[3] = torch.full_like(xs[3], -8.0)
     elif decay == "resets":
         xs[3][:, 5::37] = -1000.0  # not at row 0: the initial state keeps a gradient to compare
-    do = torch.randn(2, 300, 2, 64, device="cuda", dtype=torch.float64)
-    dS = torch.randn(h0.shape, device="cuda", dtype=torch.float64)
-    o_ref, S_ref, grads_ref = grads_of(recurrent_kda, xs, h0.double(), do, dS)
-    o, S, grads = grads_of(chunk_kda, [x.float() for x in xs], h0, do.float(), dS.float())
-    assert rel_rms(o, o_ref) < 5e-3 and rel_rms(S, S_ref) < 5e-3
-    for name, a, b in zip(["q", "k", "v", "g", "beta", "h0"], grads, grads_ref):
-        assert rel_rms(a, b) < 2e-2, name
+    errors = float32_errors(xs, h0)
+    assert errors.pop("o") < 5e-3 and errors.pop("S") < 5e-3
+    for name, err in errors.items():
+        assert err < 2e-2, name
 
 
 def test_hard_resets_bf16_finite():
@@ -165,13 +173,10 @@ def test_float32_wide_gradients_against_float64_recurrence(B, T, H):
     """K = 128 (two K tiles) in float32 through the default unfused backward: pipelined, dq, dk, dg went 40-120%
     off on an H200 with Triton 3.6, down to one 16-token chunk (kernels/kda/ops.py `_dchunk_launch`)."""
     *xs, h0 = inputs(B, T, H, 128, 128, dtype=torch.float64, seed=12)
-    do = torch.randn(B, T, H, 128, device="cuda", dtype=torch.float64)
-    dS = torch.randn(h0.shape, device="cuda", dtype=torch.float64)
-    o_ref, S_ref, grads_ref = grads_of(recurrent_kda, xs, h0.double(), do, dS)
-    o, S, grads = grads_of(chunk_kda, [x.float() for x in xs], h0, do.float(), dS.float())
-    assert rel_rms(o, o_ref) < 1e-4 and rel_rms(S, S_ref) < 1e-4
-    for name, a, b in zip(["q", "k", "v", "g", "beta", "h0"], grads, grads_ref):
-        assert rel_rms(a, b) < 1e-4, name
+    errors = float32_errors(xs, h0)
+    assert errors.pop("o") < 1e-4 and errors.pop("S") < 1e-4
+    for name, err in errors.items():
+        assert err < 1e-4, name
 
 
 @pytest.mark.parametrize("path", list(SAFE_PATHS))
