@@ -38,7 +38,8 @@ from titan_k3.models.k3.model import K3Model
 from titan_k3.models.k3.moe import apply_deferred_updates
 from titan_k3.optim import LRSchedule, ParamSpec, build_optimizers, qk_clip_
 from titan_k3.parallel import (
-    CompileWatch, grad_norm_and_clip_coef, init_weights, parallelize, setup_distributed, sum_replicated_grads,
+    CompileWatch, grad_norm_and_clip_coef, init_weights, parallelize, set_microbatch_sync, setup_distributed,
+    sum_replicated_grads,
 )
 
 IGNORE_INDEX = -100
@@ -254,7 +255,10 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"
                                   and cfg.training.compute_dtype == "bfloat16")
-        for b in batches:
+        defer_reduce = cfg.parallelism.fsdp_defer_grad_reduce and len(batches) > 1
+        for i, b in enumerate(batches):
+            if defer_reduce:
+                set_microbatch_sync(self.model, last=i == len(batches) - 1)
             with autocast:
                 out = self.model(host_to_device(b.input_ids, self.device), host_to_device(b.labels, self.device),
                                  b.cu_seqlens)

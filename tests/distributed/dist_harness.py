@@ -6,7 +6,8 @@ GLOBAL_BATCH / W). Recorded per step: loss, grad norm, the fingerprints of
 every sequence this rank trained on, the largest MLA logit that QK-Clip saw,
 and (distributed) whether the routing state is bit-identical on all ranks;
 per run: how many blocking all-to-alls (expert parallelism's count exchanges,
-each a host wait) ran, and how many graph breaks fell at functions dynamo skips.
+each a host wait) and how many reduce-scatters ran, and how many graph breaks
+fell at functions dynamo skips.
 """
 
 from __future__ import annotations
@@ -59,14 +60,20 @@ def run_trainer(argv: list[str], dump: str, name: str, steps: int = STEPS) -> di
 
         layer.pop_max_logit = recording_pop
     out = {"loss": [], "grad_norm": [], "fingerprints": [], "routing_identical": [], "max_logit": max_logits,
-           "count_exchanges": 0, "moe_layers": len(trainer.model.moe_routers())}
-    all_to_all_single = dist.all_to_all_single
+           "count_exchanges": 0, "reduce_scatters": 0, "moe_layers": len(trainer.model.moe_routers())}
+    counted = {"all_to_all_single": "count_exchanges",
+               **{name: "reduce_scatters" for name in ("reduce_scatter_tensor", "reduce_scatter_single")
+                  if hasattr(dist, name)}}
+    originals = {name: getattr(dist, name) for name in counted}
 
-    def counting_all_to_all_single(*args, **kwargs):
-        out["count_exchanges"] += 1
-        return all_to_all_single(*args, **kwargs)
+    def counting(name):
+        def call(*args, **kwargs):
+            out[counted[name]] += 1
+            return originals[name](*args, **kwargs)
+        return call
 
-    dist.all_to_all_single = counting_all_to_all_single
+    for name in counted:
+        setattr(dist, name, counting(name))
     try:
         for _ in range(steps):
             result = trainer.train_step()
@@ -80,7 +87,8 @@ def run_trainer(argv: list[str], dump: str, name: str, steps: int = STEPS) -> di
         # Breaks at functions dynamo must skip (FSDP hooks inside a compiled region), apart from data-dependent ones.
         out["skipped_function_breaks"] = sum(n for reason, n in counters["graph_break"].items() if "skipped" in reason)
     finally:
-        dist.all_to_all_single = all_to_all_single
+        for name, original in originals.items():
+            setattr(dist, name, original)
         trainer.close()
     return out
 

@@ -7,7 +7,8 @@ relative, grad norm within 1e-4 relative, the routing state bit-identical on
 every rank after every step, and the ranks' sequences together exactly the
 single process's sequences. Activation checkpointing (selective, full) and
 torch.compile ride along on some runs, and one keeps FSDP2's parameters
-gathered from forward to backward: they must not move the numbers either.
+gathered from forward to backward, and one reduces the gradients after every
+micro-batch instead of once per update: they must not move the numbers either.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def test_two_processes_fsdp2_and_ep(reference, tmp_path):
         ("fsdp2_ep2_ac_full", ["--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "full"], STEPS),
         ("fsdp2_ep2_a2a_ac_full", ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_dispatch",
                                    "all_to_all", "--activation_checkpoint.mode", "full"], STEPS),
+        # Gradients reduced after every micro-batch instead of once per update: the same numbers, twice the reductions.
+        ("fsdp2_reduce_each_micro_batch", ["--parallelism.fsdp_defer_grad_reduce", "false"], STEPS),
         ("fsdp2_compile", ["--compile.enable", "true", "--compile.backend", "aot_eager"], 2),
         ("fsdp2_ep2_compile", ["--parallelism.expert_parallel_degree", "2", "--compile.enable", "true",
                                "--compile.backend", "aot_eager"], 2),
@@ -70,6 +73,9 @@ def test_two_processes_fsdp2_and_ep(reference, tmp_path):
     ranks = run_distributed(2, runs, tmp_path)
     for name, _, steps in runs:
         _check(ranks, reference, name, steps)
+    # By default the micro-batches of an update sum their gradients unsharded and reduce them once.
+    deferred, each = (ranks[0][run]["reduce_scatters"] for run in ("fsdp2_ac_selective", "fsdp2_reduce_each_micro_batch"))
+    assert 0 < deferred and each == GRAD_ACCUM * deferred, (deferred, each)
     # The routers stay out of FSDP, and so do the experts where the expert mesh has one rank (EP 2 of 2):
     # no FSDP hook inside a compiled sublayer breaks its graph.
     for run in ("fsdp2_compile", "fsdp2_ep2_compile"):

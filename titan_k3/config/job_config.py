@@ -132,6 +132,8 @@ class Parallelism:
     """How routed rows reach the experts' ranks under EP. all_gather: every rank gathers the group's latent rows and routing, runs its own experts on the rows routed to them, and a reduce-scatter sums the outputs home; fixed sizes, so no host wait and the MoE sublayer compiles whole, at the cost of expert buffers sized for all the group's token-slots (right for small EP inside a node). all_to_all: only the routed rows travel, sized by a per-layer count exchange the host waits for (right for large EP)."""
     fsdp_reshard_after_forward: bool = True
     """Free each block's gathered parameters after its forward and gather them again for backward (FSDP2's default); false keeps them from forward to backward: one all-gather per block and step instead of two, for the memory of the unsharded bf16 parameters."""
+    fsdp_defer_grad_reduce: bool = True
+    """With training.grad_accum > 1: sum each micro-batch's gradients unsharded (float32) and reduce-scatter them once, after the last micro-batch, keeping the gathered parameters between micro-batches: one reduce-scatter and at most one all-gather per block and update instead of one per micro-batch, for the memory of the unsharded float32 gradients and bf16 parameters (6 bytes per parameter of the model); false reduces after every micro-batch (least memory)."""
 
 
 @dataclass

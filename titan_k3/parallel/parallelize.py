@@ -220,6 +220,21 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, mesh, param_dtype: torch.dt
             _sum_gradients(module)
 
 
+def set_microbatch_sync(model: nn.Module, last: bool) -> None:
+    """Before a micro-batch's backward: reduce gradients (and reshard after backward) only if it is the update's `last`.
+
+    NOTE: the earlier micro-batches sum their gradients into unsharded float32
+    buffers and keep the parameters gathered, so an update of A micro-batches
+    moves one reduce-scatter and one all-gather per block, not A of each.
+    A model without FSDP is left alone.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
+
+
 def _sum_gradients(module) -> None:
     """Make FSDP sum gradients instead of averaging them (torch 2.11 and 2.13 spell it differently)."""
     if hasattr(module, "set_force_sum_reduction_for_comms"):
