@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from dist_harness import spawn_gloo
 
-WORLD, T, K, E, L, F = 2, 24, 3, 8, 16, 12
+# NOTE: E > 2 x 256: the all_gather dispatch sends ids as (id // 256, id % 256), and both parts must be exercised.
+WORLD, T, K, E, L, F = 2, 24, 3, 520, 16, 12
 
 
 def dense_experts(x_TL, w1, w3, w2, idx_TK, p_TK):

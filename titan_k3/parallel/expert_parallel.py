@@ -9,7 +9,7 @@ LatentMoE projects down before the experts) travel to the experts' ranks in
 one of two ways (`parallelism.expert_dispatch`):
 
 all_gather (the default): every rank gathers the group's latent rows, routing
-weights and expert ids ([W*T, ...], one all-gather each), runs its own experts
+weights and expert ids ([W*T, ...], packed into one all-gather), runs its own experts
 on the slots routed to them (other ranks' slots carry the id E_loc, which
 sorts past this rank's last expert: the grouped kernels leave those rows zero
 and do no GEMM work for them), and a reduce-scatter sums the W partial outputs
@@ -45,9 +45,9 @@ from titan_k3.models.k3.moe import count_ids, in_routing_recompute
 # NOTE: torch 2.13 renamed the autograd collectives (the old names warn); torch 2.11 has only the old ones.
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 _reduce_scatter_autograd = getattr(funcol, "reduce_scatter_single_autograd", None) or funcol.reduce_scatter_tensor_autograd
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 DISPATCHES = ("all_gather", "all_to_all")
+_ID_BASE = 256  # expert ids ride the dispatch's all-gather as two floats below 256 (exact in bf16): E <= 65,536
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -75,6 +75,7 @@ class ExpertParallel:
         self.n_experts = n_experts
         self.top_k = top_k
         assert n_experts % self.ep == 0
+        assert n_experts <= _ID_BASE ** 2, f"{n_experts} experts: the all_gather dispatch sends ids below {_ID_BASE ** 2}"
         self.n_local = n_experts // self.ep
         # (counts_E, recv_counts, send_split, recv_split) of the last all-to-all training forward, for its recompute.
         self._splits_for_recompute: tuple | None = None
@@ -96,9 +97,16 @@ class ExpertParallel:
 
     def _gathered(self, z_TL, w1, w3, w2, experts_TK, weights_TK) -> torch.Tensor:
         T, k = experts_TK.shape
-        z_GL = _all_gather_autograd(z_TL.contiguous(), 0, self.group)  # G = W*T, rank-major
-        p_GK = _all_gather_autograd(weights_TK.contiguous(), 0, self.group)
-        ids_GK = _all_gather(experts_TK.contiguous(), 0, self.group)
+        L = z_TL.shape[1]
+        # NOTE: one all-gather carries the rows, their routing weights and their expert ids, not three: every
+        # collective costs a launch and a latency on the MoE's critical path, in forward and (as a
+        # reduce-scatter) in backward. An id travels as two small whole numbers (id // 256, id % 256), exact
+        # in any float dtype, as values (not bit patterns, which a fused copy could flush as subnormals).
+        ids_TK2 = torch.cat([experts_TK // _ID_BASE, experts_TK % _ID_BASE], dim=1).to(z_TL.dtype)
+        packed_GC = _all_gather_autograd(torch.cat([z_TL, weights_TK.to(z_TL.dtype), ids_TK2], dim=1), 0, self.group)
+        z_GL, p_GK = packed_GC[:, :L].contiguous(), packed_GC[:, L:L + k]  # G = W*T, rank-major
+        hi_GK, lo_GK = packed_GC[:, L + k:].detach().long().split(k, dim=1)
+        ids_GK = hi_GK * _ID_BASE + lo_GK
         local_GK = ids_GK - self.rank * self.n_local
         mine_GK = (local_GK >= 0) & (local_GK < self.n_local)
         # Other ranks' slots get the id E_loc (past the last local expert) and weight 0: they contribute nothing.
