@@ -35,6 +35,12 @@ def _slot_tile(pid, offsets_ptr, n_rows, F, N_EXPERTS: tl.constexpr, E_POW2: tl.
     return expert, row_start, row_end, local, row_mask, cols, col_mask
 
 
+@triton.jit
+def _in_group(row_mask, expert):
+    """row_mask, cleared where the tile is the tail past offsets[-1] (expert -1); a [BLOCK_M] tensor, not a scalar."""
+    return row_mask & ((row_mask.to(tl.int32) * 0 + expert) >= 0)
+
+
 @tuned_autotune("glu_up", epilogue_configs(), key=["L", "F", "N_EXPERTS", "STORE_GU"])
 @triton.jit
 def glu_up_kernel(
@@ -50,6 +56,10 @@ def glu_up_kernel(
     share that load; the GLU runs in float32 on the accumulators. g and u
     (rounded to h's dtype) are stored for the backward when STORE_GU.
     h, g, u are [S, F] with row stride stride_s.
+    NOTE: slots past offsets[-1] (the tail: under the EP all_gather dispatch,
+    the other ranks' half of the slots) are left unwritten: every consumer
+    (the w2 GEMM, its weight gradient, glu_bwd) skips the tail, and writing
+    zeros there cost 3 x [S/2, F] of memory traffic per EP2 layer.
     """
     expert, row_start, row_end, local, row_mask, cols, col_mask = _slot_tile(
         tl.program_id(0), offsets_ptr, n_rows, F, N_EXPERTS, E_POW2, BLOCK_M, BLOCK_N
@@ -72,7 +82,7 @@ def glu_up_kernel(
     h = 4.0 * _tanh(acc_g * 0.25) * tl.sigmoid(acc_g) * (25.0 * _tanh(acc_u * 0.04))
     base = row_start.to(tl.int64) * stride_s
     s_off = local[:, None] * stride_s + cols[None, :]
-    s_mask = row_mask[:, None] & col_mask[None, :]
+    s_mask = _in_group(row_mask, expert)[:, None] & col_mask[None, :]  # the tail stays unwritten
     tl.store(h_ptr + base + s_off, h.to(h_ptr.dtype.element_ty), mask=s_mask)
     if STORE_GU:
         tl.store(g_ptr + base + s_off, acc_g.to(g_ptr.dtype.element_ty), mask=s_mask)
@@ -93,6 +103,8 @@ def glu_bwd_kernel(
     With a(g) = 4 tanh(g/4) sigmoid(g) and b(u) = 25 tanh(u/25):
     dg = dh * b(u) * a'(g), du = dh * a(g) * b'(u). dout [S, L] (row stride
     stride_do, unit column stride); g, u, dg, du are [S, F] with row stride stride_s.
+    The tail past offsets[-1] is skipped (glu_up left g, u unwritten there; the
+    dx GEMM and the weight gradients never read dg, du there).
     """
     expert, row_start, row_end, local, row_mask, cols, col_mask = _slot_tile(
         tl.program_id(0), offsets_ptr, n_rows, F, N_EXPERTS, E_POW2, BLOCK_M, BLOCK_N
@@ -111,7 +123,7 @@ def glu_bwd_kernel(
         dh = tl.dot(a, b, dh, input_precision=PRECISION)
     base = row_start.to(tl.int64) * stride_s
     s_off = local[:, None] * stride_s + cols[None, :]
-    s_mask = row_mask[:, None] & col_mask[None, :]
+    s_mask = _in_group(row_mask, expert)[:, None] & col_mask[None, :]  # the tail is neither read nor written
     g = tl.load(g_ptr + base + s_off, mask=s_mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + base + s_off, mask=s_mask, other=0.0).to(tl.float32)
     tg = _tanh(g * 0.25)
