@@ -131,26 +131,3 @@ def test_compile_cache_dir_points_inductor_and_triton_at_shared_storage(tmp_path
     import triton
 
     assert triton.knobs.cache.dir == str(root / "triton")  # read when a kernel is compiled, not at import
-
-
-def test_collective_overlap_is_asked_only_where_a_compiled_sublayer_holds_collectives():
-    import dataclasses
-
-    from titan_k3.models.k3.args import get_flavor
-    from titan_k3.models.k3.impl import reference_impl
-    from titan_k3.models.k3.model import K3Model
-    from titan_k3.parallel.expert_parallel import ExpertParallel
-    from titan_k3.parallel.parallelize import OVERLAP_OPTIONS, overlap_options
-
-    with torch.device("meta"):
-        model = K3Model(dataclasses.replace(get_flavor("debug", 64), n_layers=4), reference_impl())
-    moe = [b for b in model.layers.values() if b.is_moe]
-    assert moe and len(moe) < len(model.layers)
-    assert all(overlap_options(b) is None for b in model.layers.values())  # no EP: no collective in any sublayer
-    for waits_on_host, expected in ((False, OVERLAP_OPTIONS), (True, None)):  # all_gather, all_to_all dispatch
-        ep = ExpertParallel.__new__(ExpertParallel)  # the class's check, without a process group
-        ep.waits_on_host = waits_on_host
-        for b in moe:
-            b.ffn.experts_fn = ep
-        assert [overlap_options(b) for b in moe] == [expected] * len(moe)
-        assert all(overlap_options(b) is None for b in model.layers.values() if not b.is_moe)

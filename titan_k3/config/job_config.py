@@ -148,8 +148,6 @@ class Compile:
     """torch.compile each block's sublayers (norm + attention, norm + FFN) and residual mixes."""
     backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     """torch.compile backend; aot_eager traces and partitions like inductor without code generation (CPU tests)."""
-    overlap_collectives: bool = False
-    """Let inductor issue the collectives inside compiled sublayers early and wait for them late (only the MoE under expert_dispatch = "all_gather" has any), so independent work such as the shared expert runs while rows travel."""
     cache_dir: str = ""
     """Directory for inductor's and Triton's compiled kernels (empty: torch's per-machine default under /tmp); on storage every node sees, a restarted or rescheduled run starts without recompiling."""
 

@@ -46,7 +46,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg, device: torch.d
     if cfg.compile.enable:
         if cfg.compile.cache_dir:
             use_compile_cache(cfg.compile.cache_dir)
-        apply_compile(model, cfg.compile.backend, cfg.compile.overlap_collectives)
+        apply_compile(model, cfg.compile.backend)
         choices.append(KernelChoice("compile", cfg.compile.backend, cfg.compile.backend, False, "per sublayer"))
     if mesh is not None:
         apply_fsdp(model, dims, mesh, param_dtype=DTYPES[cfg.training.compute_dtype],
@@ -144,7 +144,7 @@ def use_compile_cache(path: str) -> Path:
     return root
 
 
-def apply_compile(model: nn.Module, backend: str, overlap_collectives: bool = False) -> None:
+def apply_compile(model: nn.Module, backend: str) -> None:
     """torch.compile every block's sublayers and residual mixes in place; graph breaks are reported by CompileWatch.
 
     NOTE: the compiled units are the attention and FFN sublayers (norm +
@@ -168,33 +168,12 @@ def apply_compile(model: nn.Module, backend: str, overlap_collectives: bool = Fa
     dynamo_config.fail_on_recompile_limit_hit = True
     for block in model.layers.values():
         block.attn_sublayer = torch.compile(block.attn_sublayer, backend=backend)
-        options = overlap_options(block) if overlap_collectives and backend == "inductor" else None
-        block.ffn_sublayer = torch.compile(block.ffn_sublayer, backend=backend, options=options)
+        block.ffn_sublayer = torch.compile(block.ffn_sublayer, backend=backend)
     # NOTE: a mix that runs the fused kernel (kernels.attn_res) is one custom op: compiling it would only add
     # start-up time. The PyTorch reference mix is compiled.
     for mix in [m for block in model.layers.values() for m in (block.attn_mix, block.ffn_mix)] + [model.final_mix]:
         if mix.mix is pseudo_query_mix_reference:
             mix.mix_several = torch.compile(mix.mix_several, backend=backend)
-
-
-# Inductor's own passes: issue each collective as early and wait for it as late as the graph allows.
-OVERLAP_OPTIONS = {"reorder_for_compute_comm_overlap": True,
-                   "reorder_for_compute_comm_overlap_passes": ["raise_comms", "sink_waits"]}
-
-
-def overlap_options(block: nn.Module) -> dict | None:
-    """Inductor options for a block's FFN sublayer: OVERLAP_OPTIONS where it holds collectives, else None.
-
-    NOTE: only an MoE under the EP all_gather dispatch has collectives inside its
-    compiled sublayer (the all_to_all dispatch runs outside compiled code, FSDP's
-    hooks outside the sublayers). Inductor otherwise waits for each collective
-    right where it is issued, so the shared expert that needs none of them
-    waits too; reordered, it runs while the routed rows travel.
-    """
-    experts_fn = getattr(block.ffn, "experts_fn", None) if block.is_moe else None
-    if isinstance(experts_fn, ExpertParallel) and not experts_fn.waits_on_host:
-        return OVERLAP_OPTIONS
-    return None
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, mesh, param_dtype: torch.dtype, reshard_after_forward: bool = True) -> None:
