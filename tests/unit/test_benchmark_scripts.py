@@ -97,3 +97,46 @@ def test_kda_precision_smoke_measures_every_gradient(tmp_path):
     rows = json.loads((tmp_path / "kda_precision.json").read_text())["rows"]
     assert len(rows) == 1 and all(rows[0][name] < 1e-4 for name in kda_precision.NAMES)
     assert "KDA gradients vs the float64 recurrence" in (tmp_path / "kda_precision.md").read_text()
+
+
+def test_startup_breakdown_buckets_the_threads_a_first_update_waits_on(tmp_path):
+    """A synthetic py-spy raw recording: each stack lands in its first matching bucket, per critical thread."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks.startup_breakdown import breakdown, critical_threads, first_call_compiles, read_raw
+
+    main, grad, other = "thread (1): MainThread", "thread (2)", "thread (3): tqdm_monitor"
+    compile_ = "compile (triton/compiler/compiler.py:300)"
+    (tmp_path / "rec.txt").write_text("\n".join([
+        f"{main};<module> (titan_k3/train.py:1);_find_and_load (<frozen importlib._bootstrap>:1) 50",
+        f"{main};train_step (titan_k3/train.py:9);kda_forward (kernels/kda/ops.py:146);run (triton/runtime/jit.py:1);{compile_} 25",
+        f"{main};train_step (titan_k3/train.py:9);call (torch/_inductor/output_code.py:1);"
+        f"kda_forward (kernels/kda/ops.py:149);{compile_} 10",
+        f"{main};train_step (titan_k3/train.py:9);_precompile_config (torch/_inductor/runtime/triton_heuristics.py:872);"
+        f"{compile_} 5",
+        f"{main};train_step (titan_k3/train.py:9);_engine_run_backward (torch/autograd/graph.py:1) 40",
+        f"{grad};apply (torch/autograd/function.py:317);_backward_impl (torch/_functorch/x.py:1);"
+        f"mix_backward (kernels/attn_res/mix.py:195);{compile_} 20",
+        f"{other};run (threading.py:1) 999",
+    ]) + "\n")
+    stacks = read_raw(tmp_path / "rec.txt")
+    threads = critical_threads(stacks)
+    assert threads == [main, grad]  # the busy monitor thread is not on the first update's path
+    counts = breakdown(stacks, threads)
+    assert counts[main]["imports"] == 50 and counts[main]["Triton compile (a kernel's first call)"] == 40
+    assert counts[main]["waiting in backward() for the autograd thread"] == 40
+    assert counts[grad]["Triton compile (a kernel's first call)"] == 20
+    sites = first_call_compiles(stacks, set(threads))
+    assert sites[(main, "kda_forward @ kernels/kda/ops.py:146")] == 25
+    assert sites[(main, "kda_forward @ kernels/kda/ops.py:149")] == 10  # ours, though called from inductor's graph
+    assert sites[(main, "inductor's generated kernels")] == 5
+    assert sites[(grad, "mix_backward @ kernels/attn_res/mix.py:195")] == 20
+
+
+def test_triton_compile_parallel_refuses_without_a_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the refusal path is for machines without CUDA")
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "triton_compile_parallel.py")], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "needs a CUDA GPU" in run.stderr
