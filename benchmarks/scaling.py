@@ -12,7 +12,8 @@ losses. Reported per setup: the loss at every logged update, its largest
 absolute and relative gap to the one-GPU run and that gap over the noise
 reference's, steady training tokens/s (time-weighted over the
 logging windows after `--warmup-step`), tokens/s per GPU, and scaling =
-rate / (N x one-GPU rate). Prints a table last and appends it to OUTDIR/scaling.md.
+rate / (N x one-GPU rate). Prints a table last and appends it to OUTDIR/scaling.md;
+OUTDIR/scaling.json holds every finished setup's row from the moment it finishes.
 `--weak A` measures weak scaling instead: every GPU, the one-GPU run included, runs A micro-batches per
 update, so the global batch grows with the GPUs and only the rates are compared.
 With `-- --profiling.enable true --profiling.start_step U`, each setup's per-rank
@@ -167,6 +168,9 @@ def main() -> int:
                      "startup_s": _startup_seconds(run_dir),
                      "peak_gib": max((r.get("memory_peak_allocated_gib", 0.0) for r in records), default=0.0)})
         print(json.dumps(rows[-1]), flush=True)
+        # NOTE: saved after every setup, so a run stopped by a time limit keeps the setups it finished (and a
+        # later `--merge` of this file takes them); the table below rewrites it whole.
+        (args.out / "scaling.json").write_text(json.dumps({"env": env, "rows": rows}, indent=2))
     base = next((r for r in rows if r["setup"] == "1 GPU" and "error" not in r), None)
     noise = next((r for r in rows if r["setup"] == NOISE and "error" not in r), None)
     header = ("| date | commit | GPUs | torch | setup | shape | updates | loss at logged updates (first / mid / last) | "

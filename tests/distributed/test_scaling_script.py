@@ -63,3 +63,30 @@ def test_weak_scaling_setups_give_every_gpu_the_one_gpu_work():
     assert list(weak) == ["1 GPU", "FSDP2 x2", "FSDP2 x2 + EP2"]  # no noise reference: losses are not compared
     assert weak["1 GPU"] == (1, ["--training.grad_accum", "2"]) and weak["FSDP2 x2"] == (2, ["--training.grad_accum", "2"])
     assert weak["FSDP2 x2 + EP2"] == (2, ["--training.grad_accum", "2", "--parallelism.expert_parallel_degree", "2"])
+
+
+def test_a_stopped_scaling_run_keeps_the_setups_it_finished(tmp_path, monkeypatch):
+    """A time limit that stops the script during its second setup leaves the first setup's row in scaling.json."""
+    sys.path.insert(0, str(REPO))
+    import benchmarks.scaling as scaling
+
+    run_dir = tmp_path / "1gpu"
+    run_dir.mkdir()
+    records = [{"step": s, "loss": 5.0 - s / 10, "training_seconds": 1.0 * s, "tokens_seen": 1000 * s} for s in (2, 4)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def launch(name, *_):
+        if name == "1 GPU":
+            return run_dir
+        raise KeyboardInterrupt  # what a time limit's signal looks like to the script
+
+    monkeypatch.setattr(scaling, "launch", launch)
+    monkeypatch.setattr(sys, "argv", ["scaling.py", "--flavor", "debug", "--warmup-step", "2", "--out", str(tmp_path / "out")])
+    try:
+        scaling.main()
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the second setup should have been interrupted")
+    rows = json.loads((tmp_path / "out" / "scaling.json").read_text())["rows"]
+    assert [r["setup"] for r in rows] == ["1 GPU"] and rows[0]["tokens_per_s"] == 1000.0
