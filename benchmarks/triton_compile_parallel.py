@@ -86,7 +86,7 @@ def main() -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("triton_compile_parallel.py: needs a CUDA GPU (Triton compiles for it)", file=sys.stderr)
+        print("triton_compile_parallel.py: needs CUDA (Triton compiles for the GPU it finds)", file=sys.stderr)
         return 2
     from benchmarks.common import environment, write_results
 

@@ -132,11 +132,31 @@ def test_startup_breakdown_buckets_the_threads_a_first_update_waits_on(tmp_path)
     assert sites[(grad, "mix_backward @ kernels/attn_res/mix.py:195")] == 20
 
 
-def test_triton_compile_parallel_refuses_without_a_gpu():
+@pytest.mark.parametrize("script", ["triton_compile_parallel.py", "host_syncs.py"])
+def test_gpu_only_diagnostics_refuse_in_one_line_without_cuda(script):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("the refusal path is for machines without CUDA")
-    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "triton_compile_parallel.py")], cwd=REPO,
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / script)], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
-    assert run.returncode == 2 and "needs a CUDA GPU" in run.stderr
+    assert run.returncode == 2 and run.stderr.strip().count("\n") == 0 and "needs CUDA" in run.stderr, run.stderr
+
+
+def test_host_syncs_names_the_call_site_of_each_synchronising_call():
+    """CUDA's sync-debug warnings are counted by the innermost frame of ours; other warnings pass through."""
+    import warnings
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks.host_syncs import SyncRecorder
+
+    # A function whose frames say titan_k3/, as the trainer's own code would, issuing the debug mode's warning.
+    source = "import warnings\n\ndef settle():\n    warnings.warn('called a synchronizing CUDA operation')\n"
+    scope: dict = {}
+    exec(compile(source, "/repo/titan_k3/fake_trainer.py", "exec"), scope)
+    with warnings.catch_warnings(record=True) as passed, SyncRecorder() as recorder:
+        for _ in range(3):
+            scope["settle"]()
+        warnings.warn("an unrelated warning", UserWarning)
+    assert recorder.sites == {"titan_k3/fake_trainer.py:4 settle": 3}, recorder.sites
+    assert [str(w.message) for w in passed] == ["an unrelated warning"]
