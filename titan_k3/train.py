@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.device import host_to_device
+from kernels.specializations import Precompile
 from titan_k3.checkpoint import build_checkpointer, check_resumable
 from titan_k3.config import ConfigError, JobConfig, help_text, load_job_config
 from titan_k3.config.validate import parse_context_stages, parse_mixture, seq_len_at
@@ -100,6 +101,9 @@ class Trainer:
         self.clocks = TwoClocks()
         self.startup_seconds = float("nan")  # set after this process's first update
         self.device = _device(cfg)
+        # First: our kernels compile in the background while everything below builds and dynamo traces.
+        self.precompile = Precompile(self.device, cfg.kernels.precompile_threads).start() \
+            if self.device.type == "cuda" and cfg.kernels.precompile_threads > 0 else None
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.rank = int(os.environ.get("RANK", 0))
         t = cfg.training
@@ -408,6 +412,10 @@ class Trainer:
         first = now - self._built_at  # compilation, autotuning and the update itself
         self.startup_seconds = since
         self.reporter.report_startup(self.step, since - first, first, origin)
+        if self.precompile is not None:
+            report = self.precompile.finish()  # every rank joins its compile threads
+            if self.rank == 0:
+                self.events.emit("precompile", report, step=self.step)
 
     def _window_ends(self, step: int) -> bool:
         """Whether anything reads the clocks or the device state after update `step` (log, eval, checkpoint, end)."""
