@@ -123,7 +123,12 @@ class Precompile:
     _path: Path | None = None
 
     def start(self) -> "Precompile":
+        import torch
+
         async_mode = getattr(triton, "AsyncCompileMode", None)
+        if self.target is None:
+            # NOTE: Triton asks the current device; without this, a rank other than 0 would open a context on GPU 0.
+            torch.cuda.set_device(self.device)
         self._path = self.directory / manifest_name(self.target or _target())
         if async_mode is None:
             self.skipped = f"Triton {triton.__version__} has no AsyncCompileMode"
