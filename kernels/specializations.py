@@ -5,8 +5,8 @@ properties (dtypes, 16-divisibility, constexprs) of that call. On a fresh
 machine that puts our ~22 s of kernel compiles on a cold k3-mini start's
 critical path, one after another (benchmarks/results/compile_startup.md).
 Triton can replay a recorded specialization (`JITFunction.preload`) and build
-several kernels at once (`triton.AsyncCompileMode`, a thread pool; its compile
-releases the GIL in the MLIR passes). So:
+several kernels at once (`triton.AsyncCompileMode` on a thread pool; how well
+the threads overlap is what benchmarks/triton_compile_parallel.py measures). So:
 
     python -m kernels.specializations record -- TRAINER ARGS    (on the GPU, once per Triton version)
 
@@ -146,9 +146,9 @@ class Precompile:
         import torch
 
         t0 = time.perf_counter()
-        torch.cuda.set_device(self.device)  # the current device is per thread; Triton compiles for it
         futures = []
         try:
+            torch.cuda.set_device(self.device)  # the current device is per thread; Triton compiles for it
             # NOTE: leaving the AsyncCompileMode block waits for every compile; a failed one is dropped from the
             # kernel's cache (ignore_errors), so that kernel compiles at its first call as it would have anyway.
             with ThreadPoolExecutor(self.threads, thread_name_prefix="titan_k3-compile") as pool, \
