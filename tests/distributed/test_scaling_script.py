@@ -7,6 +7,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -82,11 +84,7 @@ def test_a_stopped_scaling_run_keeps_the_setups_it_finished(tmp_path, monkeypatc
 
     monkeypatch.setattr(scaling, "launch", launch)
     monkeypatch.setattr(sys, "argv", ["scaling.py", "--flavor", "debug", "--warmup-step", "2", "--out", str(tmp_path / "out")])
-    try:
+    with pytest.raises(KeyboardInterrupt):  # the second setup is interrupted
         scaling.main()
-    except KeyboardInterrupt:
-        pass
-    else:
-        raise AssertionError("the second setup should have been interrupted")
     rows = json.loads((tmp_path / "out" / "scaling.json").read_text())["rows"]
     assert [r["setup"] for r in rows] == ["1 GPU"] and rows[0]["tokens_per_s"] == 1000.0

@@ -11,8 +11,8 @@ one of two ways (`parallelism.expert_dispatch`):
 all_gather (the default): every rank gathers the group's latent rows, routing
 weights and expert ids ([W*T, ...], packed into one all-gather), runs its own experts
 on the slots routed to them (other ranks' slots carry the id E_loc, which
-sorts past this rank's last expert: the grouped kernels leave those rows zero
-and do no GEMM work for them), and a reduce-scatter sums the W partial outputs
+sorts past this rank's last expert: the grouped kernels do no GEMM work for
+them and their output rows are zero), and a reduce-scatter sums the W partial outputs
 back to the rank that owns each token. Every size is fixed, so nothing waits
 on the host and the MoE sublayer compiles as one graph; the autograd of the
 collectives gives the backward (gather <-> reduce-scatter). It moves each
