@@ -4,20 +4,20 @@ A Triton kernel compiles on its first call, for the argument types and
 properties (dtypes, 16-divisibility, constexprs) of that call. On a fresh
 machine that puts our ~22 s of kernel compiles on a cold k3-mini start's
 critical path, one after another (benchmarks/results/compile_startup.md).
-Triton can replay a recorded specialization (`JITFunction.preload`) and build
-several kernels at once (`triton.AsyncCompileMode` on a thread pool; how well
-the threads overlap is what benchmarks/triton_compile_parallel.py measures). So:
+Triton can replay a recorded specialization (`JITFunction.preload`), so:
 
     python -m kernels.specializations record -- TRAINER ARGS    (on the GPU, once per Triton version)
 
 runs two training updates and writes every specialization of the `kernels`
 package that compiled to kernels/specializations/triton-<version>-<backend>-<arch>.json;
-the trainer's `Precompile` (kernels.precompile_threads) finds the file that
-matches the running Triton and GPU at start-up and compiles its entries in a
-background thread pool while the model is built and traced. A kernel called
-before its compile finished waits for that compile instead of starting its
-own; a specialization that is not recorded compiles at its first call as
-before. Nothing here can change a result: it only decides when kernels
+the trainer's `Precompile` (kernels.precompile_workers, kernels.precompile_pool)
+finds the file that matches the running Triton and GPU at start-up and
+compiles its entries in a background pool (threads, or spawned processes
+that fill Triton's disk cache; benchmarks/triton_compile_parallel.py measures
+how well each overlaps) while the model is built and traced. A kernel called
+while its compile runs waits for it instead of compiling it twice; one still
+queued compiles at its call, as does a specialization that was not recorded.
+Nothing here can change a result: it only decides when and where kernels
 compile.
 """
 
@@ -28,7 +28,7 @@ import json
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +37,7 @@ import triton
 
 DIRECTORY = Path(__file__).resolve().parent / "specializations"
 PACKAGE = "kernels."
+WORKER_THREAD = "titan_k3-precompile"
 
 
 def _target() -> dict:
@@ -101,79 +102,130 @@ def jit_function(module: str, qualname: str):
     return obj
 
 
+def _preload(module: str, qualname: str, specialization: str, device_index: int | None = None) -> float:
+    """Compiles one recorded specialization (into this process's kernel cache and the disk cache); its seconds.
+
+    `device_index` is set in a worker process, which picks its GPU first (Triton compiles for the current device).
+    """
+    t0 = time.perf_counter()
+    if device_index is not None:
+        import torch
+
+        torch.cuda.set_device(device_index)
+    jit_function(module, qualname).preload(specialization)
+    return time.perf_counter() - t0
+
+
 @dataclass
 class Precompile:
-    """Our kernels' recorded specializations, compiling in a background thread pool from `start()` on.
+    """Our kernels' recorded specializations, compiling in a background pool from `start()` on.
 
-    `finish()` waits for every compile and returns a one-line report; a
+    pool = "threads": compiled in this process, so a finished kernel is in
+    memory at its first call. pool = "processes": spawned workers compile into
+    Triton's disk cache (no GIL shared with training); the first call loads
+    the finished kernel from there. Either way, a first call whose
+    specialization is still compiling waits for it (Triton's `jit_cache_hook`)
+    instead of compiling it a second time, and `waited_seconds` adds up those
+    waits. `finish()` waits for every compile and returns a one-line report; a
     manifest that is missing or made by another Triton or GPU is reported, and
     nothing is compiled ahead.
     """
 
     device: object
-    threads: int = 8
+    workers: int = 8
+    pool: str = "threads"
     directory: Path = DIRECTORY
     target: dict | None = None
     """The GPU target the manifest must match (None: the current device's)."""
     compiled: int = 0
     failed: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    """From start() to the last compile's end."""
+    at_first_call: int = 0
+    """Specializations still queued when their first call came: compiled by that call."""
+    waits: int = 0
+    waited_seconds: float = 0.0
     skipped: str = ""
-    _thread: threading.Thread | None = None
+    _pending: dict = field(default_factory=dict)
+    """(module, qualname, key) -> (manifest entry, Future of its compile)."""
+    _executor: object = None
+    _previous_hook: object = None
+    _t0: float = 0.0
     _path: Path | None = None
 
     def start(self) -> "Precompile":
         import torch
 
-        async_mode = getattr(triton, "AsyncCompileMode", None)
+        if self.pool not in ("threads", "processes"):
+            raise ValueError(f"kernels.precompile_pool = {self.pool!r}: expected 'threads' or 'processes'")
         if self.target is None:
             # NOTE: Triton asks the current device; without this, a rank other than 0 would open a context on GPU 0.
             torch.cuda.set_device(self.device)
         self._path = self.directory / manifest_name(self.target or _target())
-        if async_mode is None:
-            self.skipped = f"Triton {triton.__version__} has no AsyncCompileMode"
+        knobs = getattr(triton, "knobs", None)
+        if knobs is None or not hasattr(knobs.runtime, "jit_cache_hook"):
+            self.skipped = f"Triton {triton.__version__} has no jit_cache_hook"
         elif not self._path.exists():
             self.skipped = f"no recorded specializations for this Triton and GPU ({self._path.name})"
         if self.skipped:
             return self
-        manifest = json.loads(self._path.read_text())
-        self._thread = threading.Thread(target=self._compile_all, args=(manifest["kernels"], async_mode),
-                                        name="titan_k3-precompile", daemon=True)
-        self._thread.start()
+        kernels = json.loads(self._path.read_text())["kernels"]
+        self._previous_hook = knobs.runtime.jit_cache_hook
+        knobs.runtime.jit_cache_hook = self._before_compile
+        self._t0 = time.perf_counter()
+        if self.pool == "threads":
+            self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix=WORKER_THREAD)
+            device_index = None
+        else:
+            from multiprocessing import get_context
+
+            # NOTE: spawn, not fork: this process may already hold a CUDA context, which a forked child cannot use.
+            self._executor = ProcessPoolExecutor(self.workers, mp_context=get_context("spawn"))
+            device_index = torch.device(self.device).index or 0
+        for k in kernels:
+            key = str(json.loads(k["specialization"])["key"])
+            future = self._executor.submit(_preload, k["module"], k["qualname"], k["specialization"], device_index)
+            future.add_done_callback(self._done)
+            self._pending[(k["module"], k["qualname"], key)] = (k, future)
         return self
 
-    def _compile_all(self, kernels: list[dict], async_mode) -> None:
-        import torch
+    def _done(self, future) -> None:
+        self.seconds = max(self.seconds, time.perf_counter() - self._t0)
 
-        t0 = time.perf_counter()
-        futures = []
-        try:
-            torch.cuda.set_device(self.device)  # the current device is per thread; Triton compiles for it
-            # NOTE: leaving the AsyncCompileMode block waits for every compile; a failed one is dropped from the
-            # kernel's cache (ignore_errors), so that kernel compiles at its first call as it would have anyway.
-            with ThreadPoolExecutor(self.threads, thread_name_prefix="titan_k3-compile") as pool, \
-                    async_mode(pool, ignore_errors=True):
-                for k in kernels:
-                    try:
-                        futures.append((k, jit_function(k["module"], k["qualname"]).preload(k["specialization"])))
-                    except Exception as e:  # e.g. a kernel whose signature changed since the recording
-                        self.failed.append(f"{k['module']}.{k['qualname']}: {type(e).__name__}: {e}"[:200])
-        except Exception as e:
-            self.failed.append(f"precompile: {type(e).__name__}: {e}"[:200])
-        for k, future in futures:
-            if getattr(future, "kernel", future) is None:
-                self.failed.append(f"{k['module']}.{k['qualname']}: its compile failed")
-            else:
-                self.compiled += 1
-        self.seconds = time.perf_counter() - t0
+    def _before_compile(self, *, key, fn, **kwargs):
+        """Triton's jit_cache_hook: called before any kernel compiles; a first call waits for its pending precompile."""
+        entry = self._pending.get((fn.module, fn.name, str(key)))
+        if entry is not None and not threading.current_thread().name.startswith(WORKER_THREAD) \
+                and not entry[1].done() and not entry[1].cancel():  # one still queued is cancelled: compiled here
+            t0 = time.perf_counter()
+            try:
+                entry[1].result()
+            except Exception:
+                pass  # reported by finish(); this call compiles the kernel itself, as it would have without a manifest
+            self.waits += 1
+            self.waited_seconds += time.perf_counter() - t0
+        return self._previous_hook(key=key, fn=fn, **kwargs) if self._previous_hook else None
 
     def finish(self) -> str:
-        if self._thread is not None:
-            self._thread.join()
         if self.skipped:
             return f"kernel precompile off: {self.skipped}; our kernels compile on their first call"
-        line = f"{self.compiled} kernel specializations from {self._path.name} compiled ahead in {self.seconds:.1f} s " \
-               f"({self.threads} threads)"
+        if self._executor is not None:
+            for k, future in self._pending.values():
+                if future.cancelled():
+                    self.at_first_call += 1
+                    continue
+                try:
+                    future.result()
+                    self.compiled += 1
+                except Exception as e:  # e.g. a kernel whose signature changed since the recording
+                    self.failed.append(f"{k['module']}.{k['qualname']}: {type(e).__name__}: {e}"[:200])
+            self._executor.shutdown()
+            self._executor = None
+            if triton.knobs.runtime.jit_cache_hook == self._before_compile:
+                triton.knobs.runtime.jit_cache_hook = self._previous_hook
+        line = (f"{self.compiled} kernel specializations from {self._path.name} compiled ahead in {self.seconds:.1f} s "
+                f"({self.workers} {self.pool}); first calls waited {self.waited_seconds:.1f} s for {self.waits} of them "
+                f"and compiled {self.at_first_call} still queued")
         return line + (f"; {len(self.failed)} not: {self.failed[0]}" if self.failed else "")
 
 
@@ -193,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     from titan_k3.train import Trainer
 
     with recording() as entries:
-        trainer = Trainer(load_job_config([*trainer_args, "--training.steps", "2", "--kernels.precompile_threads", "0"]))
+        trainer = Trainer(load_job_config([*trainer_args, "--training.steps", "2", "--kernels.precompile_workers", "0"]))
         try:
             for _ in range(2):
                 trainer.train_step()

@@ -27,9 +27,9 @@ def test_manifest_is_named_for_the_triton_version_and_gpu_and_keeps_each_entry_o
 
 def test_without_a_manifest_for_this_triton_and_gpu_nothing_compiles_ahead_and_the_report_says_so(tmp_path):
     write_manifest([("kernels.a", "k", "{}")], tmp_path, target={**H200, "arch": 80})  # another GPU's recording
-    precompile = Precompile("cuda:0", threads=2, directory=tmp_path, target=H200).start()
+    precompile = Precompile("cuda:0", workers=2, directory=tmp_path, target=H200).start()
     report = precompile.finish()
-    assert precompile.compiled == 0 and precompile._thread is None
+    assert precompile.compiled == 0 and precompile._executor is None
     assert report.startswith("kernel precompile off:") and manifest_name(H200) in report
 
 
@@ -57,3 +57,61 @@ def test_each_recorded_kernel_is_found_through_its_autotuner():
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_a_first_call_waits_for_its_running_compile_and_compiles_a_queued_one_itself(tmp_path, monkeypatch):
+    """One worker: kernel A compiles (until released), B and C queue. B's first call takes B over (no wait); A's
+    waits for A; C's compile fails and is reported by name. Triton calls the same hook from inside A's compile: that
+    call must not wait for itself."""
+    import threading
+
+    import triton
+
+    import kernels.specializations as specializations
+
+    started, release, inside_a = threading.Event(), threading.Event(), []
+
+    def fake_preload(module, qualname, specialization, device_index=None):
+        key = json.loads(specialization)["key"]
+        fn = type("Info", (), {"module": module, "name": qualname})
+        if qualname == "A":
+            started.set()
+            hook = triton.knobs.runtime.jit_cache_hook  # as Triton's preload calls it, on the worker thread
+            assert hook is not None, "the hook was installed after the compiles started"
+            hook(key=key, fn=fn)
+            inside_a.append(True)
+            assert release.wait(30), "A was never released"
+        if qualname == "C":
+            raise RuntimeError("no such kernel")
+        return 0.0
+
+    monkeypatch.setattr(specializations, "_preload", fake_preload)
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", None)
+    entries = [("kernels.fake", name, json.dumps({"key": f"key-{name}"})) for name in "ABC"]
+    write_manifest(entries, tmp_path, target=H200)
+    precompile = Precompile("cuda:0", workers=1, directory=tmp_path, target=H200).start()
+    hook = triton.knobs.runtime.jit_cache_hook
+    assert hook == precompile._before_compile
+
+    def first_call(name):
+        hook(key=f"key-{name}", fn=type("Info", (), {"module": "kernels.fake", "name": name}))
+
+    assert started.wait(30)
+    first_call("B")  # queued behind A: cancelled and left to this call, no wait
+    assert precompile.waits == 0
+    threading.Timer(0.3, release.set).start()
+    first_call("A")
+    assert inside_a and precompile.waits == 1 and precompile.waited_seconds >= 0.25
+    first_call("unrecorded")  # not in the manifest: no wait
+    report = precompile.finish()
+    assert (precompile.compiled, precompile.at_first_call, precompile.waits) == (1, 1, 1), report
+    assert precompile.failed and "kernels.fake.C: RuntimeError: no such kernel" in precompile.failed[0]
+    assert "1 not: kernels.fake.C" in report and "compiled 1 still queued" in report
+    assert triton.knobs.runtime.jit_cache_hook is None, "the hook outlived the precompile"
+
+
+def test_an_unknown_pool_is_refused_before_anything_starts(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="kernels.precompile_pool = 'gpu'"):
+        Precompile("cuda:0", pool="gpu", directory=tmp_path, target=H200).start()
