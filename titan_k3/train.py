@@ -102,8 +102,8 @@ class Trainer:
         self.startup_seconds = float("nan")  # set after this process's first update
         self.device = _device(cfg)
         # First: our kernels compile in the background while everything below builds and dynamo traces.
-        self.precompile = Precompile(self.device, cfg.kernels.precompile_workers, cfg.kernels.precompile_pool).start() \
-            if self.device.type == "cuda" and cfg.kernels.precompile_workers > 0 else None
+        self.precompile = Precompile(self.device, cfg.kernels.precompile_threads).start() \
+            if self.device.type == "cuda" and cfg.kernels.precompile_threads > 0 else None
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.rank = int(os.environ.get("RANK", 0))
         t = cfg.training

@@ -27,7 +27,7 @@ def test_manifest_is_named_for_the_triton_version_and_gpu_and_keeps_each_entry_o
 
 def test_without_a_manifest_for_this_triton_and_gpu_nothing_compiles_ahead_and_the_report_says_so(tmp_path):
     write_manifest([("kernels.a", "k", "{}")], tmp_path, target={**H200, "arch": 80})  # another GPU's recording
-    precompile = Precompile("cuda:0", workers=2, directory=tmp_path, target=H200).start()
+    precompile = Precompile("cuda:0", threads=2, directory=tmp_path, target=H200).start()
     report = precompile.finish()
     assert precompile.compiled == 0 and precompile._executor is None
     assert report.startswith("kernel precompile off:") and manifest_name(H200) in report
@@ -89,7 +89,7 @@ def test_a_first_call_waits_for_its_running_compile_and_compiles_a_queued_one_it
     monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", None)
     entries = [("kernels.fake", name, json.dumps({"key": f"key-{name}"})) for name in "ABC"]
     write_manifest(entries, tmp_path, target=H200)
-    precompile = Precompile("cuda:0", workers=1, directory=tmp_path, target=H200).start()
+    precompile = Precompile("cuda:0", threads=1, directory=tmp_path, target=H200).start()
     hook = triton.knobs.runtime.jit_cache_hook
     assert hook == precompile._before_compile
 
@@ -108,10 +108,3 @@ def test_a_first_call_waits_for_its_running_compile_and_compiles_a_queued_one_it
     assert precompile.failed and "kernels.fake.C: RuntimeError: no such kernel" in precompile.failed[0]
     assert "1 not: kernels.fake.C" in report and "compiled 1 still queued" in report
     assert triton.knobs.runtime.jit_cache_hook is None, "the hook outlived the precompile"
-
-
-def test_an_unknown_pool_is_refused_before_anything_starts(tmp_path):
-    import pytest
-
-    with pytest.raises(ValueError, match="kernels.precompile_pool = 'gpu'"):
-        Precompile("cuda:0", pool="gpu", directory=tmp_path, target=H200).start()

@@ -28,7 +28,7 @@ def test_cli_overrides_toml_overrides_defaults(tmp_path):
         (["--trainig.steps", "3"], "unknown config section 'trainig' (in 'trainig.steps'); did you mean 'training'?"),
         (["--training.steps", "three"], "config key 'training.steps' = 'three': expected an integer"),
         (["--training.steps", "0"], "config key 'training.steps' = 0: must be > 0"),
-        (["--kernels.precompile_workers", "-1"], "config key 'kernels.precompile_workers' = -1: must be >= 0"),
+        (["--kernels.precompile_threads", "-1"], "config key 'kernels.precompile_threads' = -1: must be >= 0"),
         (["--training.seq_len", "100"], "config key 'training.seq_len' = 100: must be a multiple of the KDA chunk size 64"),
         (["--model.flavor", "k3mini"], "did you mean 'k3-mini'?"),
         (["--kernels.kda", "trito"], "expected one of 'auto', 'triton', 'fla', 'torch'; did you mean 'triton'?"),

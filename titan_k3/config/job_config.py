@@ -54,10 +54,8 @@ class Kernels:
     """QK-Clip's per-head max logit of MLA: one Triton pass over the allowed key blocks, the chunked torch reference, or auto."""
     attention: Literal["auto", "cudnn", "flash", "efficient", "math", "flex"] = "auto"
     """MLA attention: an SDPA backend on a dense document mask, flex (flex_attention on a BlockMask, CUDA only), or auto."""
-    precompile_workers: int = 8
-    """On CUDA: workers that compile our Triton kernels' recorded specializations (kernels/specializations/, one file per Triton version and GPU) in the background from the start of the run, instead of one after another at their first calls; 0 turns it off. Without a file for this Triton and GPU the kernels compile at first call, and the start-up report says so."""
-    precompile_pool: Literal["threads", "processes"] = "threads"
-    """Where those workers compile: threads of the training process, or spawned processes that fill Triton's disk cache (each opens its own CUDA context while it lives)."""
+    precompile_threads: int = 8
+    """On CUDA: threads that compile our Triton kernels' recorded specializations (kernels/specializations/, one file per Triton version and GPU) in the background from the start of the run, instead of one after another at their first calls; 0 turns it off. Without a file for this Triton and GPU the kernels compile at first call, and the start-up report says so."""
 
 
 @dataclass

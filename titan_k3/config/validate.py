@@ -78,7 +78,7 @@ def validate(cfg: JobConfig) -> None:
         _positive(f"training.{key}", getattr(t, key))
     _non_negative("training.max_norm", t.max_norm)
     _non_negative("training.seed", t.seed)
-    _non_negative("kernels.precompile_workers", cfg.kernels.precompile_workers)
+    _non_negative("kernels.precompile_threads", cfg.kernels.precompile_threads)
     if cfg.kernels.kda != "torch":
         _require(
             t.seq_len % KDA_CHUNK == 0,
