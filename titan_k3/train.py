@@ -34,6 +34,7 @@ from titan_k3.metrics.profile import StepProfiler
 from titan_k3.metrics.reporter import MetricsReporter
 from titan_k3.metrics.run_dir import Tee, prepare_run_dir, run_dir_path
 from titan_k3.models.k3.args import count_params, flops_per_token, get_flavor
+from titan_k3.models.k3.documents import OnHost
 from titan_k3.models.k3.impl import resolve_impl
 from titan_k3.models.k3.model import K3Model
 from titan_k3.models.k3.moe import apply_deferred_updates
@@ -265,7 +266,7 @@ class Trainer:
                 set_microbatch_sync(self.model, last=i == len(batches) - 1)
             with autocast:
                 out = self.model(host_to_device(b.input_ids, self.device), host_to_device(b.labels, self.device),
-                                 b.cu_seqlens)
+                                 OnHost.wrap(b.cu_seqlens))
             (out.loss_sum / global_valid).backward()
             apply_deferred_updates(self._routers, self.dp_group)  # QB, before the next micro-batch routes
             loss_sum += out.loss_sum.detach().float()

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-from titan_k3.models.k3.documents import Documents
+from titan_k3.models.k3.documents import Documents, OnHost
 
 
 def test_positions_and_documents_of_packed_rows():
@@ -20,6 +20,20 @@ def test_boundaries_stay_on_the_host_whatever_the_model_device():
     docs = Documents.build(2, 6, torch.tensor([0, 2, 6, 9, 12]), torch.device("meta"))
     assert docs.cu_seqlens.device.type == "meta" and docs.pos_BT.device.type == "meta"
     assert docs.cu_seqlens_host.device.type == "cpu" and docs.cu_seqlens_host.tolist() == [0, 2, 6, 9, 12]
+
+
+def test_boundaries_pass_fsdp2s_input_move_on_the_host_inside_on_host():
+    """FSDP2's root copies every tensor argument of forward to its device (torch.distributed.utils._to_kwargs, the
+    call its pre-forward makes): cu_seqlens would reach the model on the GPU, and reading it back stalls the host."""
+    from torch.distributed.utils import _to_kwargs
+
+    cu = torch.tensor([0, 2, 6, 9, 12])
+    (moved,), _ = _to_kwargs((cu, OnHost(cu)), {}, torch.device("meta"), False)
+    assert moved[0].device.type == "meta", "the input move no longer copies tensors: this test shows nothing"
+    assert isinstance(moved[1], OnHost) and moved[1].tensor is cu
+    docs = Documents.build(2, 6, moved[1], torch.device("meta"))
+    assert docs.cu_seqlens_host.device.type == "cpu" and docs.cu_seqlens_host.tolist() == cu.tolist()
+    assert OnHost.wrap(None) is None
 
 
 @pytest.mark.parametrize("cu, message", [

@@ -35,6 +35,27 @@ def document_causal_mask_mod(doc_BT: torch.Tensor):
     return mask_mod
 
 
+class OnHost:
+    """A host tensor passed to the model's forward that must reach it on the host.
+
+    FSDP2's root module copies every tensor argument of forward to the GPU
+    before running it (a blocking copy from pageable memory), and reading the
+    document boundaries back on the host is then a second one, which waits
+    for all queued GPU work: two host stalls per micro-batch (benchmarks/host_syncs.py
+    found both). FSDP2 passes objects that are not tensors, tuples, lists or
+    dicts through untouched, so the boundaries travel inside this one.
+    """
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    @staticmethod
+    def wrap(tensor: torch.Tensor | None) -> "OnHost | None":
+        return None if tensor is None else OnHost(tensor)
+
+
 @dataclass
 class Documents:
     cu_seqlens: torch.Tensor | None
@@ -49,15 +70,18 @@ class Documents:
     _block_mask: BlockMask | None = None
 
     @staticmethod
-    def build(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> "Documents":
+    def build(batch: int, seq_len: int, cu_seqlens: torch.Tensor | OnHost | None, device: torch.device) -> "Documents":
         """Validate the boundaries and derive positions and document ids.
 
-        NOTE: pass cu_seqlens on the host (the loader makes it there): reading
-        a device tensor here, and in every KDA layer after, would stall the
-        host until the GPU finished all earlier work, so it could not queue
-        this forward while the previous optimizer step runs.
+        NOTE: pass cu_seqlens on the host (the loader makes it there), through
+        an FSDP2 root wrapped in `OnHost`: reading a device tensor here, and in
+        every KDA layer after, would stall the host until the GPU finished all
+        earlier work, so it could not queue this forward while the previous
+        optimizer step runs.
         """
         n = batch * seq_len
+        if isinstance(cu_seqlens, OnHost):
+            cu_seqlens = cu_seqlens.tensor
         if cu_seqlens is None:
             pos = torch.arange(seq_len, device=device).expand(batch, seq_len)
             doc = torch.arange(batch, device=device)[:, None].expand(batch, seq_len)

@@ -12,7 +12,7 @@ from torch import nn
 
 from titan_k3.models.k3.args import K3Args
 from titan_k3.models.k3.attn_res import PseudoQueryMix, ResidualBlocks
-from titan_k3.models.k3.documents import Documents
+from titan_k3.models.k3.documents import Documents, OnHost
 from titan_k3.models.k3.impl import Impl
 from titan_k3.models.k3.kda import KimiDeltaAttention
 from titan_k3.models.k3.layers import RMSNorm, SituGluFFN, init_linear
@@ -89,8 +89,8 @@ class K3Model(nn.Module):
                     init_linear(lin)
         init_linear(self.output, std=self.args.dim**-0.5)
 
-    def hidden(self, input_ids_BT: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """Final normalised hidden states [B, T, D]."""
+    def hidden(self, input_ids_BT: torch.Tensor, cu_seqlens: torch.Tensor | OnHost | None = None) -> torch.Tensor:
+        """Final normalised hidden states [B, T, D]. cu_seqlens: see Documents.build (on the host, through OnHost)."""
         B, T = input_ids_BT.shape
         docs = Documents.build(B, T, cu_seqlens, input_ids_BT.device)
         if FLEX in (self.impl.sdpa_backends or []):
@@ -104,7 +104,8 @@ class K3Model(nn.Module):
         return self.norm(self.final_mix(stream.sources()))
 
     def forward(
-        self, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None
+        self, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | OnHost | None = None,
     ) -> LossOutput | torch.Tensor:
         """With labels: the summed loss and valid count (never full float32 logits); without: logits [B, T, V]."""
         h_BTD = self.hidden(input_ids_BT, cu_seqlens)
