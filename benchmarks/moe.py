@@ -9,7 +9,12 @@ Side by side, in one run, at each shape:
 plus plain grouped_mm forward vs torch._grouped_mm. Every variant is checked
 against the float32 reference (relative RMS error) before it is timed.
 
-    python benchmarks/moe.py [--shapes k3-mini,e64] [--profile]
+With --ep N it times ours instead as one rank of N-way expert parallelism
+sees the block (the group's N*T tokens, E/N local experts, every slot routed
+elsewhere carrying the id E/N) against the whole block on one GPU, with the
+same (token, expert) rows to compute: what EP's shape costs the kernels.
+
+    python benchmarks/moe.py [--shapes k3-mini,e64] [--profile] [--ep 2]
 
 Prints a table and appends dated rows to benchmarks/results/moe.md.
 """
@@ -46,6 +51,35 @@ def make_inputs(n_tokens, top_k, n_experts, latent, hidden):
     prob = top / top.sum(dim=1, keepdim=True)
     dy = torch.randn(n_tokens, latent, generator=gen, device="cuda")
     return [t.bfloat16() for t in (x, w1, w3, w2)] + [idx, prob.bfloat16(), dy.bfloat16()]
+
+
+def ep_inputs(shape, ep):
+    """One EP rank's view: ep*T tokens routed over all E experts, of which it holds the first E/ep; a slot routed
+    to another rank's expert carries the id E/ep (no GEMM work, a zero row)."""
+    n_tokens, top_k, n_experts, latent, hidden = shape
+    x, w1, w3, w2, idx, prob, dy = make_inputs(n_tokens * ep, top_k, n_experts, latent, hidden)
+    local = n_experts // ep
+    idx = torch.where(idx < local, idx, torch.full_like(idx, local))
+    return [x, w1[:local].contiguous(), w3[:local].contiguous(), w2[:local].contiguous(), idx, prob, dy]
+
+
+def bench_ep(name, shape, ep, profile):
+    """ours fwd+bwd on the whole block vs one EP rank's block (same rows to compute); checked first."""
+    times = {}
+    for label, inputs in (("1 GPU", make_inputs(*shape)), (f"EP{ep} rank", ep_inputs(shape, ep))):
+        x, w1, w3, w2, idx, prob, dy = inputs
+        ref_in = [t.float().requires_grad_() for t in (x, w1, w3, w2, prob)]
+        ref_out = reference.moe_experts(*ref_in[:4], idx, ref_in[4])
+        ref_grads = torch.autograd.grad(ref_out, ref_in, dy.float())
+        leaves = [t.detach().requires_grad_() for t in (x, w1, w3, w2)] + [idx, prob.detach().requires_grad_()]
+        print(f"[{name}] {label}: T={x.shape[0]} E={w1.shape[0]} slots routed here {int((idx < w1.shape[0]).sum())}")
+        check("ours", moe_experts, leaves, dy, ref_out, ref_grads)
+        del ref_in, ref_grads, ref_out
+        grads_of = [t for t in leaves if t.is_floating_point()]
+        times[label] = triton.testing.do_bench(fwd_bwd(moe_experts, leaves, dy), grad_to_none=grads_of, rep=500)
+        if profile:
+            profile_ours(moe_experts, leaves, dy)
+    return times
 
 
 def column_major(w):
@@ -144,10 +178,24 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
     parser.add_argument("--profile", action="store_true", help="print a per-kernel table of ours")
+    parser.add_argument("--ep", type=int, default=0, help="time ours as one rank of this many-way EP sees the block")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/moe.py needs a CUDA GPU")
     env = environment()
+    if args.ep:
+        header = "| date | commit | GPU | torch | triton | shape (bf16, fwd+bwd) | ours, whole block ms | ours, one EP rank ms | EP rank / whole |"
+        lines = []
+        for name in args.shapes.split(","):
+            t = bench_ep(name, SHAPES[name], args.ep, args.profile)
+            whole, rank = t["1 GPU"], t[f"EP{args.ep} rank"]
+            lines.append(f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | "
+                         f"{name}, EP{args.ep} | {whole:.3f} | {rank:.3f} | {rank / whole:.2f} |")
+        print(header + "\n" + "\n".join(lines))
+        with open(RESULTS, "a") as f:
+            f.write(f"\nOne EP rank's block vs the whole block (benchmarks/moe.py --ep {args.ep}):\n\n{header}\n"
+                    + "|---" * (header.count("|") - 1) + "|\n" + "\n".join(lines) + "\n")
+        return
     rows = [bench_shape(name, SHAPES[name], args.profile) for name in args.shapes.split(",")]
     header = (
         "| date | commit | GPU | torch | triton | shape (bf16, fwd+bwd) | ours ms | TFLOP/s | _grouped_mm ms "
