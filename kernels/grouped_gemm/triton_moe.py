@@ -35,12 +35,6 @@ def _slot_tile(pid, offsets_ptr, n_rows, F, N_EXPERTS: tl.constexpr, E_POW2: tl.
     return expert, row_start, row_end, local, row_mask, cols, col_mask
 
 
-@triton.jit
-def _in_group(row_mask, expert):
-    """row_mask, cleared where the tile is the tail past offsets[-1] (expert -1); a [BLOCK_M] tensor, not a scalar."""
-    return row_mask & ((row_mask.to(tl.int32) * 0 + expert) >= 0)
-
-
 @tuned_autotune("glu_up", epilogue_configs(), key=["L", "F", "N_EXPERTS", "STORE_GU"])
 @triton.jit
 def glu_up_kernel(
@@ -59,20 +53,24 @@ def glu_up_kernel(
     NOTE: slots past offsets[-1] (the tail: under the EP all_gather dispatch,
     the other ranks' half of the slots) are left unwritten: every consumer
     (the w2 GEMM, its weight gradient, glu_bwd) skips the tail, and writing
-    zeros there cost 3 x [S/2, F] of memory traffic per EP2 layer.
+    zeros there cost 3 x [S/2, F] of memory traffic per EP2 layer. The tail's
+    programs return at once: under EP2 they are half the grid, and running
+    the GLU epilogue on empty tiles made one EP rank's glu_up 1.45x slower
+    than the whole block's on one GPU (benchmarks/moe.py --ep 2).
     """
     expert, row_start, row_end, local, row_mask, cols, col_mask = _slot_tile(
         tl.program_id(0), offsets_ptr, n_rows, F, N_EXPERTS, E_POW2, BLOCK_M, BLOCK_N
     )
+    if (expert < 0) | (row_start >= row_end):
+        return  # the tail, or a tile past the last group's: nothing to read or write
     tokens = tl.load(token_ptr + row_start + local, mask=row_mask, other=0)
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_xt
-    k_end = tl.where((expert >= 0) & (row_start < row_end), L, 0)
-    w_off = tl.maximum(expert, 0).to(tl.int64) * stride_we
+    w_off = expert.to(tl.int64) * stride_we
     w1_tile = w1_ptr + w_off + cols[None, :] * stride_wf
     w3_tile = w3_ptr + w_off + cols[None, :] * stride_wf
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, k_end, BLOCK_K):
+    for k0 in range(0, L, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < L
         a = tl.load(x_rows + ks[None, :] * stride_xl, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -82,7 +80,7 @@ def glu_up_kernel(
     h = 4.0 * _tanh(acc_g * 0.25) * tl.sigmoid(acc_g) * (25.0 * _tanh(acc_u * 0.04))
     base = row_start.to(tl.int64) * stride_s
     s_off = local[:, None] * stride_s + cols[None, :]
-    s_mask = _in_group(row_mask, expert)[:, None] & col_mask[None, :]  # the tail stays unwritten
+    s_mask = row_mask[:, None] & col_mask[None, :]
     tl.store(h_ptr + base + s_off, h.to(h_ptr.dtype.element_ty), mask=s_mask)
     if STORE_GU:
         tl.store(g_ptr + base + s_off, acc_g.to(g_ptr.dtype.element_ty), mask=s_mask)
@@ -103,19 +101,21 @@ def glu_bwd_kernel(
     With a(g) = 4 tanh(g/4) sigmoid(g) and b(u) = 25 tanh(u/25):
     dg = dh * b(u) * a'(g), du = dh * a(g) * b'(u). dout [S, L] (row stride
     stride_do, unit column stride); g, u, dg, du are [S, F] with row stride stride_s.
-    The tail past offsets[-1] is skipped (glu_up left g, u unwritten there; the
-    dx GEMM and the weight gradients never read dg, du there).
+    The tail past offsets[-1] is skipped, its programs returning at once (glu_up
+    left g, u unwritten there; the dx GEMM and the weight gradients never read
+    dg, du there).
     """
     expert, row_start, row_end, local, row_mask, cols, col_mask = _slot_tile(
         tl.program_id(0), offsets_ptr, n_rows, F, N_EXPERTS, E_POW2, BLOCK_M, BLOCK_N
     )
+    if (expert < 0) | (row_start >= row_end):
+        return  # the tail, or a tile past the last group's: nothing to read or write
     # NOTE: 64-bit row bases as scalars, 32-bit offsets inside the tile: int64
     # offset tiles next to the accumulator and g, u spill registers.
-    k_end = tl.where((expert >= 0) & (row_start < row_end), L, 0)
     dout_tile = dout_ptr + row_start.to(tl.int64) * stride_do + local[:, None] * stride_do
-    w2_tile = w2_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we + cols[None, :] * stride_wf
+    w2_tile = w2_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wf
     dh = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, k_end, BLOCK_K):
+    for k0 in range(0, L, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < L
         a = tl.load(dout_tile + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -123,7 +123,7 @@ def glu_bwd_kernel(
         dh = tl.dot(a, b, dh, input_precision=PRECISION)
     base = row_start.to(tl.int64) * stride_s
     s_off = local[:, None] * stride_s + cols[None, :]
-    s_mask = _in_group(row_mask, expert)[:, None] & col_mask[None, :]  # the tail is neither read nor written
+    s_mask = row_mask[:, None] & col_mask[None, :]
     g = tl.load(g_ptr + base + s_off, mask=s_mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + base + s_off, mask=s_mask, other=0.0).to(tl.float32)
     tg = _tanh(g * 0.25)
