@@ -6,10 +6,11 @@ machine that puts our ~22 s of kernel compiles on a cold k3-mini start's
 critical path, one after another (benchmarks/results/compile_startup.md).
 Triton can replay a recorded specialization (`JITFunction.preload`), so:
 
-    python -m kernels.specializations record -- TRAINER ARGS    (on the GPU, once per Triton version)
+    python -m kernels.specializations record [--fresh] -- TRAINER ARGS    (on the GPU, per Triton version)
 
-runs two training updates and writes every specialization of the `kernels`
-package that compiled to kernels/specializations/triton-<version>-<backend>-<arch>.json;
+runs two training updates and adds every specialization of the `kernels`
+package that compiled to kernels/specializations/triton-<version>-<backend>-<arch>.json
+(recordings of several settings add up; --fresh starts the file over);
 the trainer's `Precompile` (kernels.precompile_threads) finds the file that
 matches the running Triton and GPU at start-up and compiles its entries in a
 background thread pool while the model is built and traced. Threads overlap
@@ -81,11 +82,17 @@ def recording(package: str = PACKAGE):
         found.extend(entries.values())
 
 
-def write_manifest(entries: list[tuple[str, str, str]], directory: Path = DIRECTORY, target: dict | None = None) -> Path:
+def write_manifest(entries: list[tuple[str, str, str]], directory: Path = DIRECTORY, target: dict | None = None,
+                   merge: bool = False) -> Path:
+    """Writes the manifest of `entries` for this Triton and `target`; with merge, keeps the file's earlier entries
+    too (recordings of several settings add up)."""
     target = target or _target()
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / manifest_name(target)
-    rows = sorted({(m, q, d) for m, q, d in entries})
+    rows = {(m, q, d) for m, q, d in entries}
+    if merge and path.exists():
+        rows |= {(k["module"], k["qualname"], k["specialization"]) for k in json.loads(path.read_text())["kernels"]}
+    rows = sorted(rows)
     path.write_text(json.dumps({"triton": triton.__version__, "target": target,
                                 "kernels": [{"module": m, "qualname": q, "specialization": d} for m, q, d in rows]},
                                indent=1) + "\n")
@@ -226,10 +233,12 @@ class Precompile:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`record -- TRAINER ARGS`: two updates of the real trainer, then the manifest of what compiled."""
+    """`record [--fresh] -- TRAINER ARGS`: two updates of the real trainer, then what compiled, added to the
+    manifest (--fresh: replacing it, e.g. after a kernel's signature changed)."""
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] != "record":
-        print("usage: python -m kernels.specializations record -- TRAINER ARGS", file=sys.stderr)
+    ours = argv[:argv.index("--")] if "--" in argv else argv
+    if not ours or ours[0] != "record" or set(ours[1:]) - {"--fresh"}:
+        print("usage: python -m kernels.specializations record [--fresh] -- TRAINER ARGS", file=sys.stderr)
         return 2
     trainer_args = argv[argv.index("--") + 1:] if "--" in argv else []
     import torch
@@ -249,8 +258,10 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
         finally:
             trainer.close()
-    path = write_manifest(entries)
-    print(f"{len(entries)} specializations of {len({(m, q) for m, q, _ in entries})} kernels -> {path}")
+    path = write_manifest(entries, merge="--fresh" not in ours)
+    total = len(json.loads(path.read_text())["kernels"])
+    print(f"{len(entries)} specializations of {len({(m, q) for m, q, _ in entries})} kernels recorded; "
+          f"{total} in {path}")
     return 0
 
 

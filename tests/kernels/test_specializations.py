@@ -108,3 +108,18 @@ def test_a_first_call_waits_for_its_running_compile_and_compiles_a_queued_one_it
     assert precompile.failed and "kernels.fake.C: RuntimeError: no such kernel" in precompile.failed[0]
     assert "1 not: kernels.fake.C" in report and "compiled 1 still queued" in report
     assert triton.knobs.runtime.jit_cache_hook is None, "the hook outlived the precompile"
+
+
+def test_recordings_of_several_settings_add_up_unless_fresh(tmp_path):
+    write_manifest([("kernels.a", "k", '{"key": 1}')], tmp_path, target=H200)
+    path = write_manifest([("kernels.a", "k", '{"key": 2}')], tmp_path, target=H200, merge=True)
+    assert [k["specialization"] for k in json.loads(path.read_text())["kernels"]] == ['{"key": 1}', '{"key": 2}']
+    write_manifest([("kernels.a", "k", '{"key": 3}')], tmp_path, target=H200)
+    assert [k["specialization"] for k in json.loads(path.read_text())["kernels"]] == ['{"key": 3}']
+
+
+def test_record_refuses_an_unknown_option_before_anything_runs(capsys):
+    from kernels.specializations import main
+
+    assert main(["record", "--merge", "--", "--model.flavor", "debug"]) == 2
+    assert "usage: python -m kernels.specializations record [--fresh]" in capsys.readouterr().err
