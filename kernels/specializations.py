@@ -111,8 +111,8 @@ def jit_function(module: str, qualname: str):
     return obj
 
 
-def _preload(module: str, qualname: str, specialization: str, device_index: int) -> float:
-    """Compiles one recorded specialization and readies it to launch; its seconds.
+def _preload(module: str, qualname: str, specialization: str, device_index: int) -> None:
+    """Compiles one recorded specialization and readies it to launch.
 
     The kernel lands in the kernel's in-memory cache and in the disk cache.
     Readying it loads the binary and builds its launcher, which Triton would
@@ -121,14 +121,12 @@ def _preload(module: str, qualname: str, specialization: str, device_index: int)
     import torch
     from triton.runtime.errors import OutOfResources
 
-    t0 = time.perf_counter()
     torch.cuda.set_device(device_index)  # per thread: Triton compiles for, and loads into, the current device
     kernel = jit_function(module, qualname).preload(specialization)
     try:
         kernel._init_handles()
     except OutOfResources:
         pass  # an autotuner config too big for this GPU: its call prunes it, as it would without a manifest
-    return time.perf_counter() - t0
 
 
 @dataclass
