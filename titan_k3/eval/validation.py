@@ -71,7 +71,8 @@ def validation_loss(model, batches: Iterable, device: torch.device, dp_group=Non
         for b in batches:
             ctx = autocast if autocast is not None else torch.autocast(device.type, enabled=False)
             with ctx:
-                out = model(host_to_device(b.input_ids, device), host_to_device(b.labels, device), OnHost.wrap(b.cu_seqlens))
+                out = model(host_to_device(b.input_ids, device), host_to_device(b.labels, device),
+                            OnHost.wrap(b.cu_seqlens))
             totals[0] += out.loss_sum.double()
             totals[1] += out.n_valid.double()
     finally:
