@@ -82,6 +82,24 @@ def bench_ep(name, shape, ep, profile):
     return times
 
 
+EP_HEADER = ("| date | commit | GPU | torch | triton | shape (bf16, fwd+bwd) | ours, whole block ms "
+             "| ours, one EP rank ms | EP rank / whole |")
+
+
+def ep_table(args, env):
+    """--ep: each shape's whole block against one EP rank's, printed and appended to moe.md."""
+    lines = []
+    for name in args.shapes.split(","):
+        t = bench_ep(name, SHAPES[name], args.ep, args.profile)
+        whole, rank = t["1 GPU"], t[f"EP{args.ep} rank"]
+        lines.append(f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | "
+                     f"{name}, EP{args.ep} | {whole:.3f} | {rank:.3f} | {rank / whole:.2f} |")
+    table = EP_HEADER + "\n" + "|---" * (EP_HEADER.count("|") - 1) + "|\n" + "\n".join(lines) + "\n"
+    print(table)
+    with open(RESULTS, "a") as f:
+        f.write(f"\nOne EP rank's block vs the whole block (benchmarks/moe.py --ep {args.ep}):\n\n{table}")
+
+
 def column_major(w):
     """Same values, stored [E, M, K] and viewed [E, K, M]: torch._grouped_mm's fast layout for mat_b."""
     return w.transpose(1, 2).contiguous().transpose(1, 2)
@@ -184,18 +202,7 @@ def main():
         raise SystemExit("benchmarks/moe.py needs a CUDA GPU")
     env = environment()
     if args.ep:
-        header = "| date | commit | GPU | torch | triton | shape (bf16, fwd+bwd) | ours, whole block ms | ours, one EP rank ms | EP rank / whole |"
-        lines = []
-        for name in args.shapes.split(","):
-            t = bench_ep(name, SHAPES[name], args.ep, args.profile)
-            whole, rank = t["1 GPU"], t[f"EP{args.ep} rank"]
-            lines.append(f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | "
-                         f"{name}, EP{args.ep} | {whole:.3f} | {rank:.3f} | {rank / whole:.2f} |")
-        print(header + "\n" + "\n".join(lines))
-        with open(RESULTS, "a") as f:
-            f.write(f"\nOne EP rank's block vs the whole block (benchmarks/moe.py --ep {args.ep}):\n\n{header}\n"
-                    + "|---" * (header.count("|") - 1) + "|\n" + "\n".join(lines) + "\n")
-        return
+        return ep_table(args, env)
     rows = [bench_shape(name, SHAPES[name], args.profile) for name in args.shapes.split(",")]
     header = (
         "| date | commit | GPU | torch | triton | shape (bf16, fwd+bwd) | ours ms | TFLOP/s | _grouped_mm ms "
