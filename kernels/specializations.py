@@ -155,6 +155,8 @@ class Precompile:
     """Specializations still queued when their first call came: compiled by that call."""
     waits: int = 0
     waited_seconds: float = 0.0
+    unrecorded: list[str] = field(default_factory=list)
+    """Our kernels that compiled a specialization the manifest lacks, until finish(): one entry per compile."""
     skipped: str = ""
     _pending: dict = field(default_factory=dict)
     """(module, qualname, key) -> (manifest entry, Future of its compile)."""
@@ -194,9 +196,13 @@ class Precompile:
         self.seconds = max(self.seconds, time.perf_counter() - self._t0)
 
     def _before_compile(self, *, key, fn, **kwargs):
-        """Triton's jit_cache_hook: called before any kernel compiles; a first call waits for its pending precompile."""
+        """Triton's jit_cache_hook: called before any kernel compiles; a first call waits for its pending precompile,
+        and one of ours the manifest lacks is counted."""
         entry = self._pending.get((fn.module, fn.name, str(key)))
-        if entry is not None and not threading.current_thread().name.startswith(WORKER_THREAD) \
+        worker = threading.current_thread().name.startswith(WORKER_THREAD)
+        if entry is None and not worker and fn.module.startswith(PACKAGE):
+            self.unrecorded.append(f"{fn.module}.{fn.name}")
+        if entry is not None and not worker \
                 and not entry[1].done() and not entry[1].cancel():  # one still queued is cancelled: compiled here
             t0 = time.perf_counter()
             try:
@@ -227,7 +233,13 @@ class Precompile:
         line = (f"{self.compiled} kernel specializations from {self._path.name} compiled ahead in {self.seconds:.1f} s "
                 f"({self.threads} threads); first calls waited {self.waited_seconds:.1f} s for {self.waits} of them "
                 f"and compiled {self.at_first_call} still queued")
-        return line + (f"; {len(self.failed)} not: {self.failed[0]}" if self.failed else "")
+        if self.failed:
+            line += f"; {len(self.failed)} not: {self.failed[0]}"
+        if self.unrecorded:
+            names = ", ".join(sorted(set(self.unrecorded))[:3])
+            line += (f"; {len(self.unrecorded)} not recorded compiled at their first call ({names}): "
+                     "`python -m kernels.specializations record -- THIS RUN'S ARGS` adds them")
+        return line
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -101,11 +101,13 @@ def test_a_first_call_waits_for_its_running_compile_and_compiles_a_queued_one_it
     threading.Timer(0.3, release.set).start()
     first_call("A")
     assert inside_a and precompile.waits == 1 and precompile.waited_seconds >= 0.25
-    first_call("unrecorded")  # not in the manifest: no wait
+    first_call("unrecorded")  # not in the manifest: no wait, counted
     report = precompile.finish()
     assert (precompile.compiled, precompile.at_first_call, precompile.waits) == (1, 1, 1), report
     assert precompile.failed and "kernels.fake.C: RuntimeError: no such kernel" in precompile.failed[0]
     assert "1 not: kernels.fake.C" in report and "compiled 1 still queued" in report
+    assert precompile.unrecorded == ["kernels.fake.unrecorded"]
+    assert "1 not recorded compiled at their first call (kernels.fake.unrecorded)" in report
     assert triton.knobs.runtime.jit_cache_hook is None, "the hook outlived the precompile"
 
 
