@@ -203,6 +203,8 @@ class Trainer:
 
     def close(self) -> None:
         """Stop the metric sinks and teeing stdout into the run directory; give Python its collector back."""
+        if getattr(self, "precompile", None) is not None:
+            self.precompile.finish()  # a run ended before its first update leaves no compile threads or Triton hook
         if getattr(self, "gc_schedule", None) is not None:
             self.gc_schedule.close()
         self.reporter.close()

@@ -109,6 +109,7 @@ def test_a_first_call_waits_for_its_running_compile_and_compiles_a_queued_one_it
     assert precompile.unrecorded == ["kernels.fake.unrecorded"]
     assert "1 not recorded compiled at their first call (kernels.fake.unrecorded)" in report
     assert triton.knobs.runtime.jit_cache_hook is None, "the hook outlived the precompile"
+    assert precompile.finish() == report, "a second finish (the trainer's close) must change nothing"
 
 
 def test_recordings_of_several_settings_add_up_unless_fresh(tmp_path):
