@@ -49,6 +49,11 @@ def _target() -> dict:
     return dict(driver.active.get_current_target().__dict__)
 
 
+def _ours(module: str, package: str = PACKAGE) -> bool:
+    """Whether a kernel defined in `module` belongs to `package` ('kernels.')."""
+    return module.startswith(package) or module == package.rstrip(".")
+
+
 def manifest_name(target: dict, version: str = triton.__version__) -> str:
     """'triton-3.6.0-cuda-90.json' for a target {'backend': 'cuda', 'arch': 90, ...}."""
     return f"triton-{version}-{target['backend']}-{target['arch']}.json"
@@ -69,7 +74,7 @@ def recording(package: str = PACKAGE):
     previous = knobs.runtime.jit_post_compile_hook
 
     def hook(*, key, fn, compile, **_):
-        if fn.module.startswith(package) or fn.module == package.rstrip("."):
+        if _ours(fn.module, package):
             entries[f"{fn.module}:{fn.name}:{key}"] = (fn.module, fn.name, compile["specialization_data"])
         return previous(key=key, fn=fn, compile=compile, **_) if previous else None
 
@@ -200,7 +205,7 @@ class Precompile:
         and one of ours the manifest lacks is counted."""
         entry = self._pending.get((fn.module, fn.name, str(key)))
         worker = threading.current_thread().name.startswith(WORKER_THREAD)
-        if entry is None and not worker and fn.module.startswith(PACKAGE):
+        if entry is None and not worker and _ours(fn.module):
             self.unrecorded.append(f"{fn.module}.{fn.name}")
         if entry is not None and not worker \
                 and not entry[1].done() and not entry[1].cancel():  # one still queued is cancelled: compiled here
