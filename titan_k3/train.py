@@ -23,6 +23,7 @@ from kernels.device import host_to_device
 from kernels.specializations import Precompile
 from titan_k3.checkpoint import build_checkpointer, check_resumable
 from titan_k3.config import ConfigError, JobConfig, help_text, load_job_config
+from titan_k3.config.check import CONFIG_ERROR_EXIT, check_host
 from titan_k3.config.validate import parse_context_stages, parse_mixture, seq_len_at
 from titan_k3.data.loader import check_token_ids
 from titan_k3.eval.runner import Evaluator, format_metrics
@@ -451,10 +452,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = load_job_config(argv)
+        if cfg.job.validate_only:
+            check_host(cfg)
+            print("config ok")
+            return 0
         trainer = Trainer(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR_EXIT  # the control service does not retry it
     try:
         results = trainer.train()
         if trainer.rank == 0:

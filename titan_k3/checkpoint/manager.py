@@ -158,6 +158,11 @@ class CheckpointManager:
     def enabled(self) -> bool:
         return bool(self.cfg.enable)
 
+    @property
+    def resumes(self) -> bool:
+        """Whether a stop saves and a start resumes: periodic checkpoints, or only the stop's (save_on_stop)."""
+        return bool(self.cfg.enable or self.cfg.save_on_stop)
+
     def after_step(self, step: int, last: bool) -> bool:
         """Call after every update: commits finished async saves, saves on schedule or on SIGTERM.
 
@@ -166,11 +171,11 @@ class CheckpointManager:
         if self._pending is not None and self._pending.future is not None and self._all_done():
             self._finalize()
         signum = self._stop_agreed()
-        if self.enabled and (signum or last or step % self.cfg.interval == 0):
+        if (self.enabled and (last or step % self.cfg.interval == 0)) or (signum and self.resumes):
             self.save(step)
         if signum:
             self.events.emit("stopped", f"{signal.Signals(signum).name} received: stopping after update {step}"
-                             + (" with a checkpoint" if self.enabled else " (checkpoints disabled)"), step=step)
+                             + (" with a checkpoint" if self.resumes else " (checkpoints disabled)"), step=step)
         return bool(signum)
 
     def save(self, step: int) -> None:
@@ -271,7 +276,7 @@ class CheckpointManager:
                                  f"removed {len(removed)} incomplete save(s) of an interrupted run: {', '.join(removed)}",
                                  step=0, removed=removed)
         self._barrier()
-        if not self.enabled:
+        if not self.resumes:
             return self._load_initial()
         path, note = layout.resolve(self.folder, self.cfg.load_step)
         if path is None:
@@ -383,7 +388,7 @@ def check_resumable(cfg, run_dir: Path, model: torch.nn.Module, optimizers) -> N
     optimizer shapes), or a DCP initial_load_path (its model shapes).
     """
     c = cfg.checkpoint
-    if c.enable:
+    if c.enable or c.save_on_stop:
         path, note = layout.resolve(Path(run_dir) / c.folder, c.load_step)
         if path is not None:
             check_compatible(path, {"model": get_model_state_dict(model), "optim": optimizers.state_dict()})

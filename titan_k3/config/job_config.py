@@ -24,6 +24,8 @@ class Job:
     """Free text stored in the manifest."""
     strict: bool = False
     """Turn any fallback (kernel, attention backend, FP8, compile) into an error at start-up."""
+    validate_only: bool = False
+    """Check the configuration and what it names on this host (data sources, files, the metrics port), print 'config ok' or the one-line error and exit (0, or 2 for a configuration error) without training."""
 
 
 @dataclass
@@ -180,6 +182,8 @@ class Checkpoint:
     """Resume from this step; -1 resumes from 'latest' when present."""
     initial_load_path: str = ""
     """Checkpoint to initialise the model from (model weights only) when the run has none of its own."""
+    save_on_stop: bool = False
+    """Save a checkpoint on a stop signal (SIGTERM) and resume from the latest one, even with enable = false (no periodic saves); the control service sets it for every run it launches."""
 
 
 @dataclass
@@ -188,6 +192,8 @@ class Metrics:
     """Log metrics every this many updates."""
     prometheus_port: int = 0
     """Port for rank 0's Prometheus endpoint; 0 disables it."""
+    prometheus_host: str = "127.0.0.1"
+    """Address rank 0's Prometheus endpoint listens on: loopback unless set ('0.0.0.0' for every interface, so a scraper on another host can reach it)."""
     peak_tflops: float = 989.0
     """Datasheet dense bf16 peak per device for MFU (989 for H100/H200 SXM)."""
     enable_tensorboard: bool = False

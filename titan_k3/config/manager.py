@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import math
 import sys
 import typing
 from pathlib import Path
@@ -86,18 +87,28 @@ def _coerce(key: str, raw: Any, tp: Any, from_cli: bool) -> Any:
         # NOTE: TOML gives ints where floats are meant (lr = 1); never the reverse, and a bool is never a number.
         accepted = (int,) if tp is int else (int, float)
         if isinstance(raw, accepted) and not isinstance(raw, bool):
-            return tp(raw)
+            return _in_range(key, tp(raw))
         if from_cli and isinstance(raw, str):
             try:
-                return tp(raw)
+                value = tp(raw)
             except ValueError:
                 raise bad from None
+            return _in_range(key, value)
         raise bad
     if tp is str:
         if isinstance(raw, str):
             return raw
         raise bad
     raise AssertionError(f"unsupported config type {tp} for {key}")
+
+
+def _in_range(key: str, value: int | float) -> int | float:
+    """No config number is meaningful as inf/nan or beyond a 64-bit integer (nothing downstream could hold it)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"config key '{key}' = {value!r}: expected a finite number")
+    if isinstance(value, int) and not -(2**63) <= value < 2**63:
+        raise ConfigError(f"config key '{key}' = {value}: out of range (a 64-bit integer)")
+    return value
 
 
 def _set(cfg: JobConfig, key: str, raw: Any, from_cli: bool) -> None:

@@ -78,8 +78,9 @@ class PrometheusExporter:
     def _m(self, name: str, **labels):
         return self.metrics[name].labels(run=self.run, **labels)
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
-        """Start the HTTP endpoint on a daemon thread; returns the bound port."""
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Start the HTTP endpoint on `addr` (loopback unless asked: metrics.prometheus_host) on a daemon thread;
+        returns the bound port."""
         self._server = make_server(addr, port, make_wsgi_app(self.registry), _ThreadingWSGIServer, handler_class=_QuietHandler)
         self.port = self._server.server_port
         threading.Thread(target=self._server.serve_forever, name="prometheus", daemon=True).start()

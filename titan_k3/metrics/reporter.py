@@ -57,7 +57,7 @@ class MetricsReporter:
             self.exporter = PrometheusExporter(cfg.job.name or "run")
             self.exporter.declare_checks(CHECKS)
             try:
-                self.exporter.serve(m.prometheus_port)
+                self.exporter.serve(m.prometheus_port, m.prometheus_host)
             except OSError as e:
                 raise ConfigError(f"config key 'metrics.prometheus_port' = {m.prometheus_port}: cannot listen ({e})") from None
         self.events: EventLog | None = None

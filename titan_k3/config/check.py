@@ -1,0 +1,102 @@
+"""Checks of a configuration against this host, and `python -m titan_k3.config.check`.
+
+`load_job_config` checks what the text alone decides (keys, types, ranges,
+combinations). `check_host` adds what only the host can answer, before any
+work: the dataset exists and has the sources `data.mixture` names, the files
+the run reads exist, the metrics port can be listened on.
+
+    python -m titan_k3.config.check [-] [--section.key value ...]
+
+takes the trainer's own arguments ('-' first: the TOML text on stdin instead
+of `--job.config_file`), prints 'config ok' and exits 0, or prints one line
+`error: ...` to stderr and exits CONFIG_ERROR_EXIT. Torch-free: the control
+service runs it before it accepts a run; `python -m titan_k3.train
+--job.validate_only true` runs the same checks.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+from titan_k3.config.job_config import JobConfig
+from titan_k3.config.manager import ConfigError, load_job_config
+from titan_k3.config.validate import parse_mixture
+
+CONFIG_ERROR_EXIT = 2
+"""Exit status of the trainer (and of this check) for a configuration error: retrying cannot help."""
+
+
+def check_port(cfg: JobConfig) -> None:
+    """Rank 0's Prometheus endpoint can listen on (metrics.prometheus_host, metrics.prometheus_port)."""
+    m = cfg.metrics
+    if not m.prometheus_port:
+        return
+    try:
+        family = socket.getaddrinfo(m.prometheus_host, m.prometheus_port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            # NOTE: as the exporter's HTTP server does, so a port in TIME_WAIT is not refused here and taken there.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((m.prometheus_host, m.prometheus_port))
+    except OSError as e:
+        raise ConfigError(f"config key 'metrics.prometheus_port' = {m.prometheus_port}: cannot listen on "
+                          f"{m.prometheus_host}:{m.prometheus_port} ({e.strerror or e})") from None
+
+
+def check_data(cfg: JobConfig) -> None:
+    """The dataset opens (index and shard sizes) and `data.mixture` weighs exactly its sources."""
+    from titan_k3.data.shards import open_dataset
+
+    d = cfg.data
+    if d.dataset == "embedded":
+        from titan_k3.data.corpus import ensure_embedded_dataset
+
+        path = ensure_embedded_dataset()
+    else:
+        path = Path(d.dataset)
+    try:
+        sources = open_dataset(path, verify="size").source_names
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"config key 'data.dataset' = {d.dataset!r}: {e}") from None
+    mixture = parse_mixture(d.mixture)
+    if mixture is None:
+        return
+    unknown = sorted(set(mixture) - set(sources))
+    missing = sorted(set(sources) - set(mixture))
+    if unknown or missing:
+        what = f"unknown source(s) {unknown}" if unknown else f"no weight for source(s) {missing}"
+        raise ConfigError(f"config key 'data.mixture' = {d.mixture!r}: {what}; the dataset has {sources}")
+
+
+def check_files(cfg: JobConfig) -> None:
+    """Files the run reads exist: tokenizer, initial checkpoint, evaluation tasks."""
+    named = [("data.tokenizer", cfg.data.tokenizer), ("checkpoint.initial_load_path", cfg.checkpoint.initial_load_path)]
+    named += [("eval.tasks", t.strip()) for t in cfg.eval.tasks.split(",") if t.strip()]
+    for key, value in named:
+        if value and value != "embedded" and not Path(value).exists():
+            raise ConfigError(f"config key '{key}' = {value!r}: no such file or directory")
+
+
+def check_host(cfg: JobConfig) -> None:
+    """Every host check; raises ConfigError with one line naming the key."""
+    check_files(cfg)
+    check_data(cfg)
+    check_port(cfg)
+
+
+def main(argv: list[str]) -> int:
+    toml_text = None
+    if argv[:1] == ["-"]:
+        argv, toml_text = argv[1:], sys.stdin.read()
+    try:
+        check_host(load_job_config(argv, toml_text=toml_text))
+    except ValueError as e:  # ConfigError, and the dataset reader's own ValueErrors
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
+    print("config ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,137 @@
+"""From a config and a cluster to a verdict: the configured layout, the best one found, and why others lose.
+
+The search keeps the recipe's global batch (sequences per update = local batch x accumulation x data-parallel
+ranks as configured) and varies what the trainer lets a user choose without changing the math: HSDP
+replicas x FSDP shard degree, the EP degree (dividing the shard degree and the experts) and its dispatch,
+the micro-batch (with the accumulation that keeps the global batch), and activation checkpointing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from titan_k3.models.k3.args import K3Args
+from titan_k3.plan.cluster import Cluster
+from titan_k3.plan.costs import CostTable
+from titan_k3.plan.estimate import Estimate, Layout, estimate
+
+AC_MODES = ("none", "selective", "full")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def resolve_layout(cfg, world: int, n_experts: int) -> Layout:
+    """The config's layout on `world` GPUs; a degree that does not fit is a one-line ValueError (as the trainer)."""
+    p, t = cfg.parallelism, cfg.training
+    rep, shard, ep = p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.expert_parallel_degree
+    if world % rep:
+        raise ValueError(f"config key 'parallelism.data_parallel_replicate_degree' = {rep}: must divide the "
+                         f"world size {world}")
+    shard = world // rep if shard == -1 else shard
+    if rep * shard != world:
+        raise ValueError(f"config key 'parallelism.data_parallel_shard_degree' = {shard}: replicate {rep} x shard "
+                         f"{shard} must equal the world size {world} (use -1 for the rest)")
+    if shard % ep or n_experts % ep:
+        raise ValueError(f"config key 'parallelism.expert_parallel_degree' = {ep}: must divide the data-parallel "
+                         f"shard degree {shard} and the number of experts {n_experts}")
+    return Layout(rep, shard, ep, t.local_batch_size, t.grad_accum, t.seq_len, cfg.activation_checkpoint.mode,
+                  reshard_after_forward=p.fsdp_reshard_after_forward, defer_grad_reduce=p.fsdp_defer_grad_reduce,
+                  expert_dispatch=p.expert_dispatch, optimizer=cfg.optimizer.name,
+                  ns_cuda_graphs=cfg.optimizer.ns_cuda_graphs)
+
+
+def candidates(a: K3Args, base: Layout, world: int, global_seqs: int) -> list[Layout]:
+    """Every layout on `world` GPUs that keeps `global_seqs` sequences per update."""
+    if global_seqs % world:
+        return []
+    per_rank = global_seqs // world
+    out = []
+    for rep in divisors(world):
+        shard = world // rep
+        for ep in (d for d in divisors(shard) if a.n_experts % d == 0):
+            dispatches = ("all_gather", "all_to_all") if ep > 1 else (base.expert_dispatch,)
+            for dispatch in dispatches:
+                for batch in divisors(per_rank):
+                    for ac in AC_MODES:
+                        out.append(replace(base, dp_replicate=rep, dp_shard=shard, ep=ep, local_batch=batch,
+                                           grad_accum=per_rank // batch, ac=ac, expert_dispatch=dispatch))
+    return out
+
+
+@dataclass
+class Verdict:
+    configured: Estimate | None
+    """The config's own layout on the whole cluster (None when its degrees do not fit the world size)."""
+    configured_error: str
+    best: Estimate | None
+    """The fastest layout that fits, or None."""
+    ranked: list[tuple[Estimate, str]]
+    """Other layouts, each with why it loses to the best (the fastest few that fit, the closest that do not)."""
+    searched: int
+
+    @property
+    def fits(self) -> bool:
+        return self.best is not None
+
+    def as_dict(self) -> dict:
+        return {
+            "fits": self.fits,
+            "configured": self.configured.as_dict() if self.configured else None,
+            "configured_error": self.configured_error,
+            "best": self.best.as_dict() if self.best else None,
+            "others": [{"layout": e.layout.describe(), "peak_gib": e.peak_gib, "fits": e.fits,
+                        "tokens_per_s": e.tokens_per_s, "why": why} for e, why in self.ranked],
+            "searched": self.searched,
+        }
+
+
+def why_loses(est: Estimate, best: Estimate) -> str:
+    if not est.fits:
+        top = max(est.memory_gib.items(), key=lambda kv: kv[1])
+        return (f"does not fit: peak {est.peak_gib:.1f} GiB > {est.budget_gib:.1f} GiB usable "
+                f"(largest part: {top[0]} {top[1]:.1f} GiB)")
+    deltas = {"compute (incl. recompute)": est.compute_s - best.compute_s, "optimizer": est.optimizer_s - best.optimizer_s,
+              "exposed communication": est.exposed_comm_s - best.exposed_comm_s}
+    part, delta = max(deltas.items(), key=lambda kv: kv[1])
+    slower = best.tokens_per_s / est.tokens_per_s - 1
+    return f"{100 * slower:.1f}% slower: {part} +{delta * 1e3:.1f} ms per update"
+
+
+def plan(a: K3Args, cfg, cluster: Cluster, table: CostTable, keep: int = 6) -> Verdict:
+    configured, error = None, ""
+    try:
+        base = resolve_layout(cfg, cluster.world, a.n_experts)
+        configured = estimate(a, base, cluster, table)
+    except ValueError as e:
+        error = str(e)
+        p = cfg.parallelism
+        base = Layout(1, cluster.world, 1, cfg.training.local_batch_size, cfg.training.grad_accum, cfg.training.seq_len,
+                      cfg.activation_checkpoint.mode, p.fsdp_reshard_after_forward, p.fsdp_defer_grad_reduce,
+                      p.expert_dispatch, cfg.optimizer.name, cfg.optimizer.ns_cuda_graphs)
+    # NOTE: the global batch is the recipe's: what the config asks per rank, times the ranks it would get here.
+    global_seqs = base.local_batch * base.grad_accum * cluster.world
+    ests = [estimate(a, lay, cluster, table) for lay in candidates(a, base, cluster.world, global_seqs)]
+    fitting = sorted((e for e in ests if e.fits), key=lambda e: (-e.tokens_per_s, e.peak_gib))
+    best = fitting[0] if fitting else None
+    ranked: list[tuple[Estimate, str]] = []
+    if best is not None:
+        ranked += [(e, why_loses(e, best)) for e in fitting[1:keep]]
+        closest = sorted((e for e in ests if not e.fits), key=lambda e: e.peak_gib)[:2]
+        ranked += [(e, why_loses(e, best)) for e in closest]
+    else:
+        closest = sorted(ests, key=lambda e: e.peak_gib)[:keep]
+        ranked += [(e, why_loses(e, e)) for e in closest]
+    return Verdict(configured, error, best, ranked, len(ests))
+
+
+def smallest_cluster(a: K3Args, cfg, cluster: Cluster, table: CostTable, max_nodes: int = 4096) -> tuple[int, Verdict] | None:
+    """The fewest nodes (doubling from cluster.nodes) on which some layout fits; None up to max_nodes."""
+    nodes = cluster.nodes
+    while nodes <= max_nodes:
+        verdict = plan(a, cfg, cluster.replace(nodes=nodes), table)
+        if verdict.fits:
+            return nodes, verdict
+        nodes *= 2
+    return None
