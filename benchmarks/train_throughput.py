@@ -1,13 +1,16 @@
-"""k3-mini training throughput on one GPU: our full recipe, ablations, and the eager peer in the same run.
+"""k3-mini training throughput on one GPU: our full recipe, ablations, and both peers in the same run.
 
-    PYTHONPATH=. python benchmarks/train_throughput.py --out OUTDIR [--variants ours,peer,...] [--seq 4096 --batch 8]
+    PYTHONPATH=. python benchmarks/train_throughput.py --out OUTDIR \
+        [--variants ours-compile-ns-graphs,peer-compiled,peer,...] [--seq 4096 1024 --batch 8 32]
 
 Each variant trains k3-mini (vocab 163,840) on the embedded corpus's real
 tokens: warm-up steps, then timed steps run back to back as in training
 (wall time between two CUDA synchronisations, per step). Reported: steady tokens/s, MFU against the datasheet
 peak (989 TFLOP/s) with the FLOP count of `flops_per_token`, peak memory,
-seconds from variant start to the end of its first step, ratio to the peer.
-Prints a table last and appends dated rows to OUTDIR/train_throughput.md.
+seconds from variant start to the end of its first step, the loss of every step (the peers must learn
+like ours on the same batches), and two ratios: to the strong peer (`peer-compiled`,
+benchmarks/peer_compiled.py: public parts, compiled per block) and to the eager peer (`peer`,
+benchmarks/peer_eager.py). Prints a table last and appends dated rows to OUTDIR/train_throughput.md.
 """
 
 from __future__ import annotations
@@ -64,28 +67,36 @@ def base_args(flavor: str, seq: int, batch: int, name: str) -> list[str]:
             "--job.dump_folder", str(RUNS), "--job.name", name]
 
 
-def time_steps(step_fn, warmup: int, steps: int) -> tuple[float, float, list[float]]:
-    """(first step s, timed steps' total s, per-step host times s).
+def time_steps(step_fn, warmup: int, steps: int) -> tuple[float, float, list[float], list]:
+    """(first step s, timed steps' total s, per-step host times s, what each step returned).
 
     The timed steps run back to back as in training, synchronised only
     before and after (a sync per step would stop the host from queueing the
     next step while the GPU finishes the last one's optimizer).
     """
     t0 = time.perf_counter()
-    step_fn()
+    results = [step_fn()]
     sync()
     first = time.perf_counter() - t0
     for _ in range(warmup - 1):
-        step_fn()
+        results.append(step_fn())
     sync()
     times = []
     start = time.perf_counter()
     for _ in range(steps):
         t = time.perf_counter()
-        step_fn()
+        results.append(step_fn())
         times.append(time.perf_counter() - t)
     sync()
-    return first, time.perf_counter() - start, times
+    return first, time.perf_counter() - start, times, results
+
+
+def _loss(result) -> float:
+    """A step's mean loss: our StepResult reads it back; the peers return a device scalar."""
+    return float(result.loss if hasattr(result, "loss") else result)
+
+
+PEERS = ("peer", "peer-compiled", "peer-public-eager")
 
 
 def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps: int, out: Path, profile: bool) -> dict:
@@ -94,13 +105,24 @@ def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps
 
     counters.clear()  # graph-break counts per variant, not accumulated over the run
     start = time.perf_counter()
-    if name == "peer":
-        from benchmarks.peer_eager import PeerTrainer
+    if name in PEERS:
         from titan_k3.data.loader import build_dataloader
         from titan_k3.data.tokenizer import load_tokenizer
 
-        peer = PeerTrainer()
-        loader = build_dataloader("embedded", load_tokenizer("embedded"), seq, batch, 0, 1, 0)
+        tokenizer = load_tokenizer("embedded")
+        if name == "peer":
+            from benchmarks.peer_eager import PeerTrainer
+
+            peer = PeerTrainer()
+        else:
+            from benchmarks.peer_compiled import PeerCompiledTrainer, PeerConfig
+
+            # NOTE: the debug flavor runs the peer's plain-PyTorch parts on a CPU (a smoke check, not a measurement).
+            cpu = flavor == "debug"
+            peer = PeerCompiledTrainer(PeerConfig(
+                flavor=flavor, vocab_size=tokenizer.vocab_size if cpu else 163840, parts="torch" if cpu else "fla",
+                compile=name == "peer-compiled" and not cpu))
+        loader = build_dataloader("embedded", tokenizer, seq, batch, 0, 1, 0)
         step_fn = lambda: peer.train_step(next(loader))  # noqa: E731
         holder = peer
     else:
@@ -110,7 +132,7 @@ def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps
         step_fn = trainer.train_step
         holder = trainer
     build_s = time.perf_counter() - start
-    first, total, times = time_steps(step_fn, warmup, steps)
+    first, total, times, results = time_steps(step_fn, warmup, steps)
     per_step = total / steps
     tokens = seq * batch
     tok_s = tokens / per_step
@@ -120,6 +142,7 @@ def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps
         "variant": name, "seq": seq, "batch": batch, "ms_per_step": 1e3 * per_step, "host_median_ms": 1e3 * statistics.median(times),
         "tokens_per_s": tok_s, "mfu": tok_s * fpt / 989e12, "peak_gib": peak_gib(),
         "start_to_first_step_s": build_s + first, "steps_timed": steps,
+        "losses": [round(_loss(r), 4) for r in results],
     }
     watch = getattr(holder, "compile_watch", None)
     if watch is not None:
@@ -151,6 +174,13 @@ def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps
     return result
 
 
+def _ratio(row: dict, rows: list[dict], peer: str) -> str:
+    """row's tokens/s over the named peer's at the same shape in this run ("—" when the peer was not run)."""
+    ref = [r["tokens_per_s"] for r in rows if r["variant"] == peer and (r["seq"], r["batch"]) == (row["seq"], row["batch"])
+           and "tokens_per_s" in r]
+    return f"{row['tokens_per_s'] / ref[0]:.2f}x" if ref else "—"
+
+
 def _compile_note(row: dict) -> str:
     return f"{row['graphs']} graphs, {row['graph_breaks']} graph breaks" if "graphs" in row else ""
 
@@ -164,7 +194,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--deadline-s", type=float, default=1e9, help="skip variants that start after this many seconds")
-    p.add_argument("--profile", default="ours", help="variants to profile (one step, torch.profiler)")
+    p.add_argument("--profile", default="ours", help="variants to profile (one step, torch.profiler); 'all' profiles every one")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -176,24 +206,24 @@ def main() -> int:
                 continue
             try:
                 rows.append(run_variant(name, args.flavor, seq, batch, args.warmup, args.steps, args.out,
-                                        name in args.profile.split(",")))
+                                        args.profile == "all" or name in args.profile.split(",")))
             except Exception as e:  # one failing variant must not lose the others' numbers
                 rows.append({"variant": name, "seq": seq, "batch": batch, "error": f"{type(e).__name__}: {e}"})
                 traceback.print_exc()
             print(json.dumps(rows[-1]), flush=True)
-    peer = {(r["seq"]): r["tokens_per_s"] for r in rows if r["variant"] == "peer" and "tokens_per_s" in r}
     lines = []
     for r in rows:
         if "error" in r:
             lines.append(f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | "
-                         f"{r['variant']} | B{r['batch']} T{r['seq']} | — | — | — | — | — | — | {r['error'][:120]} |")
+                         f"{r['variant']} | B{r['batch']} T{r['seq']} | — | — | — | — | — | — | — | — | {r['error'][:120]} |")
             continue
-        ratio = f"{r['tokens_per_s'] / peer[r['seq']]:.2f}x" if r["seq"] in peer else "no peer in run"
+        strong, weak = (_ratio(r, rows, peer) for peer in ("peer-compiled", "peer"))
+        losses = f"loss {r['losses'][0]:.2f} → {r['losses'][-1]:.2f}"
         lines.append(f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | {r['variant']} | "
                      f"B{r['batch']} T{r['seq']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
-                     f"{r['peak_gib']:.1f} | {r['start_to_first_step_s']:.1f} | {ratio} | {_compile_note(r)} |")
+                     f"{r['peak_gib']:.1f} | {r['start_to_first_step_s']:.1f} | {strong} | {weak} | {losses} | {_compile_note(r)} |")
     header = ("| date | commit | GPU | torch | triton | variant | shape | ms/step (timed steps back to back) | tokens/s | MFU (989) | "
-              "peak GiB | start→first step s | vs peer | note |\n|" + "---|" * 14)
+              "peak GiB | start→first step s | vs strong peer | vs eager peer | losses | note |\n|" + "---|" * 16)
     table = header + "\n" + "\n".join(lines)
     write_results(args.out, "train_throughput", table, env, rows)
     return 0
