@@ -44,6 +44,7 @@ from titan_k3.parallel import (
     CompileWatch, grad_norm_and_clip_coef, init_weights, parallelize, set_microbatch_sync, setup_distributed,
     sum_replicated_grads,
 )
+from titan_k3.parallel.faults import active_injections, check_injections, inject_replica_drift
 
 IGNORE_INDEX = -100
 
@@ -122,8 +123,11 @@ class Trainer:
         self.args = get_flavor(cfg.model.flavor, vocab)
         self.dist = setup_distributed(cfg.parallelism, self.device, self.args.n_experts)
         self.dp_rank, self.dp_world, self.dp_group = self.dist.dp_rank, self.dist.dp_world, self.dist.dp_group
+        check_injections(cfg.debug, self.dp_world)
+        # debug.inject_same_data: the last data-parallel rank reads the first one's sequences.
+        data_rank = 0 if cfg.debug.inject_same_data and self.dp_rank == self.dp_world - 1 else self.dp_rank
         self.loader = build_dataloader(
-            cfg.data.dataset, self.tokenizer, t.seq_len, t.local_batch_size, self.dp_rank, self.dp_world,
+            cfg.data.dataset, self.tokenizer, t.seq_len, t.local_batch_size, data_rank, self.dp_world,
             t.seed, mixture=parse_mixture(cfg.data.mixture), prefetch=cfg.data.prefetch,
         )
 
@@ -138,7 +142,8 @@ class Trainer:
             model = K3Model(self.args, self.impl, cfg.model.qb_eta)
         self.impl.choices += parallelize(model, self.dist.dims, self.dist.mesh, cfg, self.device)
         model.to_empty(device=self.device)
-        init_weights(model, lambda: K3Model(self.args, self.impl, cfg.model.qb_eta), t.seed, self.device)
+        self._build_model = lambda: K3Model(self.args, self.impl, cfg.model.qb_eta)
+        init_weights(model, self._build_model, t.seed, self.device)
         for router in model.moe_routers().values():
             router.update_enabled = cfg.model.qb_update
             router.dp_group = self.dp_group
@@ -194,11 +199,13 @@ class Trainer:
         self.reporter.start(self.run_dir, self.events)
         self.profiler = StepProfiler(cfg.profiling, self.run_dir, self.rank, self.events)
         self.invariants = InvariantRunner(cfg.invariants, self.events, group=self.dp_group, rank=self.rank, device=self.device,
-                                          seq_len=t.seq_len, on_violation=self.reporter.violation)
+                                          seq_len=t.seq_len, on_violation=self.reporter.violation,
+                                          probe_rtol=0.1 if self._bf16_autocast else 1e-3)
         self.qk_clip_max_logits: dict[int, torch.Tensor] = {}
         self._report_start()
         self.checkpointer = build_checkpointer(self)
         self.checkpointer.load()
+        self._inject_faults()
         self.gc_schedule = ScheduledGC(t.gc_every)  # last: a failed start leaves Python's collector as it was
         self._built_at = time.time()
 
@@ -212,6 +219,15 @@ class Trainer:
         if isinstance(sys.stdout, Tee) and getattr(self, "_stdout", None) is not None:
             sys.stdout.file.close()
             sys.stdout = self._stdout
+
+    def _inject_faults(self) -> None:
+        """Announce the [debug] fault injections that are on; apply the replica drift (after init or load)."""
+        for key, value in active_injections(self.cfg.debug).items() if self.rank == 0 else ():
+            self.events.emit("fault_injection", f"FAULT INJECTED: {key} = {value!r}", step=self.step, key=key, value=value)
+        drift = self.cfg.debug.inject_replica_drift
+        if drift and self.dp_rank == self.dp_world - 1:
+            moved = inject_replica_drift(self.model, drift)
+            print(f"debug.inject_replica_drift: rank {self.rank} moved {len(moved)} replicated tensors by {drift:g}", flush=True)
 
     # ------------------------------------------------------------------ reporting
     def _report_start(self) -> None:
@@ -228,10 +244,12 @@ class Trainer:
         self.reporter.report_kernels(self.impl.choices)
 
     def _log(self, result: StepResult, window: dict, evals: dict | None = None) -> None:
+        violations = {"invariant_violations": self.invariants.total_violations,
+                      **{f"invariant_violations/{check}": n for check, n in self.invariants.counts.items()}}
         self.reporter.log(
             step=self.step, loss=result.loss, grad_norm=result.grad_norm, lr=self._last_lr, tokens_seen=self.tokens_seen,
             skipped_updates=self.skipped_updates, clocks=self.clocks, window=window, routers=self.model.moe_routers(),
-            source_tokens=getattr(self.loader, "source_tokens_total", None), extra=evals,
+            source_tokens=getattr(self.loader, "source_tokens_total", None), extra={**violations, **(evals or {})},
         )
 
     def _evaluate(self) -> dict:
@@ -254,15 +272,25 @@ class Trainer:
             dist.all_reduce(x, op=op or dist.ReduceOp.SUM, group=self.dp_group)
         return x
 
+    @property
+    def _bf16_autocast(self) -> bool:
+        return self.device.type == "cuda" and self.cfg.training.compute_dtype == "bfloat16"
+
+    def _autocast(self) -> torch.autocast:
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self._bf16_autocast)
+
     def train_step(self) -> StepResult:
         cfg = self.cfg
         self.gc_schedule.before_update(self.step + 1)
         batches = [self._next_batch() for _ in range(cfg.training.grad_accum)]
+        self.invariants.probe(self.step + 1, batches[0], model=self.model, build_copy=self._build_model,
+                              autocast=self._autocast)
         n_valid = host_to_device(sum((b.labels != IGNORE_INDEX).sum() for b in batches).float(), self.device)
         global_valid = self._all_reduce(n_valid.clone()).clamp(min=1)
+        # debug.inject_grad_scale = 'local_normaliser': the loss divided by this rank's targets, not the update's.
+        normaliser = n_valid.clamp(min=1) if cfg.debug.inject_grad_scale == "local_normaliser" else global_valid
         loss_sum = torch.zeros((), device=self.device)
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"
-                                  and cfg.training.compute_dtype == "bfloat16")
+        autocast = self._autocast()
         defer_reduce = cfg.parallelism.fsdp_defer_grad_reduce and len(batches) > 1
         for i, b in enumerate(batches):
             if defer_reduce:
@@ -270,7 +298,7 @@ class Trainer:
             with autocast:
                 out = self.model(host_to_device(b.input_ids, self.device), host_to_device(b.labels, self.device),
                                  OnHost.wrap(b.cu_seqlens))
-            (out.loss_sum / global_valid).backward()
+            (out.loss_sum / normaliser).backward()
             apply_deferred_updates(self._routers, self.dp_group)  # QB, before the next micro-batch routes
             loss_sum += out.loss_sum.detach().float()
         sum_replicated_grads(self.model, self.dp_group)
@@ -279,7 +307,7 @@ class Trainer:
         if self.reporter.is_log_step(self.step + 1):
             self.reporter.capture_grads(self.model.named_parameters())
         self.invariants.before_clip(self.step + 1, batches=batches, model=self.model, optimizers=self.optimizers,
-                                    normaliser=global_valid, local_valid=n_valid, loader=self.loader,
+                                    normaliser=normaliser, local_valid=n_valid, loader=self.loader,
                                     qk_clip_max_logits=self.qk_clip_max_logits)
         max_norm = cfg.training.max_norm if cfg.training.max_norm > 0 else float("inf")
         # NOTE: the clip coefficient rides on the optimizers' first read of each gradient (Optimizers.step),
@@ -421,6 +449,14 @@ class Trainer:
             if self.rank == 0:
                 self.events.emit("precompile", report, step=self.step)
 
+    def _violations_line(self) -> str:
+        inv = self.invariants
+        if not self.cfg.invariants.enable:
+            return "invariant checks off (invariants.enable = false)"
+        named = ", ".join(f"{check} {n}" for check, n in inv.counts.items() if n)
+        return f"invariant violations: {inv.total_violations}" + (f" ({named})" if named else "") + \
+            f" (checked every {self.cfg.invariants.interval} updates)"
+
     def _window_ends(self, step: int) -> bool:
         """Whether anything reads the clocks or the device state after update `step` (log, eval, checkpoint, end)."""
         cfg = self.cfg
@@ -440,6 +476,7 @@ class Trainer:
             f"startup {self.startup_seconds:.1f} s to the end of the first update | "
             f"tokens/s training clock {self.tokens_seen / max(c.training_seconds, 1e-9):,.0f} | "
             f"session clock {self.tokens_seen / max(c.session_seconds, 1e-9):,.0f}",
+            self._violations_line(),
             f"files: {self.run_dir}/metrics.jsonl, events.jsonl, stdout.log, manifest.json, config.toml",
             "-" * 72,
         ])

@@ -29,7 +29,7 @@ def test_source_mix_flags_a_source_far_from_its_weight():
 
 
 def test_grad_norm_audit_and_normaliser_in_one_process():
-    assert C.check_grad_norm_audit(5.0, C.gathered_grad_norm([torch.full((4,), 2.5)])) == []
+    assert C.check_grad_norm_audit(5.0, C.layout_grad_norm([torch.full((4,), 2.5)])) == []
     (v,) = C.check_grad_norm_audit(2.5, 5.0)
     assert v.check == "gradient_scale.grad_norm_audit" and v.metric == pytest.approx(0.5)
     assert C.check_loss_normaliser(100.0, 100, None) == []
@@ -66,6 +66,6 @@ def test_abort_raises_after_reporting(tmp_path):
     runner.before_clip(1, batches=[batch], model=model, optimizers=None, normaliser=torch.tensor(3.0),
                        local_valid=torch.tensor(6))
     with pytest.raises(InvariantViolationError, match="gradient_scale.loss_normaliser violated at step 1"):
-        runner.after_clip(C.gathered_grad_norm([p.grad for p in model.parameters()]))
+        runner.after_clip(C.layout_grad_norm([p.grad for p in model.parameters()]))
     assert counted == ["gradient_scale.loss_normaliser"]
     assert '"check": "gradient_scale.loss_normaliser"' in (tmp_path / "events.jsonl").read_text()

@@ -259,6 +259,12 @@ class Debug:
     """Exit with status 3 inside the checkpoint save of this update, after its files are written and before the rename (tests of atomic saves); -1 never."""
     deterministic: bool = False
     """Ask torch for deterministic algorithms."""
+    inject_same_data: bool = False
+    """Fault injection (off by default): the last data-parallel rank reads the first one's sequences; data.disjoint_sequences must catch it."""
+    inject_replica_drift: float = 0.0
+    """Fault injection: at start-up the last data-parallel rank adds this to one element of every tensor it holds a replica of; replicas.checksums must catch it; 0 is off."""
+    inject_grad_scale: Literal["none", "fsdp_average", "local_normaliser"] = "none"
+    """Fault injection: fsdp_average makes FSDP2 divide reduced gradients by its mesh size (averaging, not summing); local_normaliser divides the loss by this rank's target count; none is off."""
 
 
 @dataclass

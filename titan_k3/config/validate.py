@@ -6,6 +6,8 @@ what is allowed. Torch-free; world-size checks happen in parallel/dims.py.
 
 from __future__ import annotations
 
+import math
+
 from titan_k3.config.job_config import JobConfig
 from titan_k3.models.k3.args import FLAVORS, KDA_CHUNK
 
@@ -154,6 +156,8 @@ def validate(cfg: JobConfig) -> None:
     )
     _positive("metrics.collapse_patience", cfg.metrics.collapse_patience)
     _positive("invariants.interval", cfg.invariants.interval)
+    drift = cfg.debug.inject_replica_drift
+    _require(math.isfinite(drift), f"config key 'debug.inject_replica_drift' = {drift!r}: must be a finite number (0 is off)")
     _non_negative("eval.interval", cfg.eval.interval)
     _positive("eval.steps", cfg.eval.steps)
     _positive("eval.batch_size", cfg.eval.batch_size)

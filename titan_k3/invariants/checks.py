@@ -8,7 +8,7 @@ process) the cross-rank checks have nothing to compare and return [].
 Names: data.disjoint_sequences, data.source_mix, replicas.checksums,
 gradient_scale.grad_norm_agreement, gradient_scale.grad_norm_audit,
 gradient_scale.loss_normaliser, gradient_scale.ep_token_counts,
-gradient_scale.expert_grad_scale.
+gradient_scale.probe_reference, gradient_scale.expert_grad_scale.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 from titan_k3.parallel.distributed import all_gather_small, all_reduce_small
 
@@ -30,6 +31,7 @@ CHECKS = (
     "gradient_scale.grad_norm_audit",
     "gradient_scale.loss_normaliser",
     "gradient_scale.ep_token_counts",
+    "gradient_scale.probe_reference",
     "gradient_scale.expert_grad_scale",
 )
 
@@ -130,6 +132,41 @@ def check_replicas(named: dict[str, torch.Tensor], group) -> list[Violation]:
     )]
 
 
+def check_replicated_shards(groups: list[tuple[dist.ProcessGroup, dict[str, torch.Tensor]]], dp_group) -> list[Violation]:
+    """Shards replicated along a mesh dim (HSDP's dp_replicate) must be bit-identical across that dim's group.
+
+    groups: (the group of ranks holding replicas of the same shards, {name: this rank's local shard}), in the
+    same order with the same names on every rank. Collective over `dp_group`, which agrees on the verdict:
+    the rank that sees a differing replica may share no group with rank 0.
+    """
+    if dp_group is None or not groups:
+        return []
+    names: list[str] = []
+    flags: list[torch.Tensor] = []
+    mine = False
+    for group, named in groups:
+        keys = sorted(named)
+        local = torch.stack([checksum(named[n]).cpu() for n in keys])
+        all_RN = all_gather_small(local, group)
+        flags.append((all_RN != all_RN[0]).any(dim=0).to(torch.int64))
+        mine = mine or bool((local != all_RN[0]).any())
+        names += keys
+    flag_N = all_reduce_small(torch.cat(flags), dp_group, dist.ReduceOp.MAX)
+    ranks_W = torch.zeros(dist.get_world_size(dp_group), dtype=torch.int64)
+    ranks_W[dist.get_rank(dp_group)] = int(mine)
+    ranks_W = all_reduce_small(ranks_W, dp_group, dist.ReduceOp.MAX)
+    if not flag_N.any():
+        return []
+    bad = [n for n, f in zip(names, flag_N.tolist()) if f]
+    ranks = ranks_W.nonzero().flatten().tolist()
+    return [Violation(
+        "replicas.checksums", float(len(bad)),
+        f"{len(bad)} replicated shards differ between their replicas (data-parallel rank(s) {ranks} disagree with "
+        f"the first replica of their group): {', '.join(bad[:6])}" + (" ..." if len(bad) > 6 else ""),
+        {"tensors": bad, "ranks": ranks},
+    )]
+
+
 # ---------------------------------------------------------------------------- gradient scale
 
 
@@ -148,18 +185,40 @@ def check_grad_norm_agreement(grad_norm: float, group, rtol: float = 1e-6) -> li
     )]
 
 
-def gathered_grad_norm(grads: Iterable[torch.Tensor]) -> float:
-    """L2 norm of the fully gathered gradients (DTensors are materialised one at a time; collective)."""
-    fulls = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]
-    if not fulls:
+def layout_grad_norm(grads: Iterable[torch.Tensor]) -> float:
+    """L2 norm of the whole gradient, from every rank's per-tensor sums of squares (collective over the world).
+
+    One all-gather of an [N] float64 vector (N gradient tensors) instead of
+    gathering every sharded gradient. Each DTensor's square is summed over the
+    ranks of its mesh that hold distinct shards (the first replica along every
+    Replicate dim); a plain tensor is a replica and counts once. This follows
+    the placements, not the clipping path's per-dim all-reduces, so it audits
+    that path rather than repeating it.
+    """
+    grads = list(grads)
+    if not grads:
         return 0.0
     # NOTE: float64 accumulation: a float32 norm of a large CPU tensor can be off by 1e-4 relative.
-    squares = [torch.linalg.vector_norm(g, dtype=torch.float64).square().cpu() for g in fulls]
-    return math.sqrt(float(torch.stack(squares).sum()))
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    sq_N = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64).square().cpu() for t in local])
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return math.sqrt(float(sq_N.sum()))
+    sq_WN = all_gather_small(sq_N, dist.group.WORLD)
+    total = 0.0
+    for j, g in enumerate(grads):
+        if not isinstance(g, DTensor):
+            total += float(sq_N[j])
+            continue
+        ranks = g.device_mesh.mesh
+        for dim in reversed(range(ranks.ndim)):
+            if isinstance(g.placements[dim], Replicate):
+                ranks = ranks.select(dim, 0)
+        total += float(sq_WN[ranks.flatten(), j].sum())
+    return math.sqrt(total)
 
 
 def check_grad_norm_audit(reported: float, gathered: float, rtol: float = 1e-3) -> list[Violation]:
-    """The clipped-with norm must equal the norm of the fully gathered gradient."""
+    """The clipped-with norm must equal the norm recomputed from the shards' layout (`layout_grad_norm`)."""
     if not (math.isfinite(reported) and math.isfinite(gathered)):
         return []  # a non-finite update is skipped and reported as such
     err = abs(reported - gathered) / max(gathered, 1e-30)
@@ -167,7 +226,8 @@ def check_grad_norm_audit(reported: float, gathered: float, rtol: float = 1e-3) 
         return []
     return [Violation(
         "gradient_scale.grad_norm_audit", err,
-        f"global grad norm {reported:.6g} differs from the norm of the gathered gradient {gathered:.6g} ({100 * err:.2f}%)",
+        f"global grad norm {reported:.6g} differs from the norm recomputed from every rank's shards {gathered:.6g} "
+        f"({100 * err:.2f}%)",
     )]
 
 
@@ -234,4 +294,37 @@ def check_expert_grad_scale(grads: dict[str, torch.Tensor], reference: dict[str,
         "gradient_scale.expert_grad_scale", ratio,
         f"expert gradients are {ratio:.4g}x the single-process gradients (worst relative error {float(flag):.3g}"
         + (f" in {worst}" if worst_err == float(flag) and worst else "") + ")",
+    )]
+
+
+def check_probe_reference(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], group,
+                          rtol: float = 1e-3) -> list[Violation]:
+    """Gradients of one probe batch through the parallel model vs a single-process replica's (full tensors).
+
+    grads: every parameter's gradient after the parallel reduction, gathered
+    whole; reference: the same names from an unsharded copy of the model on
+    the same batch. Summing over ranks makes them equal; FSDP averaging makes
+    them 1/W; an extra or missing reduction shows the same way. The metric is
+    the ratio of the whole norms; a violation is any tensor whose relative
+    error exceeds rtol. The worst error is agreed over `group` (MAX).
+    """
+    sq = torch.zeros(2, dtype=torch.float64)
+    worst, worst_err, worst_ratio = "", 0.0, 1.0
+    for name, ref in reference.items():
+        g = grads[name].double()
+        ref = ref.double()
+        n_g, n_ref = torch.linalg.vector_norm(g), torch.linalg.vector_norm(ref)
+        sq += torch.stack([n_g.square(), n_ref.square()])
+        err = float(torch.linalg.vector_norm(g - ref) / n_ref.clamp(min=1e-30))
+        if err > worst_err:
+            worst, worst_err, worst_ratio = name, err, float(n_g / n_ref.clamp(min=1e-30))
+    flag = all_reduce_small(torch.tensor([worst_err], dtype=torch.float64), group, dist.ReduceOp.MAX)
+    if float(flag) <= rtol:
+        return []
+    ratio = float((sq[0] / sq[1].clamp(min=1e-300)).sqrt())
+    return [Violation(
+        "gradient_scale.probe_reference", ratio,
+        f"on a probe batch the parallel gradient is {ratio:.4g}x the single-process gradient "
+        f"(worst tensor {worst}: {worst_ratio:.4g}x, relative error {worst_err:.3g} > {rtol:g})",
+        {"worst_tensor": worst, "worst_relative_error": worst_err},
     )]

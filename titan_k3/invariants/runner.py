@@ -1,9 +1,10 @@
 """Run the invariant checks every `invariants.interval` updates from inside the trainer's step.
 
-Two calls per step, both no-ops off the interval: `before_clip(...)` (after
-backward, before clipping: data, loss normaliser, replicas, and the gathered
-gradient's norm for the audit) and `after_clip(grad_norm)` (norm agreement,
-audit, then the report). Each check is timed; the cost line says how much of
+Three calls per step, all no-ops off the interval: `probe(...)` (before the
+update's first forward: the gradient-scale probe of probe.py), `before_clip(...)`
+(after backward, before clipping: data, loss normaliser, replicas, and the
+norm recomputed from the shards' layout for the audit) and `after_clip(grad_norm)`
+(norm agreement, audit, then the report of everything found this update). Each check is timed; the cost line says how much of
 a step the whole set took, so "well under 1%" is something one reads in the
 log rather than assumes.
 
@@ -37,18 +38,21 @@ class InvariantRunner:
 
     group: the data-parallel process group (None: one process; cross-rank checks are skipped).
     on_violation: called with each check name (the Prometheus counter).
-    audit_every: the gathered-gradient audit (one all-gather per sharded gradient, the one
-    expensive check) runs at the first check and then every `audit_every` checks.
+    probe_rtol: the probe's tolerance on a tensor's relative gradient error (float32 steps agree to ~1e-6;
+    bf16 autocast differs between the sharded model and its float32 copy by a few percent).
     """
 
     def __init__(self, cfg, events, *, group: dist.ProcessGroup | None, rank: int, device: torch.device,
-                 seq_len: int, on_violation: Callable[[str], None] | None = None, audit_every: int = 10):
+                 seq_len: int, on_violation: Callable[[str], None] | None = None, probe_rtol: float = 1e-3):
         self.cfg, self.events, self.group, self.rank, self.device = cfg, events, group, rank, device
         self.seq_len = seq_len
         self.on_violation = on_violation
+        self.probe_rtol = probe_rtol
         self.total_violations = 0
+        self.counts: dict[str, int] = dict.fromkeys(C.CHECKS, 0)
+        """Violations so far by check name (every check present from the start)."""
         self._pending: dict | None = None
-        self.audit_every, self._checks_done = audit_every, 0
+        self._probed: tuple[int, list[C.Violation]] | None = None
         self._last_call = 0.0
         self.step_seconds = 0.0
         """Wall time between the last two steps (the cost line's yardstick)."""
@@ -70,6 +74,26 @@ class InvariantRunner:
         self.last_costs[name] = self.last_costs.get(name, 0.0) + time.perf_counter() - t0
         return out
 
+    def probe(self, step: int, batch, *, model: torch.nn.Module, build_copy: Callable[[], torch.nn.Module],
+              autocast: Callable) -> None:
+        """Before the update's first forward: the gradient-scale probe (probe.py) on `batch`, data-parallel rank 0's."""
+        if not self.due(step) or self.group is None:
+            return
+        from titan_k3.invariants.probe import probe_gradients
+
+        self.last_costs = {}
+        _sync(self.device)
+        t0 = time.perf_counter()
+        grads, reference = probe_gradients(model, batch, build_copy=build_copy, group=self.group, device=self.device,
+                                           autocast=autocast, dispatchers=expert_dispatchers(model))
+        self.last_costs["probe (two forwards and backwards)"] = time.perf_counter() - t0
+        found = self._timed("gradient_scale.probe_reference", C.check_probe_reference, grads, reference, self.group,
+                            self.probe_rtol)
+        experts = [n for n in reference if n.endswith((".ffn.w1", ".ffn.w3", ".ffn.w2")) and grads[n].dim() == 3]
+        found += self._timed("gradient_scale.expert_grad_scale", C.check_expert_grad_scale,
+                             {n: grads[n] for n in experts}, {n: reference[n] for n in experts}, None, self.probe_rtol)
+        self._probed = (step, found)
+
     def before_clip(self, step: int, *, batches, model: torch.nn.Module, optimizers, normaliser: torch.Tensor,
                     local_valid: torch.Tensor, loader=None, qk_clip_max_logits: dict | None = None) -> None:
         """Called after backward, before clipping, with the update's microbatches and the loss divisor used."""
@@ -77,8 +101,12 @@ class InvariantRunner:
         self.step_seconds, self._last_call = now - self._last_call if self._last_call else 0.0, now
         if not self.due(step):
             return
-        self.last_costs = {}
+        probed, self._probed = self._probed, None
         found: list[C.Violation] = []
+        if probed is not None and probed[0] == step:
+            found += probed[1]
+        else:
+            self.last_costs = {}
         fingerprints = torch.cat([b.fingerprints.flatten() for b in batches])
         found += self._timed("data.disjoint_sequences", C.check_disjoint_sequences, fingerprints, self.group)
         weights = getattr(loader, "weights", None)
@@ -90,15 +118,13 @@ class InvariantRunner:
                              float(normaliser), int(local_valid), self.group)
         found += self._timed("replicas.checksums", C.check_replicas,
                              replicated_state(model, optimizers, qk_clip_max_logits), self.group)
+        found += self._timed("replicas.shards", C.check_replicated_shards, replicated_shards(model), self.group)
         for dispatcher in expert_dispatchers(model):
             found += self._timed("gradient_scale.ep_token_counts", C.check_ep_token_counts, dispatcher.sent_W,
                                  dispatcher.received_W, int(dispatcher.routed_tokens), dispatcher.top_k, dispatcher.group)
             dispatcher.reset_counts()
-        gathered = None
-        if self._checks_done % self.audit_every == 0:
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            gathered = self._timed("gradient_scale.grad_norm_audit", C.gathered_grad_norm, grads)
-        self._checks_done += 1
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        gathered = self._timed("gradient_scale.grad_norm_audit", C.layout_grad_norm, grads)
         self._pending = {"step": step, "found": found, "gathered": gathered}
 
     def after_clip(self, grad_norm: float) -> list[C.Violation]:
@@ -108,8 +134,7 @@ class InvariantRunner:
         pending, self._pending = self._pending, None
         found = pending["found"]
         found += self._timed("gradient_scale.grad_norm_agreement", C.check_grad_norm_agreement, grad_norm, self.group)
-        if pending["gathered"] is not None:
-            found += C.check_grad_norm_audit(grad_norm, pending["gathered"])
+        found += C.check_grad_norm_audit(grad_norm, pending["gathered"])
         self.report(pending["step"], found)
         return found
 
@@ -124,6 +149,7 @@ class InvariantRunner:
                   f"{len(found)} violation(s)", flush=True)
         for v in found:
             self.total_violations += 1
+            self.counts[v.check] = self.counts.get(v.check, 0) + 1
             if self.on_violation is not None:
                 self.on_violation(v.check)
             if self.rank == 0:
@@ -139,6 +165,26 @@ def expert_dispatchers(model: torch.nn.Module) -> list:
     from titan_k3.parallel.expert_parallel import ExpertParallel
 
     return [m.experts_fn for m in model.modules() if isinstance(getattr(m, "experts_fn", None), ExpertParallel)]
+
+
+def replicated_shards(model: torch.nn.Module) -> list[tuple[dist.ProcessGroup, dict[str, torch.Tensor]]]:
+    """Local shards that other ranks hold replicas of (a DTensor's Replicate mesh dims of size > 1: HSDP).
+
+    One entry per (mesh, dim), in parameter order (the same on every rank):
+    the dim's process group and {name: local shard} of the parameters replicated along it.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    out: dict[tuple, tuple[dist.ProcessGroup, dict[str, torch.Tensor]]] = {}
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        mesh = p.device_mesh
+        for dim, placement in enumerate(p.placements):
+            if isinstance(placement, Replicate) and mesh.size(dim) > 1:
+                key = (mesh.mesh_dim_names, tuple(mesh.mesh.shape), dim)
+                out.setdefault(key, (mesh.get_group(dim), {}))[1][f"param:{name}"] = p.to_local()
+    return list(out.values())
 
 
 def replicated_state(model: torch.nn.Module, optimizers=None, qk_clip_max_logits: dict | None = None) -> dict[str, torch.Tensor]:

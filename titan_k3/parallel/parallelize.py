@@ -50,7 +50,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg, device: torch.d
         choices.append(KernelChoice("compile", cfg.compile.backend, cfg.compile.backend, False, "per sublayer"))
     if mesh is not None:
         apply_fsdp(model, dims, mesh, param_dtype=DTYPES[cfg.training.compute_dtype],
-                   reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
+                   reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+                   average_gradients=cfg.debug.inject_grad_scale == "fsdp_average")
     fallbacks = [c for c in choices if c.fallback]
     if cfg.job.strict and fallbacks:
         raise ConfigError(f"job.strict = true and {fallbacks[0].op} falls back to '{fallbacks[0].chosen}': {fallbacks[0].reason}")
@@ -176,8 +177,12 @@ def apply_compile(model: nn.Module, backend: str) -> None:
             mix.mix_several = torch.compile(mix.mix_several, backend=backend)
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, mesh, param_dtype: torch.dtype, reshard_after_forward: bool = True) -> None:
+def apply_fsdp(model: nn.Module, dims: ParallelDims, mesh, param_dtype: torch.dtype, reshard_after_forward: bool = True,
+               average_gradients: bool = False) -> None:
     """FSDP2 per block and at the root; reduce in float32; no gradient division (the loss is already global).
+
+    average_gradients: the fault injection debug.inject_grad_scale = 'fsdp_average' (FSDP2's own default,
+    the classic bug): every FSDP group divides its reduced gradients by its mesh size.
 
     Under EP the experts' DTensors are already split over "ep". Where the
     expert mesh has more than one rank (efsdp > 1, or HSDP replicas), each MoE
@@ -197,7 +202,13 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, mesh, param_dtype: torch.dt
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    shard = functools.partial(fully_shard, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    mesh_sizes: dict[int, int] = {}
+
+    def shard(modules, mesh, **kwargs):
+        for m in modules if isinstance(modules, list) else [modules]:
+            mesh_sizes[id(m)] = mesh.size()
+        return fully_shard(modules, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, **kwargs)
+
     hints = model.optim_hints()
     replicated = {p for name, p in model.named_parameters() if hints[name].get("replicated", False)}
     dense = dims.dense_mesh(mesh)
@@ -217,7 +228,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, mesh, param_dtype: torch.dt
     shard(model, mesh=dense, ignored_params=unsharded)
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):
-            _sum_gradients(module)
+            _sum_gradients(module, divide_by=float(mesh_sizes[id(module)]) if average_gradients else 1.0)
 
 
 def set_microbatch_sync(model: nn.Module, last: bool) -> None:
@@ -235,9 +246,12 @@ def set_microbatch_sync(model: nn.Module, last: bool) -> None:
         model.set_reshard_after_backward(last)
 
 
-def _sum_gradients(module) -> None:
-    """Make FSDP sum gradients instead of averaging them (torch 2.11 and 2.13 spell it differently)."""
+def _sum_gradients(module, divide_by: float = 1.0) -> None:
+    """Make FSDP sum gradients instead of averaging them (torch 2.11 and 2.13 spell it differently).
+
+    divide_by > 1 is the fault injection of `apply_fsdp(average_gradients=True)`: the sum divided after the reduction.
+    """
     if hasattr(module, "set_force_sum_reduction_for_comms"):
         # NOTE: a divide factor alone makes FSDP use PREMUL_SUM, which gloo lacks.
         module.set_force_sum_reduction_for_comms(True)
-    module.set_gradient_divide_factor(1.0)
+    module.set_gradient_divide_factor(divide_by)
