@@ -1,4 +1,5 @@
-"""deploy/: every YAML/JSON parses, and every metric the dashboard and alerts query is emitted.
+"""deploy/: every YAML/JSON parses, every metric the dashboard and alerts query is emitted, the
+alerts pass their promtool unit tests, and a graceful stop is a success under Kubernetes and Slurm.
 
 Emitted names come from running the service's exporter (service/exporter.py) over a run
 directory whose metrics line holds every key of the trainer contract, plus the names in the
@@ -8,11 +9,16 @@ trainer's rank-0 exporter table (titan_k3.metrics.prometheus.NAMES).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
@@ -26,6 +32,13 @@ from titan_k3.config import load_job_config
 
 DEPLOY = REPO / "deploy"
 NAME_RE = re.compile(r"\btitan_k3_[a-zA-Z0-9_]+")
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool missing (apt-get install prometheus; "
+                                    "see .ci/system-deps.sh)")
+# A k3-mini checkpoint took 24 s to save on an H200; a stop gets a budget of 5x that, rounded.
+MEASURED_SAVE_SECONDS = 24
+STOP_BUDGET_SECONDS = 120
+IMAGE_UID = IMAGE_GID = 1000
 
 
 def deploy_files(*exts: str) -> list[Path]:
@@ -173,24 +186,290 @@ def test_kubernetes_and_slurm_launch_torchrun_with_c10d_and_valid_configs():
     assert ptj["spec"]["elasticPolicy"]["rdzvBackend"] == "c10d"
 
     sbatch = (DEPLOY / "slurm/train.sbatch").read_text()
-    for needle in ("srun", "torch.distributed.run", "--rdzv-backend c10d", "--rdzv-endpoint", "-m titan_k3.train"):
+    for needle in ("srun", "deploy/k3_torchrun.py", "--rdzv-backend c10d", "--rdzv-endpoint", "-m titan_k3.train"):
         assert needle in sbatch, needle
     if shutil.which("bash"):
         assert subprocess.run(["bash", "-n", str(DEPLOY / "slurm/train.sbatch")]).returncode == 0
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing (apt-get install prometheus; see .ci/system-deps.sh)")
-def test_promtool_accepts_the_rules_and_the_scrape_config(tmp_path):
-    rules = subprocess.run(["promtool", "check", "rules", str(DEPLOY / "prometheus/alerts.yml")],
-                           capture_output=True, text=True)
-    assert rules.returncode == 0, rules.stdout + rules.stderr
-    # The config names container paths; check a copy that points at the repo's files.
+# ---- Prometheus: the alerts' unit tests and the shipped config ------------------------------------
+
+ALERT_TESTS = sorted((DEPLOY / "prometheus").glob("*.test.yml"))
+
+
+@needs_promtool
+def test_promtool_unit_tests_prove_every_alert():
+    alerts = {r["alert"] for g in yaml.safe_load((DEPLOY / "prometheus/alerts.yml").read_text())["groups"]
+              for r in g["rules"] if "alert" in r}
+    tested = {case["alertname"] for path in ALERT_TESTS for t in yaml.safe_load(path.read_text())["tests"]
+              for case in t.get("alert_rule_test", [])}
+    assert alerts and alerts <= tested, f"alerts without a promtool unit test: {sorted(alerts - tested)}"
+    out = subprocess.run([PROMTOOL, "test", "rules", *map(str, ALERT_TESTS)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@needs_promtool
+def test_shipped_prometheus_config_passes_promtool_check_config(tmp_path):
+    """As shipped, from any working directory: its rule file and target files resolve beside it."""
+    for cwd in (REPO, tmp_path):
+        out = subprocess.run([PROMTOOL, "check", "config", str(DEPLOY / "prometheus/prometheus.yml")],
+                             capture_output=True, text=True, cwd=cwd, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "1 rule files found" in out.stdout and "6 rules found" in out.stdout, out.stdout
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    mounts = dict(v.split(":")[:2] for v in compose["services"]["prometheus"]["volumes"] if v.startswith("./"))
+    config_dir = Path(mounts["./prometheus/prometheus.yml"]).parent
     cfg = yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())
-    cfg["rule_files"] = [str(DEPLOY / "prometheus/alerts.yml")]
+    # In the container each relative path lands where compose mounts the repo's file.
+    for rel in cfg["rule_files"]:
+        assert not Path(rel).is_absolute() and mounts[f"./prometheus/{rel}"] == str(config_dir / rel)
     for job in cfg["scrape_configs"]:
         for sd in job.get("file_sd_configs", []):
-            sd["files"] = [str(DEPLOY / "prometheus/targets/*.json")]
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
-    out = subprocess.run(["promtool", "check", "config", str(tmp_path / "prometheus.yml")],
-                         capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
+            for pattern in sd["files"]:
+                folder = Path(pattern).parent
+                assert mounts[f"./prometheus/{folder}"] == str(config_dir / folder), pattern
+
+
+# ---- the image: .dockerignore and the torch pin -------------------------------------------------
+
+def _docker_pattern(pattern: str) -> re.Pattern[str]:
+    """A .dockerignore pattern as a regex over a slash path ('**' spans folders, '*' does not)."""
+    out, i = "", 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif pattern.startswith("**", i):
+            out, i = out + ".*", i + 2
+        elif pattern[i] == "*":
+            out, i = out + "[^/]*", i + 1
+        elif pattern[i] == "?":
+            out, i = out + "[^/]", i + 1
+        else:
+            out, i = out + re.escape(pattern[i]), i + 1
+    return re.compile(out + r"\Z")
+
+
+def dockerignored(path: str, lines: list[str]) -> bool:
+    """Docker's rule: the last pattern matching the path or one of its parent folders decides."""
+    parts = path.split("/")
+    candidates = ["/".join(parts[:n]) for n in range(1, len(parts) + 1)]
+    excluded = False
+    for line in lines:
+        negate = line.startswith("!")
+        rx = _docker_pattern(line.lstrip("!").strip("/"))
+        if any(rx.match(c) for c in candidates):
+            excluded = not negate
+    return excluded
+
+
+def test_dockerignore_keeps_secrets_state_and_caches_out_of_the_build_context():
+    lines = [ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")]
+    left_out = [".venv/bin/python", ".git/config", "runs/smoke-1/metrics.jsonl", "k3-service/token",
+                "k3-service/registry.sqlite3", "data/shards/000.bin", ".env", "titan_k3.egg-info/PKG-INFO",
+                "titan_k3/__pycache__/train.cpython-311.pyc", "service/__pycache__/app.cpython-311.pyc",
+                ".pytest_cache/v/cache/nodeids", ".hypothesis/examples/x", "benchmarks/results/x.json"]
+    assert [p for p in left_out if not dockerignored(p, lines)] == []
+    # Everything the Dockerfile copies stays in.
+    sources = [src for line in (DEPLOY / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")
+               for src in line.split()[1:-1]]
+    assert "deploy/k3_torchrun.py" in sources
+    kept = []
+    for src in sources:
+        path = REPO / src.rstrip("*")
+        kept += [str(f.relative_to(REPO)) for f in path.rglob("*") if f.is_file() and "__pycache__" not in f.parts] \
+            if path.is_dir() else [src.rstrip("*")]
+    assert len(kept) > 20 and [p for p in kept if dockerignored(p, lines)] == []
+
+
+def test_dockerfile_pins_the_torch_each_image_is_tested_on():
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    gpu_pin = re.search(r"^ARG TORCH_VERSION=(\S+)$", dockerfile, re.M).group(1)
+    cpu_pin = re.search(r"--build-arg TORCH_VERSION=(\S+) --build-arg TORCH_INDEX=\S+/whl/cpu", dockerfile).group(1)
+    assert re.fullmatch(r"\d+\.\d+\.\d+", gpu_pin), f"GPU image torch pin {gpu_pin!r} is not one exact version"
+    # The CPU image has the torch CI installs (Makefile); the GPU one the GPU machine's, whose
+    # Triton the shipped kernel specializations were recorded with.
+    assert cpu_pin == re.search(r"torch==(\S+)", (REPO / "Makefile").read_text()).group(1)
+    assert gpu_pin == "2.11.0" and (REPO / "kernels/specializations/triton-3.6.0-cuda-90.json").exists()
+    floor = re.search(r'"torch>=(\d+)\.(\d+)"', (REPO / "pyproject.toml").read_text()).groups()
+    assert tuple(map(int, gpu_pin.split(".")[:2])) >= tuple(map(int, floor))
+    assert f"--uid {IMAGE_UID} --gid {IMAGE_GID}" in dockerfile and "\nUSER k3\n" in dockerfile
+
+
+# ---- graceful stop: Kubernetes ------------------------------------------------------------------
+
+def pod_specs() -> dict[str, dict]:
+    jobset = {d["kind"]: d for d in yaml.safe_load_all((DEPLOY / "kubernetes/jobset.yaml").read_text()) if d}
+    ptj = yaml.safe_load((DEPLOY / "kubernetes/pytorchjob.yaml").read_text())
+    return {"jobset": jobset["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"],
+            "pytorchjob": ptj["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]}
+
+
+@pytest.mark.parametrize("kind", ["jobset", "pytorchjob"])
+def test_kubernetes_pods_stop_gracefully_and_can_write_the_run_volume(kind):
+    pod = pod_specs()[kind]
+    container = pod["containers"][0]
+    # SIGTERM reaches k3-torchrun (under tini), which stops the ranks instead of torchrun.
+    assert container["command"] == ["tini", "--", "k3-torchrun"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    shutdown = int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+    assert STOP_BUDGET_SECONDS >= 4 * MEASURED_SAVE_SECONDS and shutdown >= STOP_BUDGET_SECONDS
+    # The kubelet's SIGKILL comes after torchrun's own escalation and time to exit.
+    assert pod["terminationGracePeriodSeconds"] >= shutdown + 30
+    sc = pod["securityContext"]
+    assert sc["runAsNonRoot"] is True and sc["runAsUser"] == IMAGE_UID and sc["fsGroup"] == IMAGE_GID
+    assert sc["fsGroupChangePolicy"] == "OnRootMismatch"
+    runs = next(m for m in container["volumeMounts"] if m["name"] == "runs")
+    assert runs["mountPath"] == "/runs" and "--job.dump_folder=/runs" in container["args"]
+
+
+def test_kubernetes_recipe_serves_metrics_to_the_pod_network():
+    docs = {d["kind"]: d for d in yaml.safe_load_all((DEPLOY / "kubernetes/jobset.yaml").read_text()) if d}
+    cfg = load_job_config([], toml_text=docs["ConfigMap"]["data"]["pretrain.toml"])
+    port = cfg.metrics.prometheus_port
+    assert cfg.metrics.prometheus_host == "0.0.0.0" and cfg.checkpoint.enable
+    job = docs["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    assert job["metadata"]["annotations"]["prometheus.io/port"] == str(port)
+    assert {"name": "metrics", "containerPort": port} in job["spec"]["containers"][0]["ports"]
+
+
+# ---- graceful stop: the launcher, under real torchrun --------------------------------------------
+
+RANK_SCRIPT = """
+import os, signal, sys, time
+from pathlib import Path
+out, save_seconds = Path(sys.argv[1]), float(sys.argv[2])
+rank = os.environ["RANK"]
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+(out / f"ready-{rank}").write_text(str(os.getpid()))
+deadline = time.time() + 90
+while not stop and time.time() < deadline:
+    time.sleep(0.05)
+if not stop:
+    sys.exit(3)
+time.sleep(save_seconds)  # the stop checkpoint
+(out / f"saved-{rank}").write_text("")
+"""
+SAVE_SECONDS = 2.0
+
+
+def _start_ranks(tmp_path: Path, launcher: list[str]) -> tuple[subprocess.Popen, Path]:
+    """Two ranks under `launcher` that save for SAVE_SECONDS on SIGTERM; returns once both run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    # torchrun's own SIGKILL would come 1 s after it is signalled, before the 2 s save ends.
+    env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([*launcher, "--standalone", "--nproc_per_node", "2", str(script), str(out),
+                             str(SAVE_SECONDS)], env=env, cwd=tmp_path)
+    deadline = time.time() + 90
+    while len(list(out.glob("ready-*"))) < 2:
+        assert proc.poll() is None, f"launcher exited early with {proc.returncode}"
+        assert time.time() < deadline, "ranks did not start"
+        time.sleep(0.1)
+    return proc, out
+
+
+def _finish(proc: subprocess.Popen) -> int:
+    try:
+        return proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                p.kill()
+            proc.kill()
+
+
+@pytest.mark.parametrize("orchestrator", ["kubernetes", "slurm"])
+def test_k3_torchrun_turns_a_stop_into_saved_ranks_and_exit_0(tmp_path, orchestrator):
+    proc, out = _start_ranks(tmp_path, [sys.executable, str(DEPLOY / "k3_torchrun.py")])
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    assert len(tree) >= 3  # torchrun and its two ranks
+    if orchestrator == "kubernetes":
+        proc.send_signal(signal.SIGTERM)  # the kubelet signals the main process (under tini)
+    else:
+        # srun forwards SIGUSR1 to the step, which may reach every process in it.
+        for p in [psutil.Process(proc.pid), *tree]:
+            p.send_signal(signal.SIGUSR1)
+    assert _finish(proc) == 0
+    assert sorted(p.name for p in out.glob("saved-*")) == ["saved-0", "saved-1"]
+
+
+# ---- graceful stop: the Slurm batch script, under a stand-in srun --------------------------------
+
+FAKE_SRUN = """#!{python}
+import os, signal, sys, time
+from pathlib import Path
+log = Path(os.environ["FAKE_LOG"])
+(log / "args").write_text("\\n".join(sys.argv[1:]))
+got = []
+signal.signal(signal.SIGUSR1, lambda *_: got.append("USR1"))
+# Real srun answers SIGTERM by SIGKILLing its tasks: a stop must not come that way.
+signal.signal(signal.SIGTERM, lambda *_: ((log / "killed").write_text(""), os._exit(137)))
+(log / "ready").write_text("")
+if os.environ.get("FAKE_SRUN_EXIT"):
+    sys.exit(int(os.environ["FAKE_SRUN_EXIT"]))
+deadline = time.time() + 60
+while not got and time.time() < deadline:
+    time.sleep(0.02)
+time.sleep(0.5)  # the ranks save
+(log / "saved").write_text(" ".join(got))
+sys.exit(0 if got else 4)
+"""
+FAKE_SCONTROL = """#!/bin/sh
+case "$1" in
+  show) printf 'node-a\\nnode-b\\n' ;;
+  requeue) echo "$2" > "$FAKE_LOG/requeued" ;;
+esac
+"""
+
+
+def _run_sbatch(tmp_path: Path, stop: bool, **env_extra: str) -> tuple[int, Path]:
+    bindir, log = tmp_path / "bin", tmp_path / "log"
+    bindir.mkdir()
+    log.mkdir()
+    for name, text in (("srun", FAKE_SRUN.format(python=sys.executable)), ("scontrol", FAKE_SCONTROL)):
+        (bindir / name).write_text(text)
+        (bindir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "FAKE_LOG": str(log),
+           "SLURM_JOB_ID": "42", "SLURM_JOB_NAME": "k3", "SLURM_JOB_NODELIST": "node-[a-b]",
+           "SLURM_NNODES": "2", "SLURM_SUBMIT_DIR": str(REPO), "K3_RUNS_DIR": str(tmp_path / "runs"), **env_extra}
+    proc = subprocess.Popen(["bash", str(DEPLOY / "slurm/train.sbatch"), "tomls/pretrain.toml",
+                             "--training.steps", "5"], env=env, cwd=tmp_path)
+    deadline = time.time() + 30
+    while not (log / "ready").exists():
+        assert time.time() < deadline and proc.poll() is None, "the batch script did not start srun"
+        time.sleep(0.05)
+    if stop:
+        proc.send_signal(signal.SIGTERM)  # --signal=B:TERM@120 (or scancel --batch --signal=TERM)
+    return proc.wait(timeout=60), log
+
+
+def test_slurm_script_asks_for_an_early_stop_signal():
+    sbatch = (DEPLOY / "slurm/train.sbatch").read_text()
+    lead = int(re.search(r"^#SBATCH --signal=B:TERM@(\d+)$", sbatch, re.M).group(1))
+    assert lead >= STOP_BUDGET_SECONDS and re.search(r"^trap forward_stop TERM", sbatch, re.M)
+    assert "deploy/k3_torchrun.py" in sbatch and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in sbatch
+
+
+def test_slurm_graceful_stop_reaches_the_launcher_and_exits_0(tmp_path):
+    rc, log = _run_sbatch(tmp_path, stop=True)
+    assert rc == 0
+    assert (log / "saved").read_text() == "USR1" and not (log / "killed").exists()
+    assert not (log / "requeued").exists()
+    args = (log / "args").read_text().splitlines()
+    assert args[args.index("python") + 1] == str(REPO / "deploy/k3_torchrun.py")
+    assert "node-a:29500" in args and args[args.index("--job.name") + 1] == "k3-42"
+
+
+def test_slurm_graceful_stop_requeues_when_asked(tmp_path):
+    rc, log = _run_sbatch(tmp_path, stop=True, K3_REQUEUE_ON_STOP="1")
+    assert rc == 0 and (log / "requeued").read_text().strip() == "42"
+
+
+def test_slurm_failure_without_a_stop_keeps_its_status(tmp_path):
+    rc, log = _run_sbatch(tmp_path, stop=False, FAKE_SRUN_EXIT="1")
+    assert rc == 1 and not (log / "requeued").exists()
