@@ -145,6 +145,26 @@ def test_dashboard_and_alerts_query_only_emitted_metrics(tmp_path):
     assert set(needed) <= in_dashboard, set(needed) - in_dashboard
 
 
+def alert_names() -> set[str]:
+    groups = yaml.safe_load((DEPLOY / "prometheus/alerts.yml").read_text())["groups"]
+    return {r["alert"] for g in groups for r in g["rules"] if "alert" in r}
+
+
+def test_dashboard_panels_tile_the_grid_and_show_every_alert():
+    panels = json.loads((DEPLOY / "grafana/dashboards/titan_k3.json").read_text())["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    taken: dict[tuple[int, int], str] = {}
+    for p in panels:
+        g = p["gridPos"]
+        assert g["x"] + g["w"] <= 24, p["title"]
+        for cell in ((x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])):
+            assert cell not in taken, f"{p['title']!r} overlaps {taken[cell]!r}"
+            taken[cell] = p["title"]
+    firing = next(p for p in panels if p["title"] == "Firing alerts")["targets"][0]["expr"]
+    shown = re.search(r'alertname=~"([^"]+)"', firing).group(1)
+    assert alert_names() and all(re.fullmatch(shown, a) for a in alert_names())
+
+
 def test_grafana_provisioning_points_at_the_dashboard():
     ds = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
     uid = ds["datasources"][0]["uid"]
@@ -199,8 +219,7 @@ ALERT_TESTS = sorted((DEPLOY / "prometheus").glob("*.test.yml"))
 
 @needs_promtool
 def test_promtool_unit_tests_prove_every_alert():
-    alerts = {r["alert"] for g in yaml.safe_load((DEPLOY / "prometheus/alerts.yml").read_text())["groups"]
-              for r in g["rules"] if "alert" in r}
+    alerts = alert_names()
     tested = {case["alertname"] for path in ALERT_TESTS for t in yaml.safe_load(path.read_text())["tests"]
               for case in t.get("alert_rule_test", [])}
     assert alerts and alerts <= tested, f"alerts without a promtool unit test: {sorted(alerts - tested)}"
