@@ -339,6 +339,7 @@ def test_kubernetes_pods_stop_gracefully_and_can_write_the_run_volume(kind):
     sc = pod["securityContext"]
     assert sc["runAsNonRoot"] is True and sc["runAsUser"] == IMAGE_UID and sc["fsGroup"] == IMAGE_GID
     assert sc["fsGroupChangePolicy"] == "OnRootMismatch"
+    assert "--checkpoint.save_on_stop=true" in container["args"]
     runs = next(m for m in container["volumeMounts"] if m["name"] == "runs")
     assert runs["mountPath"] == "/runs" and "--job.dump_folder=/runs" in container["args"]
 
@@ -482,6 +483,7 @@ def test_slurm_graceful_stop_reaches_the_launcher_and_exits_0(tmp_path):
     args = (log / "args").read_text().splitlines()
     assert args[args.index("python") + 1] == str(REPO / "deploy/k3_torchrun.py")
     assert "node-a:29500" in args and args[args.index("--job.name") + 1] == "k3-42"
+    assert args[args.index("--checkpoint.save_on_stop") + 1] == "true"
 
 
 def test_slurm_graceful_stop_requeues_when_asked(tmp_path):
