@@ -1,8 +1,8 @@
 """Job configuration: dataclasses, TOML + CLI loading, validation (torch-free)."""
 
+from titan_k3.config.errors import ConfigError
 from titan_k3.config.job_config import JobConfig
 from titan_k3.config.manager import (
-    ConfigError,
     config_to_dict,
     config_to_toml,
     help_text,

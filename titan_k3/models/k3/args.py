@@ -1,6 +1,7 @@
 """K3 model arguments, the named flavors, and the parameter / FLOP counter.
 
-Torch-free, so config validation and the control service can use it.
+Torch-free, so tools that plan or count can use it without building a model;
+the flavors' shapes are data in titan_k3/spec.py, which config checks read too.
 Legend: D model width, H heads, K key width, V value width, E routed experts,
 k experts per token, L latent width, F expert hidden width, T sequence length.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-KDA_CHUNK = 64
+from titan_k3.spec import K3_FLAVORS, KDA_CHUNK
 
 
 @dataclass(frozen=True)
@@ -69,39 +70,8 @@ class K3Args:
         return dataclasses.replace(self, **kw)
 
 
-FLAVORS: dict[str, K3Args] = {
-    # Unit tests: seconds on a CPU.
-    "debug": K3Args(
-        dim=64, n_layers=4, vocab_size=512, kda_heads=2, kda_head_dim=32,
-        mla_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16,
-        dense_hidden=128, n_experts=8, top_k=2, latent_dim=32, expert_hidden=32,
-        n_shared_experts=1, attn_res_block_size=2,
-    ),
-    # The embedded CPU smoke run (vocab comes from the tokenizer).
-    "tiny": K3Args(
-        dim=192, n_layers=6, vocab_size=8192, kda_heads=3, kda_head_dim=64,
-        mla_heads=3, q_lora_rank=96, kv_lora_rank=64, qk_nope_dim=32, qk_rope_dim=16, v_head_dim=64,
-        dense_hidden=512, n_experts=16, top_k=4, latent_dim=96, expert_hidden=128,
-        n_shared_experts=1, attn_res_block_size=2,
-    ),
-    # The public worklog's 1.02B-total / 145M-active replica.
-    "k3-mini": K3Args(
-        dim=512, n_layers=12, vocab_size=163840, kda_heads=4, kda_head_dim=128,
-        mla_heads=4, q_lora_rank=128, kv_lora_rank=128, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128,
-        dense_hidden=2560, n_experts=176, top_k=6, latent_dim=256, expert_hidden=544,
-        n_shared_experts=1, attn_res_block_size=4,
-    ),
-    # The full published shape; built on the meta device only (counting, planning, FLOPs).
-    # NOTE: MLA heads, the latent and expert widths and the dense hidden are not in the
-    # text we follow; these values (MLA heads = KDA heads) reproduce the card's 104.2B
-    # active parameters (2.65T total) with the published D, depth, heads, ranks, E and k.
-    "k3": K3Args(
-        dim=7168, n_layers=93, vocab_size=163840, kda_heads=96, kda_head_dim=128,
-        mla_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128,
-        dense_hidden=18432, n_experts=896, top_k=16, latent_dim=2560, expert_hidden=4096,
-        n_shared_experts=2, attn_res_block_size=12,
-    ),
-}
+FLAVORS: dict[str, K3Args] = {name: K3Args(**shape) for name, shape in K3_FLAVORS.items()}
+"""The named shapes (their table is titan_k3/spec.py, read by config checks too)."""
 
 
 def get_flavor(name: str, vocab_size: int = 0) -> K3Args:
