@@ -20,11 +20,8 @@ from typing import Any, Literal
 import tomli
 
 from titan_k3.config import job_config
+from titan_k3.config.errors import ConfigError
 from titan_k3.config.job_config import JobConfig
-
-
-class ConfigError(ValueError):
-    """A user's configuration mistake; the message is one line."""
 
 
 @functools.cache

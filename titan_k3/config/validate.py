@@ -6,15 +6,15 @@ what is allowed. Torch-free; world-size checks happen in parallel/dims.py.
 
 from __future__ import annotations
 
+import difflib
 import math
 
+from titan_k3.config.errors import ConfigError
 from titan_k3.config.job_config import JobConfig
-from titan_k3.models.k3.args import FLAVORS, KDA_CHUNK
+from titan_k3.spec import KDA_CHUNK, MODEL_FLAVORS, routed_experts
 
 
 def _require(ok: bool, message: str) -> None:
-    from titan_k3.config.manager import ConfigError
-
     if not ok:
         raise ConfigError(message)
 
@@ -25,6 +25,13 @@ def _positive(key: str, value: float) -> None:
 
 def _non_negative(key: str, value: float) -> None:
     _require(value >= 0, f"config key '{key}' = {value!r}: must be >= 0")
+
+
+def _one_of(key: str, value: str, allowed: list[str]) -> None:
+    if value not in allowed:
+        close = difflib.get_close_matches(value, allowed, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        _require(False, f"config key '{key}' = {value!r}: expected one of {', '.join(allowed)}{hint}")
 
 
 def parse_context_stages(spec: str) -> list[tuple[int, int]]:
@@ -67,13 +74,8 @@ def seq_len_at(update: int, base_seq_len: int, stages: list[tuple[int, int]]) ->
 
 def validate(cfg: JobConfig) -> None:
     t, o, s, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.parallelism
-    _require(cfg.model.name == "k3", f"config key 'model.name' = {cfg.model.name!r}: expected 'k3'")
-    if cfg.model.flavor not in FLAVORS:
-        import difflib
-
-        close = difflib.get_close_matches(cfg.model.flavor, list(FLAVORS), n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        _require(False, f"config key 'model.flavor' = {cfg.model.flavor!r}: expected one of {', '.join(FLAVORS)}{hint}")
+    _one_of("model.name", cfg.model.name, list(MODEL_FLAVORS))
+    _one_of("model.flavor", cfg.model.flavor, list(MODEL_FLAVORS[cfg.model.name]))
     _non_negative("model.vocab_size", cfg.model.vocab_size)
     _non_negative("model.qb_eta", cfg.model.qb_eta)
     for key in ("steps", "seq_len", "local_batch_size", "grad_accum", "max_skipped_in_row"):
@@ -126,7 +128,7 @@ def validate(cfg: JobConfig) -> None:
         f"config key 'parallelism.data_parallel_shard_degree' = {p.data_parallel_shard_degree}: must be -1 (the rest of the world) or >= 1",
     )
     _positive("parallelism.expert_parallel_degree", p.expert_parallel_degree)
-    n_experts = FLAVORS[cfg.model.flavor].n_experts
+    n_experts = routed_experts(cfg.model.name, cfg.model.flavor)
     _require(
         n_experts % p.expert_parallel_degree == 0,
         f"config key 'parallelism.expert_parallel_degree' = {p.expert_parallel_degree}: must divide the "
