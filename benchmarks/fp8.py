@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import environment, rel_rms  # noqa: E402
 
-SHAPES = {  # k3-mini linears (K3_SPEC §1.5) and, for contrast, a large FFN pair
+SHAPES = {  # k3-mini linears (docs/k3.md §3) and, for contrast, a large FFN pair
     "kda q/k/v/g/o": (512, 512),
     "kda f1 (low rank)": (512, 128),
     "mla wq_b": (128, 768),

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/kda_precision.py [--out OUTDIR] [--launch "dchunk.num_stages=1;..."]
 
-Each case runs the safe gate (random raw gate, lower bound -5, K3_SPEC's A_log / dt_bias initialisation)
+Each case runs the safe gate (random raw gate, lower bound -5, the A_log / dt_bias initialisation of docs/k3.md §2.1)
 forward and backward through `kernels.kda.chunk_kda` under one launch path ("exact": the default unfused
 backward; "bounded-fused": bounded products, fused backward) and through `recurrent_kda` in float64, and
 reports the relative RMS error of the output and of every gradient. `--launch` overrides ops.LAUNCH entries

@@ -1,6 +1,6 @@
 """The Trainer and `python -m titan_k3.train` (also under torchrun).
 
-One update, as in DESIGN.md: fetch grad_accum microbatches, count the valid
+One update, as in docs/architecture.md §4: fetch grad_accum microbatches, count the valid
 targets of the whole update (all microbatches, all data-parallel ranks),
 backward each microbatch's summed loss divided by that count, clip by the
 global grad norm, skip the update if anything is non-finite, step Muon and

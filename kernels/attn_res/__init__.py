@@ -1,4 +1,4 @@
-"""Block Attention Residuals' pseudo-query mix (K3_SPEC §1.4): a fused Triton op and its PyTorch reference.
+"""Block Attention Residuals' pseudo-query mix (docs/k3.md §2.4): a fused Triton op and its PyTorch reference.
 
 `pseudo_query_mix(sources, query, eps)` is the Triton path (CUDA, or the CPU
 interpreter under TRITON_INTERPRET=1), registered as torch.library custom ops;

@@ -1,4 +1,4 @@
-"""The pseudo-query mix of Block Attention Residuals (K3_SPEC §1.4) in plain PyTorch.
+"""The pseudo-query mix of Block Attention Residuals (docs/k3.md §2.4) in plain PyTorch.
 
 Legend: N sources, B batch, T tokens, D model width.
 

@@ -328,7 +328,7 @@ def chunk_kda(
     q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
     A_log=None, dt_bias=None, gate_lower_bound=DEFAULT_GATE_LOWER_BOUND, use_qk_l2norm=False, beta_is_logit=False,
 ):
-    """Chunked Kimi Delta Attention (K3_SPEC.md §1.1) in Triton, differentiable.
+    """Chunked Kimi Delta Attention (docs/k3.md §2.1) in Triton, differentiable.
 
     q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; K, V <= 256; q, k, v share one dtype
     (bfloat16, float16 or float32); state math and accumulation are float32.

@@ -1,6 +1,6 @@
 """Pure-PyTorch Kimi Delta Attention: the token-by-token ground truth and the chunked CPU path.
 
-The recurrence (K3_SPEC.md §1.1), per sequence and head, state S [K, V]:
+The recurrence (docs/k3.md §2.1), per sequence and head, state S [K, V]:
 
     S_t = diag(exp(g_t)) S_{t-1}
     S_t = S_t + beta_t * k_t (v_t - S_t^T k_t)^T

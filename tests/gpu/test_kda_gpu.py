@@ -114,7 +114,7 @@ def safe_path(path):
 
 
 def gate_params(H, K, seed):
-    """A_log [H] and dt_bias [H, K] float32 as K3_SPEC §1.1 initialises them (dt log-uniform in [1e-3, 1e-1])."""
+    """A_log [H] and dt_bias [H, K] float32 as docs/k3.md §2.1 initialises them (dt log-uniform in [1e-3, 1e-1])."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     A_log = torch.randn(H, device="cuda", generator=gen) * 0.3
     dt = torch.exp(torch.empty(H, K, device="cuda").uniform_(-6.9, -2.3, generator=gen))

@@ -82,7 +82,7 @@ def _tokens_per_update(t):
 
 
 def test_recipes_say_what_k3_spec_asks():
-    """K3_SPEC §7: each probe's shape, and pilot/pretrain at 32 x 1,024 tokens per update on k3-mini in bf16."""
+    """docs/k3.md §9: each probe's shape, and pilot/pretrain at 32 x 1,024 tokens per update on k3-mini in bf16."""
     smoke, overfit, stability = _recipe("smoke"), _recipe("overfit"), _recipe("stability")
     assert (smoke.training.steps, smoke.training.local_batch_size, smoke.training.seq_len) == (20, 1, 128)
     assert overfit.training.fixed_batch and overfit.training.steps <= 2000

@@ -1,4 +1,4 @@
-"""Quantile Balancing (K3_SPEC §3): the update direction, the state flow and checkpoint-recompute safety."""
+"""Quantile Balancing (docs/k3.md §5): the update direction, the state flow and checkpoint-recompute safety."""
 
 import contextlib
 import shutil

@@ -70,7 +70,7 @@ def test_non_finite_updates_are_skipped_counted_and_stop_the_run(tmp_path):
 
 
 def test_context_stages_switch_length_and_keep_every_token(tmp_path):
-    """K3_SPEC §6: from update 3 on, sequences of 128; the token stream continues where it was."""
+    """docs/k3.md §8: from update 3 on, sequences of 128; the token stream continues where it was."""
     rc = main([*FAST, "--job.dump_folder", str(tmp_path), "--job.name", "ctx", "--training.steps", "4",
                "--training.context_stages", "3:128"])
     assert rc == 0

@@ -1,4 +1,4 @@
-"""Expert-load statistics for one MoE layer (K3_SPEC §3) and the expert-collapse alarm.
+"""Expert-load statistics for one MoE layer (docs/k3.md §5) and the expert-collapse alarm.
 
 Legend: E routed experts.
 """

@@ -1,4 +1,4 @@
-"""Optimizers of a titan_k3 run: Per-Head Muon + AdamW, LR schedules, QK-Clip (K3_SPEC §4, §5)."""
+"""Optimizers of a titan_k3 run: Per-Head Muon + AdamW, LR schedules, QK-Clip (docs/k3.md §6, §7)."""
 
 from titan_k3.optim.builder import Optimizers, build_optimizers
 from titan_k3.optim.lr_schedule import LRSchedule, lr_factor

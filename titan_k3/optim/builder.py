@@ -1,4 +1,4 @@
-"""Build the two optimizers of a run and hold them as one (K3_SPEC §4).
+"""Build the two optimizers of a run and hold them as one (docs/k3.md §6).
 
 Per-Head Muon takes the matrices, AdamW everything else; both share one
 learning rate (Muon's per-block 0.2 * sqrt(max(r, c)) scale makes that work)

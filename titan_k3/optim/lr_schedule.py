@@ -1,4 +1,4 @@
-"""Learning-rate schedules: linear warmup, then cosine decay or WSD (K3_SPEC §5).
+"""Learning-rate schedules: linear warmup, then cosine decay or WSD (docs/k3.md §7).
 
 `lr_factor` is a closed-form function of the update index; `LRSchedule`
 applies `base_lr * lr_factor(step)` to the optimizers before each update.

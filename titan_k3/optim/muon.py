@@ -1,4 +1,4 @@
-"""Per-Head Muon: momentum, then Newton–Schulz orthogonalisation per block (K3_SPEC §4).
+"""Per-Head Muon: momentum, then Newton–Schulz orthogonalisation per block (docs/k3.md §6.1).
 
 A Muon parameter is split into blocks that are orthogonalised on their own:
   2-D weight W [out, in], num_heads H   -> H row blocks [out/H, in]  (H = 1: the whole matrix)

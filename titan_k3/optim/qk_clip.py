@@ -1,4 +1,4 @@
-"""QK-Clip for MLA layers (Kimi K2; K3_SPEC §4), applied after each optimizer step.
+"""QK-Clip for MLA layers (Kimi K2; docs/k3.md §6.3), applied after each optimizer step.
 
 Row layout of the two MLA up-projections (per head h, heads stacked on dim 0):
   W_qb  [H * (nope + rope), q_lora]:  head h rows = [nope query rows | rope query rows]

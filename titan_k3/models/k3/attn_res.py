@@ -1,4 +1,4 @@
-"""Block Attention Residuals (K3_SPEC §1.4).
+"""Block Attention Residuals (docs/k3.md §2.4).
 
 The residual stream is a list of block sums: block 0 is the embedding and a
 new block opens every `block_size` layers. Each sublayer (and the final norm)

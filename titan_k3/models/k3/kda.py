@@ -1,4 +1,4 @@
-"""The Kimi Delta Attention layer (K3_SPEC §1.1).
+"""The Kimi Delta Attention layer (docs/k3.md §2.1).
 
 Legend: B batch, T tokens, D model width, H heads, K key width, V value width.
 The recurrence itself is `kernels.kda.chunk_kda` (or its PyTorch reference);

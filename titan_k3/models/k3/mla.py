@@ -1,4 +1,4 @@
-"""Gated NoPE multi-head latent attention (K3_SPEC §1.2).
+"""Gated NoPE multi-head latent attention (docs/k3.md §2.2).
 
 Legend: B batch, T tokens, D width, H heads, N nope width, R shared ("rope",
 never rotated) key width, V value width. Packed documents are masked so no

@@ -124,7 +124,7 @@ class K3Model(nn.Module):
         return {int(i): b.attn for i, b in self.layers.items() if b.is_mla}
 
     def optim_hints(self) -> dict[str, dict]:
-        """Per parameter name: how the optimizer should treat it (K3_SPEC §4), as plain dicts.
+        """Per parameter name: how the optimizer should treat it (docs/k3.md §6), as plain dicts.
 
         Keys: use_muon, num_heads (row blocks orthogonalised on their own),
         per_expert (3-D expert weights: one matrix per expert), weight_decay,

@@ -1,4 +1,4 @@
-"""LatentMoE with a sigmoid router and Quantile Balancing (K3_SPEC §1.3, §3).
+"""LatentMoE with a sigmoid router and Quantile Balancing (docs/k3.md §2.3, §5).
 
 Legend: T tokens (flattened B*T), D width, L latent width, F expert hidden,
 E routed experts, k experts per token, NB histogram bins.
