@@ -16,13 +16,20 @@ import time
 from collections import deque
 from typing import Callable
 
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
+    # NOTE: --help answers before torch and the model are imported (those imports take seconds, the help none).
+    from titan_k3.config.manager import print_help
+
+    sys.exit(print_help())
+
 import torch
 import torch.distributed as dist
 
 from kernels.device import host_to_device
 from kernels.specializations import Precompile
 from titan_k3.checkpoint import build_checkpointer, check_resumable
-from titan_k3.config import ConfigError, JobConfig, help_text, load_job_config
+from titan_k3.config import ConfigError, JobConfig, load_job_config
+from titan_k3.config.manager import print_help
 from titan_k3.config.check import CONFIG_ERROR_EXIT, check_host
 from titan_k3.config.validate import parse_context_stages, parse_mixture, seq_len_at
 from titan_k3.data.loader import check_token_ids
@@ -485,8 +492,7 @@ class Trainer:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
-        print(help_text())
-        return 0
+        return print_help()
     try:
         cfg = load_job_config(argv)
         if cfg.job.validate_only:

@@ -12,6 +12,7 @@ import difflib
 import functools
 import inspect
 import math
+import os
 import sys
 import typing
 from pathlib import Path
@@ -208,3 +209,14 @@ def help_text() -> str:
             lines.append(f"      {docs.get((cls.__name__, name), '')}")
         lines.append("")
     return "\n".join(lines)
+
+
+def print_help() -> int:
+    """Write `help_text()` to stdout and return exit status 0, also when the reader closes the pipe early (`| head`)."""
+    try:
+        sys.stdout.write(help_text() + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # NOTE: the interpreter flushes stdout once more at exit; pointed at /dev/null, that flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
