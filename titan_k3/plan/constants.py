@@ -12,7 +12,7 @@ constant to k3-mini's one-H200 updates of 2 x B8 and 2 x B16 at T4096 (332.3 and
 MICROBATCH_OVERHEAD_S_PER_LAYER = 0.834e-3
 """Seconds per micro-batch and layer that do not grow with its tokens (launches, host work, small
 kernels): why larger micro-batches run faster per token (the same fit)."""
-ACTIVATION_FACTOR = 1.38
+ACTIVATION_FACTOR = 1.357
 """Measured activation memory / the saved tensors counted from the layer code (shapes.kind_saved); fitted to
 k3-mini's one-H200 peak at B8 T4096 (39.1 GiB). Above 1: autograd keeps inputs and intermediates the count
 treats as shared or recomputed, and the caching allocator rounds blocks up."""

@@ -61,8 +61,13 @@ class Layout:
         if self.dp_replicate > 1:
             parts.insert(0, f"HSDP {self.dp_replicate}x")
         if self.ep > 1:
-            parts.append(f"EP {self.ep}")
-        return (" ".join(parts) + f", B{self.local_batch} x T{self.seq_len} x accum {self.grad_accum}, AC {self.ac}")
+            parts.append(f"EP {self.ep} ({self.expert_dispatch})")
+        text = " ".join(parts) + f", B{self.local_batch} x T{self.seq_len} x accum {self.grad_accum}, AC {self.ac}"
+        if self.world > 1:
+            text += f", reshard {'on' if self.reshard_after_forward else 'off'}"
+            if self.grad_accum > 1:
+                text += f", deferred reduce {'on' if self.defer_grad_reduce else 'off'}"
+        return text
 
 
 @dataclass
@@ -184,11 +189,13 @@ def estimate(a: K3Args, lay: Layout, cluster: Cluster, table: CostTable) -> Esti
     mem["activations (one micro-batch)"] = C.ACTIVATION_FACTOR * saved * N
     chunk_rows = min(N, max(1, 3 * GIB // (a.vocab_size * BF16)))
     mem["fused loss (logit chunk, fp32 dH and dW)"] = BF16 * chunk_rows * a.vocab_size + FP32 * N * a.dim + FP32 * a.vocab_size * a.dim
-    if single:
-        mem["communication buffers"] = 0.0
-    else:
-        # next block's gathered bf16 parameters (prefetch) and one block's unsharded fp32 gradients before its reduce
-        mem["communication buffers"] = (BF16 + FP32) * largest_block_params(a)
+    # One layer's gradients on their way: the routed experts' bf16 gradients and their float32 cast before they
+    # are added (or reduce-scattered), and under FSDP the next block's prefetched bf16 parameters and one
+    # block's unsharded float32 gradients before its reduce-scatter.
+    transient = (BF16 + FP32) * layer_expert_params(a) / e
+    if not single:
+        transient += (BF16 + FP32) * largest_block_params(a)
+    mem["gradient and communication buffers (one layer)"] = transient
     fb_peak = sum(mem.values())
 
     # ---- optimizer step: activations gone, Newton-Schulz working set (its stacked blocks, two iterates)
@@ -263,8 +270,9 @@ def estimate(a: K3Args, lay: Layout, cluster: Cluster, table: CostTable) -> Esti
         if muon and S > 1:
             # NOTE: FSDP2 shards dim 0, so each rank holds whole experts (orthogonalised where they are); only
             # the dense matrices, whose head blocks straddle shards, travel to an owner rank and back.
+            # Each rank sends its shards to the matrices' owners and gets its own matrices' updates back.
             colls.append(_collective(cluster, "Muon owner gather + scatter (bf16)", "shard", S, S, "all_gather",
-                                     2 * BF16 * g.muon_dense, 1, False))
+                                     2 * BF16 * g.muon_dense / S, 1, False))
     overlapped = sum(c.seconds for c in colls if c.overlapped)
     exposed = max(0.0, overlapped - compute) + overlapped / n_blocks + sum(c.seconds for c in colls if not c.overlapped)
     step = compute + optimizer + exposed

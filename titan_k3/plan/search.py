@@ -3,7 +3,8 @@
 The search keeps the recipe's global batch (sequences per update = local batch x accumulation x data-parallel
 ranks as configured) and varies what the trainer lets a user choose without changing the math: HSDP
 replicas x FSDP shard degree, the EP degree (dividing the shard degree and the experts) and its dispatch,
-the micro-batch (with the accumulation that keeps the global batch), and activation checkpointing.
+the micro-batch (with the accumulation that keeps the global batch), activation checkpointing, and FSDP's
+two memory-for-traffic switches (reshard after forward, deferred gradient reduction).
 """
 
 from __future__ import annotations
@@ -54,9 +55,13 @@ def candidates(a: K3Args, base: Layout, world: int, global_seqs: int) -> list[La
             dispatches = ("all_gather", "all_to_all") if ep > 1 else (base.expert_dispatch,)
             for dispatch in dispatches:
                 for batch in divisors(per_rank):
+                    accum = per_rank // batch
                     for ac in AC_MODES:
-                        out.append(replace(base, dp_replicate=rep, dp_shard=shard, ep=ep, local_batch=batch,
-                                           grad_accum=per_rank // batch, ac=ac, expert_dispatch=dispatch))
+                        for reshard in (True, False):
+                            for defer in ((True, False) if accum > 1 else (base.defer_grad_reduce,)):
+                                out.append(replace(base, dp_replicate=rep, dp_shard=shard, ep=ep, local_batch=batch,
+                                                   grad_accum=accum, ac=ac, expert_dispatch=dispatch,
+                                                   reshard_after_forward=reshard, defer_grad_reduce=defer))
     return out
 
 
@@ -127,11 +132,26 @@ def plan(a: K3Args, cfg, cluster: Cluster, table: CostTable, keep: int = 6) -> V
 
 
 def smallest_cluster(a: K3Args, cfg, cluster: Cluster, table: CostTable, max_nodes: int = 4096) -> tuple[int, Verdict] | None:
-    """The fewest nodes (doubling from cluster.nodes) on which some layout fits; None up to max_nodes."""
-    nodes = cluster.nodes
-    while nodes <= max_nodes:
-        verdict = plan(a, cfg, cluster.replace(nodes=nodes), table)
-        if verdict.fits:
-            return nodes, verdict
-        nodes *= 2
-    return None
+    """The fewest nodes (from cluster.nodes up) on which some layout fits; None up to max_nodes.
+
+    Doubles until a layout fits, then bisects between the last two counts: it assumes that more nodes never
+    need more memory per rank for the same per-rank batch (true of the sharded parts; a node count whose
+    GPUs share fewer divisors with the experts can break it, and then a smaller count may be missed).
+    """
+    lo, hi = cluster.nodes, cluster.nodes
+    verdict = plan(a, cfg, cluster, table)
+    while not verdict.fits:
+        lo, hi = hi, hi * 2
+        if hi > max_nodes:
+            return None
+        verdict = plan(a, cfg, cluster.replace(nodes=hi), table)
+    if hi == lo:
+        return hi, verdict
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        trial = plan(a, cfg, cluster.replace(nodes=mid), table)
+        if trial.fits:
+            hi, verdict = mid, trial
+        else:
+            lo = mid
+    return hi, verdict

@@ -81,18 +81,16 @@ def format_verdict(header: str, v: Verdict) -> str:
     out.append("")
     if v.best is None:
         out.append(f"Verdict: DOES NOT FIT: none of {v.searched} layouts (HSDP x FSDP x EP degrees, EP dispatch, "
-                   "micro-batch, activation checkpointing) fits; the closest:")
+                   "micro-batch, activation checkpointing, FSDP reshard / deferred reduce) fits; the closest:")
     else:
-        out.append(f"Verdict: FITS. Best of {v.searched} layouts searched: {v.best.layout.describe()}, "
-                   f"{v.best.layout.expert_dispatch if v.best.layout.ep > 1 else 'no EP'}: "
+        out.append(f"Verdict: FITS. Best of {v.searched} layouts searched: {v.best.layout.describe()}: "
                    f"{v.best.step_s * 1e3:.1f} ms per update, {v.best.tokens_per_s:,.0f} tokens/s, "
                    f"peak {v.best.peak_gib:.1f} GiB")
         if v.configured is not None and v.best is not v.configured:
             out.append(format_estimate("Best found", v.best))
         out.append("Others:")
     for est, why in v.ranked:
-        out.append(f"  {est.layout.describe()} ({est.layout.expert_dispatch if est.layout.ep > 1 else 'no EP'}): "
-                   f"{why}")
+        out.append(f"  {est.layout.describe()}: {why}")
     return "\n".join(out)
 
 
