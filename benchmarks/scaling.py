@@ -160,7 +160,8 @@ def main() -> int:
             print(f"{name}: {e}", flush=True)
             continue
         for summary in sorted(run_dir.glob("profile-rank*.txt")):  # with `-- --profiling.enable true`
-            shutil.copy(summary, args.out / f"profile-{run_dir.name}-{summary.stem.split('-')[-1]}.txt")
+            (args.out / "profiles").mkdir(exist_ok=True)
+            shutil.copy(summary, args.out / "profiles" / f"profile-{run_dir.name}-{summary.stem.split('-')[-1]}.txt")
         records = read_jsonl(run_dir / "metrics.jsonl")
         steady = steady_state(records, args.warmup_step)
         rows.append({"setup": name, "gpus": nproc, "steps": args.steps, "losses": {r["step"]: r["loss"] for r in records},

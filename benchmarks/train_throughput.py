@@ -153,7 +153,8 @@ def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps
         from torch._dynamo.utils import compile_times
 
         # Where the first step's start-up goes (dynamo tracing, AOT autograd, inductor codegen), per phase.
-        (out / f"compile-times-{name}-{seq}.txt").write_text(str(compile_times(repr="str", aggregate=True)) + "\n")
+        (out / "profiles").mkdir(exist_ok=True)
+        (out / "profiles" / f"compile-times-{name}-{seq}.txt").write_text(str(compile_times(repr="str", aggregate=True)) + "\n")
     if profile:
         from torch.profiler import profile as prof
 
@@ -165,8 +166,9 @@ def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps
             step_fn()
             sync()
             wall = time.perf_counter() - t0
-        (out / f"profile-{name}-{seq}.txt").write_text(profile_report(p, wall, f"{name}, seq {seq}, one step"))
-        result["profile"] = f"profile-{name}-{seq}.txt"
+        result["profile"] = f"profiles/profile-{name}-{seq}.txt"
+        (out / "profiles").mkdir(exist_ok=True)
+        (out / result["profile"]).write_text(profile_report(p, wall, f"{name}, seq {seq}, one step"))
     if hasattr(holder, "close"):
         holder.close()
     del holder, step_fn

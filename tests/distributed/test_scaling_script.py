@@ -46,7 +46,7 @@ def test_scaling_script_runs_every_setup_and_compares_losses(tmp_path):
         assert all(abs(r["losses"][s] / base[s] - 1) < 1e-3 for s in base), (r["setup"], r["losses"], base)
         assert r["max_abs_gap"] == max(abs(r["losses"][s] - base[s]) for s in base)
     if not failed:
-        profiles = sorted(p.name for p in (tmp_path / "results").glob("profile-*.txt"))  # every rank of the launches
+        profiles = sorted(p.name for p in (tmp_path / "results" / "profiles").glob("profile-*.txt"))  # every rank of the launches
         assert profiles == ["profile-1gpu,splitfiner-rank0.txt", "profile-fsdp2x2-ep2-rank0.txt",
                             "profile-fsdp2x2-ep2-rank1.txt", "profile-fsdp2x2-rank0.txt", "profile-fsdp2x2-rank1.txt"]
         table = (tmp_path / "results" / "scaling.md").read_text()
