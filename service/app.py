@@ -7,24 +7,28 @@ import hmac
 import json
 import logging
 import math
+import os
 import secrets
 import shutil
 import time
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Annotated, Any, AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI, HTTPException, Query
+from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from service import names
+from service.admission import Submission, TrainerCheck, port_refusal, refusal
 from service.exporter import ServiceCollector
-from service.limits import BodySizeLimit
+from service.limits import BodySizeLimit, MethodNotAllowed
 from service.registry import ACTIVE, TERMINAL, DuplicateRun, Registry, Run
 from service.rundir import RunFilesCache, tail_lines
-from service.schemas import AttemptOut, Health, RunCreate, RunOut
+from service.schemas import AttemptOut, Deleted, ErrorOut, Health, RunCreate, RunOut
 from service.settings import Settings
 from service.supervisor import Conflict, Supervisor
 from titan_k3.config import load_job_config
@@ -44,6 +48,15 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
+def unprocessable(msg: str, *loc: str | int) -> HTTPException:
+    """422 in the shape of FastAPI's own validation errors (one list schema for every 422)."""
+    return HTTPException(422, [{"loc": list(loc) or ["body"], "msg": msg, "type": "value_error"}])
+
+
+RunId = Annotated[str, PathParam(pattern=names.RUN_ID_PATTERN, max_length=names.RUN_ID_MAX,
+                                 description="Run id: letters, digits, '_', '-', '.', no '..'.")]
+
+
 def _override_text(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -59,15 +72,29 @@ class Service:
         self.token = settings.ensure_token()
         self.registry = Registry(settings.state_dir / "registry.sqlite3")
         self.files = RunFilesCache(settings.runs_dir)
-        self.supervisor = Supervisor(settings, self.registry)
+        self.supervisor = Supervisor(settings, self.registry, self.files)
+        self.trainer_check = TrainerCheck(settings)
         self.metrics = CollectorRegistry(auto_describe=False)
-        self.metrics.register(ServiceCollector(self.registry, self.files, settings.gpus))
+        self.metrics.register(ServiceCollector(self.registry, self.files, settings.gpus,
+                                               settings.finished_series_seconds))
+        self.streams = 0
+        self._state_prefix = f"{settings.state_dir}{os.sep}"
+
+    def scrub(self, obj: Any) -> Any:
+        """Strings with the state directory's absolute path made relative to it (responses name no host paths)."""
+        if isinstance(obj, str):
+            return obj.replace(self._state_prefix, "")
+        if isinstance(obj, dict):
+            return {k: self.scrub(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self.scrub(v) for v in obj]
+        return obj
 
     # ---- create ----------------------------------------------------------------------------------
 
     def create(self, req: RunCreate) -> Run:
         if (req.recipe is None) == (req.toml is None):
-            raise HTTPException(422, "give exactly one of 'recipe' (a name under tomls/) or 'toml' (inline text)")
+            raise unprocessable("give exactly one of 'recipe' (a name under tomls/) or 'toml' (inline text)")
         try:
             if req.recipe is not None:
                 path = names.recipe_path(self.settings.recipes_dir, req.recipe)
@@ -80,12 +107,8 @@ class Service:
             for key, value in overrides.items():
                 names.check_override(key, value)
             run_id = names.check_run_id(req.name) if req.name is not None else self._new_id(recipe)
-            if req.gpus > self.settings.gpus:
-                raise ValueError(f"gpus = {req.gpus}: this service schedules {self.settings.gpus} GPU(s)")
-            if req.gpus and req.nproc_per_node > req.gpus:
-                raise ValueError(f"nproc_per_node = {req.nproc_per_node}: at most gpus = {req.gpus} (one GPU per process)")
         except ValueError as e:
-            raise HTTPException(422, str(e)) from None
+            raise unprocessable(str(e)) from None
 
         argv = self.settings.run_args(run_id)
         for key, value in overrides.items():
@@ -95,16 +118,24 @@ class Service:
             cfg = load_job_config(argv, toml_text=toml_text)
             self._check_paths(cfg)
         except ValueError as e:
-            raise HTTPException(422, str(e)) from None
+            raise unprocessable(str(e)) from None
+        self._check_name_free(run_id)
+        sub = Submission(run_id, toml_text, overrides, req.nproc_per_node, req.gpus, cfg)
+        why = refusal(self.settings, sub, self.claimed_ports(), self.trainer_check)
+        if why is not None:
+            raise unprocessable(why)
 
         run_dir = self.settings.runs_dir / run_id
         with self.registry.lock:
-            if self.registry.get(run_id) is not None or run_dir.exists():
-                raise HTTPException(409, f"run {run_id!r} already exists; resume it or pick another name")
+            self._check_name_free(run_id)
+            why = port_refusal(self.settings, sub, self.claimed_ports())  # another run may have claimed it meanwhile
+            if why is not None:
+                raise unprocessable(why)
             try:
                 run_dir.mkdir(parents=True)
                 (run_dir / "submitted.toml").write_text(toml_text)
-                self.registry.insert_run(run_id, recipe, overrides, req.nproc_per_node, req.gpus, req.restart_limit)
+                self.registry.insert_run(run_id, recipe, overrides, req.nproc_per_node, req.gpus, req.restart_limit,
+                                         cfg.metrics.prometheus_port)
             except DuplicateRun:
                 shutil.rmtree(run_dir, ignore_errors=True)
                 raise HTTPException(409, f"run {run_id!r} already exists") from None
@@ -115,6 +146,14 @@ class Service:
         run = self.registry.get(run_id)
         assert run is not None
         return run
+
+    def _check_name_free(self, run_id: str) -> None:
+        if self.registry.get(run_id) is not None or (self.settings.runs_dir / run_id).exists():
+            raise HTTPException(409, f"run {run_id!r} already exists; resume it or pick another name")
+
+    def claimed_ports(self) -> dict[int, str]:
+        """metrics.prometheus_port -> run, for every queued or active run."""
+        return {r.prometheus_port: r.id for r in self.registry.list(("queued", *ACTIVE)) if r.prometheus_port}
 
     def _new_id(self, recipe: str) -> str:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
@@ -142,7 +181,7 @@ class Service:
         try:
             names.check_run_id(run_id)
         except ValueError as e:
-            raise HTTPException(422, str(e)) from None
+            raise unprocessable(str(e), "path", "run_id") from None
         run = self.registry.get(run_id)
         if run is None:
             raise HTTPException(404, f"no run {run_id!r}")
@@ -151,16 +190,19 @@ class Service:
     def out(self, run: Run) -> RunOut:
         files = self.files.get(run.id)
         ev = files.events()
+        last = run.last_attempt
         return RunOut(
-            id=run.id, state=run.state, message=run.message, recipe=run.recipe, overrides=run.overrides,
+            id=run.id, state=run.state, message=self.scrub(run.message), recipe=run.recipe, overrides=run.overrides,
             nproc_per_node=run.nproc_per_node, gpus=run.gpus, assigned_gpus=run.assigned_gpus,
             restart_limit=run.restart_limit, restarts=run.restarts, restarts_total=run.restarts_total,
-            created_at=run.created_at, updated_at=run.updated_at, run_dir=str(files.dir),
+            created_at=run.created_at, updated_at=run.updated_at,
+            run_dir=files.dir.relative_to(self.settings.state_dir).as_posix(),
             attempts=[AttemptOut(n=a.n, pid=a.pid, started_at=a.started_at, ended_at=a.ended_at,
                                  exit_code=a.exit_code, gpus=a.assigned_gpus) for a in run.attempts],
             exit_codes=[a.exit_code for a in run.attempts if a.ended_at is not None],
+            step=files.step(last.started_at if last else None), checkpoint_step=files.checkpoint_step(),
             latest_checkpoint=files.latest_checkpoint(), latest_metrics=_finite(files.latest_metrics()),
-            invariant_violations=_finite(ev["invariant_violations"]), events=ev["counts"],
+            invariant_violations=self.scrub(_finite(ev["invariant_violations"])), events=ev["counts"],
         )
 
     def transition(self, run_id: str, action: Callable[[str], Run]) -> RunOut:
@@ -178,9 +220,14 @@ class Service:
             need = tail - len(out)
             if need <= 0:
                 break
-            chunk = tail_lines(Path(a.log_path), need)
+            chunk = [self.scrub(line) for line in tail_lines(Path(a.log_path), need)]
             out = ([f"=== attempt {a.n} ==="] if len(chunk) < need else []) + chunk + out
         return out[-tail:]
+
+
+AUTH = {401: {"model": ErrorOut, "description": "missing or wrong bearer token"}}
+NOT_FOUND = {404: {"model": ErrorOut, "description": "no such run"}}
+CONFLICT = {409: {"model": ErrorOut, "description": "the run's state does not allow it (the message says why)"}}
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -193,56 +240,86 @@ def create_app(settings: Settings) -> FastAPI:
         if not ok:
             raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
+    # NOTE: reads of runs (logs, configs, metrics history) need the token when the service is exposed beyond
+    # loopback (--read-auth auto); /metrics, /v1/prometheus/targets and /healthz stay open for scrapers and probes.
+    reads_closed = settings.read_auth == "on"
+    read = [Depends(require_token)] if reads_closed else []
+    read_auth = AUTH if reads_closed else {}
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         svc.supervisor.start()
         yield
         svc.supervisor.shutdown()
+        svc.trainer_check.close()
         svc.registry.close()
 
-    app = FastAPI(title="titan_k3 control service", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="titan_k3 control service", version="0.2.0", lifespan=lifespan,
                   description="Start, watch and stop titan_k3 trainings (torchrun children) over REST.")
     app.state.service = svc
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(MethodNotAllowed)
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.allowed_hosts)
 
     @app.post("/v1/runs", status_code=201, response_model=RunOut, dependencies=[Depends(require_token)],
-              responses={409: {"description": "name taken"}, 422: {"description": "invalid config (trainer's message)"}})
+              responses={**AUTH, 409: {"model": ErrorOut, "description": "name taken"},
+                         413: {"model": ErrorOut, "description": "body too large"},
+                         422: {"description": "refused: bad config, or more than this host or the trainer allows "
+                                              "(the trainer's own one-line message in detail[0].msg)"}})
     def create_run(req: RunCreate) -> RunOut:
         return svc.out(svc.create(req))
 
-    @app.get("/v1/runs", response_model=list[RunOut])
+    @app.get("/v1/runs", response_model=list[RunOut], dependencies=read, responses=read_auth)
     def list_runs(state: str | None = Query(None, pattern="^[a-z]{1,16}$")) -> list[RunOut]:
         runs = svc.registry.list((state,) if state else None)
         return [svc.out(r) for r in runs]
 
-    @app.get("/v1/runs/{run_id}", response_model=RunOut, responses={404: {"description": "no such run"}})
-    def get_run(run_id: str) -> RunOut:
+    @app.get("/v1/runs/{run_id}", response_model=RunOut, dependencies=read, responses={**read_auth, **NOT_FOUND})
+    def get_run(run_id: RunId) -> RunOut:
         return svc.out(svc.get(run_id))
 
+    @app.delete("/v1/runs/{run_id}", response_model=Deleted, dependencies=[Depends(require_token)],
+                responses={**AUTH, **NOT_FOUND})
+    def delete_run(run_id: RunId, files: bool = Query(False, description="also remove the run directory")) -> Deleted:
+        """Forget a run (its series leave /metrics); an active one is killed first, without a stop checkpoint
+        (POST stop first to keep one); `files=true` also removes its run directory."""
+        svc.get(run_id)
+        try:
+            svc.supervisor.delete(run_id, remove_files=files)
+        except KeyError:  # deleted by a concurrent request
+            raise HTTPException(404, f"no run {run_id!r}") from None
+        return Deleted(id=run_id, files_removed=files)
+
     @app.post("/v1/runs/{run_id}/stop", status_code=202, response_model=RunOut,
-              dependencies=[Depends(require_token)], responses={404: {}, 409: {}})
-    def stop_run(run_id: str) -> RunOut:
+              dependencies=[Depends(require_token)], responses={**AUTH, **NOT_FOUND, **CONFLICT})
+    def stop_run(run_id: RunId) -> RunOut:
         return svc.transition(run_id, svc.supervisor.stop)
 
     @app.post("/v1/runs/{run_id}/resume", status_code=202, response_model=RunOut,
-              dependencies=[Depends(require_token)], responses={404: {}, 409: {}})
-    def resume_run(run_id: str) -> RunOut:
+              dependencies=[Depends(require_token)], responses={**AUTH, **NOT_FOUND, **CONFLICT})
+    def resume_run(run_id: RunId) -> RunOut:
         return svc.transition(run_id, svc.supervisor.resume)
 
-    @app.get("/v1/runs/{run_id}/logs", response_class=PlainTextResponse, responses={404: {}})
-    def run_logs(run_id: str, tail: int = Query(200, ge=1, le=10000)) -> PlainTextResponse:
+    @app.get("/v1/runs/{run_id}/logs", response_class=PlainTextResponse, dependencies=read,
+             responses={**read_auth, **NOT_FOUND})
+    def run_logs(run_id: RunId, tail: int = Query(200, ge=1, le=10000)) -> PlainTextResponse:
         lines = svc.log_lines(svc.get(run_id), tail)
         return PlainTextResponse("\n".join(lines) + ("\n" if lines else ""))
 
-    @app.get("/v1/runs/{run_id}/logs/stream", responses={200: {"content": {"text/event-stream": {}}}, 404: {}})
-    async def stream_logs(run_id: str, tail: int = Query(50, ge=0, le=10000)) -> StreamingResponse:
+    @app.get("/v1/runs/{run_id}/logs/stream", dependencies=read,
+             responses={200: {"content": {"text/event-stream": {}}}, **read_auth, **NOT_FOUND,
+                        429: {"model": ErrorOut, "description": "too many open streams (--max-streams)"}})
+    async def stream_logs(run_id: RunId, tail: int = Query(50, ge=0, le=10000)) -> StreamingResponse:
         """Server-sent events: one `data:` line per log line, following attempts; `event: end` when the run ends."""
         run = svc.get(run_id)
-        return StreamingResponse(_follow(svc, run, tail), media_type="text/event-stream",
+        if svc.streams >= settings.max_streams:
+            raise HTTPException(429, f"{svc.streams} log streams open (at most {settings.max_streams}); retry later",
+                                headers={"Retry-After": "5"})
+        return StreamingResponse(_counted(_StreamSlot(svc), _follow(svc, run, tail)), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    @app.get("/v1/runs/{run_id}/metrics", responses={404: {}})
-    def run_metrics(run_id: str, tail: int = Query(1000, ge=1, le=4000),
+    @app.get("/v1/runs/{run_id}/metrics", dependencies=read, responses={**read_auth, **NOT_FOUND})
+    def run_metrics(run_id: RunId, tail: int = Query(1000, ge=1, le=4000),
                     keys: str | None = Query(None, max_length=2000,
                                              description="comma-separated metric keys (step is always included)")
                     ) -> JSONResponse:
@@ -250,18 +327,15 @@ def create_app(settings: Settings) -> FastAPI:
         wanted = [k for k in keys.split(",") if k] if keys else None
         return JSONResponse(_finite(svc.files.get(run.id).history(tail, wanted)))
 
-    @app.get("/v1/recipes", response_model=list[str])
+    @app.get("/v1/recipes", response_model=list[str], dependencies=read, responses=read_auth)
     def list_recipes() -> list[str]:
         return svc.recipes()
 
     @app.get("/v1/prometheus/targets")
     def prometheus_targets() -> JSONResponse:
         """Prometheus HTTP service discovery: the rank-0 endpoint of every active run that opened one."""
-        groups = []
-        for run in svc.registry.list(ACTIVE):
-            port = svc.files.get(run.id).config_value("metrics", "prometheus_port")
-            if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
-                groups.append({"targets": [f"{settings.advertise_host}:{port}"], "labels": {"run": run.id}})
+        groups = [{"targets": [f"{settings.advertise_host}:{run.prometheus_port}"], "labels": {"run": run.id}}
+                  for run in svc.registry.list(ACTIVE) if run.prometheus_port]
         return JSONResponse(groups)
 
     @app.get("/metrics", response_class=PlainTextResponse)
@@ -279,6 +353,33 @@ def create_app(settings: Settings) -> FastAPI:
         return HTMLResponse((STATIC / "index.html").read_text())
 
     return app
+
+
+class _StreamSlot:
+    """One of `Service.streams`, taken now and given back once: when its stream ends, or when a stream that
+    never started (the client left first) is collected."""
+
+    def __init__(self, svc: Service):
+        self.svc = svc
+        self.held = True
+        svc.streams += 1  # NOTE: handlers and stream generators all run on the event loop's one thread
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.svc.streams -= 1
+
+    def __del__(self) -> None:
+        self.release()
+
+
+async def _counted(slot: _StreamSlot, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """`stream`, giving its slot back however it ends (end of run, client gone, shutdown)."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    finally:
+        slot.release()
 
 
 async def _follow(svc: Service, run: Run, tail: int) -> AsyncIterator[bytes]:
@@ -308,11 +409,11 @@ async def _follow(svc: Service, run: Run, tail: int) -> AsyncIterator[bytes]:
             offset += len(data)
             *lines, partial = (partial + data).split(b"\n")
             for line in lines:
-                yield event(line.decode("utf-8", errors="replace"))
+                yield event(svc.scrub(line.decode("utf-8", errors="replace")))
         elif current.state in TERMINAL:
             if partial:
-                yield event(partial.decode("utf-8", errors="replace"))
-            yield event(json.dumps({"state": current.state, "message": current.message}), "end")
+                yield event(svc.scrub(partial.decode("utf-8", errors="replace")))
+            yield event(json.dumps({"state": current.state, "message": svc.scrub(current.message)}), "end")
             return
         else:
             await asyncio.sleep(0.25)

@@ -29,11 +29,19 @@ Per-run trainer metrics, read from the latest line of <run>/metrics.jsonl
 From <run>/events.jsonl
   titan_k3_run_events_total{run,kind}             events by kind
   titan_k3_run_invariant_violations_total{run,check}
+
+Which runs appear
+  titan_k3_service_run_state, _run_restarts_total, _run_attempts: every queued or active run and the
+      RECENT_FINISHED_RUNS most recently updated others, for as long as the registry holds them
+      (DELETE /v1/runs/{id} drops them at the next scrape);
+  every titan_k3_run_* series: queued and active runs, and an ended run for `finished_series_seconds`
+      after it ended (then its series leave /metrics, so alerts on them resolve).
 """
 
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -103,10 +111,11 @@ def generic_name(key: str) -> str:
 class ServiceCollector(Collector):
     """Builds every family from the registry and the run files at scrape time."""
 
-    def __init__(self, registry: Registry, files: RunFilesCache, gpus_total: int):
+    def __init__(self, registry: Registry, files: RunFilesCache, gpus_total: int, finished_series_seconds: float):
         self.registry = registry
         self.files = files
         self.gpus_total = gpus_total
+        self.finished_series_seconds = finished_series_seconds
 
     def collect(self) -> Iterator[Metric]:
         runs = self.registry.list()
@@ -136,10 +145,13 @@ class ServiceCollector(Collector):
         expert_load = GaugeMetricFamily(EXPERT_LOAD, "Each expert's share of routed tokens in the last log window",
                                         labels=["run", "layer", "expert"])
         generic: dict[str, GaugeMetricFamily] = {}
+        now = time.time()
         for run in shown:
             state.add_metric([run.id, run.state], 1)
             restarts.add_metric([run.id], run.restarts_total)
             attempts.add_metric([run.id], len(run.attempts))
+            if run.state not in (*ACTIVE, "queued") and now - run.updated_at > self.finished_series_seconds:
+                continue
             files = self.files.get(run.id)
             for kind, n in files.event_counts().items():
                 events.add_metric([run.id, kind], n)

@@ -1,4 +1,4 @@
-"""Request body size limit as a pure ASGI middleware (works for chunked bodies too)."""
+"""Pure ASGI middlewares: the request body size limit (chunked bodies too) and 405 with a whole Allow header."""
 
 from __future__ import annotations
 
@@ -66,3 +66,32 @@ class BodySizeLimit:
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+class MethodNotAllowed:
+    """405 with an `Allow` header naming every method of the path (OPTIONS included).
+
+    Starlette answers a method a path lacks from the first route whose path matches, so `Allow` named only
+    that route's methods (GET for a path that also takes POST and DELETE).
+    """
+
+    def __init__(self, app: Callable[..., Awaitable[None]]):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Message]],
+                       send: Callable[[Message], Awaitable[None]]) -> None:
+        if scope["type"] == "http":
+            allowed: set[str] = set()
+            for route in scope["app"].router.routes:
+                methods = getattr(route, "methods", None)
+                if methods and route.path_regex.match(scope["path"]):
+                    allowed |= methods
+            if allowed and scope["method"] not in allowed:
+                body = json.dumps({"detail": f"method {scope['method']} not allowed"}).encode()
+                await send({"type": "http.response.start", "status": 405,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode()),
+                                        (b"allow", ", ".join(sorted(allowed)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)

@@ -9,16 +9,21 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# NOTE: dots only between other characters' runs, so no '..' (a pattern without look-around: the OpenAPI
+# schema carries it too, and schema validators do not all support look-around).
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*\.?$"
+RUN_ID_MAX = 64
+RUN_ID_RE = re.compile(RUN_ID_PATTERN)
 RECIPE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}(/[A-Za-z0-9][A-Za-z0-9_-]{0,63}){0,3}$")
 OVERRIDE_KEY_RE = re.compile(r"^[a-z][a-z0-9_]*\.[a-z][a-z0-9_]*$")
 
 # Keys the service sets itself: a request may not point a run at another file or folder.
-RESERVED_KEYS = frozenset({"job.config_file", "job.dump_folder", "job.name", "compile.cache_dir"})
+RESERVED_KEYS = frozenset({"job.config_file", "job.dump_folder", "job.name", "compile.cache_dir",
+                           "checkpoint.save_on_stop", "metrics.prometheus_host", "job.validate_only"})
 
 
 def check_run_id(run_id: str) -> str:
-    if not RUN_ID_RE.match(run_id) or ".." in run_id:
+    if len(run_id) > RUN_ID_MAX or not RUN_ID_RE.fullmatch(run_id):
         raise ValueError(
             f"run name {run_id!r}: expected 1-64 characters of letters, digits, '_', '-', '.', "
             "starting with a letter or digit, without '..'"

@@ -8,7 +8,8 @@ Run states:
   running -> stopping -> stopped          (POST stop)
   running -> running (next attempt)       (crash within the restart limit)
   running/stopping -> lost                (service restarted, process gone, no exit record)
-  stopped | failed | lost -> queued       (POST resume)
+  stopped | failed | lost -> queued       (POST resume; refused when the run trained and kept no checkpoint)
+  any -> (gone)                           (DELETE; an active run's processes are killed first)
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ CREATE TABLE IF NOT EXISTS runs (
     restarts_total INTEGER NOT NULL DEFAULT 0,
     stop_requested_at REAL,
     message TEXT NOT NULL DEFAULT '',
+    prometheus_port INTEGER NOT NULL DEFAULT 0,
     created_at REAL NOT NULL,
     updated_at REAL NOT NULL
 );
@@ -91,6 +93,8 @@ class Run:
     message: str
     created_at: float
     updated_at: float
+    prometheus_port: int = 0
+    """metrics.prometheus_port of the resolved config (0: none): no two live runs may claim one."""
     attempts: list[Attempt] = field(default_factory=list)
 
     @property
@@ -113,6 +117,9 @@ class Registry:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._db.executescript(_SCHEMA)
+            columns = {r["name"] for r in self._db.execute("PRAGMA table_info(runs)")}
+            if "prometheus_port" not in columns:  # a registry written before the column existed
+                self._db.execute("ALTER TABLE runs ADD COLUMN prometheus_port INTEGER NOT NULL DEFAULT 0")
 
     @property
     def lock(self) -> threading.RLock:
@@ -128,13 +135,13 @@ class Registry:
             return self._db.execute(sql, args)
 
     def insert_run(self, run_id: str, recipe: str, overrides: dict[str, str], nproc_per_node: int,
-                   gpus: int, restart_limit: int) -> None:
+                   gpus: int, restart_limit: int, prometheus_port: int = 0) -> None:
         now = time.time()
         try:
             self._write(
-                "INSERT INTO runs (id, state, recipe, overrides, nproc_per_node, gpus, restart_limit, created_at, updated_at)"
-                " VALUES (?, 'queued', ?, ?, ?, ?, ?, ?, ?)",
-                (run_id, recipe, json.dumps(overrides), nproc_per_node, gpus, restart_limit, now, now),
+                "INSERT INTO runs (id, state, recipe, overrides, nproc_per_node, gpus, restart_limit, created_at,"
+                " updated_at, prometheus_port) VALUES (?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?)",
+                (run_id, recipe, json.dumps(overrides), nproc_per_node, gpus, restart_limit, now, now, prometheus_port),
             )
         except sqlite3.IntegrityError:
             raise DuplicateRun(run_id) from None
@@ -145,6 +152,18 @@ class Registry:
         fields["updated_at"] = time.time()
         cols = ", ".join(f"{k} = ?" for k in fields)
         self._write(f"UPDATE runs SET {cols} WHERE id = ?", (*fields.values(), run_id))
+
+    def delete_run(self, run_id: str) -> None:
+        """Forget a run and its attempts (one transaction)."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.execute("DELETE FROM attempts WHERE run_id = ?", (run_id,))
+                self._db.execute("DELETE FROM runs WHERE id = ?", (run_id,))
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     def add_attempt(self, a: Attempt) -> None:
         self._write(
@@ -193,5 +212,5 @@ def _run(r: sqlite3.Row, attempts: list[Attempt]) -> Run:
         nproc_per_node=r["nproc_per_node"], gpus=r["gpus"], assigned_gpus=json.loads(r["assigned_gpus"]),
         restart_limit=r["restart_limit"], restarts=r["restarts"], restarts_total=r["restarts_total"],
         stop_requested_at=r["stop_requested_at"], message=r["message"], created_at=r["created_at"],
-        updated_at=r["updated_at"], attempts=attempts,
+        updated_at=r["updated_at"], prometheus_port=r["prometheus_port"], attempts=attempts,
     )

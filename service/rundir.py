@@ -4,18 +4,21 @@
                 checkpoints/latest checkpoints/step-N/
                 service/attempt-N.log service/attempt-N.exit     (written by the service)
 
-JSONL files are followed incrementally (byte offset + partial line), so a
-scrape or a page refresh costs only what was appended since the last one.
+JSONL files are followed incrementally (byte offset + partial line), and
+the small files (config.toml, checkpoints/latest) are parsed again only when
+their size or modification time changed, so a request or a scrape costs a few
+stat calls per run plus what was appended since the last one.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 from collections import Counter, deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import tomli
 
@@ -75,12 +78,49 @@ def vectors(record: dict[str, Any]) -> dict[str, list[float]]:
             if isinstance(v, list) and v and all(_is_number(x) for x in v)}
 
 
+class StatCache:
+    """`parse(path)` of a small file, parsed again only when its (mtime, size) changes; None while it is absent."""
+
+    def __init__(self, path: Path, parse: Callable[[Path], Any]):
+        self.path, self._parse = path, parse
+        self._key: tuple[int, int] | None = None
+        self._value: Any = None
+
+    def get(self) -> Any:
+        try:
+            st = self.path.stat()
+        except OSError:
+            self._key, self._value = None, None
+            return None
+        key = (st.st_mtime_ns, st.st_size)
+        if key != self._key:
+            self._value, self._key = self._parse(self.path), key
+        return self._value
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomli.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomli.TOMLDecodeError):
+        return {}
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
 class RunFiles:
     """Cached, incremental reads of one run directory."""
 
     def __init__(self, run_dir: Path):
         self.dir = run_dir
         self._lock = threading.Lock()
+        self._config = StatCache(run_dir / "config.toml", _read_toml)
+        self._latest_name: StatCache | None = None
+        self._max_event_step = 0
         self._metrics = JsonlFollower(run_dir / "metrics.jsonl")
         self._events = JsonlFollower(run_dir / "events.jsonl")
         self._history: deque[dict[str, float]] = deque(maxlen=HISTORY_POINTS)
@@ -100,6 +140,9 @@ class RunFiles:
                     self._latest = values
                     self._latest_vectors = vectors(rec)
             for ev in self._events.poll():
+                step = ev.get("step")
+                if _is_number(step) and math.isfinite(step):
+                    self._max_event_step = max(self._max_event_step, int(step))
                 kind = str(ev.get("kind", "unknown"))
                 self._event_counts[kind] += 1
                 self._recent_events.append(ev)
@@ -150,10 +193,10 @@ class RunFiles:
 
     def config_value(self, section: str, key: str) -> Any:
         """A value of the resolved config.toml the trainer wrote; None before it exists."""
-        try:
-            return tomli.loads((self.dir / "config.toml").read_text()).get(section, {}).get(key)
-        except (OSError, tomli.TOMLDecodeError, AttributeError):
-            return None
+        with self._lock:
+            table = self._config.get() or {}
+        values = table.get(section)
+        return values.get(key) if isinstance(values, dict) else None
 
     def checkpoint_folder(self) -> Path:
         """checkpoint.folder from the resolved config.toml (relative: the service refuses others)."""
@@ -165,13 +208,42 @@ class RunFiles:
     def latest_checkpoint(self) -> str | None:
         """The step directory named by <checkpoint folder>/latest, when it exists."""
         latest = self.checkpoint_folder() / "latest"
-        try:
-            name = latest.read_text().strip()
-        except OSError:
-            return None
+        with self._lock:
+            if self._latest_name is None or self._latest_name.path != latest:
+                self._latest_name = StatCache(latest, _read_text)
+            name = self._latest_name.get()
         if not name or "/" in name or name.startswith("."):
             return None
         return name if (latest.parent / name).is_dir() else None
+
+    def checkpoint_step(self) -> int | None:
+        """The update the latest checkpoint holds ('step-N' -> N), None without one."""
+        name = self.latest_checkpoint()
+        digits = name.removeprefix("step-") if name else ""
+        return int(digits) if digits.isdigit() else None
+
+    def progress_step(self) -> int:
+        """The furthest update any file of the run directory records (metrics, events, checkpoint); 0 for none."""
+        latest = self.latest_metrics().get("step", 0.0)
+        with self._lock:
+            events = self._max_event_step
+        return max(int(latest) if math.isfinite(latest) else 0, events, self.checkpoint_step() or 0)
+
+    def step(self, attempt_started_at: float | None) -> int:
+        """Updates done as the run directory shows them for the current attempt (started at the given time).
+
+        The latest checkpoint's update, or the last logged one when the attempt has logged since it started
+        (a relaunched attempt resumes from the checkpoint; one without a checkpoint starts over at 0).
+        """
+        ckpt = self.checkpoint_step() or 0
+        logged = self.latest_metrics().get("step", 0.0)
+        try:
+            written = os.stat(self.dir / "metrics.jsonl").st_mtime
+        except OSError:
+            return ckpt
+        if attempt_started_at is not None and written < attempt_started_at:
+            return ckpt
+        return max(ckpt, int(logged) if math.isfinite(logged) else 0)
 
 
 class RunFilesCache:
@@ -188,6 +260,11 @@ class RunFilesCache:
             if files is None:
                 files = self._files[run_id] = RunFiles(self.runs_dir / run_id)
             return files
+
+    def forget(self, run_id: str) -> None:
+        """Drop a deleted run's cached reads (a new run of the same name starts afresh)."""
+        with self._lock:
+            self._files.pop(run_id, None)
 
 
 def tail_lines(path: Path, n: int, block: int = 65536) -> list[str]:

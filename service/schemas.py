@@ -49,9 +49,12 @@ class RunOut(BaseModel):
     restarts_total: int
     created_at: float
     updated_at: float
-    run_dir: str
+    run_dir: str = Field(description="The run directory, relative to the service's state directory.")
     attempts: list[AttemptOut]
     exit_codes: list[int | None]
+    step: int = Field(description="Updates done as the run directory records them: the latest checkpoint's, or the "
+                                  "last logged one when the current attempt has logged since it started.")
+    checkpoint_step: int | None = Field(description="Update held by checkpoints/latest; null without one.")
     latest_checkpoint: str | None
     latest_metrics: dict[str, float | None]
     invariant_violations: dict[str, Any]
@@ -63,3 +66,12 @@ class Health(BaseModel):
     runs: int
     gpus_total: int
     gpus_used: int
+
+
+class ErrorOut(BaseModel):
+    detail: str
+
+
+class Deleted(BaseModel):
+    id: str
+    files_removed: bool

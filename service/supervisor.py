@@ -10,6 +10,10 @@ started as a new session so that (a) stop can signal the whole process group
 and (b) the trainings survive a restart of the service, which then
 re-adopts them by pid and process start time (a reused pid has another
 start time).
+
+An attempt that ends with the trainer's configuration-error status
+(CONFIG_ERROR_EXIT; under torchrun, read from its failure summary) is not
+relaunched: the same configuration would fail the same way.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -26,11 +32,16 @@ from pathlib import Path
 import psutil
 
 from service.registry import ACTIVE, RESUMABLE, Attempt, Registry, Run
-from service.settings import TOKEN_ENV, Settings
+from service.rundir import RunFilesCache, tail_lines
+from service.settings import Settings
+from titan_k3.config.check import CONFIG_ERROR_EXIT
 
 log = logging.getLogger("service.supervisor")
 
 START_TIME_TOLERANCE_S = 0.05
+# torchrun's failure summary names each failed worker's status ("exitcode  : 2 (pid: ...)"); torchrun itself exits 1.
+_WORKER_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)", re.MULTILINE)
+_ERROR_LINE = re.compile(r"(?:^|\s)error: (.+)$")
 
 
 class Conflict(Exception):
@@ -59,6 +70,17 @@ def process_alive(pid: int, start_time: float) -> bool:
         return False
 
 
+def config_error(launcher: str, a: Attempt, code: int | None) -> str | None:
+    """The trainer's one-line configuration error when attempt `a` ended with one, else None."""
+    tail = tail_lines(Path(a.log_path), 200)
+    if code != CONFIG_ERROR_EXIT:
+        codes = {int(c) for c in _WORKER_EXIT.findall("\n".join(tail))}
+        if not (launcher == "torchrun" and code == 1 and codes == {CONFIG_ERROR_EXIT}):
+            return None
+    errors = [m.group(1) for m in map(_ERROR_LINE.search, tail) if m]
+    return errors[-1].strip() if errors else f"exit status {CONFIG_ERROR_EXIT}"
+
+
 def read_exit(path: str) -> int | None:
     try:
         return int(Path(path).read_text().strip())
@@ -67,9 +89,10 @@ def read_exit(path: str) -> int | None:
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, registry: Registry):
+    def __init__(self, settings: Settings, registry: Registry, files: RunFilesCache):
         self.settings = settings
         self.registry = registry
+        self.files = files
         self._children: dict[str, subprocess.Popen] = {}
         self._doomed: dict[str, list[psutil.Process]] = {}
         self._wake = threading.Event()
@@ -153,11 +176,20 @@ class Supervisor:
     def _on_exit(self, run: Run, a: Attempt, code: int | None) -> None:
         self.registry.end_attempt(run.id, a.n, code)
         self._reap_leftovers(run.id, a)
+        bad_config = None if code == 0 or run.stop_requested_at is not None else \
+            config_error(self.settings.launcher, a, code)
         if run.stop_requested_at is not None:
+            # NOTE: the state is the user's stop whatever the exit code (torchrun signalled itself exits 1
+            # after its ranks saved); the message says whether the run directory holds a checkpoint.
+            ckpt = self.files.get(run.id).latest_checkpoint()
+            kept = f"resumes from {ckpt}" if ckpt else "no checkpoint kept"
             self.registry.update_run(run.id, state="stopped", assigned_gpus=[],
-                                     message=f"stopped on request (attempt {a.n} exit code {code})")
+                                     message=f"stopped on request; {kept} (attempt {a.n} exit code {code})")
         elif code == 0:
             self.registry.update_run(run.id, state="finished", assigned_gpus=[], message="finished")
+        elif bad_config is not None:
+            self.registry.update_run(run.id, state="failed", assigned_gpus=[],
+                                     message=f"configuration error, not retried (attempt {a.n}): {bad_config}")
         elif run.restarts < run.restart_limit:
             note = f"attempt {a.n} exited with code {code}; restart {run.restarts + 1} of {run.restart_limit}"
             log.warning("run %s: %s", run.id, note)
@@ -200,13 +232,11 @@ class Supervisor:
         exit_path.unlink(missing_ok=True)
         cmd = [self.settings.python, "-m", "service.child", str(exit_path), "--",
                *launch_command(self.settings, run, run_dir)]
-        # NOTE: the bearer token stays in the service; trainings never need it.
-        env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
-        env = {**env, **self.settings.child_env, "PYTHONUNBUFFERED": "1",
-               "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus), "TITAN_K3_RUN_ID": run.id}
-        # NOTE: the service package must be importable by the wrapper whatever the child's cwd.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parent.parent),
-                                                        env.get("PYTHONPATH", "")) if p)
+        env = {**self.settings.child_environ(), "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus),
+               "TITAN_K3_RUN_ID": run.id,
+               # torchrun signalled itself (not the service's stop, which signals the ranks) gives its workers
+               # this long to save before SIGKILL; read by torch 2.13's torchrun, 30 s fixed in older ones.
+               "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(self.settings.stop_timeout))}
         try:
             with open(log_path, "ab") as out:
                 proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -241,14 +271,40 @@ class Supervisor:
             return self._require(run_id)
 
     def resume(self, run_id: str) -> Run:
+        """Queue a stopped, failed or lost run again; refused when it trained and kept no checkpoint to go on from."""
         with self.registry.lock:
             run = self._require(run_id)
             if run.state not in RESUMABLE:
                 raise Conflict(f"run {run_id!r} is {run.state}; resume needs one of {', '.join(RESUMABLE)}")
+            files = self.files.get(run_id)
+            ckpt, trained = files.latest_checkpoint(), files.progress_step()
+            if ckpt is None and trained > 0:
+                raise Conflict(f"run {run_id!r} trained {trained} update(s) but kept no checkpoint (its last attempt "
+                               "ended before saving one); resuming would start over at update 0: create a new run")
+            where = f"continues from {ckpt}" if ckpt else "starts from update 0 (nothing was trained)"
             self.registry.update_run(run_id, state="queued", restarts=0, stop_requested_at=None,
-                                     message="resume requested; continues from checkpoints/latest")
+                                     message=f"resume requested; {where}")
         self.wake()
         return self._require(run_id)
+
+    def delete(self, run_id: str, remove_files: bool) -> None:
+        """Forget a run: an active attempt's processes are killed (no stop checkpoint), then its registry rows go;
+        with `remove_files` its run directory too."""
+        with self.registry.lock:
+            run = self._require(run_id)
+            a = run.last_attempt
+            if a is not None and a.ended_at is None:
+                self._kill(run_id, a, signal.SIGKILL)
+                proc = self._children.pop(run_id, None)
+                if proc is not None and proc.pid == a.pid:
+                    with contextlib.suppress(subprocess.TimeoutExpired):  # reaped by the OS if it lingers
+                        proc.wait(timeout=10)
+            self._doomed.pop(run_id, None)
+            self.registry.delete_run(run_id)
+            self.files.forget(run_id)
+            if remove_files:
+                shutil.rmtree(self.settings.runs_dir / run_id, ignore_errors=True)
+        self.wake()
 
     def _require(self, run_id: str) -> Run:
         run = self.registry.get(run_id)

@@ -2,10 +2,13 @@
 
 It parses the real (torch-free) config, then "trains": one update every
 $FAKE_TRAINER_STEP_SECONDS, a metrics line per `metrics.log_freq`, checkpoints
-as `checkpoints/step-N/` + `latest`, resume from `latest`, exit 0 after a
-checkpoint on SIGTERM, exit 3 after `debug.crash_at_step`. Used by the
-service tests that need many or fast runs; the headline flows use the real
-trainer.
+as `checkpoints/step-N/` + `latest` (periodic ones with checkpoint.enable; on
+SIGTERM also with checkpoint.save_on_stop), resume from `latest`, exit 0 after
+the stop's checkpoint ($FAKE_TRAINER_STOP_EXIT: another status, as torchrun
+gives when it is signalled itself), exit 3 after `debug.crash_at_step`, exit 2
+with one `error:` line for a configuration error (also a metrics port it
+cannot listen on). Used by the service tests that need many or fast runs;
+the headline flows use the real trainer.
 """
 
 from __future__ import annotations
@@ -14,15 +17,46 @@ import json
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
 
-from titan_k3.config import config_to_toml, load_job_config
+from titan_k3.config import ConfigError, config_to_toml, load_job_config
+from titan_k3.config.check import CONFIG_ERROR_EXIT
 
 
 def main(argv: list[str]) -> int:
-    cfg = load_job_config(argv)
+    try:
+        cfg = load_job_config(argv)
+        endpoint = listen(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
+    try:
+        return train(cfg)
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+
+
+def listen(cfg) -> socket.socket | None:
+    """Hold the metrics port as the trainer's endpoint does (no HTTP: the tests only need it taken)."""
+    m = cfg.metrics
+    if not m.prometheus_port:
+        return None
+    s = socket.socket()
+    try:
+        s.bind((m.prometheus_host, m.prometheus_port))
+        s.listen()
+    except OSError as e:
+        s.close()
+        raise ConfigError(f"config key 'metrics.prometheus_port' = {m.prometheus_port}: cannot listen ({e})") from None
+    return s
+
+
+def train(cfg) -> int:
+    resumes = cfg.checkpoint.enable or cfg.checkpoint.save_on_stop
     run_dir = Path(cfg.job.dump_folder) / cfg.job.name
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir = run_dir / cfg.checkpoint.folder
@@ -51,7 +85,7 @@ def main(argv: list[str]) -> int:
         events.flush()
 
     def save(step: int) -> None:
-        if not cfg.checkpoint.enable:
+        if not resumes:
             return
         d = ckpt_dir / f"step-{step}"
         d.mkdir(parents=True, exist_ok=True)
@@ -64,7 +98,7 @@ def main(argv: list[str]) -> int:
 
     start = 0
     latest = ckpt_dir / "latest"
-    if cfg.checkpoint.enable and latest.exists():
+    if resumes and latest.exists():
         start = int(latest.read_text().strip().removeprefix("step-"))
         event(start, "resumed", f"resumed from step-{start}")
         say(f"resumed from step {start}")
@@ -93,8 +127,9 @@ def main(argv: list[str]) -> int:
         if stop["requested"]:
             say(f"SIGTERM: stopping after step {step}")
             save(step)
-            return 0
-    save(cfg.training.steps)
+            return int(os.environ.get("FAKE_TRAINER_STOP_EXIT", "0"))
+    if cfg.checkpoint.enable:
+        save(cfg.training.steps)
     say("done")
     return 0
 

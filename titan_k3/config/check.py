@@ -85,14 +85,22 @@ def check_host(cfg: JobConfig) -> None:
     check_port(cfg)
 
 
+def config_error(argv: list[str], toml_text: str | None = None) -> str | None:
+    """The one-line error of the trainer's arguments (`toml_text`: in place of --job.config_file), or None."""
+    try:
+        check_host(load_job_config(argv, toml_text=toml_text))
+    except ValueError as e:  # ConfigError, and the dataset reader's own ValueErrors
+        return " ".join(str(e).split())
+    return None
+
+
 def main(argv: list[str]) -> int:
     toml_text = None
     if argv[:1] == ["-"]:
         argv, toml_text = argv[1:], sys.stdin.read()
-    try:
-        check_host(load_job_config(argv, toml_text=toml_text))
-    except ValueError as e:  # ConfigError, and the dataset reader's own ValueErrors
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    error = config_error(argv, toml_text)
+    if error is not None:
+        print(f"error: {error}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
     print("config ok")
     return 0
