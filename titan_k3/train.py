@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from kernels.device import host_to_device
 from kernels.specializations import Precompile
-from titan_k3.checkpoint import build_checkpointer, check_resumable
+from titan_k3.checkpoint import CheckpointSaveError, build_checkpointer, check_resumable
 from titan_k3.config import ConfigError, JobConfig, load_job_config
 from titan_k3.config.manager import print_help
 from titan_k3.config.check import CONFIG_ERROR_EXIT, check_host
@@ -40,7 +40,7 @@ from titan_k3.metrics.events import EventLog
 from titan_k3.invariants import InvariantRunner, InvariantViolationError
 from titan_k3.metrics.profile import StepProfiler
 from titan_k3.metrics.reporter import MetricsReporter
-from titan_k3.metrics.run_dir import Tee, prepare_run_dir, run_dir_path
+from titan_k3.metrics.run_dir import Tee, check_run_dir, prepare_run_dir, run_dir_path
 from titan_k3.models.k3.args import count_params, flops_per_token, get_flavor
 from titan_k3.models.k3.documents import OnHost
 from titan_k3.models.k3.impl import resolve_impl
@@ -129,6 +129,7 @@ class Trainer:
             )
         self.args = get_flavor(cfg.model.flavor, vocab)
         self.dist = setup_distributed(cfg.parallelism, self.device, self.args.n_experts)
+        check_run_dir(cfg)  # a dump folder or reused name this run must not write stops here, before the model
         self.dp_rank, self.dp_world, self.dp_group = self.dist.dp_rank, self.dist.dp_world, self.dist.dp_group
         check_injections(cfg.debug, self.dp_world)
         # debug.inject_same_data: the last data-parallel rank reads the first one's sequences.
@@ -186,19 +187,20 @@ class Trainer:
         self.evaluator = Evaluator(cfg, self.tokenizer, self.device, dp_rank=self.dp_rank, dp_world=self.dp_world,
                                    dp_group=self.dp_group)
 
-        check_resumable(cfg, run_dir_path(cfg), model, self.optimizers)
+        resume = check_resumable(cfg, run_dir_path(cfg), model, self.optimizers)
 
         # Everything above can still refuse the job; only now does the run directory appear.
         self.run_dir = run_dir_path(cfg)
         self.reporter = MetricsReporter(cfg, rank=self.rank, device=self.device, flops_per_token=self.flops_per_token,
                                         n_devices=self.world_size, group=self.dp_group)
         if self.rank == 0:
+            resume.discard_leftovers(self.run_dir / cfg.checkpoint.folder)  # first: a killed save may fill the disk
             prepare_run_dir(cfg, {
                 "flavor": cfg.model.flavor, "vocab_size": vocab,
                 "tokenizer": {"name": self.tokenizer.name, "sha256": self.tokenizer.sha256},
                 "dataset": getattr(self.loader, "describe", lambda: {"dataset": cfg.data.dataset})(),
                 "kernels": [c.as_dict() for c in self.impl.choices],
-            })
+            }, resuming=resume.path is not None and not resume.initial)
             self._stdout = sys.stdout
             sys.stdout = Tee(sys.stdout, self.run_dir / "stdout.log")
         self.events = EventLog(self.run_dir / "events.jsonl" if self.rank == 0 else None)
@@ -211,7 +213,7 @@ class Trainer:
         self.qk_clip_max_logits: dict[int, torch.Tensor] = {}
         self._report_start()
         self.checkpointer = build_checkpointer(self)
-        self.checkpointer.load()
+        self.checkpointer.load(resume)
         self._inject_faults()
         self.gc_schedule = ScheduledGC(t.gc_every)  # last: a failed start leaves Python's collector as it was
         self._built_at = time.time()
@@ -507,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         results = trainer.train()
         if trainer.rank == 0:
             print(trainer.summary(results))
-    except (TrainingStopped, InvariantViolationError) as e:
+    except (TrainingStopped, InvariantViolationError, CheckpointSaveError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

@@ -2,10 +2,12 @@
 
 from titan_k3.checkpoint.manager import (
     CheckpointManager,
+    CheckpointSaveError,
     build_checkpointer,
     check_compatible,
     check_resumable,
     load_model_weights,
 )
 
-__all__ = ["CheckpointManager", "build_checkpointer", "check_compatible", "check_resumable", "load_model_weights"]
+__all__ = ["CheckpointManager", "CheckpointSaveError", "build_checkpointer", "check_compatible", "check_resumable",
+           "load_model_weights"]

@@ -29,7 +29,7 @@ from titan_k3.checkpoint.hf import (
     read_dcp_tensors,
     to_hf,
 )
-from titan_k3.checkpoint.manager import META_FILE
+from titan_k3.checkpoint.layout import META_FILE
 from titan_k3.models.k3.args import K3Args
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -98,6 +98,21 @@ def import_state_dict(src: Path) -> tuple[K3Args, dict[str, torch.Tensor]]:
         missing = sorted(index["weight_map"].keys() - weights.keys())[:3]
         raise ValueError(f"{src}: the index lists tensors the shards lack, e.g. {missing}")
     return args, {k: v.to(torch.float32) for k, v in from_hf(weights, set(args.mla_layers)).items()}
+
+
+def export_shapes(src: Path) -> dict[str, tuple[int, ...]]:
+    """{titan_k3 name: shape} of an export directory from config.json and the safetensors headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    src = Path(src)
+    args = args_from_hf_config(json.loads((src / "config.json").read_text()))
+    index = json.loads((src / INDEX_FILE).read_text())
+    shapes = {}
+    for file in sorted(set(index["weight_map"].values())):
+        with safe_open(str(src / file), framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = torch.empty(f.get_slice(name).get_shape(), device="meta")
+    return {k: tuple(v.shape) for k, v in from_hf(shapes, set(args.mla_layers)).items()}
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -1,7 +1,7 @@
 """The checkpoint folder on disk: names, atomic commit, `latest`, retention, leftovers.
 
     checkpoints/
-      step-8/              a complete checkpoint (DCP files + .metadata + rank-R.pt + meta.json)
+      step-8/              a complete checkpoint (DCP files + .metadata + rank-R.pt + meta.json + checksums.json)
       step-12/
       step-16.tmp-3f9a2c/  a save in progress, or one a crash interrupted: never read
       latest               text file holding the name of the newest complete step dir ("step-12")
@@ -27,6 +27,7 @@ _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_RE = re.compile(r"^step-(\d+)\.(tmp|old)-[0-9a-f]+$")
 # DCP's coordinator writes this file last, after every rank's data files are written.
 DCP_METADATA = ".metadata"
+META_FILE = "meta.json"
 
 
 def step_dir_name(step: int) -> str:
@@ -155,6 +156,28 @@ def resolve(folder: Path, load_step: int) -> tuple[Path | None, str]:
     note = (f"'latest' names {latest!r}, which is missing or incomplete; using the newest complete {newest.name}"
             if latest else f"no 'latest' file; using the newest complete {newest.name}")
     return newest, note
+
+
+def candidates(folder: Path, load_step: int) -> tuple[list[Path], str]:
+    """The complete checkpoints to try, in order, and a note when `latest` is not the first.
+
+    load_step -1: the dir `latest` names (when complete), then every other
+    complete one, newest first; the caller takes the first intact one.
+    load_step >= 0: exactly that step, else ValueError.
+    """
+    steps = complete_steps(folder)
+    if load_step >= 0:
+        return [resolve(folder, load_step)[0]], ""
+    latest = read_latest(folder)
+    first = folder / latest if latest is not None and is_complete(folder / latest) else None
+    rest = [p for _, p in sorted(steps.items(), reverse=True) if p != first]
+    if first is not None:
+        return [first, *rest], ""
+    if not rest:
+        return [], (f"'latest' names {latest!r}, which is not a complete checkpoint, and no other exists"
+                    if latest else "")
+    return rest, (f"'latest' names {latest!r}, which is missing or incomplete; trying the newest complete {rest[0].name}"
+                  if latest else f"no 'latest' file; trying the newest complete {rest[0].name}")
 
 
 def _fsync_dir(path: Path) -> None:

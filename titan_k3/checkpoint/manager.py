@@ -10,6 +10,7 @@ What one checkpoint (`checkpoints/step-N/`) holds:
     meta.json               step, tokens seen, skipped updates, LR schedule state, model args, world
                             sizes (rank 0; human-readable; the exporter reads the model args from it)
     rank-R.pt               per rank R: the data loader position and the torch CPU/CUDA RNG states
+    checksums.json          size and CRC-32 per 64 MiB block of every other file (integrity.py)
 
 DCP stores every tensor by its global shape, so a checkpoint saved on W ranks
 loads on any other number of ranks (resharding). The data loader's state is
@@ -26,18 +27,28 @@ under `step-N.tmp-<nonce>`; when DCP's coordinator has written `.metadata`
 `step-N`, moves `latest`, then applies retention. In async mode the tensors
 are staged to host memory during the call and written by a background thread
 while training continues; the next save (and the end of the run) waits for it.
+
+Before a save, the state's bytes are checked against the free space of the
+checkpoint folder. After DCP has written the files, every rank hashes its share
+of them and rank 0 writes checksums.json (verify.seal; in async mode on a
+worker thread, after the write). A save that fails (no space, a write error,
+on any rank) removes its tmp dir, leaves `latest` where it was, emits
+`checkpoint_failed` and stops the run (CheckpointSaveError): the rerun resumes
+from the last good checkpoint. A start loads the newest checkpoint whose
+checksums match (verify.choose), with a `checkpoint_fallback` event naming the
+damaged file of each newer one passed over.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
+import shutil
 import signal
 import threading
 import time
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -45,13 +56,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from titan_k3.checkpoint import layout
+from titan_k3.checkpoint import layout, verify
+from titan_k3.checkpoint.faults import CheckpointFaults
+from titan_k3.checkpoint.verify import ResumePlan, format_bytes
 
-META_FILE = "meta.json"
-META_VERSION = 1
+META_FILE = layout.META_FILE
+# 2: the step dir has checksums.json. Version 1 checkpoints (none) still load, announced as unverified.
+META_VERSION = 2
+_READABLE_META_VERSIONS = (1, 2)
+# Room for the small files of a save (rank-R.pt, meta.json, .metadata, checksums.json), per rank.
+_SMALL_FILES_BYTES = 1 << 20
 # Trainer attributes that make up the train state, saved in meta.json.
 TRAIN_STATE_KEYS = ("step", "tokens_seen", "skipped_updates", "skipped_in_row")
 _MAX_LISTED = 5
@@ -72,6 +90,12 @@ class _Pending:
     future: Future | None
     started: float
     stage_seconds: float
+    needed_bytes: int
+    error: str | None = None
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed (no space, a write error); its partial files are gone and `latest` is unchanged."""
 
 
 class StopRequest:
@@ -114,11 +138,12 @@ class CheckpointManager:
         events: an EventLog (rank 0 writes; others print nothing).
         restore_data: False leaves the loader at its start on resume (a fixed-batch run trains on the
             loader's first batch, which a fresh loader yields again).
+        faults: the [debug] checkpoint fault injections (faults.py); none by default.
     """
 
     def __init__(self, cfg, folder: Path, *, model: torch.nn.Module, optimizers, schedule, loader,
                  train_state, meta: dict[str, Any], events, rank: int = 0, world_size: int = 1,
-                 dp_rank: int = 0, dp_world: int = 1, restore_data: bool = True, kill_in_save_at_step: int = -1):
+                 dp_rank: int = 0, dp_world: int = 1, restore_data: bool = True, faults: CheckpointFaults | None = None):
         self.cfg = cfg
         self.folder = Path(folder)
         self.model, self.optimizers, self.schedule, self.loader = model, optimizers, schedule, loader
@@ -136,7 +161,11 @@ class CheckpointManager:
         self._pending: _Pending | None = None
         self._last_saved_step: int | None = None
         self.restore_data = restore_data
-        self._kill_in_save_at_step = kill_in_save_at_step
+        self.faults = faults or CheckpointFaults()
+        # Hashes an async save's files once DCP has written them, off the training thread.
+        self._sealer: ThreadPoolExecutor | None = None
+        for key, value in self.faults.active().items() if rank == 0 else ():
+            events.emit("fault_injection", f"FAULT INJECTED: {key} = {value}", step=0, key=key, value=value)
 
     # ------------------------------------------------------------------ state dicts
     def _dcp_state(self) -> dict[str, Any]:
@@ -179,41 +208,103 @@ class CheckpointManager:
         return bool(signum)
 
     def save(self, step: int) -> None:
-        """Save the state after update `step` (blocking, or async per cfg.async_mode)."""
+        """Save the state after update `step` (blocking, or async per cfg.async_mode).
+
+        Raises CheckpointSaveError on every rank when the space is short or a write fails.
+        """
         if self._last_saved_step == step:
             return
         self.wait()
         t0 = time.perf_counter()
-        tmp = self._agree_tmp_dir(step)
-        tmp.mkdir(parents=True, exist_ok=True)
-        torch.save(self._rank_state(), tmp / rank_file(self.rank))
-        if self.rank == 0:
-            meta = {"version": META_VERSION, "step": step, "train": self._train_state(),
-                    "schedule": self.schedule.state_dict(), "world_size": self.world_size,
-                    "dp_world": self.dp_world, "saved_unix": time.time(), **self.meta}
-            (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
         state = self._dcp_state()
-        kw = dict(checkpoint_id=str(tmp), process_group=self.dcp_group, no_dist=not self.distributed)
-        if self.cfg.async_mode == "async":
-            future = dcp.async_save(state, **kw)
-            # NOTE: newer torch returns an AsyncSaveResponse (staging + upload futures) for some stagers.
-            future = getattr(future, "upload_completion", future)
-        else:
-            dcp.save(state, **kw)
-            future = None
-        self._pending = _Pending(step, tmp, future, t0, time.perf_counter() - t0)
+        needed = self._check_space(step, state)
+        tmp = self._agree_tmp_dir(step)
+        error = None
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            torch.save(self._rank_state(), tmp / rank_file(self.rank))
+            if self.rank == 0:
+                meta = {"version": META_VERSION, "step": step, "train": self._train_state(),
+                        "schedule": self.schedule.state_dict(), "world_size": self.world_size,
+                        "dp_world": self.dp_world, "saved_unix": time.time(), **self.meta}
+                (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
+        except (OSError, RuntimeError) as e:
+            error = self._describe(e)
+        # NOTE: agree before DCP's collectives: a rank that could not write its own file must not leave the
+        # others waiting inside dcp.save.
+        error = self._agree(error)
+        if error is not None:
+            self._fail(_Pending(step, tmp, None, t0, 0.0, needed), error)
+        kw = dict(checkpoint_id=str(tmp), process_group=self.dcp_group, no_dist=not self.distributed,
+                  storage_writer=self.faults.storage_writer(step, tmp))
+        future = None
+        try:
+            if self.cfg.async_mode == "async":
+                upload = dcp.async_save(state, **kw)
+                # NOTE: newer torch returns an AsyncSaveResponse (staging + upload futures) for some stagers.
+                upload = getattr(upload, "upload_completion", upload)
+                if self._sealer is None:
+                    self._sealer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-seal")
+                future = self._sealer.submit(self._written_then_sealed, upload, tmp)
+            else:
+                dcp.save(state, **kw)
+                verify.seal(tmp, self.dcp_group)
+        except (Exception, CheckpointException) as e:
+            error = self._describe(e)
+        self._pending = _Pending(step, tmp, future, t0, time.perf_counter() - t0, needed, error)
         self._last_saved_step = step
-        if self._kill_in_save_at_step == step:
-            self._die_before_commit(step)
+        self.faults.kill_before_commit(step, lambda: future.result() if future is not None else None)
         if future is None:
             self._finalize()
 
-    def _die_before_commit(self, step: int) -> None:
-        """debug.kill_in_save_at_step (tests): exit like a kill once the files are written, before the rename."""
-        if self._pending.future is not None:
-            self._pending.future.result()
-        print(f"debug.kill_in_save_at_step = {step}: exiting with status 3 before the commit", flush=True)
-        os._exit(3)
+    def _written_then_sealed(self, upload: Future, tmp: Path) -> None:
+        """The async save's worker: wait for DCP's write, then hash the files (verify.seal)."""
+        upload.result()
+        verify.seal(tmp, self.dcp_group)
+
+    def _check_space(self, step: int, state: dict[str, Any]) -> int:
+        """The bytes this save needs; CheckpointSaveError when rank 0's file system has fewer free."""
+        needed = verify.state_bytes(state) + _SMALL_FILES_BYTES * self.world_size
+        free = 0
+        if self.rank == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            free = self.faults.free_bytes_at(self.folder)
+        sizes = torch.tensor([needed, free], dtype=torch.int64)
+        if self.distributed:
+            dist.broadcast(sizes, src=0, group=self.group)
+        needed, free = sizes.tolist()
+        if needed > free:
+            kept = f" (kept: checkpoint.keep_latest_k = {self.cfg.keep_latest_k})" if self.cfg.keep_latest_k else ""
+            self._refuse(step, f"checkpoint of update {step} needs {format_bytes(needed)}, "
+                               f"{format_bytes(free)} free at {self.folder}{kept}: not saved")
+        return needed
+
+    def _describe(self, exc: BaseException) -> str:
+        free = self.faults.free_bytes_at(self.folder) if self.folder.is_dir() else 0
+        return verify.describe_failure(exc, self.folder, free)
+
+    def _agree(self, error: str | None) -> str | None:
+        """The first rank's error (None when every rank succeeded), the same on every rank."""
+        if not self.distributed:
+            return error
+        errors = [None] * self.world_size
+        dist.all_gather_object(errors, error, group=self.group)
+        return next((e for e in errors if e), None)
+
+    def _fail(self, pending: _Pending, error: str) -> None:
+        """Remove a failed save's tmp dir (rank 0), keep `latest`, emit the event, raise on every rank."""
+        if self.rank == 0:
+            shutil.rmtree(pending.tmp, ignore_errors=True)
+        self._last_saved_step = None
+        self._refuse(pending.step, f"checkpoint save of update {pending.step} failed: {error}; its partial files "
+                                   f"are removed", path=str(pending.tmp))
+
+    def _refuse(self, step: int, message: str, **fields) -> None:
+        latest = layout.read_latest(self.folder)
+        message += f"; 'latest' stays on {latest}" if latest else "; no checkpoint of this run exists yet"
+        if self.rank == 0:
+            self.events.emit("checkpoint_failed", message, step=step, latest=latest, **fields)
+        raise CheckpointSaveError(message)
 
     def wait(self) -> None:
         """Block until a pending async save is written, then commit it (all ranks call this)."""
@@ -229,11 +320,20 @@ class CheckpointManager:
 
     def _finalize(self) -> None:
         pending, self._pending = self._pending, None
-        if pending.future is not None:
-            pending.future.result()
+        error, final = pending.error, None
+        if error is None:
+            try:
+                if pending.future is not None:
+                    pending.future.result()
+                if self.rank == 0:
+                    final = layout.commit(pending.tmp, pending.step)
+            except (Exception, CheckpointException) as e:
+                error = self._describe(e)
+        error = self._agree(error)
+        if error is not None:
+            self._fail(pending, error)
         if self.rank != 0:
             return
-        final = layout.commit(pending.tmp, pending.step)
         deleted = layout.apply_retention(self.folder, self.cfg.keep_latest_k)
         seconds = time.perf_counter() - pending.started
         size = sum(f.stat().st_size for f in final.iterdir() if f.is_file())
@@ -241,8 +341,8 @@ class CheckpointManager:
             "checkpoint_saved",
             f"saved {final} ({size / 2**20:.1f} MiB, {self.cfg.async_mode}: blocked {pending.stage_seconds:.2f}s, "
             f"total {seconds:.2f}s)" + (f"; deleted steps {deleted}" if deleted else ""),
-            step=pending.step, path=str(final), bytes=size, mode=self.cfg.async_mode,
-            blocking_seconds=pending.stage_seconds, seconds=seconds, deleted_steps=deleted,
+            step=pending.step, path=str(final), bytes=size, expected_bytes=pending.needed_bytes,
+            mode=self.cfg.async_mode, blocking_seconds=pending.stage_seconds, seconds=seconds, deleted_steps=deleted,
         )
 
     def _agree_tmp_dir(self, step: int) -> Path:
@@ -260,38 +360,50 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait for and commit a pending save; restore the signal handlers."""
-        self.wait()
-        self.stop.restore()
+        try:
+            self.wait()
+        finally:
+            self.stop.restore()
+            if self._sealer is not None:
+                self._sealer.shutdown()
 
     # ------------------------------------------------------------------ loading
-    def load(self) -> int | None:
+    def load(self, plan: ResumePlan | None = None) -> int | None:
         """Resume from this run's checkpoint, else initialise the model from initial_load_path.
 
-        Returns the step resumed from, or None when the run starts fresh.
+        plan: what check_resumable chose before the run directory was touched (the trainer passes it, so
+        the files are hashed once); None chooses here. Returns the step resumed from, or None when the
+        run starts fresh.
         """
+        if plan is None:
+            discarded = layout.remove_leftovers(self.folder) if self.rank == 0 else []
+            self._barrier()
+            plan = plan_start(self.cfg, self.folder, group=self.group)
+            plan.discarded = discarded
         if self.rank == 0:
-            removed = layout.remove_leftovers(self.folder)
-            if removed:
-                self.events.emit("checkpoint_discarded",
-                                 f"removed {len(removed)} incomplete save(s) of an interrupted run: {', '.join(removed)}",
-                                 step=0, removed=removed)
-        self._barrier()
-        if not self.resumes:
-            return self._load_initial()
-        path, note = layout.resolve(self.folder, self.cfg.load_step)
-        if path is None:
-            if note:
-                raise ValueError(f"{self.folder}: {note}")
-            return self._load_initial()
-        if note:
-            self.events.emit("checkpoint_fallback", note, step=0, path=str(path))
-        return self.load_from(path)
+            if plan.discarded:
+                self.events.emit("checkpoint_discarded", f"removed {len(plan.discarded)} incomplete save(s) of an "
+                                 f"interrupted run: {', '.join(plan.discarded)}", step=0, removed=plan.discarded)
+            for note in plan.notes:
+                self.events.emit("checkpoint_fallback", note, step=0, path=str(plan.path))
+            if plan.unverified:
+                self.events.emit("checkpoint_unverified", f"{plan.path} was saved before checkpoints carried "
+                                 "checksums: loading it unverified", step=0, path=str(plan.path))
+        if plan.path is None:
+            return None
+        if plan.initial:
+            load_model_weights(self.model, plan.path, process_group=self.dcp_group)
+            self.events.emit("initial_load", f"model weights initialised from {plan.path} (optimizer and data "
+                             "start fresh)", step=0, path=str(plan.path))
+            return None
+        return self.load_from(plan.path)
 
     def load_from(self, path: Path) -> int:
         """Load the full training state of checkpoint dir `path` (all ranks)."""
         meta = json.loads((path / META_FILE).read_text())
-        if meta.get("version") != META_VERSION:
-            raise ValueError(f"checkpoint {path}: {META_FILE} version {meta.get('version')!r}; this build reads {META_VERSION}")
+        if meta.get("version") not in _READABLE_META_VERSIONS:
+            raise ValueError(f"checkpoint {path}: {META_FILE} version {meta.get('version')!r}; this build reads "
+                             f"{', '.join(map(str, _READABLE_META_VERSIONS))}")
         state = self._dcp_state()
         check_compatible(path, state)
         dcp.load(state, checkpoint_id=str(path), process_group=self.dcp_group, no_dist=not self.distributed)
@@ -330,15 +442,6 @@ class CheckpointManager:
                 f"(dp {self.dp_world}): model and optimizer resharded; data continues at the global position "
                 f"(per-rank mixture counters restart); ranks without a saved RNG state keep their seeded one")
 
-    def _load_initial(self) -> int | None:
-        src = self.cfg.initial_load_path
-        if not src:
-            return None
-        load_model_weights(self.model, Path(src), process_group=self.dcp_group)
-        self.events.emit("initial_load", f"model weights initialised from {src} (optimizer and data start fresh)",
-                         step=0, path=src)
-        return None
-
     def _barrier(self) -> None:
         if self.distributed:
             dist.barrier(group=self.group)
@@ -364,8 +467,11 @@ def check_compatible(path: Path, state: dict[str, Any], *, model_only: bool = Fa
     """
     if not (path / layout.DCP_METADATA).is_file():
         raise ValueError(f"checkpoint {path}: not a complete checkpoint (no {layout.DCP_METADATA})")
-    saved = {k: tuple(m.size) for k, m in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
-             if isinstance(m, TensorStorageMetadata)}
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a damaged .metadata fails inside pickle with any error type
+        raise ValueError(f"checkpoint {path}: cannot read {layout.DCP_METADATA} ({type(e).__name__})") from None
+    saved = {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
     want = flat_tensor_shapes(state)
     if model_only:
         saved = {k: v for k, v in saved.items() if k.startswith("model.")}
@@ -381,27 +487,64 @@ def check_compatible(path: Path, state: dict[str, Any], *, model_only: bool = Fa
         )
 
 
-def check_resumable(cfg, run_dir: Path, model: torch.nn.Module, optimizers) -> None:
-    """Refuse, before the run directory is touched, a checkpoint this run would fail to load.
+def plan_start(c, folder: Path, group=None) -> ResumePlan:
+    """What a run with [checkpoint] section `c` starts from: the newest intact checkpoint of `folder`,
+    else initial_load_path's (model weights only), else nothing. Collective over `group` when distributed."""
+    notes: list[str] = []
+    if c.enable or getattr(c, "save_on_stop", False):
+        plan = verify.choose(Path(folder), c.load_step, group)
+        if plan.path is not None:
+            return plan
+        notes = plan.notes
+    if not c.initial_load_path:
+        return ResumePlan(notes=notes)
+    src, key = Path(c.initial_load_path), f"config key 'checkpoint.initial_load_path' = '{c.initial_load_path}'"
+    if (src / "config.json").is_file():
+        return ResumePlan(src, initial=True, notes=notes)
+    if (src / layout.DCP_METADATA).is_file():
+        problem, unverified = verify.verify(src, group)
+        if problem is not None:
+            raise ValueError(f"{key}: damaged: {problem}")
+        return ResumePlan(src, initial=True, notes=notes, unverified=unverified)
+    try:
+        plan = verify.choose(src, -1, group)
+    except ValueError as e:
+        raise ValueError(f"{key}: {e}") from None
+    if plan.path is None:
+        raise ValueError(f"{key}: no checkpoint there")
+    plan.initial, plan.notes = True, notes + plan.notes
+    return plan
 
-    Reads only metadata: the checkpoint the run would resume from (its model and
-    optimizer shapes), or a DCP initial_load_path (its model shapes).
+
+def check_resumable(cfg, run_dir: Path, model: torch.nn.Module, optimizers) -> ResumePlan:
+    """Choose, before the run directory is touched, what the run starts from, and refuse what it would fail to load.
+
+    Verifies the checksums of the checkpoint it picks (and of each damaged newer
+    one it passes over), then compares shapes on metadata alone: the
+    checkpoint's model and optimizer, or initial_load_path's model (a DCP
+    checkpoint's metadata or an export's safetensors headers).
     """
-    c = cfg.checkpoint
-    if c.enable or c.save_on_stop:
-        path, note = layout.resolve(Path(run_dir) / c.folder, c.load_step)
-        if path is not None:
-            check_compatible(path, {"model": get_model_state_dict(model), "optim": optimizers.state_dict()})
-            return
-        if note:
-            raise ValueError(f"{Path(run_dir) / c.folder}: {note}")
-    src = Path(c.initial_load_path) if c.initial_load_path else None
-    if src is not None and not (src / "config.json").is_file():
-        if not (src / layout.DCP_METADATA).is_file():
-            src, _ = layout.resolve(src, -1)
-            if src is None:
-                raise ValueError(f"config key 'checkpoint.initial_load_path' = '{c.initial_load_path}': no checkpoint there")
-        check_compatible(src, {"model": get_model_state_dict(model)}, model_only=True)
+    group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
+    plan = plan_start(cfg.checkpoint, Path(run_dir) / cfg.checkpoint.folder, group=group)
+    if plan.path is None:
+        return plan
+    if not plan.initial:
+        check_compatible(plan.path, {"model": get_model_state_dict(model), "optim": optimizers.state_dict()})
+    elif (plan.path / "config.json").is_file():
+        from titan_k3.checkpoint.export import export_shapes
+
+        _check_export_shapes(plan.path, get_model_state_dict(model), export_shapes(plan.path))
+    else:
+        check_compatible(plan.path, {"model": get_model_state_dict(model)}, model_only=True)
+    return plan
+
+
+def _check_export_shapes(src: Path, current: dict[str, torch.Tensor], got: dict[str, tuple[int, ...]]) -> None:
+    want = {k: tuple(v.shape) for k, v in current.items()}
+    if want != got:
+        bad = [f"{k}: export {list(got.get(k, ()))} vs model {list(s)}" for k, s in want.items() if got.get(k) != s]
+        bad += [f"{k}: not in this model" for k in got if k not in want]
+        raise ValueError(f"initial_load_path {src} does not match this model: {'; '.join(bad[:_MAX_LISTED])}")
 
 
 def load_model_weights(model: torch.nn.Module, src: Path, process_group=None) -> None:
@@ -410,13 +553,7 @@ def load_model_weights(model: torch.nn.Module, src: Path, process_group=None) ->
         from titan_k3.checkpoint.export import import_state_dict
 
         _, full = import_state_dict(src)
-        current = get_model_state_dict(model)
-        want = {k: tuple(v.shape) for k, v in current.items()}
-        got = {k: tuple(v.shape) for k, v in full.items()}
-        if want != got:
-            bad = [f"{k}: export {list(got.get(k, ()))} vs model {list(s)}" for k, s in want.items() if got.get(k) != s]
-            bad += [f"{k}: not in this model" for k in got if k not in want]
-            raise ValueError(f"initial_load_path {src} does not match this model: {'; '.join(bad[:_MAX_LISTED])}")
+        _check_export_shapes(src, get_model_state_dict(model), {k: tuple(v.shape) for k, v in full.items()})
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
         return
     if not (src / layout.DCP_METADATA).is_file():
@@ -440,6 +577,6 @@ def build_checkpointer(trainer) -> CheckpointManager:
         cfg.checkpoint, trainer.run_dir / cfg.checkpoint.folder, model=trainer.model, optimizers=trainer.optimizers,
         schedule=trainer.schedule, loader=trainer.loader, train_state=trainer, meta=meta, events=trainer.events,
         rank=trainer.rank, world_size=trainer.world_size, dp_rank=trainer.dp_rank, dp_world=trainer.dp_world,
-        restore_data=not cfg.training.fixed_batch, kill_in_save_at_step=cfg.debug.kill_in_save_at_step,
+        restore_data=not cfg.training.fixed_batch, faults=CheckpointFaults.from_debug(cfg.debug),
     )
 

@@ -19,7 +19,9 @@ class Job:
     dump_folder: str = "./runs"
     """Folder under which each run's directory is created."""
     name: str = ""
-    """Run name, the run directory's name; empty means '<recipe>-<UTC timestamp>'. Reusing a name resumes that run."""
+    """Run name, the run directory's name inside dump_folder (no '/' or '..'); empty means '<recipe>-<UTC timestamp>'. Reusing a name resumes that run's newest intact checkpoint; a name whose run has none to resume is refused unless overwrite is set."""
+    overwrite: bool = False
+    """Let a reused job.name with nothing to resume start over at update 0: the previous run's files in its directory (config, manifest, metrics, events, logs) are deleted first. A name with a checkpoint still resumes it."""
     description: str = ""
     """Free text stored in the manifest."""
     strict: bool = False
@@ -257,6 +259,10 @@ class Debug:
     """Exit with status 3 right after this update (tests of restarts); -1 never."""
     kill_in_save_at_step: int = -1
     """Exit with status 3 inside the checkpoint save of this update, after its files are written and before the rename (tests of atomic saves); -1 never."""
+    checkpoint_write_error_at_step: int = -1
+    """Fault injection: the checkpoint save of this update fails as a full disk would: DCP's writer raises OSError(ENOSPC) after writing its data files (sync or async); -1 never."""
+    checkpoint_free_bytes: int = -1
+    """Fault injection: the free space, in bytes, every checkpoint save's space check sees instead of the file system's (0 simulates a full disk); -1 measures."""
     deterministic: bool = False
     """Ask torch for deterministic algorithms."""
     inject_same_data: bool = False

@@ -34,6 +34,13 @@ def _one_of(key: str, value: str, allowed: list[str]) -> None:
         _require(False, f"config key '{key}' = {value!r}: expected one of {', '.join(allowed)}{hint}")
 
 
+def check_run_name(name: str) -> None:
+    """job.name becomes one directory inside job.dump_folder: refuse a name that is a path or leaves the folder."""
+    bad = name in (".", "..") or "/" in name or "\\" in name or any(ord(c) < 32 for c in name) or name != name.strip()
+    _require(not bad, f"config key 'job.name' = {name!r}: must be a plain directory name inside job.dump_folder "
+                      "(no '/', '\\', '..', control characters or surrounding spaces)")
+
+
 def parse_context_stages(spec: str) -> list[tuple[int, int]]:
     """'update:seq_len,...' -> [(update, seq_len)], or ConfigError naming the bad part."""
     stages = []
@@ -140,6 +147,12 @@ def validate(cfg: JobConfig) -> None:
         "leaves the rows of other ranks' experts unwritten; use kernels.experts = 'triton' or expert_dispatch = 'all_to_all'",
     )
     _positive("checkpoint.interval", cfg.checkpoint.interval)
+    check_run_name(cfg.job.name)
+    folder = cfg.checkpoint.folder
+    _require(bool(folder) and not folder.startswith(("/", "\\")) and ".." not in folder.replace("\\", "/").split("/"),
+             f"config key 'checkpoint.folder' = {folder!r}: must be a relative path inside the run directory (no '..')")
+    for key in ("checkpoint_write_error_at_step", "checkpoint_free_bytes"):
+        _require(getattr(cfg.debug, key) >= -1, f"config key 'debug.{key}' = {getattr(cfg.debug, key)}: must be -1 (off) or >= 0")
     _non_negative("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k)
     _non_negative("training.gc_every", cfg.training.gc_every)
     _require(

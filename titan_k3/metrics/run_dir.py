@@ -1,7 +1,11 @@
-"""The run directory (DESIGN.md): resolved config, manifest, stdout.log.
+"""The run directory: resolved config, manifest, stdout.log.
 
 Created only after every check on the configuration, the data and the model
 has passed, so bad input never leaves a half-written run directory.
+`check_run_dir` refuses, before any work, a folder the run must not write:
+an unwritable or file-blocked dump folder, and a reused name whose previous
+run has no checkpoint to resume (unless job.overwrite); the name itself is
+checked with the configuration (validate.check_run_name).
 `read_jsonl` and `load_run_config` read it back for the offline tools
 (summarize, sweep, eval).
 """
@@ -13,13 +17,19 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from titan_k3.checkpoint import layout
 from titan_k3.config import JobConfig, config_to_toml, load_job_config
+
+# What a trainer run writes at the top of its run directory (checkpoints live in their own folder).
+RUN_FILES = ("config.toml", "manifest.json", "metrics.jsonl", "events.jsonl", "stdout.log")
+RUN_FILE_PATTERNS = ("profile-rank*.txt", "trace-rank*.json*", "events.out.tfevents.*")
 
 
 def run_dir_path(cfg: JobConfig) -> Path:
@@ -72,10 +82,110 @@ def versions() -> dict[str, str]:
     return v
 
 
-def prepare_run_dir(cfg: JobConfig, manifest_extra: dict[str, Any]) -> Path:
-    """Create (or reopen, for a resume) the run directory; write config.toml and manifest.json."""
+def previous_run_files(path: Path) -> list[Path]:
+    """The files an earlier trainer run left in run directory `path` (none for a new or service-made folder)."""
+    if not path.is_dir():
+        return []
+    found = [path / name for name in RUN_FILES if (path / name).is_file()]
+    return found + sorted(p for pattern in RUN_FILE_PATTERNS for p in path.glob(pattern) if p.is_file())
+
+
+def has_checkpoint(cfg: JobConfig, path: Path) -> bool:
+    """Whether run directory `path` holds a complete checkpoint this run resumes from (its checksums are checked
+    later, by checkpoint.check_resumable)."""
+    c = cfg.checkpoint
+    return bool(c.enable or getattr(c, "save_on_stop", False)) and bool(layout.complete_steps(path / c.folder))
+
+
+def _unusable_folder(folder: Path) -> str | None:
+    """Why runs cannot be created under `folder` (it or its nearest existing parent), or None."""
+    if folder.exists() and not folder.is_dir():
+        return "is a file, not a folder"
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, so the folder cannot be created"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable by this user" if existing != folder else "is not writable by this user"
+    return None
+
+
+def run_dir_problem(cfg: JobConfig) -> str | None:
+    """The one line that refuses this run's directory, or None: a dump folder that cannot hold it, a run
+    directory that is a file, or a reused name with nothing to resume (without job.overwrite)."""
+    dump = Path(cfg.job.dump_folder)
+    why = _unusable_folder(dump)
+    if why:
+        return f"config key 'job.dump_folder' = '{cfg.job.dump_folder}': {why}"
     path = run_dir_path(cfg)
-    path.mkdir(parents=True, exist_ok=True)
+    if path.exists() and not path.is_dir():
+        return f"config key 'job.name' = '{cfg.job.name}': {path} is a file, not a run directory"
+    if path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
+        return f"config key 'job.name' = '{cfg.job.name}': run directory {path} is not writable by this user"
+    previous = previous_run_files(path)
+    if previous and not cfg.job.overwrite and not has_checkpoint(cfg, path):
+        why = "checkpoints are off (checkpoint.enable = false)" if not cfg.checkpoint.enable and not getattr(
+            cfg.checkpoint, "save_on_stop", False) else f"no complete checkpoint in {path / cfg.checkpoint.folder}"
+        return (f"config key 'job.name' = '{cfg.job.name}': {path} holds a previous run ({previous[0].name}) and "
+                f"nothing to resume: {why}; choose another name, or set job.overwrite = true to start it over")
+    return None
+
+
+def check_run_dir(cfg: JobConfig) -> None:
+    """Refuse, before any work, a run directory this run must not write (ValueError, one line).
+
+    Distributed: rank 0 looks at the file system and every rank raises its verdict, so a rank that
+    looks late never sees the directory rank 0 has meanwhile created.
+    """
+    import torch.distributed as dist
+
+    problem = run_dir_problem(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
+    if dist.is_available() and dist.is_initialized():
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem:
+        raise ValueError(problem)
+
+
+def _clear_previous_run(path: Path) -> list[str]:
+    """job.overwrite: delete the files a previous run left at the top of `path`; returns their names."""
+    removed = []
+    for p in previous_run_files(path):
+        p.unlink(missing_ok=True)
+        removed.append(p.name)
+    tensorboard = path / "tensorboard"
+    if tensorboard.is_dir():
+        shutil.rmtree(tensorboard, ignore_errors=True)
+        removed.append(tensorboard.name)
+    return removed
+
+
+def prepare_run_dir(cfg: JobConfig, manifest_extra: dict[str, Any], resuming: bool = False) -> Path:
+    """Create (or reopen, for a resume) the run directory; write config.toml and manifest.json.
+
+    Not resuming under job.overwrite, the previous run's files go first (the
+    manifest lists them under "overwrote"). A write that fails (a full disk, a
+    read-only folder) is a ValueError naming the file.
+    """
+    path = run_dir_path(cfg)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"run directory {path}: cannot create it ({e.strerror})") from None
+    overwrote = _clear_previous_run(path) if cfg.job.overwrite and not resuming else []
+    if overwrote:
+        print(f"job.overwrite = true: removed the previous run's {', '.join(overwrote)} from {path}", flush=True)
+    try:
+        _write_run_files(cfg, path, {**manifest_extra, **({"overwrote": overwrote} if overwrote else {})})
+    except OSError as e:
+        name = Path(e.filename).name if e.filename else "its files"
+        raise ValueError(f"run directory {path}: cannot write {name} ({e.strerror})") from None
+    return path
+
+
+def _write_run_files(cfg: JobConfig, path: Path, manifest_extra: dict[str, Any]) -> None:
     (path / "config.toml").write_text(config_to_toml(cfg))
     manifest = {
         "run": path.name,
@@ -88,9 +198,12 @@ def prepare_run_dir(cfg: JobConfig, manifest_extra: dict[str, Any]) -> Path:
         **manifest_extra,
     }
     tmp = path / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2, default=str))
+    try:
+        tmp.write_text(json.dumps(manifest, indent=2, default=str))
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path / "manifest.json")
-    return path
 
 
 def read_jsonl(path: Path) -> list[dict]:
