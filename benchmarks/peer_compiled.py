@@ -203,22 +203,23 @@ class PeerMLA(nn.Module):
 # --- LatentMoE ---------------------------------------------------------------------------------------------------
 
 
-def _experts_grouped_mm(z_SL, w1, w3, w2, offs_E):
-    """Rows grouped by expert through the three expert matrices (cuBLAS grouped GEMM, bf16 CUDA)."""
-    def col_major(w):  # torch._grouped_mm's preferred mat_b layout
-        return w.transpose(1, 2).contiguous().transpose(1, 2)
+def _experts_grouped_mm(z_SL, w1_EFL, w3_EFL, w2_ELF, offs_E):
+    """Rows grouped by expert through the three expert matrices (cuBLAS grouped GEMM, bf16 CUDA).
 
-    g = torch._grouped_mm(z_SL, col_major(w1), offs=offs_E)
-    u = torch._grouped_mm(z_SL, col_major(w3), offs=offs_E)
-    return torch._grouped_mm(situ_glu(g, u).to(z_SL.dtype), col_major(w2), offs=offs_E)
+    The weights are stored transposed ([E, out, in]) so that their [E, in, out] views are the column-major
+    operand torch._grouped_mm wants, with no copy per call.
+    """
+    g = torch._grouped_mm(z_SL, w1_EFL.transpose(1, 2), offs=offs_E)
+    u = torch._grouped_mm(z_SL, w3_EFL.transpose(1, 2), offs=offs_E)
+    return torch._grouped_mm(situ_glu(g, u).to(z_SL.dtype), w2_ELF.transpose(1, 2), offs=offs_E)
 
 
-def _experts_loop(z_SL, w1, w3, w2, offs_E):
+def _experts_loop(z_SL, w1_EFL, w3_EFL, w2_ELF, offs_E):
     """The same with a Python loop over experts (the "torch" parts; CPU smoke only)."""
     out, start = [], 0
     for e, end in enumerate(offs_E.tolist()):
         z = z_SL[start:end]
-        out.append((situ_glu(z @ w1[e], z @ w3[e]).to(z.dtype)) @ w2[e])
+        out.append((situ_glu(z @ w1_EFL[e].t(), z @ w3_EFL[e].t()).to(z.dtype)) @ w2_ELF[e].t())
         start = end
     return torch.cat(out)
 
@@ -234,7 +235,7 @@ class PeerMoE(nn.Module):
         self.register_buffer("bias", torch.zeros(E))
         self.w_down, self.w_up = nn.Linear(D, L, bias=False), nn.Linear(L, D, bias=False)
         self.latent_norm = Norm(L, a.norm_eps)
-        self.w1, self.w3, self.w2 = (nn.Parameter(torch.empty(*s)) for s in ((E, L, Fh), (E, L, Fh), (E, Fh, L)))
+        self.w1, self.w3, self.w2 = (nn.Parameter(torch.empty(*s)) for s in ((E, Fh, L), (E, Fh, L), (E, L, Fh)))
         for w in (self.w1, self.w3, self.w2):
             nn.init.trunc_normal_(w, std=0.02, a=-0.06, b=0.06)
         self.shared = GluFFN(D, a.n_shared_experts * Fh)
@@ -302,6 +303,9 @@ class PeerModel(nn.Module):
         if parts == "fla":
             from fla.modules import FusedLinearCrossEntropyLoss
 
+            # NOTE: fla accumulates the head's weight gradient in float32 by default; with float32 matmuls left at
+            # full precision that ran as SIMT sgemm, 104 ms of a 273 ms step (first measurement). A user who
+            # profiles once turns on TF32 (PeerCompiledTrainer), which keeps the float32 accumulation.
             self.loss = FusedLinearCrossEntropyLoss(reduction="mean")
         else:
             self.loss = lambda h, t, w: F.cross_entropy((h @ w.t()).float().flatten(0, 1), t.flatten())
@@ -322,6 +326,8 @@ class PeerCompiledTrainer:
 
     def __init__(self, cfg: PeerConfig = PeerConfig()):
         torch.manual_seed(cfg.seed)
+        # TF32 for float32 matmuls (the loss's float32 gradient accumulation, the float32 router): a tuned setting.
+        torch.backends.cuda.matmul.allow_tf32 = True
         self.device = torch.device("cuda" if cfg.parts == "fla" else "cpu")
         dtype = torch.bfloat16 if cfg.parts == "fla" else torch.float32
         args = get_flavor(cfg.flavor, cfg.vocab_size)
