@@ -6,7 +6,7 @@ machine that puts our ~22 s of kernel compiles on a cold k3-mini start's
 critical path, one after another (benchmarks/results/compile_startup.md).
 Triton can replay a recorded specialization (`JITFunction.preload`), so:
 
-    python -m kernels.specializations record [--fresh] -- TRAINER ARGS    (on the GPU, per Triton version)
+    python -m titan_k3.tools.record_specializations [--fresh] -- TRAINER ARGS    (on the GPU, per Triton version)
 
 runs two training updates and adds every specialization of the `kernels`
 package that compiled to kernels/specializations/triton-<version>-<backend>-<arch>.json
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -243,42 +242,6 @@ class Precompile:
         if self.unrecorded:
             names = ", ".join(sorted(set(self.unrecorded))[:3])
             line += (f"; {len(self.unrecorded)} not recorded compiled at their first call ({names}): "
-                     "`python -m kernels.specializations record -- THIS RUN'S ARGS` adds them")
+                     "`python -m titan_k3.tools.record_specializations -- THIS RUN'S ARGS` adds them")
         return line
 
-
-def main(argv: list[str] | None = None) -> int:
-    """`record [--fresh] -- TRAINER ARGS`: two updates of the real trainer, then what compiled, added to the
-    manifest (--fresh: replacing it, e.g. after a kernel's signature changed)."""
-    argv = sys.argv[1:] if argv is None else argv
-    ours = argv[:argv.index("--")] if "--" in argv else argv
-    if not ours or ours[0] != "record" or set(ours[1:]) - {"--fresh"}:
-        print("usage: python -m kernels.specializations record [--fresh] -- TRAINER ARGS", file=sys.stderr)
-        return 2
-    trainer_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    import torch
-
-    if not torch.cuda.is_available():
-        print("kernels.specializations record: needs CUDA (the specializations are the GPU's)", file=sys.stderr)
-        return 2
-    from titan_k3.config import load_job_config
-    from titan_k3.train import Trainer
-
-    with recording() as entries:
-        trainer = Trainer(load_job_config([*trainer_args, "--training.steps", "2", "--lr_scheduler.warmup_steps", "1",
-                                           "--kernels.precompile_threads", "0"]))
-        try:
-            for _ in range(2):
-                trainer.train_step()
-            torch.cuda.synchronize()
-        finally:
-            trainer.close()
-    path = write_manifest(entries, merge="--fresh" not in ours)
-    total = len(json.loads(path.read_text())["kernels"])
-    print(f"{len(entries)} specializations of {len({(m, q) for m, q, _ in entries})} kernels recorded; "
-          f"{total} in {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
