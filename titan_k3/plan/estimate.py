@@ -57,7 +57,7 @@ class Layout:
         return self.tokens_per_microbatch * self.grad_accum * self.world
 
     def describe(self) -> str:
-        parts = [f"FSDP {self.dp_shard}"]
+        parts = [f"FSDP {self.dp_shard}" if self.world > 1 else "1 GPU"]
         if self.dp_replicate > 1:
             parts.insert(0, f"HSDP {self.dp_replicate}x")
         if self.ep > 1:
