@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from titan_k3.data.shards import INDEX_NAME, token_dtype, write_index, write_shard
-from titan_k3.data.tokenizer import train_bpe
+from titan_k3.data.bpe import train_bpe
 
 VERSION = 1
 VOCAB_SIZE = 8192

@@ -38,7 +38,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from titan_k3.data.tokenizer import Tokenizer, file_sha256
+from titan_k3.data.bpe import Tokenizer, file_sha256
 
 FORMAT = "titan_k3-shards"
 VERSION = 1
