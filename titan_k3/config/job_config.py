@@ -263,8 +263,6 @@ class Debug:
     """Fault injection: the checkpoint save of this update fails as a full disk would: DCP's writer raises OSError(ENOSPC) after writing its data files (sync or async); -1 never."""
     checkpoint_free_bytes: int = -1
     """Fault injection: the free space, in bytes, every checkpoint save's space check sees instead of the file system's (0 simulates a full disk); -1 measures."""
-    deterministic: bool = False
-    """Ask torch for deterministic algorithms."""
     inject_same_data: bool = False
     """Fault injection (off by default): the last data-parallel rank reads the first one's sequences; data.disjoint_sequences must catch it."""
     inject_replica_drift: float = 0.0
