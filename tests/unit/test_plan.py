@@ -167,3 +167,14 @@ def test_layer_cost_script_on_cpu_writes_a_table_the_planner_reads(tmp_path, mon
     assert next(e for e in entries if e["kind"] == "head")["fwd_bwd_ms"] != 999.0   # replaced, not duplicated
     est = estimate(FLAVORS["debug"], Layout(1, 1, 1, 1, 1, 64), Cluster(), CostTable.load(out))
     assert all(s.startswith("measured") for s in est.compute_sources.values()), est.compute_sources
+
+
+def test_smallest_full_k3_cluster_is_the_one_docs_scaling_k3_names():
+    from titan_k3.config import load_job_config
+    from titan_k3.plan.search import plan, smallest_cluster
+
+    cfg = load_job_config(["--model.flavor", "k3", "--training.seq_len", "4096", "--training.compute_dtype", "bfloat16"])
+    nodes, verdict = smallest_cluster(FLAVORS["k3"], cfg, Cluster(), CostTable.load())
+    assert nodes == 56 and "**56 nodes (448 H200s)**" in (REPO / "docs" / "scaling-k3.md").read_text()
+    assert verdict.best.layout.ac == "full" and verdict.best.peak_gib <= Cluster().budget_gib
+    assert not plan(FLAVORS["k3"], cfg, Cluster(nodes=55), CostTable.load()).fits
