@@ -31,7 +31,8 @@ from titan_k3.checkpoint import CheckpointSaveError, build_checkpointer, check_r
 from titan_k3.config import ConfigError, JobConfig, load_job_config
 from titan_k3.config.manager import print_help
 from titan_k3.config.check import CONFIG_ERROR_EXIT, check_host
-from titan_k3.config.validate import parse_context_stages, parse_mixture, seq_len_at
+from titan_k3.config.validate import parse_context_stages, parse_mixture, seq_len_at, warmup_updates
+from titan_k3.data.budget import describe_run_data, report_lines, run_tokens
 from titan_k3.data.loader import check_token_ids
 from titan_k3.eval.runner import Evaluator, format_metrics
 from titan_k3.gc_schedule import ScheduledGC
@@ -52,6 +53,7 @@ from titan_k3.parallel import (
     sum_replicated_grads,
 )
 from titan_k3.parallel.faults import active_injections, check_injections, inject_replica_drift
+from titan_k3.signals import EXIT_STATUS, StopNow, StopSignals
 
 IGNORE_INDEX = -100
 
@@ -106,8 +108,11 @@ def _device(cfg: JobConfig) -> torch.device:
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, stop_signals: StopSignals | None = None):
         self.cfg = cfg
+        # First: a stop signal while the trainer builds ends the process at once (titan_k3/signals.py).
+        self._own_signals = stop_signals is None
+        self.stop_signals = stop_signals or StopSignals()
         self.clocks = TwoClocks()
         self.startup_seconds = float("nan")  # set after this process's first update
         self.device = _device(cfg)
@@ -170,7 +175,7 @@ class Trainer:
         )
         s = cfg.lr_scheduler
         self.schedule = LRSchedule(
-            self.optimizers, base_lr=o.lr, total_steps=t.steps, warmup_steps=s.warmup_steps,
+            self.optimizers, base_lr=o.lr, total_steps=t.steps, warmup_steps=warmup_updates(s, t.steps),
             decay_type=s.decay_type, decay_ratio=None if s.decay_ratio >= 1 else s.decay_ratio,
             min_lr_factor=s.min_lr_factor,
         )
@@ -178,6 +183,9 @@ class Trainer:
         self.seq_len = t.seq_len
         self.tokens_per_update = t.local_batch_size * t.seq_len * t.grad_accum * self.dp_world
         self.flops_per_token = flops_per_token(self.args, t.seq_len)
+        self.data = describe_run_data(self.loader.describe(), fixed_batch=t.fixed_batch, total_tokens=run_tokens(
+            steps=t.steps, seq_len=t.seq_len, context_stages=t.context_stages, local_batch_size=t.local_batch_size,
+            grad_accum=t.grad_accum, dp_world=self.dp_world))
         self.step = 0
         self.tokens_seen = 0
         self.skipped_updates = 0
@@ -198,12 +206,12 @@ class Trainer:
             prepare_run_dir(cfg, {
                 "flavor": cfg.model.flavor, "vocab_size": vocab,
                 "tokenizer": {"name": self.tokenizer.name, "sha256": self.tokenizer.sha256},
-                "dataset": getattr(self.loader, "describe", lambda: {"dataset": cfg.data.dataset})(),
+                "dataset": self.data,
                 "kernels": [c.as_dict() for c in self.impl.choices],
             }, resuming=resume.path is not None and not resume.initial)
             self._stdout = sys.stdout
             sys.stdout = Tee(sys.stdout, self.run_dir / "stdout.log")
-        self.events = EventLog(self.run_dir / "events.jsonl" if self.rank == 0 else None)
+        self.events = EventLog(self.run_dir / "events.jsonl" if self.rank == 0 else None, echo=self.rank == 0)
         self.compile_watch = CompileWatch(self.events) if cfg.compile.enable else None
         self.reporter.start(self.run_dir, self.events)
         self.profiler = StepProfiler(cfg.profiling, self.run_dir, self.rank, self.events)
@@ -213,13 +221,20 @@ class Trainer:
         self.qk_clip_max_logits: dict[int, torch.Tensor] = {}
         self._report_start()
         self.checkpointer = build_checkpointer(self)
+        self.stop_signals.install()  # back from the checkpointer's handler: ours hands it signals after update 1
         self.checkpointer.load(resume)
         self._inject_faults()
         self.gc_schedule = ScheduledGC(t.gc_every)  # last: a failed start leaves Python's collector as it was
         self._built_at = time.time()
 
+    def _stop_after_update(self, signum: int) -> None:
+        """A stop signal after update 1: the checkpointer saves after the current update and the loop ends."""
+        self.checkpointer.stop.signum = signum
+
     def close(self) -> None:
         """Stop the metric sinks and teeing stdout into the run directory; give Python its collector back."""
+        if getattr(self, "_own_signals", False):
+            self.stop_signals.restore()
         if getattr(self, "precompile", None) is not None:
             self.precompile.finish()  # a run ended before its first update leaves no compile threads or Triton hook
         if getattr(self, "gc_schedule", None) is not None:
@@ -249,6 +264,13 @@ class Trainer:
               f"(k3 card: {card.total / 1e9:.1f}B total, {card.active / 1e9:.1f}B active)")
         print(f"tokens per update = {t.local_batch_size} batch x {t.seq_len} seq x {t.grad_accum} accum x "
               f"{self.dp_world} dp = {self.tokens_per_update}")
+        print(f"mesh: {self.dist.dims.describe()}" + (f" | {self.dist.mesh}" if self.dist.mesh is not None else
+                                                       " (one process, no device mesh)"))
+        data_line, data_warning = report_lines(self.data)
+        print(data_line)
+        if data_warning:
+            self.events.emit("data_epochs", data_warning, step=0, epochs=self.data["epochs"],
+                             dataset=self.data["dataset"], sha256=self.data["sha256"])
         print(f"optimizers: {self.optimizers.param_groups_summary()}")
         self.reporter.report_kernels(self.impl.choices)
 
@@ -414,9 +436,11 @@ class Trainer:
                     self._settle()
             self.step += 1
             if not results:
+                self.stop_signals.hand_over(self._stop_after_update)  # an update to save exists from now on
                 self._report_startup()
             self.profiler.after(self.step)
             self.tokens_seen += result.n_tokens
+            self.clocks.add_tokens(result.n_tokens)
             window["tokens"] += result.n_tokens
             window["training_seconds"] += self.clocks.training_seconds - t0
             window["data_wait"] += getattr(self.loader, "wait_seconds", 0.0) - wait0
@@ -481,10 +505,11 @@ class Trainer:
             "-" * 72,
             f"run {self.run_dir}  ({self.step} updates, {self.skipped_updates} skipped)",
             f"loss first {first:.4f} -> last {last:.4f}",
-            f"tokens/update {self.tokens_per_update:,} | tokens seen {self.tokens_seen:,}",
-            f"startup {self.startup_seconds:.1f} s to the end of the first update | "
-            f"tokens/s training clock {self.tokens_seen / max(c.training_seconds, 1e-9):,.0f} | "
-            f"session clock {self.tokens_seen / max(c.session_seconds, 1e-9):,.0f}",
+            f"tokens/update {self.tokens_per_update:,} | tokens seen {self.tokens_seen:,} "
+            f"({c.session_tokens:,} in this session)",
+            f"startup {self.startup_seconds:.1f} s to the end of the first update | this session's tokens/s: "
+            f"training clock {c.session_tokens / max(c.training_seconds, 1e-9):,.0f} | "
+            f"session clock {c.session_tokens / max(c.session_seconds, 1e-9):,.0f}",
             self._violations_line(),
             f"files: {self.run_dir}/metrics.jsonl, events.jsonl, stdout.log, manifest.json, config.toml",
             "-" * 72,
@@ -492,16 +517,30 @@ class Trainer:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 done (or stopped by SIGTERM), 1 stopped by the run's own checks, 130 stopped by SIGINT,
+    CONFIG_ERROR_EXIT bad input; a stop signal saves first (titan_k3/signals.py)."""
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         return print_help()
+    stop = StopSignals()
+    try:
+        return _main(argv, stop)
+    except StopNow as e:  # during start-up: no trainer yet
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"[stopped] {e} during start-up: stopping now, nothing to save", flush=True)
+        return EXIT_STATUS[e.signum]
+    finally:
+        stop.restore()
+
+
+def _main(argv: list[str], stop: StopSignals) -> int:
     try:
         cfg = load_job_config(argv)
         if cfg.job.validate_only:
             check_host(cfg)
             print("config ok")
             return 0
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, stop)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return CONFIG_ERROR_EXIT  # the control service does not retry it
@@ -512,13 +551,18 @@ def main(argv: list[str] | None = None) -> int:
     except (TrainingStopped, InvariantViolationError, CheckpointSaveError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except StopNow as e:
+        where = f"checkpoint update {trainer.step}" if trainer.step else "the start"
+        trainer.events.emit("stopped", f"{e} before this session's first update finished: stopping now, nothing new "
+                            f"to save (the next start resumes from {where})", step=trainer.step)
+        return EXIT_STATUS[e.signum]
     finally:
         trainer.close()
     if dist.is_initialized():
         # NOTE: ranks leave together: one tearing the group down while a peer still talks can abort the peer.
         dist.barrier()
         dist.destroy_process_group()
-    return 0
+    return EXIT_STATUS[stop.signum] if stop.signum else 0
 
 
 if __name__ == "__main__":

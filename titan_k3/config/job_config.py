@@ -116,8 +116,10 @@ class Optimizer:
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = 2
-    """Updates of linear warmup."""
+    warmup_steps: int = -1
+    """Updates of linear warmup, below training.steps; -1 (unset) takes warmup_fraction, or 2 updates when that is unset too. Set at most one of the two."""
+    warmup_fraction: float = 0.0
+    """Linear warmup as a fraction of training.steps, in [0, 1): round(fraction x steps) updates, at least 1 and below training.steps, so a shortened run (--training.steps) keeps the recipe's shape; 0 (unset) takes warmup_steps."""
     decay_type: Literal["cosine", "linear", "sqrt"] = "cosine"
     """Shape of the decay to min_lr: cosine, linear or 1-sqrt."""
     decay_ratio: float = 1.0
@@ -231,7 +233,7 @@ class Eval:
 @dataclass
 class Data:
     dataset: str = "embedded"
-    """'embedded' (the bundled corpus) or a directory prepared by titan_k3.data.prepare."""
+    """'embedded' (the bundled corpus of ~1.1M tokens, for probes) or a directory prepared by `python -m titan_k3.data.prepare`; empty (as the pretraining recipe sets it) stops the run until one is given."""
     tokenizer: str = "embedded"
     """'embedded', an HF tokenizer.json, or a tiktoken BPE file."""
     mixture: str = ""

@@ -177,9 +177,15 @@ def load_job_config(argv: list[str] | None = None, toml_text: str | None = None)
         _apply_toml(cfg, parse_toml_text(toml_text), "<inline TOML>")
     elif config_file:
         path = Path(config_file)
+        if path.is_dir():
+            raise ConfigError(f"config key 'job.config_file' = '{config_file}': is a directory, not a TOML file")
         if not path.is_file():
             raise ConfigError(f"config key 'job.config_file' = '{config_file}': no such file")
-        _apply_toml(cfg, parse_toml_text(path.read_text(), str(path)), str(path))
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config key 'job.config_file' = '{config_file}': cannot read it ({e})") from None
+        _apply_toml(cfg, parse_toml_text(text, str(path)), str(path))
     for key, value in pairs:
         _set(cfg, key, value, from_cli=True)
     validate(cfg)

@@ -79,6 +79,41 @@ def seq_len_at(update: int, base_seq_len: int, stages: list[tuple[int, int]]) ->
     return seq
 
 
+DEFAULT_WARMUP_STEPS = 2
+
+
+def warmup_updates(s, steps: int) -> int:
+    """Updates of linear warmup of a run of `steps` updates under the [lr_scheduler] section `s`.
+
+    warmup_fraction > 0: round(fraction x steps), at least 1 and below `steps`
+    (none in a one-update run); else warmup_steps when set (>= 0); else
+    DEFAULT_WARMUP_STEPS, below `steps`.
+    """
+    if s.warmup_fraction > 0:
+        return min(max(1, round(s.warmup_fraction * steps)), steps - 1)
+    if s.warmup_steps >= 0:
+        return s.warmup_steps
+    return min(DEFAULT_WARMUP_STEPS, steps - 1)
+
+
+def _check_warmup(s, steps: int) -> None:
+    f = s.warmup_fraction
+    _require(math.isfinite(f) and 0 <= f < 1,
+             f"config key 'lr_scheduler.warmup_fraction' = {f!r}: must be in [0, 1) (0: unset, warmup_steps applies)")
+    _require(s.warmup_steps >= -1, f"config key 'lr_scheduler.warmup_steps' = {s.warmup_steps}: must be >= 0 (or -1: unset)")
+    _require(
+        not (f > 0 and s.warmup_steps >= 0),
+        f"config keys 'lr_scheduler.warmup_steps' = {s.warmup_steps} and 'lr_scheduler.warmup_fraction' = {f!r} are both "
+        "set: give one (warmup_steps = -1 or warmup_fraction = 0 unsets it)",
+    )
+    _require(
+        s.warmup_steps < steps,
+        f"config key 'lr_scheduler.warmup_steps' = {s.warmup_steps}: must be below training.steps = {steps}; pass "
+        f"--lr_scheduler.warmup_steps N with N < {steps}, or --lr_scheduler.warmup_steps -1 "
+        "--lr_scheduler.warmup_fraction F to warm up for a fraction F of the run",
+    )
+
+
 def validate(cfg: JobConfig) -> None:
     t, o, s, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.parallelism
     _one_of("model.name", cfg.model.name, list(MODEL_FLAVORS))
@@ -122,11 +157,7 @@ def validate(cfg: JobConfig) -> None:
     _positive("optimizer.eps", o.eps)
     _positive("optimizer.ns_steps", o.ns_steps)
     _non_negative("optimizer.qk_clip_tau", o.qk_clip_tau)
-    _non_negative("lr_scheduler.warmup_steps", s.warmup_steps)
-    _require(
-        s.warmup_steps < t.steps,
-        f"config key 'lr_scheduler.warmup_steps' = {s.warmup_steps}: must be below training.steps = {t.steps}",
-    )
+    _check_warmup(s, t.steps)
     _require(0 < s.decay_ratio <= 1, f"config key 'lr_scheduler.decay_ratio' = {s.decay_ratio!r}: must be in (0, 1]")
     _require(0 <= s.min_lr_factor <= 1, f"config key 'lr_scheduler.min_lr_factor' = {s.min_lr_factor!r}: must be in [0, 1]")
     _positive("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree)
@@ -177,6 +208,11 @@ def validate(cfg: JobConfig) -> None:
     _positive("eval.steps", cfg.eval.steps)
     _positive("eval.batch_size", cfg.eval.batch_size)
     _non_negative("data.prefetch", cfg.data.prefetch)
+    _require(
+        bool(cfg.data.dataset),
+        "config key 'data.dataset' is empty: this recipe trains on a prepared dataset, not the embedded probe corpus; "
+        "build one with `python -m titan_k3.data.prepare --config data.toml` and pass --data.dataset <its output directory>",
+    )
     parse_mixture(cfg.data.mixture)
     _require(
         not (cfg.kernels.attention == "flex" and cfg.compile.enable and cfg.compile.backend != "inductor"),
@@ -193,3 +229,4 @@ def validate(cfg: JobConfig) -> None:
         not (cfg.float8.enable and t.compute_dtype != "bfloat16"),
         "config key 'float8.enable' = true: needs training.compute_dtype = 'bfloat16'",
     )
+    _positive("float8.min_dim", cfg.float8.min_dim)

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from titan_k3.data.budget import content_sha256
 from titan_k3.data.shards import Dataset, open_dataset
 from titan_k3.data.tokenizer import Tokenizer
 
@@ -270,10 +271,12 @@ class DataLoader:
         wait_seconds: total time the consumer blocked in `__next__` (data-wait metric).
         source_tokens_total: {source: tokens received by this rank's consumer so far}.
         weights: {source: normalised mixture weight}.
+        dataset: what `describe()` says of the dataset (set by `build_dataloader`).
     """
 
-    def __init__(self, core: _Core, prefetch: int):
+    def __init__(self, core: _Core, prefetch: int, dataset: dict | None = None):
         self._core = core
+        self.dataset = dataset or {}
         self._prefetch = prefetch
         self._state = core.get_state()
         self.weights = {s.name: float(w) for s, w in zip(core.streams, core.weights)}
@@ -357,6 +360,12 @@ class DataLoader:
         self._core.set_state(state)
         self._state = self._core.get_state()
 
+    def describe(self) -> dict:
+        """The dataset as the manifest records it: {dataset, path, name, sha256, split, tokens (of the split),
+        tokens_per_source, weights}."""
+        return {**self.dataset, "tokens": sum(s.n_tokens for s in self._core.streams),
+                "tokens_per_source": {s.name: s.n_tokens for s in self._core.streams}, "weights": dict(self.weights)}
+
     def mixture_deviation(self) -> dict[str, float]:
         """{source: observed token fraction on this rank - configured weight} since start."""
         total = sum(self.source_tokens_total.values())
@@ -430,4 +439,6 @@ def build_dataloader(
     streams = [_SourceStream(name, by_source[name], seed) for name in sorted(by_source)]
     weights = _normalise_mixture(ds, split, mixture, streams)
     core = _Core(streams, weights, seq_len, local_batch_size, dp_rank, dp_world, seed)
-    return DataLoader(core, prefetch)
+    info = {"dataset": dataset, "path": str(path), "name": ds.index.get("name", path.name),
+            "sha256": content_sha256(ds.index), "split": split}
+    return DataLoader(core, prefetch, info)

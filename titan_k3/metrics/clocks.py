@@ -2,6 +2,12 @@
 
 Evaluation, checkpointing and reporting run outside `training()` and so count
 only on the session clock. `now` is injectable so tests can drive the clocks.
+
+Both clocks belong to this session (this process): a resumed run starts them at
+zero, and `session_tokens` counts only the tokens this session trained on, so a
+rate is always this session's tokens over this session's seconds (the run's
+`tokens_seen`, restored from the checkpoint, would count earlier sessions' work
+against this session's time).
 """
 
 from __future__ import annotations
@@ -29,10 +35,22 @@ def process_start_time() -> float | None:
 
 
 class TwoClocks:
+    """training_seconds and session_seconds of this session, the tokens it trained on, and when it started.
+
+    started_unix: epoch seconds at the session's start; metrics records carry it as "session_start", so a
+    reader tells the sessions of a resumed run apart.
+    """
+
     def __init__(self, now: Callable[[], float] = time.perf_counter, start: float | None = None):
         self.now = now
         self.session_start = now() if start is None else start
+        self.started_unix = time.time()
         self.training_seconds = 0.0
+        self.session_tokens = 0
+
+    def add_tokens(self, n: int) -> None:
+        """Count `n` tokens trained on in this session (once per update)."""
+        self.session_tokens += n
 
     @contextmanager
     def training(self):

@@ -154,8 +154,11 @@ class MetricsReporter:
             "nonfinite_events": self.events.counts.get("nonfinite", 0) if self.events else 0,
             "training_seconds": clocks.training_seconds,
             "session_seconds": clocks.session_seconds,
+            "session_start": round(clocks.started_unix, 3),
+            "session_tokens": clocks.session_tokens,
             "tokens_per_second_training": window["tokens"] / win_seconds,
-            "tokens_per_second_session": tokens_seen / max(clocks.session_seconds, 1e-9),
+            # NOTE: this session's tokens over this session's time; tokens_seen includes earlier sessions' (resume).
+            "tokens_per_second_session": clocks.session_tokens / max(clocks.session_seconds, 1e-9),
             "data_wait_fraction": window["data_wait"] / win_seconds,
         }
         peak = self.cfg.metrics.peak_tflops * 1e12 * self.n_devices

@@ -9,6 +9,13 @@ that start at or after the warm-up step: a window is two consecutive records
 of one session; its tokens and training seconds are the differences of their
 `tokens_seen` and `training_seconds`, and the rate is the sum of the tokens
 over the sum of the seconds (never a mean of per-window rates).
+
+Resumed runs: each session (process) restarts both clocks, and its records
+carry `session_start` and `session_tokens`. A session that resumed from a
+checkpoint older than the last logged update redoes updates, so metrics.jsonl
+holds those steps twice: the summary keeps the later session's rows
+(`final_records`), counts every session's work once, and gives the session
+rate of the last session alone.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import argparse
 import re
 import statistics
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +63,27 @@ class Steady:
         return min(self.rates), statistics.median(self.rates), max(self.rates)
 
 
+def final_records(records: list[dict]) -> tuple[list[dict], int]:
+    """(the records as the run finally stands, in increasing step order; how many earlier rows were redone).
+
+    A record at or below an earlier record's step was logged by a session that
+    resumed from an older checkpoint and redid those updates: it replaces them.
+    """
+    kept: list[dict] = []
+    for r in records:
+        while kept and kept[-1]["step"] >= r["step"]:
+            kept.pop()
+        kept.append(r)
+    return kept, len(records) - len(kept)
+
+
+def _same_session(prev: dict, cur: dict) -> bool:
+    if "session_start" in prev and "session_start" in cur:
+        return prev["session_start"] == cur["session_start"]
+    # Records written before sessions were marked: a session's clocks only grow.
+    return cur["training_seconds"] > prev["training_seconds"]
+
+
 def windows(records: list[dict]) -> list[tuple[dict, dict]]:
     """Complete logging windows: consecutive records of one session (step, tokens and training clock all grow).
 
@@ -64,9 +93,23 @@ def windows(records: list[dict]) -> list[tuple[dict, dict]]:
     start = {"step": 0, "tokens_seen": 0, "training_seconds": 0.0}
     out = []
     for prev, cur in zip([start, *records[:-1]], records):
-        if cur["step"] > prev["step"] and cur["tokens_seen"] > prev["tokens_seen"] and cur["training_seconds"] > prev["training_seconds"]:
+        if cur["step"] > prev["step"] and cur["tokens_seen"] > prev["tokens_seen"] and \
+                cur["training_seconds"] > prev["training_seconds"] and (prev is start or _same_session(prev, cur)):
             out.append((prev, cur))
     return out
+
+
+def sessions(records: list[dict]) -> int:
+    """How many sessions (the first run and each resume) wrote these records."""
+    return 1 + sum(not _same_session(prev, cur) for prev, cur in zip(records, records[1:])) if records else 0
+
+
+def session_rate(last: dict) -> float:
+    """The last session's tokens/s on its session clock: its own tokens over its own wall time."""
+    if last["session_seconds"] <= 0:
+        return float("nan")
+    # NOTE: records from before session_tokens existed count the run's tokens; right for a run never resumed.
+    return last.get("session_tokens", last["tokens_seen"]) / last["session_seconds"]
 
 
 def steady_state(records: list[dict], warmup_step: int = 0) -> Steady:
@@ -143,7 +186,7 @@ def plot(records: list[dict], out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [r["tokens_per_second_training"] for r in records], label="training clock (window)")
-    ax.plot(steps, [r["tokens_per_second_session"] for r in records], label="session clock (since start)")
+    ax.plot(steps, [r["tokens_per_second_session"] for r in records], label="session clock (this session)")
     ax.set(xlabel="step", ylabel="tokens/s", title="throughput")
     ax.legend()
     save(fig, "throughput.png")
@@ -187,6 +230,7 @@ def summarize(run_dir: Path, warmup_step: int = 0) -> tuple[str, dict]:
     config = tomli.loads((run_dir / "config.toml").read_text()) if (run_dir / "config.toml").exists() else {}
     if not records:
         raise ValueError(f"run_dir={str(run_dir)!r}: metrics.jsonl has no records")
+    records, redone = final_records(records)
     steady = steady_state(records, warmup_step)
     last = records[-1]
     probe = probe_of(config)
@@ -202,7 +246,9 @@ def summarize(run_dir: Path, warmup_step: int = 0) -> tuple[str, dict]:
         "steady_windows": steady.windows,
         "steady_tokens_per_second_training": steady.tokens_per_second,
         "steady_mfu": steady.mfu,
-        "tokens_per_second_session": last["tokens_seen"] / last["session_seconds"] if last["session_seconds"] > 0 else float("nan"),
+        "tokens_per_second_session": session_rate(last),
+        "sessions": sessions(records),
+        "redone_records": redone,
         "memory_peak_allocated_gib": peak("memory_peak_allocated_gib"),
         "memory_peak_reserved_gib": peak("memory_peak_reserved_gib"),
         "host_rss_gib": peak("host_rss_gib"),
@@ -211,6 +257,8 @@ def summarize(run_dir: Path, warmup_step: int = 0) -> tuple[str, dict]:
         "skipped_updates": last.get("skipped_updates", 0),
         "probe": probe,
         "events": {kind: sum(e["kind"] == kind for e in events) for kind in sorted({e["kind"] for e in events})},
+        "invariant_violations": dict(sorted(Counter(e.get("check", "unnamed") for e in events
+                                                    if e["kind"] == "invariant_violation").items())),
     }
     gib = lambda v: "n/a (no accelerator)" if v is None else f"{v:.2f} GiB"  # noqa: E731
     lines = [
@@ -223,13 +271,16 @@ def summarize(run_dir: Path, warmup_step: int = 0) -> tuple[str, dict]:
         "|---|---|",
         f"| updates / tokens | {last['step']:,} / {last['tokens_seen']:,} |",
         f"| steady training tokens/s (windows from step {warmup_step}: {steady.windows}) | {steady.tokens_per_second:,.1f} |",
-        f"| session tokens/s | {numbers['tokens_per_second_session']:,.1f} |",
+        f"| session tokens/s (last session) | {numbers['tokens_per_second_session']:,.1f} |",
+        f"| sessions (start + resumes) | {numbers['sessions']}"
+        + (f" ({redone} logged records redone after a resume; the later ones kept)" if redone else "") + " |",
         f"| steady MFU | {100 * steady.mfu:.3f}% |",
         f"| peak memory allocated / reserved | {gib(numbers['memory_peak_allocated_gib'])} / {gib(numbers['memory_peak_reserved_gib'])} |",
         f"| peak host RSS | {gib(numbers['host_rss_gib'])} |",
         f"| loss start -> end | {numbers['loss_start']:.4f} -> {numbers['loss_end']:.4f} |",
         f"| skipped updates | {numbers['skipped_updates']} |",
         f"| events | {', '.join(f'{k}: {v}' for k, v in numbers['events'].items()) or 'none'} |",
+        f"| invariant violations | {', '.join(f'{k}: {v}' for k, v in numbers['invariant_violations'].items()) or '0'} |",
         "",
         "![loss](loss.png) ![throughput](throughput.png) ![grad norm](grad_norm.png)",
     ]
@@ -255,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or args.run_dir / "summary"
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.md").write_text(text)
-    plot(read_jsonl(args.run_dir / "metrics.jsonl"), out)
+    plot(final_records(read_jsonl(args.run_dir / "metrics.jsonl"))[0], out)
     print(text)
     print(f"written: {out}/summary.md and plots")
     return 0
