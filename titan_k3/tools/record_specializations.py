@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with recording() as entries:
         trainer = Trainer(load_job_config([*trainer_args, "--training.steps", "2", "--lr_scheduler.warmup_steps", "1",
-                                           "--kernels.precompile_threads", "0"]))
+                                           "--lr_scheduler.warmup_fraction", "0", "--kernels.precompile_threads", "0"]))
         try:
             for _ in range(2):
                 trainer.train_step()
