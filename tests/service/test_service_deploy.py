@@ -18,13 +18,14 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service_harness import REPO
+from service_harness import REPO, free_port, wait_until
 from service.exporter import EXPERT_LOAD, LABELLED, TRAINER_KEYS, TRAINER_LIST_KEYS, ServiceCollector, generic_name
 from service.registry import Attempt, Registry
 from service.rundir import RunFilesCache
@@ -80,7 +81,7 @@ def service_emitted(tmp_path: Path) -> set[str]:
     reg.add_attempt(Attempt("r", 1, 1, 0.0, 0.0, None, None, [], "", ""))
     reg.update_run("r", state="running", restarts_total=1)
     prom = CollectorRegistry(auto_describe=False)
-    prom.register(ServiceCollector(reg, RunFilesCache(runs), gpus_total=2))
+    prom.register(ServiceCollector(reg, RunFilesCache(runs), gpus_total=2, finished_series_seconds=600.0))
     text = generate_latest(prom).decode()
     reg.close()
     return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
@@ -491,3 +492,59 @@ def test_slurm_graceful_stop_requeues_when_asked(tmp_path):
 def test_slurm_failure_without_a_stop_keeps_its_status(tmp_path):
     rc, log = _run_sbatch(tmp_path, stop=False, FAKE_SRUN_EXIT="1")
     assert rc == 1 and not (log / "requeued").exists()
+
+
+# ---- the alerts in a real Prometheus, scraping the service -----------------------------------------
+
+PROMETHEUS = shutil.which("prometheus")
+INLINE_RUN = '[model]\nflavor = "debug"\n[training]\nsteps = 6\nseq_len = 64\n[metrics]\nlog_freq = 1\n'
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus missing (apt-get install prometheus; see .ci/system-deps.sh)")
+def test_a_real_prometheus_fires_and_resolves_the_alerts_on_the_service(make_service, tmp_path):
+    svc = make_service(fake=True, step_seconds=0.05)
+    assert svc.create(toml=INLINE_RUN, name="live", overrides={"training.steps": 100000}).status_code == 201
+    assert svc.create(toml=INLINE_RUN, name="boom", restart_limit=0,
+                      overrides={"debug.crash_at_step": 1}).status_code == 201
+    svc.wait_state("live", ("running",))
+    svc.wait_state("boom", ("failed",))
+    cfg = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+           "rule_files": [str(DEPLOY / "prometheus/alerts.yml")],
+           "scrape_configs": [{"job_name": "k3-service", "static_configs": [{"targets": [f"127.0.0.1:{svc.port}"]}]}]}
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    prom = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "wb"))
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+
+    def firing() -> set[tuple[str, str]]:
+        assert prom.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
+        try:
+            alerts = client.get("/api/v1/alerts").json()["data"]["alerts"]
+        except httpx.TransportError:
+            return set()
+        return {(a["labels"]["alertname"], a["labels"]["run"]) for a in alerts if a["state"] == "firing"}
+
+    try:
+        wait_until(lambda: ("K3RunFailed", "boom") in firing(), 60, "K3RunFailed for the failed run")
+        assert not {a for a in firing() if a[1] == "live"}
+        # The first invariant violation and a fallback, as the trainer appends them to events.jsonl.
+        with (svc.state_dir / "runs" / "live" / "events.jsonl").open("a") as f:
+            for kind, extra in (("invariant_violation", {"check": "replica_params_equal"}), ("fallback", {})):
+                f.write(json.dumps({"time": time.time(), "step": 5, "kind": kind, "message": "m", **extra}) + "\n")
+        wait_until(lambda: {("K3InvariantViolation", "live"), ("K3KernelFallback", "live")} <= firing(), 60,
+                   "the first violation and the fallback to fire")
+        # Stopped, the run keeps its event counts in /metrics, but the fallback alert resolves.
+        assert svc.client.post("/v1/runs/live/stop", headers=svc.auth).status_code == 202
+        svc.wait_state("live", ("stopped",))
+        wait_until(lambda: ("K3KernelFallback", "live") not in firing(), 60, "the fallback alert to resolve")
+        assert 'titan_k3_run_events_total{kind="fallback",run="live"}' in svc.metrics_text()
+        # Deleted, the failed run's series leave /metrics and its alert resolves.
+        assert ("K3RunFailed", "boom") in firing()
+        assert svc.client.delete("/v1/runs/boom", headers=svc.auth).status_code == 200
+        wait_until(lambda: ("K3RunFailed", "boom") not in firing(), 60, "K3RunFailed to resolve on DELETE")
+    finally:
+        client.close()
+        prom.terminate()
+        prom.wait(timeout=30)
