@@ -190,6 +190,13 @@ def test_grafana_provisioning_points_at_the_dashboard():
             assert any((REPO / src.rstrip("*")).exists() for src in sources), line
 
 
+def test_compose_sets_only_settings_the_service_reads():
+    settings = (REPO / "service/settings.py").read_text()
+    for path in (DEPLOY / "docker-compose.yml", DEPLOY / "docker-compose.gpu.yml"):
+        env = yaml.safe_load(path.read_text())["services"]["k3-service"]["environment"]
+        assert env and all(f'"{name}"' in settings for name in env), (path.name, sorted(env))
+
+
 def test_kubernetes_and_slurm_launch_torchrun_with_c10d_and_valid_configs():
     docs = [d for d in yaml.safe_load_all((DEPLOY / "kubernetes/jobset.yaml").read_text()) if d]
     kinds = {d["kind"]: d for d in docs}
