@@ -36,9 +36,9 @@ NAME_RE = re.compile(r"\btitan_k3_[a-zA-Z0-9_]+")
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool missing (apt-get install prometheus; "
                                     "see .ci/system-deps.sh)")
-# A k3-mini checkpoint took 24 s to save on an H200; a stop gets a budget of 5x that, rounded.
+# A k3-mini checkpoint took 24 s to save on an H200; a stop gets a budget of 5x that (120 s).
 MEASURED_SAVE_SECONDS = 24
-STOP_BUDGET_SECONDS = 120
+STOP_BUDGET_SECONDS = 5 * MEASURED_SAVE_SECONDS
 IMAGE_UID = IMAGE_GID = 1000
 
 
@@ -338,7 +338,7 @@ def test_kubernetes_pods_stop_gracefully_and_can_write_the_run_volume(kind):
     assert container["command"] == ["tini", "--", "k3-torchrun"]
     env = {e["name"]: e["value"] for e in container["env"]}
     shutdown = int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
-    assert STOP_BUDGET_SECONDS >= 4 * MEASURED_SAVE_SECONDS and shutdown >= STOP_BUDGET_SECONDS
+    assert shutdown >= STOP_BUDGET_SECONDS
     # The kubelet's SIGKILL comes after torchrun's own escalation and time to exit.
     assert pod["terminationGracePeriodSeconds"] >= shutdown + 30
     sc = pod["securityContext"]
