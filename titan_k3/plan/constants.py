@@ -24,7 +24,7 @@ REDUCE_SCATTER_EFFICIENCY = 0.632
 COLLECTIVE_LATENCY_S = 0.09e-3
 """Seconds of a small collective inside a node (a small all-reduce on two NVLinked H200s: ~0.09 ms)."""
 
-# Measured once on the profiled step (benchmarks/results/profile-scaling-1gpu-b16-rank0-f11eedc.txt):
+# Measured once on the profiled step (benchmarks/results/profiles/profile-scaling-1gpu-b16-rank0-f11eedc.txt):
 NEWTON_SCHULZ_EFFICIENCY = 0.35
 """Per-Head Muon's Newton-Schulz reached 5.44 TFLOP in 19.6 ms of GPU time on k3-mini (0.35 of 790)."""
 

@@ -86,7 +86,7 @@ def format_verdict(header: str, v: Verdict) -> str:
         out.append(f"Verdict: FITS. Best of {v.searched} layouts searched: {v.best.layout.describe()}: "
                    f"{v.best.step_s * 1e3:.1f} ms per update, {v.best.tokens_per_s:,.0f} tokens/s, "
                    f"peak {v.best.peak_gib:.1f} GiB")
-        if v.configured is not None and v.best is not v.configured:
+        if v.configured is None or v.best.layout != v.configured.layout:
             out.append(format_estimate("Best found", v.best))
         out.append("Others:")
     for est, why in v.ranked:
