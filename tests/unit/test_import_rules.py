@@ -137,8 +137,13 @@ def test_config_is_torch_free_and_knows_no_model():
 
 
 def test_models_know_nothing_of_parallel_optim_data_or_service():
+    # NOTE: a family's bundle.py is the glue that hands the model to the trainer (its step hooks reach the
+    # optimizer side: QK-Clip); every other module of titan_k3.models is model code and stays below the walls.
+    model_code = [m for m in _ours("titan_k3.models") if not m.endswith(".bundle")]
     walls = ("titan_k3.parallel", "titan_k3.optim", "titan_k3.data", "service")
-    assert _breaks(_ours("titan_k3.models"), lambda d: any(_within(d, w) for w in walls)) == []
+    assert _breaks(model_code, lambda d: any(_within(d, w) for w in walls)) == []
+    bundles = [m for m in _ours("titan_k3.models") if m.endswith(".bundle")]
+    assert bundles and _breaks(bundles, lambda d: any(_within(d, w) for w in walls[2:])) == []
 
 
 def _cycles() -> list[list[str]]:
