@@ -178,3 +178,22 @@ def test_smallest_full_k3_cluster_is_the_one_docs_scaling_k3_names():
     assert nodes == 56 and "**56 nodes (448 H200s)**" in (REPO / "docs" / "scaling-k3.md").read_text()
     assert verdict.best.layout.ac == "full" and verdict.best.peak_gib <= Cluster().budget_gib
     assert not plan(FLAVORS["k3"], cfg, Cluster(nodes=55), CostTable.load()).fits
+
+
+def test_refusal_names_what_cannot_fit_and_accepts_what_may():
+    from titan_k3.config import load_job_config
+    from titan_k3.plan.search import refusal
+
+    mini = ["--model.flavor", "k3-mini", "--training.seq_len", "4096"]
+    assert refusal(load_job_config(mini + ["--training.local_batch_size", "8"]), 1) is None
+    assert refusal(load_job_config(["--model.flavor", "k3"]), 0) is None          # no GPU: not planned
+    line = refusal(load_job_config(mini + ["--training.local_batch_size", "64"]), 1)
+    assert line.startswith("the planner says this run does not fit its 1 GPU(s): peak ")
+    assert "this batch fits as 1 GPU, B32 x T4096 x accum 2" in line and "\n" not in line
+    # Within the calibration tolerance of the usable memory: accepted (the planner may over-count by that much).
+    est = estimate(FLAVORS["k3-mini"], Layout(1, 1, 1, 46, 1, 4096), Cluster(), CostTable.load())
+    assert Cluster().budget_gib < est.peak_gib < Cluster().budget_gib / (1 - TOLERANCE)
+    assert refusal(load_job_config(mini + ["--training.local_batch_size", "46"]), 1) is None
+    bad = refusal(load_job_config(["--model.flavor", "debug", "--parallelism.data_parallel_shard_degree", "3"]), 2)
+    assert bad.startswith("the planner says this run cannot start on its 2 GPU(s): config key "
+                          "'parallelism.data_parallel_shard_degree' = 3")

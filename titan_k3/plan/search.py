@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from titan_k3.models.k3.args import K3Args
+from titan_k3.models.k3.args import K3Args, get_flavor
 from titan_k3.plan.cluster import Cluster
 from titan_k3.plan.costs import CostTable
 from titan_k3.plan.estimate import Estimate, Layout, estimate
@@ -155,3 +155,33 @@ def smallest_cluster(a: K3Args, cfg, cluster: Cluster, table: CostTable, max_nod
         else:
             lo = mid
     return hi, verdict
+
+
+def refusal(cfg, n_gpus: int, cluster: Cluster | None = None, table: CostTable | None = None) -> str | None:
+    """One line saying why `cfg` cannot train on `n_gpus` GPUs of one node (one process each), or None.
+
+    The control service asks this before it accepts a run. It refuses only what cannot fit even if the
+    planner over-counts memory by its calibration tolerance (15% on the measured k3-mini runs), and it names
+    a layout of the same batch that fits when the search finds one.
+    """
+    from titan_k3.plan.calibration import TOLERANCE
+
+    if n_gpus < 1:
+        return None
+    a = get_flavor(cfg.model.flavor, cfg.model.vocab_size)
+    cluster = (cluster or Cluster()).replace(gpus_per_node=n_gpus, nodes=1)
+    table = table or CostTable.load()
+    try:
+        est = estimate(a, resolve_layout(cfg, n_gpus, a.n_experts), cluster, table)
+    except ValueError as e:
+        return f"the planner says this run cannot start on its {n_gpus} GPU(s): {e}"
+    if est.peak_gib * (1 - TOLERANCE) <= cluster.budget_gib:
+        return None
+    part, gib = max(est.memory_gib.items(), key=lambda kv: kv[1])
+    best = plan(a, cfg, cluster, table).best
+    hint = (f"; this batch fits as {best.layout.describe()} (peak {best.peak_gib:.1f} GiB)" if best else
+            "; no layout of this batch fits them (python -m titan_k3.tools.plan --smallest finds the nodes it needs)")
+    return (f"the planner says this run does not fit its {n_gpus} GPU(s): peak {est.peak_gib:.1f} GiB per GPU "
+            f"as configured ({est.layout.describe()}; largest part: {part} {gib:.1f} GiB) against "
+            f"{cluster.budget_gib:.1f} GiB usable on an H200, beyond its {100 * TOLERANCE:.0f}% calibration "
+            f"tolerance{hint}")
