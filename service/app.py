@@ -230,6 +230,13 @@ NOT_FOUND = {404: {"model": ErrorOut, "description": "no such run"}}
 CONFLICT = {409: {"model": ErrorOut, "description": "the run's state does not allow it (the message says why)"}}
 
 
+def as_json(responses: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Error responses documented as JSON on a route whose success is another media type (text, events)."""
+    return {code: {"description": r["description"],
+                   "content": {"application/json": {"schema": r["model"].model_json_schema()}}}
+            for code, r in responses.items()}
+
+
 def create_app(settings: Settings) -> FastAPI:
     svc = Service(settings)
     bearer = HTTPBearer(auto_error=False, description="Token from $K3_SERVICE_TOKEN, --token-file or <state-dir>/token")
@@ -262,7 +269,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.allowed_hosts)
 
     @app.post("/v1/runs", status_code=201, response_model=RunOut, dependencies=[Depends(require_token)],
-              responses={**AUTH, 409: {"model": ErrorOut, "description": "name taken"},
+              responses={**AUTH, 400: {"model": ErrorOut, "description": "body is not valid JSON"},
+                         409: {"model": ErrorOut, "description": "name taken"},
                          413: {"model": ErrorOut, "description": "body too large"},
                          422: {"description": "refused: bad config, or more than this host or the trainer allows "
                                               "(the trainer's own one-line message in detail[0].msg)"}})
@@ -301,14 +309,14 @@ def create_app(settings: Settings) -> FastAPI:
         return svc.transition(run_id, svc.supervisor.resume)
 
     @app.get("/v1/runs/{run_id}/logs", response_class=PlainTextResponse, dependencies=read,
-             responses={**read_auth, **NOT_FOUND})
+             responses=as_json({**read_auth, **NOT_FOUND}))
     def run_logs(run_id: RunId, tail: int = Query(200, ge=1, le=10000)) -> PlainTextResponse:
         lines = svc.log_lines(svc.get(run_id), tail)
         return PlainTextResponse("\n".join(lines) + ("\n" if lines else ""))
 
     @app.get("/v1/runs/{run_id}/logs/stream", dependencies=read,
-             responses={200: {"content": {"text/event-stream": {}}}, **read_auth, **NOT_FOUND,
-                        429: {"model": ErrorOut, "description": "too many open streams (--max-streams)"}})
+             responses={200: {"content": {"text/event-stream": {}}}, **as_json({
+                 **read_auth, **NOT_FOUND, 429: {"model": ErrorOut, "description": "too many open streams (--max-streams)"}})})
     async def stream_logs(run_id: RunId, tail: int = Query(50, ge=0, le=10000)) -> StreamingResponse:
         """Server-sent events: one `data:` line per log line, following attempts; `event: end` when the run ends."""
         run = svc.get(run_id)

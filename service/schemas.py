@@ -2,27 +2,34 @@
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from service.names import OVERRIDE_KEY_RE, RECIPE_RE, RUN_ID_MAX, RUN_ID_PATTERN
 
 OverrideValue = Union[bool, int, float, str]
+OverrideKey = Annotated[str, StringConstraints(pattern=OVERRIDE_KEY_RE.pattern, max_length=200)]
 
 
 class RunCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str | None = Field(None, max_length=64, description="Run id and directory name; generated when absent.",
-                             examples=["pilot-a"])
-    recipe: str | None = Field(None, max_length=300, description="Recipe name under tomls/ (without .toml).",
-                               examples=["smoke"])
+    name: str | None = Field(None, max_length=RUN_ID_MAX, pattern=RUN_ID_PATTERN,
+                             description="Run id and directory name; generated when absent.", examples=["pilot-a"])
+    recipe: str | None = Field(None, max_length=300, pattern=RECIPE_RE.pattern,
+                               description="Recipe name under tomls/ (without .toml).", examples=["smoke"])
     toml: str | None = Field(None, max_length=262144, description="Inline TOML text instead of a recipe.")
-    overrides: dict[str, OverrideValue] = Field(
+    overrides: dict[OverrideKey, OverrideValue] = Field(
         default_factory=dict, max_length=256,
-        description="CLI overrides as {'section.key': value}; job.config_file, job.dump_folder, job.name and compile.cache_dir are the service's.",
+        description="CLI overrides as {'section.key': value}; job.config_file, job.dump_folder, job.name, "
+                    "job.validate_only, compile.cache_dir, checkpoint.save_on_stop and metrics.prometheus_host are "
+                    "the service's.",
         examples=[{"model.flavor": "debug", "training.steps": 6}])
-    nproc_per_node: int = Field(1, ge=1, le=64, description="torchrun processes per node.")
-    gpus: int = Field(0, ge=0, le=64, description="GPUs wanted; the run waits in the queue until they are free.")
+    nproc_per_node: int = Field(1, ge=1, le=64, description="torchrun processes per node: at most `gpus`, or the "
+                                                              "host's CPU cores for a run without GPUs.")
+    gpus: int = Field(0, ge=0, le=64, description="GPUs wanted (at most the service's); the run waits in the queue "
+                                                  "until they are free. 0: CPU (debug and tiny flavors only).")
     restart_limit: int = Field(2, ge=0, le=100, description="Relaunches after a crash before the run is failed.")
 
 

@@ -89,9 +89,10 @@ def test_bad_config_is_422_with_the_trainers_message_and_creates_nothing(fake_se
 
 
 @pytest.mark.parametrize("body, fragment", [
-    ({"name": "../evil", "toml": INLINE}, "run name"),
-    ({"name": "a/b", "toml": INLINE}, "run name"),
-    ({"name": "..", "toml": INLINE}, "run name"),
+    ({"name": "../evil", "toml": INLINE}, "name"),
+    ({"name": "a/b", "toml": INLINE}, "name"),
+    ({"name": "..", "toml": INLINE}, "name"),
+    ({"name": "a..b", "toml": INLINE}, "name"),
     ({"recipe": "../../etc/passwd"}, "recipe"),
     ({"recipe": "/etc/passwd"}, "recipe"),
     ({"toml": INLINE, "overrides": {"checkpoint.folder": "../../outside"}}, "checkpoint.folder"),
@@ -106,7 +107,7 @@ def test_names_and_paths_cannot_leave_their_roots(fake_service, body, fragment):
     before = run_dirs(fake_service)
     r = fake_service.create(**body)
     assert r.status_code == 422, r.text
-    assert fragment in detail(r)
+    assert fragment in json.dumps(r.json()["detail"])  # schema refusals name the field in `loc`
     assert run_dirs(fake_service) == before
     assert not (fake_service.state_dir / "evil").exists() and not (fake_service.state_dir.parent / "evil").exists()
 
