@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 class StepHooks(Protocol):
     """A built model's own work around each update, in the order the trainer calls it."""
 
+    qk_clip_max_logits: dict[int, "torch.Tensor"]
+    """Layer -> per-head max logit of the last update, identical on every data-parallel rank (the invariant
+    checks compare it); empty for a model without QK-Clip."""
+
     def after_backward(self) -> None:
         """After each micro-batch's backward, before the next micro-batch's forward."""
 
