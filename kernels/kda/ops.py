@@ -7,7 +7,7 @@ import torch
 import triton
 
 from kernels.device import triton_runs_on
-from kernels.kda import bwd, fwd
+from kernels.kda import bwd, fwd, smem
 from kernels.kda.common import BC, BT, bounded_gate, chunk_layout, dot_precision
 from kernels.kda.reference import DEFAULT_GATE_LOWER_BOUND, check_kda_inputs, l2norm
 
@@ -30,6 +30,9 @@ from kernels.kda.reference import DEFAULT_GATE_LOWER_BOUND, check_kda_inputs, l2
 # dq, dk, db through memory go away. A precomputed g (or the softplus gate) always takes the exact path.
 # NOTE: the default is the exact path: on an H200 with Triton 3.6 at the k3-mini shape it ran 2.12 ms fwd+bwd,
 # the bounded unfused path 2.17 and the fused one 2.95 (its kernel spills; benchmarks/results/kda.md).
+# Every call fits these settings to the GPU's shared memory (`launch_plan`, bounds in kernels/kda/smem.py): a kernel
+# whose bound exceeds it runs unpipelined, then with narrower V tiles. At K = V <= 128 in bfloat16 the table fits
+# as is; K = 256 runs the backward state walk unpipelined.
 # NOTE: the bounded unfused path (diag_dot=1, fuse_bwd=0) is refused: on an H200 (Triton 3.6) its dq was wrong
 # (float32 against the float64 recurrence, random and pinned gates) while the exact and fused paths matched,
 # and the CPU interpreter passed all three. "safe.diag_dot=1;safe.fuse_bwd=1" as --candidates times the fused one.
@@ -49,6 +52,10 @@ LAUNCH = {
 }
 
 
+# What the widths' limit is, in words (the shared-memory fit of `launch_plan` decides it on a GPU).
+SUPPORTED_WIDTHS = "K and V up to 256 in bfloat16 / float16, up to 128 in float32 on a GPU"
+
+
 def _bounded(gate) -> tuple[bool, bool]:
     """(bounded, fused): whether this call takes the safe gate's bounded kernels, and its fused backward."""
     if LAUNCH["safe"]["diag_dot"] and not LAUNCH["safe"]["fuse_bwd"]:
@@ -56,14 +63,6 @@ def _bounded(gate) -> tuple[bool, bool]:
                          "backward gave wrong dq on an H200, tests/gpu/test_kda_gpu.py)")
     bounded = gate is not None and bounded_gate(gate[2]) and bool(LAUNCH["safe"]["diag_dot"])
     return bounded, bounded and bool(LAUNCH["safe"]["fuse_bwd"])
-
-
-def _split_launch(name: str, K: int, V: int, bounded: bool) -> dict:
-    """LAUNCH[name] for the scores / intra-gradient kernels: unpipelined unless bounded (see the NOTE above)."""
-    opts = _launch(name, K, V)
-    if not bounded:
-        opts["num_stages"] = 1
-    return opts
 
 
 def _launch(name: str, K: int, V: int) -> dict:
@@ -92,14 +91,6 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
-def _walk_launch(name: str, K: int, V: int, walks: int, device: torch.device) -> dict:
-    """LAUNCH settings of a state walk ("state", "dstate") over `walks` sequences x heads."""
-    opts = _launch(name, K, V)
-    if opts.pop("fill_sms", False):
-        opts["BV"] = fill_bv(opts["BV"], V, walks, _sm_count(device))
-    return opts
-
-
 def _tiles(K: int, V: int) -> tuple[int, int, int]:
     """(BK_full, BK, BV): BK_full covers all of K for the state kernels; BK/BV tile the rest."""
     BK_full = max(16, triton.next_power_of_2(K))
@@ -108,11 +99,80 @@ def _tiles(K: int, V: int) -> tuple[int, int, int]:
     return BK_full, BK, BV
 
 
+def launch_plan(K: int, V: int, dtype: torch.dtype, walks: int, sms: int, gate, *, limit: int | None) -> dict:
+    """The launch settings of every kernel one call runs: {kernel: opts}, opts holding the tiles
+    (BK, BV) and num_warps / num_stages, each kernel's shared memory (`smem.shared_bytes`) within `limit`.
+
+    walks = sequences x heads (the state walks' programs per V tile), sms the GPU's SM count (0: none);
+    gate as `kda_forward` takes it. limit None (the CPU interpreter, which has no shared memory) skips
+    the fitting. A kernel above the limit gives up pipelining first, then halves its V tile (down to 16);
+    one that still does not fit stops the call with a ValueError before any kernel runs.
+    """
+    _, BK, BV = _tiles(K, V)
+    bounded, fused = _bounded(gate)
+    plan = {
+        "decay": dict(BK=BK, **_launch("decay", K, V)),
+        "scores": _split_launch("scores", K, V, bounded),
+        "solve": _launch("solve", K, V),
+        "wy": dict(BK=BK, BV=BV, **_launch("wy", K, V)),
+        "state": _walk_launch("state", K, V, walks, sms),
+        "output": dict(BK=BK, BV=BV, **_launch("output", K, V)),
+        "dstate": _walk_launch("dstate", K, V, walks, sms),
+        "ddecay": dict(BK=BK, **_launch("ddecay", K, V)),
+    }
+    if fused:
+        plan["dfused"] = _launch("dfused", K, V)
+    else:
+        plan["dchunk"] = _dchunk_launch(K, V, dtype)
+        plan["dintra"] = _split_launch("dintra", K, V, False)
+    if limit is not None:
+        plan = {name: _fit(name, opts, K, V, dtype, limit) for name, opts in plan.items()}
+    return plan
+
+
+def _fit(name: str, opts: dict, K: int, V: int, dtype: torch.dtype, limit: int) -> dict:
+    """opts with num_stages, then BV, lowered until the kernel's shared memory is within limit; else ValueError."""
+    opts = dict(opts)
+    while (need := smem.shared_bytes(name, K, V, dtype, opts)) > limit:
+        if opts["num_stages"] > 1:
+            opts["num_stages"] -= 1
+        elif opts.get("BV", 0) > 16:
+            opts["BV"] //= 2
+        else:
+            raise ValueError(
+                f"chunk_kda: K={K}, V={V} in {dtype} needs {need:,} bytes of shared memory in its {name} kernel "
+                f"(unpipelined, V tiles of {opts.get('BV', '-')}), above the GPU's {limit:,}; {SUPPORTED_WIDTHS}"
+            )
+    return opts
+
+
+def _split_launch(name: str, K: int, V: int, bounded: bool) -> dict:
+    """LAUNCH[name] for the scores / intra-gradient kernels: unpipelined unless bounded (see the NOTE above)."""
+    opts = _launch(name, K, V)
+    if not bounded:
+        opts["num_stages"] = 1
+    return opts
+
+
+def _walk_launch(name: str, K: int, V: int, walks: int, sms: int) -> dict:
+    """LAUNCH settings of a state walk ("state", "dstate") over `walks` sequences x heads on `sms` SMs."""
+    opts = _launch(name, K, V)
+    if opts.pop("fill_sms", False):
+        opts["BV"] = fill_bv(opts["BV"], V, walks, sms)
+    return opts
+
+
 def _max_chunks(T: int, batch: int, cu_seqlens) -> int:
     """Chunks over all sequences, or for packed documents an upper bound known from shapes alone."""
     if cu_seqlens is None:
         return batch * triton.cdiv(T // batch, BT)
     return triton.cdiv(T, BT) + cu_seqlens.shape[0] - 1
+
+
+def _plan_for(K: int, V: int, dtype: torch.dtype, device: torch.device, walks: int, gate) -> dict:
+    """launch_plan of a call on `device`, fitted to the GPU's shared memory there (CUDA)."""
+    limit = smem.SHARED_LIMIT if device.type == "cuda" else None
+    return launch_plan(K, V, dtype, walks, _sm_count(device), gate, limit=limit)
 
 
 def kda_forward(q, k, v, g, beta, scale, h0, output_final_state, batch, cu_seqlens, gate):
@@ -124,15 +184,16 @@ def kda_forward(q, k, v, g, beta, scale, h0, output_final_state, batch, cu_seqle
     T, H, K = q.shape
     cu, chunk_indices, chunk_offsets, N, NT = chunk_layout(batch, T // batch, cu_seqlens, q.device)
     V = v.shape[-1]
-    BK_full, BK, BV = _tiles(K, V)
+    BK_full = _tiles(K, V)[0]
+    plan = _plan_for(K, V, q.dtype, q.device, N * H, gate)
     prec = dot_precision(q.dtype)
     dev = q.device
     b = torch.empty(T, H, K, device=dev, dtype=torch.float32)
     A_log, dt_bias, lower_bound = gate if gate is not None else (None, None, None)
-    fwd._decay_kernel[(NT, triton.cdiv(K, BK), H)](
+    fwd._decay_kernel[(NT, triton.cdiv(K, plan["decay"]["BK"]), H)](
         g, b, A_log, dt_bias, chunk_indices, cu, 0.0 if lower_bound is None else float(lower_bound),
-        H=H, K=K, BT=BT, BK=BK, HAS_GATE=gate is not None, HAS_DT_BIAS=dt_bias is not None,
-        USE_LOWER_BOUND=lower_bound is not None, **_launch("decay", K, V),
+        H=H, K=K, BT=BT, HAS_GATE=gate is not None, HAS_DT_BIAS=dt_bias is not None,
+        USE_LOWER_BOUND=lower_bound is not None, **plan["decay"],
     )
     # Every row of M and A is written whole, zeros above the diagonal included.
     M = torch.empty(T, H, BT, device=dev, dtype=torch.float32)
@@ -140,28 +201,26 @@ def kda_forward(q, k, v, g, beta, scale, h0, output_final_state, batch, cu_seqle
     bounded, _ = _bounded(gate)
     fwd._scores_kernel[(NT * (BT // BC), H)](
         q, k, b, M, A, chunk_indices, cu, scale, H=H, K=K, BT=BT, BC=BC, PREC=prec, BOUNDED=bounded,
-        **_split_launch("scores", K, V, bounded),
+        **plan["scores"],
     )
     Ai = torch.empty(T, H, BT, device=dev, dtype=torch.float32)
-    fwd._solve_kernel[(NT, H)](A, beta, Ai, chunk_indices, cu, H=H, BT=BT, BC=BC, PREC=prec, **_launch("solve", K, V))
+    fwd._solve_kernel[(NT, H)](A, beta, Ai, chunk_indices, cu, H=H, BT=BT, BC=BC, PREC=prec, **plan["solve"])
     Wk = torch.empty_like(k)
     Wv = torch.empty_like(v)
     fwd._wy_kernel[(NT, H)](
-        k, v, b, beta, Ai, Wk, Wv, chunk_indices, cu, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, PREC=prec,
-        **_launch("wy", K, V),
+        k, v, b, beta, Ai, Wk, Wv, chunk_indices, cu, H=H, K=K, V=V, BT=BT, PREC=prec, **plan["wy"],
     )
     h = torch.empty(_max_chunks(T, batch, cu_seqlens), H, K, V, device=dev, dtype=q.dtype)
     U = torch.empty_like(v)
     final = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    state = _walk_launch("state", K, V, N * H, dev)
+    state = plan["state"]
     fwd._state_kernel[(triton.cdiv(V, state["BV"]), N * H)](
         k, b, Wk, Wv, U, h, h0, final, cu, chunk_offsets,
         H=H, K=K, V=V, BT=BT, BK=BK_full, HAS_H0=h0 is not None, STORE_FINAL=output_final_state, PREC=prec, **state,
     )
     o = torch.empty_like(v)
-    fwd._output_kernel[(triton.cdiv(V, BV), NT, H)](
-        q, b, h, M, U, o, chunk_indices, cu, scale, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, PREC=prec,
-        **_launch("output", K, V),
+    fwd._output_kernel[(triton.cdiv(V, plan["output"]["BV"]), NT, H)](
+        q, b, h, M, U, o, chunk_indices, cu, scale, H=H, K=K, V=V, BT=BT, PREC=prec, **plan["output"],
     )
     return o, final, (b, M, A, Ai, Wk, h, U)
 
@@ -172,26 +231,27 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, cu_seqlens, gate, 
     T, H, K = q.shape
     cu, chunk_indices, chunk_offsets, N, NT = chunk_layout(batch, T // batch, cu_seqlens, q.device)
     V = v.shape[-1]
-    BK_full, BK, BV = _tiles(K, V)
+    BK_full = _tiles(K, V)[0]
+    plan = _plan_for(K, V, q.dtype, q.device, N * H, gate)
     prec = dot_precision(q.dtype)
     dev = q.device
     dh = torch.empty_like(h)
     dU = torch.empty_like(v)
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if h0 is not None else None
-    dstate = _walk_launch("dstate", K, V, N * H, dev)
+    dstate = plan["dstate"]
     bwd._dstate_kernel[(triton.cdiv(V, dstate["BV"]), N * H)](
         q, k, b, M, Wk, do, dht, dh, dU, dh0, cu, chunk_offsets, scale,
         H=H, K=K, V=V, BT=BT, BK=BK_full, HAS_DHT=dht is not None, HAS_H0=h0 is not None, PREC=prec, **dstate,
     )
-    bounded, fused = _bounded(gate)
+    fused = "dfused" in plan
     db = torch.empty(T, H, K, device=dev, dtype=torch.float32)
     dv = torch.empty_like(v)
     dq_out, dk_out = torch.empty_like(q), torch.empty_like(k)
     if fused:
-        dchunk = _launch("dfused", K, V)
+        dchunk = plan["dfused"]
         dq, dk, dM, dA = dq_out, dk_out, None, None
     else:
-        dchunk = _dchunk_launch(K, V, q.dtype)
+        dchunk = plan["dchunk"]
         dq, dk = torch.empty_like(db), torch.empty_like(db)
         dM = torch.empty(T, H, BT, device=dev, dtype=torch.float32)  # written whole by _dchunk_kernel
         dA = torch.empty_like(dM)
@@ -205,18 +265,18 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, cu_seqlens, gate, 
     if not fused:
         bwd._dintra_kernel[(NT * (BT // BC), H)](
             q, k, b, dM, dA, dq, dk, db, dq_out, dk_out, chunk_indices, cu, H=H, K=K, BT=BT, BC=BC, PREC=prec,
-            **_split_launch("dintra", K, V, False),
+            **plan["dintra"],
         )
     A_log, dt_bias, lower_bound = gate if gate is not None else (None, None, None)
-    NKD = triton.cdiv(K, BK)
+    NKD = triton.cdiv(K, plan["ddecay"]["BK"])
     dg = torch.empty_like(g)
     dA_part = torch.empty(NT, NKD, H, device=dev, dtype=torch.float32) if gate is not None else None
     ddt_part = torch.empty(NT, H, K, device=dev, dtype=torch.float32) if dt_bias is not None else None
     bwd._ddecay_kernel[(NT, NKD, H)](
         db, g, A_log, dt_bias, dg, dA_part, ddt_part, chunk_indices, cu,
         0.0 if lower_bound is None else float(lower_bound),
-        H=H, K=K, BT=BT, BK=BK, HAS_GATE=gate is not None, HAS_DT_BIAS=dt_bias is not None,
-        USE_LOWER_BOUND=lower_bound is not None, **_launch("ddecay", K, V),
+        H=H, K=K, BT=BT, HAS_GATE=gate is not None, HAS_DT_BIAS=dt_bias is not None,
+        USE_LOWER_BOUND=lower_bound is not None, **plan["ddecay"],
     )
     dA_log = dA_part.sum((0, 1)) if gate is not None else None
     ddt_bias = ddt_part.sum(0) if dt_bias is not None else None
@@ -330,8 +390,9 @@ def chunk_kda(
 ):
     """Chunked Kimi Delta Attention (docs/k3.md §2.1) in Triton, differentiable.
 
-    q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; K, V <= 256; q, k, v share one dtype
-    (bfloat16, float16 or float32); state math and accumulation are float32.
+    q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; q, k, v share one dtype (bfloat16, float16 or
+    float32); state math and accumulation are float32. Widths: K, V <= 256, and on a GPU in float32
+    K <= 128 (wider float32 heads exceed its shared memory: ValueError before any work, `launch_plan`).
     initial_state [N, H, K, V] float32; cu_seqlens int64 [N+1] packs N documents with B == 1; it may
     live on the host (preferred: the document lengths are then read without waiting for the GPU).
     Fused options: A_log [H] (with optional dt_bias [H, K]) turns g into the raw gate of the safe
@@ -353,6 +414,10 @@ def chunk_kda(
         )
     B, T, H, K = q.shape
     V = v.shape[-1]
+    lower_bound = None if A_log is None or gate_lower_bound is None else float(gate_lower_bound)
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    # Widths whose kernels exceed the GPU's shared memory stop here, before any work (one line, ValueError).
+    _plan_for(K, V, q.dtype, q.device, N * H, None if A_log is None else (A_log, dt_bias, lower_bound))
     scale = K**-0.5 if scale is None else float(scale)
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
@@ -365,7 +430,6 @@ def chunk_kda(
 
     o, final, *_ = _chunk_fwd_op(
         packed(q), packed(k), packed(v), packed(g), packed(beta), h0, A_log,
-        None if dt_bias is None else dt_bias.contiguous(), cu_seqlens, B, scale, output_final_state,
-        None if A_log is None or gate_lower_bound is None else float(gate_lower_bound),
+        None if dt_bias is None else dt_bias.contiguous(), cu_seqlens, B, scale, output_final_state, lower_bound,
     )
     return o.reshape(B, T, H, V), (final if output_final_state else None)
