@@ -3,7 +3,8 @@
 An entry is one sublayer kind (kda, mla, moe, dense_ffn, head) at one shape, timed forward + backward on
 one GPU: `{"kind", "shape": {...}, "tokens", "seq_len", "fwd_bwd_ms", "peak_gib", "gpu", "source", ...}`.
 A layer of the model uses the entry of its kind whose shape equals its own (for moe: every field but
-`experts_local`, since a rank's routed rows, not its expert count, set the work), scaled by the ratio of
+`experts_local`, since a rank's routed rows, not its expert count, set the work) and that was timed compiled
+exactly when the run compiles (`compile.enable`; eager and compiled sublayers differ), scaled by the ratio of
 analytic FLOPs (tokens and, for MLA, the context length). A kind without an entry is estimated from its
 FLOPs at the calibrated matmul efficiency, and the plan says which of the two each kind used.
 """
@@ -70,20 +71,21 @@ class CostTable:
                 raise ValueError(f"layer cost table '{path}': entry {i} needs fwd_bwd_ms, tokens, seq_len > 0")
         return cls(entries, str(path))
 
-    def find(self, a: K3Args, kind: str, experts_local: int, seq_len: int) -> dict | None:
-        """The entry for this sublayer: same shape; prefer the same experts_local, then seq_len, then most tokens."""
+    def find(self, a: K3Args, kind: str, experts_local: int, seq_len: int, compiled: bool) -> dict | None:
+        """The entry for this sublayer: same shape and compilation; prefer the same experts_local, then seq_len,
+        then most tokens."""
         want = layer_shape(a, kind, experts_local)
         fixed = {k: v for k, v in want.items() if k != "experts_local"}
-        hits = [e for e in self.entries if e["kind"] == kind
+        hits = [e for e in self.entries if e["kind"] == kind and bool(e.get("compiled", False)) == compiled
                 and all(e["shape"].get(k) == v for k, v in fixed.items())]
         if not hits:
             return None
         return max(hits, key=lambda e: (e["shape"].get("experts_local") == experts_local,
                                         e["seq_len"] == seq_len, e["tokens"]))
 
-    def cost(self, a: K3Args, kind: str, tokens: int, seq_len: int, experts_local: int,
+    def cost(self, a: K3Args, kind: str, tokens: int, seq_len: int, experts_local: int, compiled: bool,
              analytic_flops_per_s: float) -> KindCost:
-        entry = self.find(a, kind, experts_local, seq_len)
+        entry = self.find(a, kind, experts_local, seq_len, compiled)
         if entry is None:
             seconds = tokens * kind_flops(a, kind, seq_len) / analytic_flops_per_s
             return KindCost(seconds, f"analytic ({analytic_flops_per_s / 1e12:.0f} TFLOP/s effective)")

@@ -39,6 +39,7 @@ class Layout:
     expert_dispatch: str = "all_gather"
     optimizer: str = "muon"
     ns_cuda_graphs: bool = False
+    compiled: bool = False
 
     @property
     def world(self) -> int:
@@ -214,7 +215,7 @@ def estimate(a: K3Args, lay: Layout, cluster: Cluster, table: CostTable) -> Esti
     for kind, n in list(kinds.items()) + [("head", 1)]:
         if n == 0:
             continue
-        cost = table.cost(a, kind, N, T, experts_local, rate)
+        cost = table.cost(a, kind, N, T, experts_local, lay.compiled, rate)
         sources[kind] = cost.source
         per_mb += n * cost.seconds
     recompute = {"none": 0.0, "selective": 0.5, "full": 1.0}[lay.ac] * (per_mb / 3)
