@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from titan_k3.models.k3.args import K3Args, get_flavor
 from titan_k3.plan.cluster import Cluster
-from titan_k3.plan.costs import CostTable
+from titan_k3.plan.costs import DEFAULT_TABLE, CostTable
 from titan_k3.plan.estimate import Estimate, Layout, estimate
 
 AC_MODES = ("none", "selective", "full")
@@ -170,7 +170,10 @@ def refusal(cfg, n_gpus: int, cluster: Cluster | None = None, table: CostTable |
         return None
     a = get_flavor(cfg.model.flavor, cfg.model.vocab_size)
     cluster = (cluster or Cluster()).replace(gpus_per_node=n_gpus, nodes=1)
-    table = table or CostTable.load()
+    if table is None:
+        # NOTE: memory, which decides a refusal, needs no layer costs; where the table is not installed
+        # (a service without the benchmarks folder) the suggested layout is ranked on analytic costs.
+        table = CostTable.load() if DEFAULT_TABLE.is_file() else CostTable([], "none (no layer cost table installed)")
     try:
         est = estimate(a, resolve_layout(cfg, n_gpus, a.n_experts), cluster, table)
     except ValueError as e:
