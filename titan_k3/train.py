@@ -110,9 +110,8 @@ def _device(cfg: JobConfig) -> torch.device:
 class Trainer:
     def __init__(self, cfg: JobConfig, stop_signals: StopSignals | None = None):
         self.cfg = cfg
-        # First: a stop signal while the trainer builds ends the process at once (titan_k3/signals.py).
-        self._own_signals = stop_signals is None
-        self.stop_signals = stop_signals or StopSignals()
+        # The entry point's stop signals (titan_k3/signals.py; None: the checkpointer's SIGTERM handler alone).
+        self.stop_signals = stop_signals
         self.clocks = TwoClocks()
         self.startup_seconds = float("nan")  # set after this process's first update
         self.device = _device(cfg)
@@ -221,7 +220,8 @@ class Trainer:
         self.qk_clip_max_logits: dict[int, torch.Tensor] = {}
         self._report_start()
         self.checkpointer = build_checkpointer(self)
-        self.stop_signals.install()  # back from the checkpointer's handler: ours hands it signals after update 1
+        if self.stop_signals is not None:
+            self.stop_signals.install()  # back from the checkpointer's handler: ours hands it signals after update 1
         self.checkpointer.load(resume)
         self._inject_faults()
         self.gc_schedule = ScheduledGC(t.gc_every)  # last: a failed start leaves Python's collector as it was
@@ -233,8 +233,6 @@ class Trainer:
 
     def close(self) -> None:
         """Stop the metric sinks and teeing stdout into the run directory; give Python its collector back."""
-        if getattr(self, "_own_signals", False):
-            self.stop_signals.restore()
         if getattr(self, "precompile", None) is not None:
             self.precompile.finish()  # a run ended before its first update leaves no compile threads or Triton hook
         if getattr(self, "gc_schedule", None) is not None:
@@ -436,7 +434,8 @@ class Trainer:
                     self._settle()
             self.step += 1
             if not results:
-                self.stop_signals.hand_over(self._stop_after_update)  # an update to save exists from now on
+                if self.stop_signals is not None:
+                    self.stop_signals.hand_over(self._stop_after_update)  # an update to save exists from now on
                 self._report_startup()
             self.profiler.after(self.step)
             self.tokens_seen += result.n_tokens
