@@ -98,6 +98,8 @@ class Estimate:
     exposed_comm_s: float
     step_s: float
     compute_sources: dict[str, str]
+    activations_by_ac_gib: dict[str, float]
+    """One micro-batch's activations under each activation_checkpoint.mode (the layout's own is in memory_gib)."""
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -181,13 +183,10 @@ def estimate(a: K3Args, lay: Layout, cluster: Cluster, table: CostTable) -> Esti
 
     # ---- activations of one micro-batch, and the fused loss
     per_token = activation_bytes_per_token(a, e, all_gather)
-    if lay.ac == "full":
-        saved = a.n_layers * residual_saved(a) + largest_layer_saved(a, e, all_gather)
-    elif lay.ac == "selective":
-        saved = (per_token + a.n_layers * residual_saved(a) + largest_layer_saved(a, e, all_gather)) / 2
-    else:
-        saved = per_token
-    mem["activations (one micro-batch)"] = C.ACTIVATION_FACTOR * saved * N
+    checkpointed = a.n_layers * residual_saved(a) + largest_layer_saved(a, e, all_gather)
+    saved_by_ac = {"none": per_token, "selective": (per_token + checkpointed) / 2, "full": checkpointed}
+    acts_by_ac = {mode: C.ACTIVATION_FACTOR * b * N / GIB for mode, b in saved_by_ac.items()}
+    mem["activations (one micro-batch)"] = C.ACTIVATION_FACTOR * saved_by_ac[lay.ac] * N
     chunk_rows = min(N, max(1, 3 * GIB // (a.vocab_size * BF16)))
     mem["fused loss (logit chunk, fp32 dH and dW)"] = BF16 * chunk_rows * a.vocab_size + FP32 * N * a.dim + FP32 * a.vocab_size * a.dim
     # One layer's gradients on their way: the routed experts' bf16 gradients and their float32 cast before they
@@ -283,4 +282,4 @@ def estimate(a: K3Args, lay: Layout, cluster: Cluster, table: CostTable) -> Esti
                         f"{C.HOST_BOUND_TOKENS} (the planner models GPU time only)")
     gib = {k: v / GIB for k, v in mem.items()}
     return Estimate(lay, gib, opt_peak / GIB, peak / GIB, cluster.budget_gib, colls, compute, optimizer, exposed,
-                    step, sources, warnings)
+                    step, sources, acts_by_ac, warnings)

@@ -54,10 +54,12 @@ def format_estimate(title: str, est: Estimate) -> str:
     lines.append("  memory per rank, GiB")
     for name, gib in est.memory_gib.items():
         if gib > 0:
-            lines.append(f"    {name:44s}{_gib(gib)}")
-    lines.append(f"    {'peak (forward / backward)':44s}{_gib(sum(est.memory_gib.values()))}")
-    lines.append(f"    {'peak (optimizer step)':44s}{_gib(est.optimizer_peak_gib)}")
-    lines.append(f"    {'usable':44s}{_gib(est.budget_gib)}  -> {'fits' if est.fits else 'DOES NOT FIT'}")
+            lines.append(f"    {name:48s}{_gib(gib)}")
+    lines.append("    (activations under activation_checkpoint.mode "
+                 + ", ".join(f"{m}: {g:.2f}" for m, g in est.activations_by_ac_gib.items()) + ")")
+    lines.append(f"    {'peak (forward / backward)':48s}{_gib(sum(est.memory_gib.values()))}")
+    lines.append(f"    {'peak (optimizer step)':48s}{_gib(est.optimizer_peak_gib)}")
+    lines.append(f"    {'usable':48s}{_gib(est.budget_gib)}  -> {'fits' if est.fits else 'DOES NOT FIT'}")
     if est.collectives:
         lines.append("  collectives per update              group (size)      calls   GB/rank    ms   overlapped")
         for c in est.collectives:
