@@ -160,3 +160,30 @@ def test_host_syncs_names_the_call_site_of_each_synchronising_call():
         warnings.warn("an unrelated warning", UserWarning)
     assert recorder.sites == {"titan_k3/fake_trainer.py:4 settle": 3}, recorder.sites
     assert [str(w.message) for w in passed] == ["an unrelated warning"]
+
+
+@pytest.mark.parametrize("flavor", ["debug", "tiny"])
+def test_strong_peer_has_our_architecture_parameter_for_parameter(flavor):
+    from benchmarks.peer_compiled import PeerModel
+    from titan_k3.models.k3.args import count_params, get_flavor
+
+    args = get_flavor(flavor)
+    peer = PeerModel(args, "torch")
+    assert sum(p.numel() for p in peer.parameters()) == count_params(args).total
+
+
+def test_strong_peer_learns_a_fixed_batch():
+    import torch
+
+    from benchmarks.peer_compiled import PeerCompiledTrainer, PeerConfig
+    from titan_k3.data.loader import Batch
+
+    trainer = PeerCompiledTrainer(PeerConfig(flavor="debug", vocab_size=512, parts="torch", compile=False, lr=3e-3))
+    ids = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(0))
+    labels = ids[:, 1:].clone()
+    labels[0, 5] = -100  # an ignored target (a document boundary) must not count
+    batch = Batch(input_ids=ids[:, :-1], labels=labels, cu_seqlens=torch.tensor([0, 32, 64]), source_tokens={},
+                  fingerprints=torch.zeros(2, dtype=torch.int64))
+    losses = [float(trainer.train_step(batch)) for _ in range(25)]
+    assert all(map(lambda x: x == x, losses)), losses
+    assert losses[-1] < 0.5 * losses[0], losses
