@@ -1,0 +1,98 @@
+"""The KDA kernels' shared memory: every launch plan fits the H200, without a GPU.
+
+`kernels.kda.smem.shared_bytes` bounds each kernel's need from the tiles it holds; `ops.launch_plan` lowers
+pipelining, then V tiles, until every kernel fits. These tests check the plans for the widths we document and
+the bound against Triton's own allocation, recorded for sm_90 (Triton 3.6, the H200's) below.
+"""
+
+import pytest
+import torch
+
+from kernels.kda import ops, smem
+
+WIDTHS = [64, 128, 256]
+GATES = {"precomputed g": None, "softplus gate": (None, None, None), "safe gate": (None, None, -5.0)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("K", WIDTHS)
+@pytest.mark.parametrize("V", WIDTHS)
+def test_every_kernel_of_every_plan_fits_the_h200(dtype, K, V):
+    """Each kernel a call would launch, for one and for many walks (V tiles narrowed to fill the SMs or not),
+    needs at most 232,448 bytes; float32 with K > 128 is refused instead, with one line."""
+    paths = [dict(diag_dot=0, fuse_bwd=0), dict(diag_dot=1, fuse_bwd=1)]
+    for safe in paths:
+        for gate in GATES.values():
+            for walks in (1, 4096):
+                kept = ops.LAUNCH["safe"]
+                ops.LAUNCH["safe"] = safe
+                try:
+                    if dtype == torch.float32 and K > 128:
+                        with pytest.raises(ValueError, match=r"^chunk_kda: K=256, .* above the GPU's 232,448; "):
+                            ops.launch_plan(K, V, dtype, walks, 132, gate, limit=smem.SHARED_LIMIT)
+                        continue
+                    plan = ops.launch_plan(K, V, dtype, walks, 132, gate, limit=smem.SHARED_LIMIT)
+                finally:
+                    ops.LAUNCH["safe"] = kept
+                for name, opts in plan.items():
+                    need = smem.shared_bytes(name, K, V, dtype, opts)
+                    assert 0 < need <= smem.SHARED_LIMIT == 232_448, (name, opts, need)
+
+
+def test_training_widths_keep_the_measured_launch_table():
+    """bfloat16 at K = V = 128 (k3-mini) fits as the table stands: fitting changes nothing there."""
+    for walks in (32, 4096):
+        fitted = ops.launch_plan(128, 128, torch.bfloat16, walks, 132, (None, None, -5.0), limit=smem.SHARED_LIMIT)
+        assert fitted == ops.launch_plan(128, 128, torch.bfloat16, walks, 132, (None, None, -5.0), limit=None)
+    assert fitted["dstate"]["num_stages"] == ops.LAUNCH["dstate"]["num_stages"] == 2
+
+
+def test_wide_heads_give_up_pipelining_where_the_bound_says_so():
+    """K = 256 in bfloat16: the backward state walk (three [64, 256] operand tiles, pipelined loads on top) runs
+    unpipelined; the forward one still fits pipelined."""
+    plan = ops.launch_plan(256, 256, torch.bfloat16, 4096, 132, None, limit=smem.SHARED_LIMIT)
+    assert plan["dstate"]["num_stages"] == 1 and plan["state"]["num_stages"] == 2
+    assert smem.shared_bytes("dstate", 256, 256, torch.bfloat16, {**plan["dstate"], "num_stages": 2}) > 232_448
+
+
+def test_fitting_narrows_the_v_tile_once_unpipelined():
+    """A limit below the unpipelined need makes the fit halve BV (down to 16) before it gives up."""
+    opts = dict(BV=64, num_warps=8, num_stages=2)
+    need_bv16 = smem.shared_bytes("state", 128, 128, torch.bfloat16, {**opts, "BV": 16, "num_stages": 1})
+    fitted = ops._fit("state", opts, 128, 128, torch.bfloat16, need_bv16)
+    assert fitted == dict(BV=16, num_warps=8, num_stages=1)
+    with pytest.raises(ValueError, match="state kernel"):
+        ops._fit("state", opts, 128, 128, torch.bfloat16, need_bv16 - 1)
+
+
+# Triton 3.6's shared memory for sm_90 (CompiledKernel.metadata.shared, compiled ahead of time for the H200):
+# (kernel, K = V, dtype, BK, BV, num_stages) -> bytes.
+MEASURED = [
+    ("decay", 256, torch.float16, 64, 0, 1, 16_384),
+    ("scores", 256, torch.float16, 32, 0, 1, 10_240),
+    ("solve", 256, torch.float16, 0, 0, 1, 7_168),
+    ("wy", 256, torch.float16, 64, 32, 2, 32_768),
+    ("state", 256, torch.float16, 256, 32, 2, 119_808),
+    ("output", 256, torch.float16, 64, 32, 2, 28_672),
+    ("dstate", 256, torch.float16, 256, 32, 2, 156_672),
+    ("dchunk", 256, torch.float16, 64, 32, 1, 28_672),
+    ("dchunk", 256, torch.bfloat16, 64, 32, 2, 28_672),
+    ("dintra", 256, torch.float16, 32, 0, 1, 26_624),
+    ("ddecay", 256, torch.float16, 64, 0, 1, 16_384),
+    ("wy", 256, torch.float32, 64, 32, 2, 65_536),
+    ("state", 256, torch.float32, 256, 32, 2, 279_552),
+    ("state", 256, torch.float32, 256, 32, 1, 74_752),
+    ("state", 256, torch.float32, 256, 16, 1, 70_656),
+    ("output", 256, torch.float32, 64, 32, 2, 57_344),
+    ("dstate", 256, torch.float32, 256, 32, 2, 418_816),
+    ("dstate", 256, torch.float32, 256, 32, 1, 155_648),
+    ("dstate", 256, torch.float32, 256, 16, 1, 151_552),
+    ("dchunk", 256, torch.float32, 64, 32, 1, 57_344),
+    ("dintra", 256, torch.float32, 32, 0, 1, 26_624),
+]
+
+
+@pytest.mark.parametrize("kernel, KV, dtype, BK, BV, stages, measured", MEASURED)
+def test_bound_covers_tritons_allocation(kernel, KV, dtype, BK, BV, stages, measured):
+    opts = dict(BK=BK, BV=BV, num_stages=stages)
+    assert smem.shared_bytes(kernel, KV, KV, dtype, opts) >= measured
