@@ -10,6 +10,7 @@ import math
 import os
 import secrets
 import shutil
+import threading
 import time
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
@@ -35,6 +36,9 @@ from titan_k3.config import load_job_config
 
 log = logging.getLogger("service")
 STATIC = Path(__file__).resolve().parent / "static"
+VIEW_TTL_SECONDS = 0.5
+"""A queued or active run's JSON view is rebuilt from its files at most this often; an ended run's once per change
+of its registry row (its files no longer change). List and status answer from these views."""
 
 
 def _finite(obj: Any) -> Any:
@@ -79,6 +83,24 @@ class Service:
                                                settings.finished_series_seconds))
         self.streams = 0
         self._state_prefix = f"{settings.state_dir}{os.sep}"
+        self._views: dict[str, tuple[tuple[float, int], float, bytes]] = {}
+        self._views_lock = threading.Lock()
+
+    def view(self, run: Run) -> bytes:
+        """`out(run)` as JSON bytes, from the cache while the run's row is unchanged and the view is fresh."""
+        key, now = (run.updated_at, len(run.attempts)), time.monotonic()
+        with self._views_lock:
+            hit = self._views.get(run.id)
+        if hit is not None and hit[0] == key and (run.state in TERMINAL or now - hit[1] < VIEW_TTL_SECONDS):
+            return hit[2]
+        body = self.out(run).model_dump_json().encode()
+        with self._views_lock:
+            self._views[run.id] = (key, now, body)
+        return body
+
+    def forget(self, run_id: str) -> None:
+        with self._views_lock:
+            self._views.pop(run_id, None)
 
     def scrub(self, obj: Any) -> Any:
         """Strings with the state directory's absolute path made relative to it (responses name no host paths)."""
@@ -278,13 +300,15 @@ def create_app(settings: Settings) -> FastAPI:
         return svc.out(svc.create(req))
 
     @app.get("/v1/runs", response_model=list[RunOut], dependencies=read, responses=read_auth)
-    def list_runs(state: str | None = Query(None, pattern="^[a-z]{1,16}$")) -> list[RunOut]:
+    async def list_runs(state: str | None = Query(None, pattern="^[a-z]{1,16}$")) -> Response:
+        # NOTE: async (on the event loop, no worker-thread hop): answered from cached views, a rebuild is one run's
+        # few stat calls and appended lines; 50 clients at once measured in benchmarks/results/service_load.md.
         runs = svc.registry.list((state,) if state else None)
-        return [svc.out(r) for r in runs]
+        return Response(b"[" + b",".join(svc.view(r) for r in runs) + b"]", media_type="application/json")
 
     @app.get("/v1/runs/{run_id}", response_model=RunOut, dependencies=read, responses={**read_auth, **NOT_FOUND})
-    def get_run(run_id: RunId) -> RunOut:
-        return svc.out(svc.get(run_id))
+    async def get_run(run_id: RunId) -> Response:
+        return Response(svc.view(svc.get(run_id)), media_type="application/json")
 
     @app.delete("/v1/runs/{run_id}", response_model=Deleted, dependencies=[Depends(require_token)],
                 responses={**AUTH, **NOT_FOUND})
@@ -296,6 +320,7 @@ def create_app(settings: Settings) -> FastAPI:
             svc.supervisor.delete(run_id, remove_files=files)
         except KeyError:  # deleted by a concurrent request
             raise HTTPException(404, f"no run {run_id!r}") from None
+        svc.forget(run_id)
         return Deleted(id=run_id, files_removed=files)
 
     @app.post("/v1/runs/{run_id}/stop", status_code=202, response_model=RunOut,

@@ -2,6 +2,9 @@
 
 One connection guarded by a lock: FastAPI's worker threads and the
 supervisor thread share it, and every write is one short transaction.
+Reads are answered from a snapshot of the tables taken after the last write
+(every write goes through this class), so a busy API costs no query per
+request.
 
 Run states:
   queued -> running -> finished | failed | stopped
@@ -112,6 +115,7 @@ class Registry:
         self._lock = threading.RLock()
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
         self._db.row_factory = sqlite3.Row
+        self._snapshot: list[Run] | None = None
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
@@ -132,6 +136,7 @@ class Registry:
 
     def _write(self, sql: str, args: tuple[Any, ...]) -> sqlite3.Cursor:
         with self._lock:
+            self._snapshot = None
             return self._db.execute(sql, args)
 
     def insert_run(self, run_id: str, recipe: str, overrides: dict[str, str], nproc_per_node: int,
@@ -156,6 +161,7 @@ class Registry:
     def delete_run(self, run_id: str) -> None:
         """Forget a run and its attempts (one transaction)."""
         with self._lock:
+            self._snapshot = None
             self._db.execute("BEGIN")
             try:
                 self._db.execute("DELETE FROM attempts WHERE run_id = ?", (run_id,))
@@ -177,24 +183,24 @@ class Registry:
                     (time.time(), exit_code, run_id, n))
 
     def get(self, run_id: str) -> Run | None:
-        runs = self._select("WHERE id = ?", (run_id,))
-        return runs[0] if runs else None
+        return next((r for r in self._all() if r.id == run_id), None)
 
     def list(self, states: tuple[str, ...] | None = None) -> list[Run]:
-        if states is None:
-            return self._select("", ())
-        marks = ", ".join("?" for _ in states)
-        return self._select(f"WHERE state IN ({marks})", states)
+        """Runs in creation order, those in `states` only when given (shared objects: callers must not change them)."""
+        runs = self._all()
+        return list(runs) if states is None else [r for r in runs if r.state in states]
 
-    def _select(self, where: str, args: tuple[Any, ...]) -> list[Run]:
+    def _all(self) -> list[Run]:
         with self._lock:
-            rows = self._db.execute(f"SELECT * FROM runs {where} ORDER BY seq", args).fetchall()
-            ids = [r["id"] for r in rows]
-            attempts: dict[str, list[Attempt]] = {i: [] for i in ids}
-            if ids:
-                marks = ", ".join("?" for _ in ids)
-                for a in self._db.execute(f"SELECT * FROM attempts WHERE run_id IN ({marks}) ORDER BY n", ids):
-                    attempts[a["run_id"]].append(_attempt(a))
+            if self._snapshot is None:
+                self._snapshot = self._select()
+            return self._snapshot
+
+    def _select(self) -> list[Run]:
+        rows = self._db.execute("SELECT * FROM runs ORDER BY seq").fetchall()
+        attempts: dict[str, list[Attempt]] = {r["id"]: [] for r in rows}
+        for a in self._db.execute("SELECT * FROM attempts ORDER BY run_id, n"):
+            attempts[a["run_id"]].append(_attempt(a))
         return [_run(r, attempts[r["id"]]) for r in rows]
 
 

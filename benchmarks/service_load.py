@@ -1,0 +1,174 @@
+"""Latency of the control service's list and status endpoints under concurrent clients.
+
+    python -m benchmarks.service_load [--runs 50] [--steps 2000] [--clients 50] [--requests 500]
+
+Starts `python -m service` on loopback over a fresh state directory, with the
+test suite's fake trainer (tests/service/fake_trainer.py: the run-directory
+contract in milliseconds), and fills it with `--runs` finished runs of
+`--steps` logged updates each (metrics.jsonl, events.jsonl, checkpoints), then
+restarts it (the service re-adopts its state) with trainings that log every
+0.1 s and adds one such run, left running through the measurement. `--clients` concurrent clients then send `--requests`
+requests in all, alternating GET /v1/runs (every run) and GET /v1/runs/{id}
+(a run picked in turn), after one warm-up pass. Prints p50 / p90 / p99 / max
+per endpoint in milliseconds, and the host's CPU count: clients and service
+share the machine, as they did in the measurement this answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN = "benchmark-token-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_service(state: Path, port: int, step_seconds: float) -> subprocess.Popen:
+    env = {**os.environ, "K3_SERVICE_TOKEN": TOKEN, "FAKE_TRAINER_STEP_SECONDS": str(step_seconds),
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "service"), str(REPO)])}
+    log = open(state.parent / "service.log", "ab")
+    return subprocess.Popen([sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port),
+                             "--state-dir", str(state), "--gpus", "0", "--max-running", "4",
+                             "--launcher", "python", "--trainer-module", "fake_trainer"],
+                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+BODY = {"toml": '[model]\nflavor = "debug"\n[metrics]\nlog_freq = 1\n[checkpoint]\nenable = true\n'}
+
+
+def fill(client: httpx.Client, runs: int, steps: int) -> list[str]:
+    """`runs` finished runs of `steps` logged updates; returns their ids."""
+    body = {"toml": BODY["toml"] + f"interval = {max(1, steps // 4)}\n", "overrides": {"training.steps": steps}}
+    ids = []
+    for i in range(runs):
+        r = client.post("/v1/runs", json={**body, "name": f"load-{i:03d}"}, headers=AUTH)
+        r.raise_for_status()
+        ids.append(r.json()["id"])
+    wait_for(lambda: all(r["state"] == "finished" for r in client.get("/v1/runs").json()), 900, "the runs to finish")
+    return ids
+
+
+def add_live(client: httpx.Client) -> str:
+    r = client.post("/v1/runs", json={**BODY, "name": "load-live", "overrides": {"training.steps": 10**9}},
+                    headers=AUTH)
+    r.raise_for_status()
+    wait_for(lambda: client.get("/v1/runs/load-live").json()["state"] == "running", 60, "the live run")
+    return "load-live"
+
+
+async def load(url: str, ids: list[str], clients: int, requests: int) -> dict[str, list[float]]:
+    """Milliseconds per request, by endpoint, over `requests` requests from `clients` concurrent clients."""
+    latencies: dict[str, list[float]] = {"list": [], "status": []}
+    todo = iter(range(requests))
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+
+    async def client_loop(c: httpx.AsyncClient) -> None:
+        for i in todo:
+            kind = "list" if i % 2 == 0 else "status"
+            path = "/v1/runs" if kind == "list" else f"/v1/runs/{ids[i // 2 % len(ids)]}"
+            t0 = time.perf_counter()
+            r = await c.get(path)
+            latencies[kind].append((time.perf_counter() - t0) * 1e3)
+            r.raise_for_status()
+
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as c:
+        await asyncio.gather(*(client_loop(c) for _ in range(clients)))
+    return latencies
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=50)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--clients", type=int, default=50)
+    p.add_argument("--requests", type=int, default=500)
+    p.add_argument("--keep", type=Path, default=None, help="leave the state directory here (for profiling)")
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="k3-service-load-") as tmp:
+        state, port = (a.keep or Path(tmp)) / "state", free_port()
+        state.mkdir(parents=True)
+        url = f"http://127.0.0.1:{port}"
+        proc = start_service(state, port, step_seconds=0)
+        try:
+            with httpx.Client(base_url=url, timeout=60) as client:
+                wait_for(lambda: _up(client), 60, "the service")
+                t0 = time.perf_counter()
+                ids = fill(client, a.runs, a.steps)
+                print(f"filled {len(ids)} runs x {a.steps} logged updates in {time.perf_counter() - t0:.0f} s")
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+            proc = start_service(state, port, step_seconds=0.1)
+            with httpx.Client(base_url=url, timeout=60) as client:
+                wait_for(lambda: _up(client), 60, "the service")
+                ids.append(add_live(client))
+            asyncio.run(load(url, ids, a.clients, a.clients * 2))  # warm-up: every run's files read once
+            service = psutil.Process(proc.pid)
+            cpu0, t0 = sum(service.cpu_times()[:2]), time.perf_counter()
+            lat = asyncio.run(load(url, ids, a.clients, a.requests))
+            cpu, wall = sum(service.cpu_times()[:2]) - cpu0, time.perf_counter() - t0
+        finally:
+            stop_live(url)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+    print(f"host: {platform.node()} ({os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} usable, load average "
+          f"{os.getloadavg()[0]:.1f}), {a.clients} clients, {a.requests} requests, {len(ids)} runs of {a.steps} "
+          f"logged updates")
+    print(f"service CPU: {cpu:.2f} s over {wall:.2f} s wall, {1e3 * cpu / a.requests:.2f} ms per request")
+    print("| endpoint | requests | p50 ms | p90 ms | p99 ms | max ms |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for kind, values in lat.items():
+        name = "GET /v1/runs (list)" if kind == "list" else "GET /v1/runs/{id} (status)"
+        print(f"| {name} | {len(values)} | {percentile(values, 50):.0f} | {percentile(values, 90):.0f} | "
+              f"{percentile(values, 99):.0f} | {max(values):.0f} |")
+
+
+def stop_live(url: str) -> None:
+    """Stop the run left running (trainings outlive the service by design)."""
+    with httpx.Client(base_url=url, timeout=60) as client:
+        r = client.post("/v1/runs/load-live/stop", headers={"Authorization": f"Bearer {TOKEN}"})
+        if r.status_code == 202:
+            wait_for(lambda: client.get("/v1/runs/load-live").json()["state"] == "stopped", 60, "the live run to stop")
+
+
+def _up(client: httpx.Client) -> bool:
+    try:
+        return client.get("/healthz").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+if __name__ == "__main__":
+    main()
