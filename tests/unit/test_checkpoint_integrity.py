@@ -163,3 +163,18 @@ def test_checkpoint_without_checksums(tmp_path):
     assert old.manager.load() == 4
     _assert_same(_without_rng(snaps[4]), _without_rng(old.snapshot()))
     assert [e["path"] for e in _events(tmp_path) if e["kind"] == "checkpoint_unverified"] == [str(step4)]
+
+
+def test_initial_load_path_is_verified_too(tmp_path):
+    _train(tmp_path / "src")
+    folder = tmp_path / "src" / "checkpoints"
+    _damage(folder / "step-4", "overwrite_1k")
+    # A checkpoints folder: the newest intact one initialises the model, announced.
+    dst = _run(tmp_path / "dst", enable=False, initial_load_path=str(folder))
+    assert dst.manager.load() is None
+    events = _events(tmp_path / "dst")
+    assert [e["path"] for e in events if e["kind"] == "initial_load"] == [str(folder / "step-2")]
+    assert "step-4/__0_0.distcp" in [e for e in events if e["kind"] == "checkpoint_fallback"][0]["message"]
+    # A damaged step dir named directly: one line, nothing loaded.
+    with pytest.raises(ValueError, match=r"initial_load_path' = '.*step-4': damaged: .*step-4/__0_0.distcp: bytes"):
+        _run(tmp_path / "dst2", enable=False, initial_load_path=str(folder / "step-4")).manager.load()
