@@ -85,9 +85,9 @@ def add_live(client: httpx.Client) -> str:
     return "load-live"
 
 
-async def load(url: str, ids: list[str], clients: int, requests: int) -> dict[str, list[float]]:
+async def load(url: str, ids: list[str], clients: int, requests: int) -> dict[str, list]:
     """Milliseconds per request, by endpoint, over `requests` requests from `clients` concurrent clients."""
-    latencies: dict[str, list[float]] = {"list": [], "status": []}
+    latencies: dict[str, list] = {"list": [], "status": [], "errors": []}
     todo = iter(range(requests))
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
 
@@ -96,7 +96,11 @@ async def load(url: str, ids: list[str], clients: int, requests: int) -> dict[st
             kind = "list" if i % 2 == 0 else "status"
             path = "/v1/runs" if kind == "list" else f"/v1/runs/{ids[i // 2 % len(ids)]}"
             t0 = time.perf_counter()
-            r = await c.get(path)
+            try:
+                r = await c.get(path)
+            except httpx.TransportError as e:  # counted and reported, not retried
+                latencies["errors"].append(f"{path}: {type(e).__name__}")
+                continue
             latencies[kind].append((time.perf_counter() - t0) * 1e3)
             r.raise_for_status()
 
@@ -149,6 +153,8 @@ def main() -> None:
     print(f"service CPU: {cpu:.2f} s over {wall:.2f} s wall, {1e3 * cpu / a.requests:.2f} ms per request")
     print("| endpoint | requests | p50 ms | p90 ms | p99 ms | max ms |")
     print("| --- | --- | --- | --- | --- | --- |")
+    errors = lat.pop("errors")
+    print(f"transport errors: {len(errors)}" + (f" ({', '.join(sorted(set(errors))[:5])})" if errors else ""))
     for kind, values in lat.items():
         name = "GET /v1/runs (list)" if kind == "list" else "GET /v1/runs/{id} (status)"
         print(f"| {name} | {len(values)} | {percentile(values, 50):.0f} | {percentile(values, 90):.0f} | "

@@ -18,8 +18,9 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(settings)
     logging.getLogger("service").info("state in %s; %d GPU(s) to schedule; bearer token: %s",
                                       settings.state_dir, settings.gpus, where)
+    # NOTE: keep-alive past a dashboard's polling interval, so a busy client does not race the server's close.
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info",
-                limit_concurrency=256, timeout_keep_alive=5)
+                limit_concurrency=256, timeout_keep_alive=30)
 
 
 if __name__ == "__main__":

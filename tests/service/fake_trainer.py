@@ -102,6 +102,7 @@ def train(cfg) -> int:
         start = int(latest.read_text().strip().removeprefix("step-"))
         event(start, "resumed", f"resumed from step-{start}")
         say(f"resumed from step {start}")
+    say(f"fake trainer | run {run_dir.resolve()}")  # as the trainer names its run directory
     event(start, "kernel_report", "fake trainer: no kernels")
     t0 = time.time()
     for step in range(start + 1, cfg.training.steps + 1):

@@ -46,14 +46,16 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
 class ServiceProc:
     """One `python -m service` process; restartable over the same state dir."""
 
-    def __init__(self, state_dir: Path, *, fake: bool, gpus: int = 0, max_running: int = 0,
-                 grace_seconds: float = 120.0, step_seconds: float = 0.2, extra_env: dict[str, str] | None = None):
+    def __init__(self, state_dir: Path, *, fake: bool, gpus: int = 0, max_running: int | None = None,
+                 grace_seconds: float = 120.0, step_seconds: float = 0.2, extra_env: dict[str, str] | None = None,
+                 extra_args: list[str] | None = None):
         self.state_dir = state_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # max_running None: the service's default (one run per GPU, one at a time without GPUs).
         self.args = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(self.port),
-                     "--state-dir", str(state_dir), "--gpus", str(gpus), "--max-running", str(max_running),
-                     "--grace-seconds", str(grace_seconds)]
+                     "--state-dir", str(state_dir), "--gpus", str(gpus), "--grace-seconds", str(grace_seconds),
+                     *(["--max-running", str(max_running)] if max_running is not None else []), *(extra_args or [])]
         self.env = {**os.environ, "K3_SERVICE_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1",
                     "FAKE_TRAINER_STEP_SECONDS": str(step_seconds), "OMP_NUM_THREADS": "1",
                     **(extra_env or {})}
@@ -78,7 +80,7 @@ class ServiceProc:
             except httpx.TransportError:
                 return False
 
-        wait_until(up, 30, "the service to answer /healthz")
+        wait_until(up, 120, "the service to answer /healthz")  # minutes on a loaded 2-core CI host
         return self
 
     def kill(self) -> None:
@@ -91,7 +93,7 @@ class ServiceProc:
         return self.client.post("/v1/runs", json=body, headers=self.auth)
 
     def run(self, run_id: str) -> dict:
-        r = self.client.get(f"/v1/runs/{run_id}")
+        r = self.client.get(f"/v1/runs/{run_id}", headers=self.auth)  # reads may need the token too
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -103,7 +105,7 @@ class ServiceProc:
         try:
             return wait_until(check, timeout, f"run {run_id} to reach {states}", interval=0.2)
         except AssertionError:
-            logs = self.client.get(f"/v1/runs/{run_id}/logs", params={"tail": 60}).text
+            logs = self.client.get(f"/v1/runs/{run_id}/logs", params={"tail": 60}, headers=self.auth).text
             raise AssertionError(f"run {run_id} is {self.run(run_id)['state']}, wanted {states}; logs:\n{logs}") from None
 
     def metrics_text(self) -> str:
