@@ -1,6 +1,7 @@
 """The headline flows against the real trainer under real torchrun (CPU, gloo, debug flavor).
 
-create -> running -> metrics at /metrics -> stop (checkpoint written, state stopped);
+create -> running -> metrics at /metrics -> stop (a checkpoint written although periodic ones are off, state
+stopped) -> resume (continues from it);
 a crash at a step -> relaunched and resumed from the checkpoint;
 the service killed and restarted -> the live (two-rank) run is re-adopted, then stopped cleanly.
 """
@@ -13,6 +14,7 @@ from service_harness import DEBUG_OVERRIDES, wait_until
 
 LONG = {**DEBUG_OVERRIDES, "training.steps": 400, "metrics.log_freq": 1,
         "checkpoint.enable": True, "checkpoint.interval": 1000}
+NO_PERIODIC = {**DEBUG_OVERRIDES, "training.steps": 400, "metrics.log_freq": 1}  # checkpoint.enable off
 
 
 def run_samples(text: str, run_id: str) -> dict[str, dict[tuple, float]]:
@@ -29,9 +31,9 @@ def metric_step(svc, run_id: str) -> float:
     return run_samples(svc.metrics_text(), run_id).get("titan_k3_run_step", {}).get((), 0.0)
 
 
-def test_create_running_metrics_stop(make_service):
+def test_create_running_metrics_stop_resume(make_service):
     svc = make_service(fake=False)
-    r = svc.create(name="real", toml="", overrides=LONG)
+    r = svc.create(name="real", toml="", overrides=NO_PERIODIC)
     assert r.status_code == 201, r.text
     svc.wait_state("real", ("running",))
     wait_until(lambda: metric_step(svc, "real") >= 2, 300, "trainer metrics at /metrics")
@@ -54,7 +56,18 @@ def test_create_running_metrics_stop(make_service):
     assert run["exit_codes"] == [0], svc.client.get("/v1/runs/real/logs", params={"tail": 40}).text
     assert run["latest_checkpoint"] is not None and run["latest_checkpoint"].startswith("step-")
     assert (svc.state_dir / "runs" / "real" / "checkpoints" / run["latest_checkpoint"]).is_dir()
-    assert run["events"].get("checkpoint_saved", 0) >= 1
+    assert run["events"].get("checkpoint_saved", 0) == 1  # the stop's own: no periodic saves
+    saved = run["checkpoint_step"]
+    assert run["step"] == saved >= 2
+
+    r = svc.client.post("/v1/runs/real/resume", headers=svc.auth)
+    assert r.status_code == 202, r.text
+    wait_until(lambda: svc.run("real")["events"].get("resumed", 0) == 1, 300, "the resumed attempt")
+    wait_until(lambda: svc.run("real")["step"] > saved, 300, "updates past the stop checkpoint")
+    steps = [int(h["step"]) for h in svc.client.get("/v1/runs/real/metrics").json()]
+    assert steps[steps.index(saved) + 1] == saved + 1, steps  # the second attempt logs on from the checkpoint
+    assert svc.client.post("/v1/runs/real/stop", headers=svc.auth).status_code == 202
+    assert svc.wait_state("real", ("stopped",), timeout=300)["exit_codes"] == [0, 0]
 
 
 def test_crash_is_restarted_and_resumes_from_the_checkpoint(make_service):
