@@ -96,3 +96,13 @@ MEASURED = [
 def test_bound_covers_tritons_allocation(kernel, KV, dtype, BK, BV, stages, measured):
     opts = dict(BK=BK, BV=BV, num_stages=stages)
     assert smem.shared_bytes(kernel, KV, KV, dtype, opts) >= measured
+
+
+def test_model_args_refuse_heads_wider_than_the_kernels_take():
+    """A model asking for KDA heads past the kernels' limit stops when its args are built, before any work."""
+    from titan_k3.models.k3.args import KDA_MAX_HEAD_DIM, get_flavor
+
+    debug = get_flavor("debug")
+    assert debug.replace(kda_head_dim=KDA_MAX_HEAD_DIM).kda_head_dim == 256
+    with pytest.raises(ValueError, match=r"^kda_head_dim=512: the KDA kernels take head widths 1\.\.256$"):
+        debug.replace(kda_head_dim=512)

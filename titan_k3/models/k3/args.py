@@ -14,6 +14,11 @@ from dataclasses import dataclass
 from titan_k3.spec import K3_FLAVORS, KDA_CHUNK
 
 
+# The widest KDA head (K = V) the kernels take: kernels/kda checks it again per call, with the dtype (float32
+# on a GPU stops at 128: kernels.kda.ops.SUPPORTED_WIDTHS).
+KDA_MAX_HEAD_DIM = 256
+
+
 @dataclass(frozen=True)
 class K3Args:
     dim: int
@@ -48,6 +53,8 @@ class K3Args:
     def __post_init__(self) -> None:
         if self.top_k > self.n_experts:
             raise ValueError(f"top_k={self.top_k} exceeds n_experts={self.n_experts}")
+        if not 0 < self.kda_head_dim <= KDA_MAX_HEAD_DIM:
+            raise ValueError(f"kda_head_dim={self.kda_head_dim}: the KDA kernels take head widths 1..{KDA_MAX_HEAD_DIM}")
 
     @property
     def mla_layers(self) -> tuple[int, ...]:
