@@ -121,3 +121,27 @@ def test_every_string_config_key_is_classified_for_path_checks():
     assert strings == checked | reserved | not_paths, (
         f"unclassified: {sorted(strings - checked - reserved - not_paths)}; "
         "paths must be checked in service/app.py Service._check_paths")
+
+
+def test_a_config_error_under_torchrun_is_read_from_its_failure_summary(tmp_path):
+    """torchrun exits 1 whatever its workers' statuses; the service reads theirs from torchrun's summary."""
+    from service.supervisor import config_error
+
+    script = tmp_path / "worker.py"
+    script.write_text("import sys\nprint(\"error: config key 'data.mixture' = 'web:1': unknown source(s)\", "
+                      "file=sys.stderr)\nsys.exit(int(sys.argv[1]))\n")
+
+    def attempt(status: int) -> tuple[Attempt, int]:
+        log = tmp_path / f"attempt-{status}.log"
+        with open(log, "wb") as out:
+            code = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                   "1", str(script), str(status)], stdout=out, stderr=subprocess.STDOUT,
+                                  timeout=300).returncode
+        return Attempt("r", 1, 0, 0.0, 0.0, None, None, [], str(log), ""), code
+
+    a, code = attempt(2)
+    assert code == 1
+    assert config_error("torchrun", a, code) == "config key 'data.mixture' = 'web:1': unknown source(s)"
+    crashed, code = attempt(3)
+    assert code == 1 and config_error("torchrun", crashed, code) is None
+    assert config_error("python", crashed, 2) == "config key 'data.mixture' = 'web:1': unknown source(s)"
