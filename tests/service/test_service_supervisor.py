@@ -10,6 +10,7 @@ import time
 import psutil
 
 from service.registry import Attempt, Registry
+from service.rundir import RunFilesCache
 from service.settings import Settings
 from service.supervisor import Supervisor, launch_command, process_alive
 
@@ -55,7 +56,7 @@ def test_recover_readopts_live_attempts_and_settles_the_rest(tmp_path):
                 exit_path.write_text(exit_text + "\n")
             reg.add_attempt(Attempt(run_id, 1, pid, t0, time.time(), None, None, [i % 2], "", str(exit_path)))
             reg.update_run(run_id, state=state, assigned_gpus=[i % 2], stop_requested_at=time.time() if stop else None)
-        Supervisor(settings, reg).recover()
+        Supervisor(settings, reg, RunFilesCache(settings.runs_dir)).recover()
         got = {r.id: r for r in reg.list()}
         assert {k: r.state for k, r in got.items()} == {
             "alive": "running", "reused-pid": "lost", "ended-ok": "finished", "stopped-while-away": "stopped",
@@ -63,7 +64,7 @@ def test_recover_readopts_live_attempts_and_settles_the_rest(tmp_path):
         assert got["alive"].assigned_gpus == [0] and got["alive"].attempts[0].ended_at is None
         assert got["ended-ok"].attempts[0].exit_code == 0 and got["vanished"].attempts[0].exit_code is None
         assert all(r.assigned_gpus == [] for k, r in got.items() if k != "alive")
-        assert Supervisor(settings, reg).used_gpus() == {0}
+        assert Supervisor(settings, reg, RunFilesCache(settings.runs_dir)).used_gpus() == {0}
     finally:
         live.kill()
         live.wait()
@@ -76,6 +77,9 @@ def test_launch_command_is_an_argument_list_with_overrides_verbatim(tmp_path):
     reg.insert_run("r1", "inline", {"job.description": "a b; rm -rf / $(x)", "training.steps": "6"}, 2, 0, 0)
     run = reg.get("r1")
     argv = launch_command(settings, run, tmp_path / "runs" / "r1")
+    # every run saves on stop, and its metrics endpoint listens where the service does (loopback here)
+    assert argv[argv.index("--checkpoint.save_on_stop") + 1] == "true"
+    assert argv[argv.index("--metrics.prometheus_host") + 1] == "127.0.0.1"
     assert argv[:8] == [settings.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         "-m", "titan_k3.train"]
     i = argv.index("--job.description")
@@ -85,6 +89,19 @@ def test_launch_command_is_an_argument_list_with_overrides_verbatim(tmp_path):
     # every run of the service shares one kernel cache: a restarted run loads instead of compiling
     assert argv[argv.index("--compile.cache_dir") + 1] == str(tmp_path / "compile-cache")
     reg.close()
+
+
+def test_limits_and_read_side_come_from_the_host(tmp_path):
+    cpu = Settings(state_dir=tmp_path, token="x", gpus=0)
+    assert cpu.max_running == 1 and cpu.read_auth == "off" and cpu.cpus >= 1
+    assert {"127.0.0.1", "localhost"} <= set(cpu.allowed_hosts)
+    four = Settings(state_dir=tmp_path, token="x", gpus=4, host="0.0.0.0", advertise_host="k3-service")
+    assert four.max_running == 4 and four.read_auth == "on" and "k3-service" in four.allowed_hosts
+    assert four.metrics_host == "0.0.0.0"
+    assert Settings(state_dir=tmp_path, token="x", gpus=4, max_running=0).max_running == 0  # no limit
+    assert Settings(state_dir=tmp_path, token="x", gpus=0, host="0.0.0.0", read_auth="off").read_auth == "off"
+    assert Settings(state_dir=tmp_path, token="x", gpus=0).grace_seconds > Settings(state_dir=tmp_path, token="x",
+                                                                                     gpus=0).stop_timeout >= 120
 
 
 def test_token_from_file_env_or_generated(tmp_path, monkeypatch):
@@ -110,7 +127,8 @@ def test_every_string_config_key_is_classified_for_path_checks():
     from titan_k3.config import JobConfig
 
     checked = {"checkpoint.folder", "checkpoint.initial_load_path", "eval.tasks", "data.dataset", "data.tokenizer"}
-    reserved = {"job.config_file", "job.dump_folder", "job.name", "compile.cache_dir"}  # set by the service, refused as overrides
+    # set by the service, refused as overrides
+    reserved = {"job.config_file", "job.dump_folder", "job.name", "compile.cache_dir", "metrics.prometheus_host"}
     not_paths = {"job.description", "model.name", "model.flavor", "data.mixture", "training.context_stages"}
     strings = set()
     for section in dataclasses.fields(JobConfig):
