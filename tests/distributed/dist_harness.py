@@ -31,8 +31,12 @@ BASE_ARGS = [
 ]
 
 
-def run_trainer(argv: list[str], dump: str, name: str, steps: int = STEPS) -> dict:
-    """Build a Trainer from BASE_ARGS + argv and run `steps` updates; return what it saw."""
+def run_trainer(argv: list[str], dump: str, name: str, steps: int = STEPS, whole: bool = False) -> dict:
+    """Build a Trainer from BASE_ARGS + argv and run `steps` updates; return what it saw.
+
+    whole: run `Trainer.train()` itself (checkpoints, logs, resumes; `steps` must then be training.steps,
+    less the updates a resumed run has done) instead of calling `train_step` `steps` times.
+    """
     from titan_k3.config import load_job_config
     from titan_k3.train import Trainer
 
@@ -74,14 +78,25 @@ def run_trainer(argv: list[str], dump: str, name: str, steps: int = STEPS) -> di
 
     for name in counted:
         setattr(dist, name, counting(name))
+    train_step = trainer.train_step
+
+    def recording_train_step():
+        result = train_step()
+        out["loss"].append(result.loss)
+        out["grad_norm"].append(result.grad_norm)
+        out["fingerprints"].append(seen[-cfg.training.grad_accum:])
+        if trainer.dp_group is not None:
+            out["routing_identical"].append(_routing_identical(trainer))
+        return result
+
     try:
-        for _ in range(steps):
-            result = trainer.train_step()
-            out["loss"].append(result.loss)
-            out["grad_norm"].append(result.grad_norm)
-            out["fingerprints"].append(seen[-cfg.training.grad_accum:])
-            if trainer.dp_group is not None:
-                out["routing_identical"].append(_routing_identical(trainer))
+        if whole:
+            trainer.train_step = recording_train_step
+            trainer.train()
+            assert len(out["loss"]) == steps, (len(out["loss"]), steps)
+        for _ in range(0 if whole else steps):
+            recording_train_step()
+            trainer.step += 1  # as Trainer.train does: the invariants and the GC schedule count updates by it
         out["qb_bias"] = torch.cat([r.qb_bias for r in trainer.model.moe_routers().values()]).clone()
         out["router_weight"] = torch.cat([_full(r.weight).detach().flatten() for r in trainer.model.moe_routers().values()])
         # Breaks at functions dynamo must skip (FSDP hooks inside a compiled region), apart from data-dependent ones.
@@ -148,3 +163,32 @@ def _train_runs(rank: int, world: int, runs: list, dump: str) -> dict:
 def run_distributed(world: int, runs: list[tuple[str, list[str], int]], tmp_path) -> list[dict]:
     """Run each (name, argv, steps) in turn in `world` spawned processes; returns one result dict per rank."""
     return spawn_gloo(world, _train_runs, runs, str(tmp_path), result_file=tmp_path / "results.pt")
+
+
+def check_equivalent(ranks: list[dict], ref: dict, name: str, steps: int = STEPS) -> None:
+    """Run `name` on every rank equals the single-process `ref` (run_trainer results) update for update.
+
+    Loss within 1e-5 relative, grad norm within 1e-4, routing state bit-identical
+    on every rank after every update, the ranks' sequences together exactly the
+    reference's, and the router weights whole, equal and (after as many updates) the reference's.
+    """
+    import pytest
+
+    for step in range(steps):
+        for rank, result in enumerate(ranks):
+            run = result[name]
+            assert run["loss"][step] == pytest.approx(ref["loss"][step], rel=1e-5), f"{name}: loss, step {step + 1}, rank {rank}"
+            assert run["grad_norm"][step] == pytest.approx(ref["grad_norm"][step], rel=1e-4), f"{name}: grad norm, step {step + 1}"
+            assert run["routing_identical"][step], f"{name}: routing state differs between ranks after step {step + 1}"
+        for micro in range(len(ref["fingerprints"][step])):
+            together = sorted(fp for result in ranks for fp in result[name]["fingerprints"][step][micro])
+            assert together == sorted(ref["fingerprints"][step][micro]), f"{name}: ranks did not split the global batch"
+            per_rank = [set(result[name]["fingerprints"][step][micro]) for result in ranks]
+            assert sum(len(s) for s in per_rank) == len(set().union(*per_rank)), f"{name}: ranks overlap"
+    # The comparison proves something only if training moved the routing state.
+    assert any(abs(x) > 0 for x in ranks[0][name]["qb_bias"].tolist())
+    # Router weights: whole on every rank, and trained by the global gradient (summed over the ranks).
+    weights = [result[name]["router_weight"] for result in ranks]
+    assert all(torch.equal(w, weights[0]) for w in weights), f"{name}: router weights differ between ranks"
+    if steps == len(ref["loss"]):  # the reference's weights are those after all its updates
+        torch.testing.assert_close(weights[0], ref["router_weight"], rtol=1e-4, atol=1e-6, msg=f"{name}: router weights")

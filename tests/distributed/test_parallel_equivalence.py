@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_harness import GLOBAL_BATCH, GRAD_ACCUM, STEPS, run_distributed, run_trainer
+from dist_harness import GLOBAL_BATCH, GRAD_ACCUM, STEPS, check_equivalent as _check, run_distributed, run_trainer
 
 pytestmark = [
     pytest.mark.slow,
@@ -33,27 +33,6 @@ def reference(tmp_path_factory):
     ref = run_trainer(["--training.local_batch_size", str(GLOBAL_BATCH)], str(tmp_path_factory.mktemp("ref")), "ref")
     assert max(ref["max_logit"]) > 0.05, "QK-Clip never triggered: the MAX-reduction would go untested"
     return ref
-
-
-def _check(ranks: list[dict], ref: dict, name: str, steps: int = STEPS) -> None:
-    for step in range(steps):
-        for rank, result in enumerate(ranks):
-            run = result[name]
-            assert run["loss"][step] == pytest.approx(ref["loss"][step], rel=1e-5), f"{name}: loss, step {step + 1}, rank {rank}"
-            assert run["grad_norm"][step] == pytest.approx(ref["grad_norm"][step], rel=1e-4), f"{name}: grad norm, step {step + 1}"
-            assert run["routing_identical"][step], f"{name}: routing state differs between ranks after step {step + 1}"
-        for micro in range(len(ref["fingerprints"][step])):
-            together = sorted(fp for result in ranks for fp in result[name]["fingerprints"][step][micro])
-            assert together == sorted(ref["fingerprints"][step][micro]), f"{name}: ranks did not split the global batch"
-            per_rank = [set(result[name]["fingerprints"][step][micro]) for result in ranks]
-            assert sum(len(s) for s in per_rank) == len(set().union(*per_rank)), f"{name}: ranks overlap"
-    # The comparison proves something only if training moved the routing state.
-    assert any(abs(x) > 0 for x in ranks[0][name]["qb_bias"].tolist())
-    # Router weights: whole on every rank, and trained by the global gradient (summed over the ranks).
-    weights = [result[name]["router_weight"] for result in ranks]
-    assert all(torch.equal(w, weights[0]) for w in weights), f"{name}: router weights differ between ranks"
-    if steps == STEPS:  # the reference's weights are those after all its updates
-        torch.testing.assert_close(weights[0], ref["router_weight"], rtol=1e-4, atol=1e-6, msg=f"{name}: router weights")
 
 
 def test_two_processes_fsdp2_and_ep(reference, tmp_path):
