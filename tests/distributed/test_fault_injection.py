@@ -138,3 +138,13 @@ def test_fsdp_averaging_halves_the_probe_gradient(runs):
     (ep,) = [e for e in _violations(dump, "fsdp_average_ep2") if e["check"] == "gradient_scale.probe_reference"]
     assert 0.5 < ep["metric"] < 1 and not [e for e in _violations(dump, "fsdp_average_ep2")
                                            if e["check"] == "gradient_scale.expert_grad_scale"]
+
+
+def test_the_run_summarizer_names_the_violations(runs):
+    from titan_k3.tools.summarize import summarize
+
+    dump, _ = runs
+    text, numbers = summarize(dump / "fsdp_average")
+    assert numbers["invariant_violations"]["gradient_scale.probe_reference"] == 1
+    assert "| invariant violations | gradient_scale.expert_grad_scale: 1, gradient_scale.probe_reference: 1 |" in text
+    assert "| invariant violations | 0 |" in summarize(dump / "clean")[0]

@@ -200,7 +200,7 @@ def layout_grad_norm(grads: Iterable[torch.Tensor]) -> float:
         return 0.0
     # NOTE: float64 accumulation: a float32 norm of a large CPU tensor can be off by 1e-4 relative.
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    sq_N = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64).square().cpu() for t in local])
+    sq_N = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64).square() for t in local]).cpu()  # one sync
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return math.sqrt(float(sq_N.sum()))
     sq_WN = all_gather_small(sq_N, dist.group.WORLD)
