@@ -7,9 +7,10 @@ kernel is bounded by
     sum over its dot operands (each distinct tile once) + (S - 1) * sum over the tiles loaded in its loop
     + the scratch of its largest reduction or scan (float32)
 
-which ignores that Triton reuses a buffer once its value is dead, so it over-counts: a launch that fits
-this bound fits the GPU. `tests/gpu/test_kda_gpu.py` checks the bound against Triton's own allocation
-(`CompiledKernel.metadata.shared`) for every kernel the GPU compiled.
+which ignores that Triton reuses a buffer once its value is dead (but for the fused backward's two phases),
+so it over-counts: a launch that fits this bound fits the GPU. tests/gpu/test_kda_fla_gpu.py checks the bound
+against Triton's own allocation (`CompiledKernel.metadata.shared`) for every kernel the GPU compiled;
+tests/kernels/test_kda_smem.py against the numbers an H200 gave.
 
 Legend: BT chunk (64), BC sub-block (16), BK / BV tile widths, KF all of K (a power of two), e the
 input dtype's bytes (q, k, v and the tiles derived from them), f 4 (float32 buffers: b, M, A, Ai, dM, dA).
@@ -31,12 +32,15 @@ def tile(rows: int, cols: int, nbytes: int) -> int:
 
 def shared_bytes(kernel: str, K: int, V: int, dtype: torch.dtype, opts: dict) -> int:
     """The bound above for `kernel` (a key of ops.LAUNCH) with its launch settings `opts` (BK, BV, num_stages)."""
-    e = torch.empty((), dtype=dtype).element_size()
+    e = dtype.itemsize
     f = F32
     S = opts["num_stages"]
     BK = opts.get("BK", 0)
     BV = opts.get("BV", 0)
     KF = max(16, triton.next_power_of_2(K))
+    # The decayed-product gradients (dintra, dfused's own) multiply float32 tiles in three TF32 passes for
+    # bfloat16 / float16 calls (bwd.exact_dot), holding each operand as a high and a low TF32 part.
+    split = 1 if dtype == torch.float32 else 2
     if kernel in ("decay", "ddecay"):
         # no dot; the chunk's cumulative sum (forward or reverse) over a [BT, BK] float32 tile
         return tile(BT, BK, f)
@@ -45,8 +49,9 @@ def shared_bytes(kernel: str, K: int, V: int, dtype: torch.dtype, opts: dict) ->
         loads = tile(BC, BK, f + 2 * e) + tile(BT, BK, f + e)  # b, q, k of the block; b, k of the chunk
         return operands + (S - 1) * loads
     if kernel == "solve":
-        # the longest product of the block substitution (Ai_30) holds 7 float32 16x16 tiles; no loop
-        return 7 * tile(BC, BC, f)
+        # every float32 16x16 tile of the block substitution: 4 inverted diagonal blocks, 6 blocks of
+        # diag(beta) A below them, 6 results; no loop
+        return 16 * tile(BC, BC, f)
     if kernel == "wy":
         operands = tile(BT, BT, e) + tile(BT, BV, e) + tile(BT, BK, e)  # Ai, beta v, beta exp(b) k
         loads = tile(BT, BV, e) + tile(BT, BK, e + f)  # v; k and b
@@ -69,13 +74,15 @@ def shared_bytes(kernel: str, K: int, V: int, dtype: torch.dtype, opts: dict) ->
         operands = 4 * tile(BT, BV, e) + 2 * tile(BK, BV, e) + tile(BT, BT, e)
         loads = 4 * tile(BT, BV, e) + 2 * tile(BK, BV, e)  # h, dh, dO, U, dU, v
         scratch = tile(BT, max(BK, BT), f)  # the column sums over the chunk after the loop ([BT, BK] and [BT, BT])
+        need = operands + (S - 1) * loads
         if kernel == "dfused":
-            # per 16-row block: dM, dA rows and columns [BC, BT] and the chunk's decayed q, k [BT, BK]
-            operands += 4 * tile(BC, BT, f) + 3 * tile(BT, BK, f)
-        return operands + (S - 1) * loads + scratch
+            # after the V loop, whose buffers are dead by then: per 16-row block, dM, dA rows and columns
+            # [BC, BT] and the chunk's decayed q, k [BT, BK]
+            need = max(need, split * (4 * tile(BC, BT, f) + 3 * tile(BT, BK, f)))
+        return need + scratch
     if kernel == "dintra":
         # rows and columns of dM, dA [BC, BT]; decayed k (rows), q and k (columns) of the chunk [BT, BK]
-        operands = 4 * tile(BC, BT, f) + 3 * tile(BT, BK, f)
+        operands = split * (4 * tile(BC, BT, f) + 3 * tile(BT, BK, f))
         loads = tile(BC, BK, 2 * e + f) + tile(BT, BK, 2 * e + f)
         return operands + (S - 1) * loads
     raise KeyError(f"no shared-memory bound for KDA kernel {kernel!r}")
