@@ -232,9 +232,10 @@ def exact_dot(a, b, PREC: tl.constexpr):
     NOTE: db takes every pair of a block's rows once as a row term and once as a column term, and the gate's
     gradient is a chunk's reverse sum of db, so behind a steeply decaying token the pairs after it must cancel.
     One-pass TF32 rounds the two terms differently, and the residue outweighed the true sum: with the softplus
-    gate on fla's packed cases (A = exp(A_log) up to 16) dt_bias came 0.6-1.1% and A_log up to 2.7% off in
-    float16 / bfloat16. The CPU interpreter with TF32-rounded products reproduced it (dt_bias 1.1%) and placed it
-    in these products alone: TF32 everywhere else gave 4.5e-4, TF32 here alone 7.5e-3.
+    gate on fla's packed cases (A = exp(A_log) up to 16) dt_bias came 0.57-1.1% off on an H200. The CPU
+    interpreter with TF32-rounded products reproduced it (float16: dt_bias 1.1e-2, A_log 2.7e-2) and placed it
+    in these products alone (TF32 everywhere else: 4.5e-4; TF32 here alone: 7.5e-3); in three passes the H200
+    gave 2.5e-4 to 4.8e-4 (float16), 2.6e-3 to 3.2e-3 (bfloat16) on those cases (benchmarks/results/kda.md).
     """
     if PREC == "ieee":
         return tl.dot(a, b, input_precision="ieee")
