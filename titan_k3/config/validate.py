@@ -202,8 +202,6 @@ def validate(cfg: JobConfig) -> None:
     )
     _positive("metrics.collapse_patience", cfg.metrics.collapse_patience)
     _positive("invariants.interval", cfg.invariants.interval)
-    drift = cfg.debug.inject_replica_drift
-    _require(math.isfinite(drift), f"config key 'debug.inject_replica_drift' = {drift!r}: must be a finite number (0 is off)")
     _non_negative("eval.interval", cfg.eval.interval)
     _positive("eval.steps", cfg.eval.steps)
     _positive("eval.batch_size", cfg.eval.batch_size)
