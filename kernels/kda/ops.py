@@ -3,6 +3,8 @@
 Legend: B batch, T tokens, H heads, K/V widths, N sequences, NT chunks (64 tokens).
 """
 
+import functools
+
 import torch
 import triton
 
@@ -107,9 +109,21 @@ def launch_plan(K: int, V: int, dtype: torch.dtype, walks: int, sms: int, gate, 
     gate as `kda_forward` takes it. limit None (the CPU interpreter, which has no shared memory) skips
     the fitting. A kernel above the limit gives up pipelining first, then halves its V tile (down to 16);
     one that still does not fit stops the call with a ValueError before any kernel runs.
+    The plans are cached per shape and LAUNCH table (read-only: every call of a layer reuses one).
+    """
+    bounded, fused = _bounded(gate)
+    table = tuple((name, tuple(opts.items())) for name, opts in LAUNCH.items())
+    return _cached_plan(K, V, dtype, walks, sms, bounded, fused, limit, table)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_plan(K, V, dtype, walks, sms, bounded, fused, limit, table) -> dict:
+    """launch_plan's work; `table` (LAUNCH as tuples) is only the cache key: the helpers read LAUNCH itself.
+
+    NOTE: cached because building a plan (a dozen bounds and fits) took ~0.1 ms of host time, three times per
+    layer call, where the step is host-bound once the GPU is fast (see common._packed_layout).
     """
     _, BK, BV = _tiles(K, V)
-    bounded, fused = _bounded(gate)
     plan = {
         "decay": dict(BK=BK, **_launch("decay", K, V)),
         "scores": _split_launch("scores", K, V, bounded),
