@@ -144,6 +144,7 @@ class MetricsReporter:
         """window: {tokens, training_seconds, data_wait} since the last log step; extra: more keys for the
         record (the evaluation's val_loss, eval/<task>/acc...). Returns the record."""
         win_seconds = max(window["training_seconds"], 1e-9)
+        session_seconds = clocks.session_seconds  # read once: the record's rate is its own tokens over its own seconds
         record = {
             "step": step,
             "loss": loss,
@@ -153,12 +154,12 @@ class MetricsReporter:
             "skipped_updates": skipped_updates,
             "nonfinite_events": self.events.counts.get("nonfinite", 0) if self.events else 0,
             "training_seconds": clocks.training_seconds,
-            "session_seconds": clocks.session_seconds,
+            "session_seconds": session_seconds,
             "session_start": round(clocks.started_unix, 3),
             "session_tokens": clocks.session_tokens,
             "tokens_per_second_training": window["tokens"] / win_seconds,
             # NOTE: this session's tokens over this session's time; tokens_seen includes earlier sessions' (resume).
-            "tokens_per_second_session": clocks.session_tokens / max(clocks.session_seconds, 1e-9),
+            "tokens_per_second_session": clocks.session_tokens / max(session_seconds, 1e-9),
             "data_wait_fraction": window["data_wait"] / win_seconds,
         }
         peak = self.cfg.metrics.peak_tflops * 1e12 * self.n_devices
