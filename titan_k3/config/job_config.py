@@ -117,7 +117,7 @@ class Optimizer:
 @dataclass
 class LRScheduler:
     warmup_steps: int = -1
-    """Updates of linear warmup, below training.steps; -1 (unset) takes warmup_fraction, or 2 updates when that is unset too. Set at most one of the two."""
+    """Updates of linear warmup, below training.steps; -1 (unset) takes warmup_fraction, or 2 updates (fewer in a run of 2 or fewer) when that is unset too. Set at most one of the two."""
     warmup_fraction: float = 0.0
     """Linear warmup as a fraction of training.steps, in [0, 1): round(fraction x steps) updates, at least 1 and below training.steps, so a shortened run (--training.steps) keeps the recipe's shape; 0 (unset) takes warmup_steps."""
     decay_type: Literal["cosine", "linear", "sqrt"] = "cosine"
