@@ -1,6 +1,6 @@
 """KDA gradients against the float64 recurrence, per path, dtype and shape: where the Triton kernels go wrong.
 
-    PYTHONPATH=. python benchmarks/kda_precision.py [--out OUTDIR] [--launch "dchunk.num_stages=1;..."]
+    PYTHONPATH=. python benchmarks/kda_precision.py [--out OUTDIR] [--launch "dchunk.num_stages=1;..."] [--fla]
 
 Each case runs the safe gate (random raw gate, lower bound -5, the A_log / dt_bias initialisation of docs/k3.md §2.1)
 forward and backward through `kernels.kda.chunk_kda` under one launch path ("exact": the default unfused
@@ -9,6 +9,8 @@ reports the relative RMS error of the output and of every gradient. `--launch` o
 (e.g. "dchunk.BK=32") to check a launch setting's precision before it is timed.
 A correctness tool, not a timing: appends a table to OUTDIR/kda_precision.md. Without a GPU, `--smoke`
 runs one small float32 case on Triton's CPU interpreter (a check of the script, not of the GPU).
+`--fla` runs flash-linear-attention's own test cases (FLA_CASES below) in bf16 and fp16 and appends a pass / fail
+table to OUTDIR/kda_fla_cases.md (tests/gpu/test_kda_fla_gpu.py asserts the same).
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ class FlaCase:
 
     @property
     def name(self) -> str:
-        gate = ("safe" if self.safe_gate else "softplus") if self.gate_in_kernel else ("g>=-5" if self.safe_gate else "g")
+        fused = "safe" if self.safe_gate else "softplus"
+        gate = fused if self.gate_in_kernel else ("g>=-5" if self.safe_gate else "g")
         shape = f"B{self.B} T{self.T}" if self.cu_seqlens is None else f"cu{list(self.cu_seqlens)}"
         return (f"{self.kind} {shape} H{self.H} D{self.D} scale{self.scale} norm{self.normalizer} "
                 f"mask{self.mask_p} {gate}{' l2-in-kernel' if self.l2norm_in_kernel else ''}")
@@ -226,8 +229,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--launch", default="", help='ops.LAUNCH overrides, "kernel.setting=value;..."')
     p.add_argument("--smoke", action="store_true", help="one small float32 case (runs on CPU too)")
+    p.add_argument("--fla", action="store_true", help="fla's test_chunk / test_chunk_varlen cases in bf16 and fp16")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.fla:
+        return fla_main(args.out, device)
     if device == "cpu" and not args.smoke:
         print("kda_precision: needs CUDA (the defect it measures is a GPU one); --smoke checks the script on CPU")
         return 2
@@ -246,6 +252,28 @@ def main(argv=None) -> int:
                      f"{r['path']} | {r['shape']} | {r['dtype']} | " + " | ".join(f"{r[n]:.1e}" for n in NAMES) + " |")
     write_results(args.out, "kda_precision", "\n".join(lines), env, rows)
     return 0
+
+
+def fla_main(out: Path, device: str) -> int:
+    """FLA_CASES in bfloat16 and float16 (float32 on CPU): a pass / fail table against fla's tolerances."""
+    env, rows = environment(), []
+    dtypes = [torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32]
+    names = ("o", "ht", "dq", "dk", "dv", "dg", "db", "dh0", "dbias", "dA")
+    for case in FLA_CASES:
+        for dtype in dtypes:
+            errors = fla_errors(case, dtype, device)
+            failed = sorted(n for n, tol in case.tolerances.items() if not errors[n] < tol)
+            rows.append(dict(env, case=case.name, dtype=str(dtype).split(".")[-1], failed=failed, **errors))
+            print(rows[-1], flush=True)
+    lines = ["\n### fla's KDA test cases vs float64 (relative RMS error; fla's tolerances)",
+             "| date | commit | GPU | case | dtype | result | " + " | ".join(names) + " |",
+             "|" + "---|" * (6 + len(names))]
+    for r in rows:
+        result = "fail: " + ", ".join(r["failed"]) if r["failed"] else "pass"
+        lines.append(f"| {r['date']} | {r['commit']} | {r['gpu']} | {r['case']} | {r['dtype']} | {result} | "
+                     + " | ".join(f"{r[n]:.1e}" if n in r else "—" for n in names) + " |")
+    write_results(out, "kda_fla_cases", "\n".join(lines), env, rows)
+    return 0 if not any(r["failed"] for r in rows) else 1
 
 
 if __name__ == "__main__":
