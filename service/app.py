@@ -341,7 +341,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/v1/runs/{run_id}/logs/stream", dependencies=read,
              responses={200: {"content": {"text/event-stream": {}}}, **as_json({
-                 **read_auth, **NOT_FOUND, 429: {"model": ErrorOut, "description": "too many open streams (--max-streams)"}})})
+                 **read_auth, **NOT_FOUND,
+                 429: {"model": ErrorOut, "description": "too many open streams (--max-streams)"}})})
     async def stream_logs(run_id: RunId, tail: int = Query(50, ge=0, le=10000)) -> StreamingResponse:
         """Server-sent events: one `data:` line per log line, following attempts; `event: end` when the run ends."""
         run = svc.get(run_id)

@@ -46,13 +46,14 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
 class ServiceProc:
     """One `python -m service` process; restartable over the same state dir."""
 
-    def __init__(self, state_dir: Path, *, fake: bool, gpus: int = 0, max_running: int | None = None,
+    def __init__(self, state_dir: Path, *, fake: bool, gpus: int = 0, max_running: int | None = 0,
                  grace_seconds: float = 120.0, step_seconds: float = 0.2, extra_env: dict[str, str] | None = None,
                  extra_args: list[str] | None = None):
         self.state_dir = state_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        # max_running None: the service's default (one run per GPU, one at a time without GPUs).
+        # max_running 0: no limit (tests run several fake trainings at once); None: the service's default
+        # (one run per GPU, one at a time without GPUs).
         self.args = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(self.port),
                      "--state-dir", str(state_dir), "--gpus", str(gpus), "--grace-seconds", str(grace_seconds),
                      *(["--max-running", str(max_running)] if max_running is not None else []), *(extra_args or [])]

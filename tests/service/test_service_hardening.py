@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service_harness import TOKEN, free_port, wait_until
+from service_harness import free_port, wait_until
 
 INLINE = '[model]\nflavor = "debug"\n[training]\nsteps = 6\nseq_len = 64\n[metrics]\nlog_freq = 1\n'
 LONG = {"training.steps": 4000}
@@ -69,14 +69,15 @@ def test_metrics_ports_in_use_are_refused(fake_service_1gpu):
         r = svc.create(name="busy-port", toml=INLINE, overrides={"metrics.prometheus_port": port})
         assert r.status_code == 422 and f"cannot listen on 127.0.0.1:{port}" in detail(r)
     port = free_port()
-    assert svc.create(name="claims", toml=INLINE, overrides={**LONG, "metrics.prometheus_port": port}).status_code == 201
+    claims = svc.create(name="claims", toml=INLINE, overrides={**LONG, "metrics.prometheus_port": port})
+    assert claims.status_code == 201
     r = svc.create(name="claims-too", toml=INLINE, overrides={"metrics.prometheus_port": port})
     assert r.status_code == 422 and "already claimed by run 'claims'" in detail(r)
     assert svc.client.delete("/v1/runs/claims", headers=svc.auth).status_code == 200
 
 
 def test_one_run_at_a_time_without_gpus(make_service):
-    svc = make_service("cpu-only", fake=True, gpus=0, step_seconds=0.05)
+    svc = make_service("cpu-only", fake=True, gpus=0, step_seconds=0.05, max_running=None)
     for name in ("first", "second"):
         assert svc.create(name=name, toml=INLINE, overrides=LONG).status_code == 201
     svc.wait_state("first", ("running",))
@@ -88,7 +89,7 @@ def test_one_run_at_a_time_without_gpus(make_service):
 
 
 def test_a_configuration_error_at_start_is_not_retried(make_service):
-    svc = make_service("config-error", fake=True, gpus=0, step_seconds=0.05)
+    svc = make_service("config-error", fake=True, gpus=0, step_seconds=0.05, max_running=None)
     assert svc.create(name="blocker", toml=INLINE, overrides=LONG).status_code == 201
     port = free_port()
     body = {"name": "late-port", "toml": INLINE, "restart_limit": 3, "overrides": {"metrics.prometheus_port": port}}
