@@ -42,18 +42,15 @@ from titan_k3.invariants import InvariantRunner, InvariantViolationError
 from titan_k3.metrics.profile import StepProfiler
 from titan_k3.metrics.reporter import MetricsReporter
 from titan_k3.metrics.run_dir import Tee, check_run_dir, prepare_run_dir, run_dir_path
-from titan_k3.models.k3.args import count_params, flops_per_token, get_flavor
-from titan_k3.models.k3.documents import OnHost
-from titan_k3.models.k3.impl import resolve_impl
-from titan_k3.models.k3.model import K3Model
-from titan_k3.models.k3.moe import apply_deferred_updates
-from titan_k3.optim import LRSchedule, ParamSpec, build_optimizers, qk_clip_
+from titan_k3.models.registry import get_model_spec
+from titan_k3.optim import LRSchedule, ParamSpec, build_optimizers
 from titan_k3.parallel import (
     CompileWatch, grad_norm_and_clip_coef, init_weights, parallelize, set_microbatch_sync, setup_distributed,
     sum_replicated_grads,
 )
 from titan_k3.parallel.faults import active_injections, check_injections, inject_replica_drift
 from titan_k3.signals import EXIT_STATUS, StopNow, StopSignals
+from titan_k3.train_state import TrainState
 
 IGNORE_INDEX = -100
 
@@ -107,6 +104,12 @@ def _device(cfg: JobConfig) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
+def _state_field(name: str) -> property:
+    """A Trainer attribute that is `self.state.<name>` (read and write)."""
+    return property(lambda self: getattr(self.state, name), lambda self, value: setattr(self.state, name, value),
+                    doc=f"TrainState.{name}")
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig, stop_signals: StopSignals | None = None):
         self.cfg = cfg
@@ -131,8 +134,9 @@ class Trainer:
             raise ConfigError(
                 f"config key 'model.vocab_size' = {vocab}: below the tokenizer's vocabulary of {self.tokenizer.vocab_size}"
             )
-        self.args = get_flavor(cfg.model.flavor, vocab)
-        self.dist = setup_distributed(cfg.parallelism, self.device, self.args.n_experts)
+        self.model_spec = get_model_spec(cfg.model.name)
+        self.args = self.model_spec.args(cfg.model.flavor, vocab)
+        self.dist = setup_distributed(cfg.parallelism, self.device, self.model_spec.routed_experts(self.args))
         check_run_dir(cfg)  # a dump folder or reused name this run must not write stops here, before the model
         self.dp_rank, self.dp_world, self.dp_group = self.dist.dp_rank, self.dist.dp_world, self.dist.dp_group
         check_injections(cfg.debug, self.dp_world)
@@ -143,7 +147,7 @@ class Trainer:
             t.seed, mixture=parse_mixture(cfg.data.mixture), prefetch=cfg.data.prefetch,
         )
 
-        self.impl = resolve_impl(cfg.kernels, self.device, self.args.max_mix_sources)
+        self.impl = self.model_spec.resolve_kernels(cfg.kernels, self.device, self.args)
         if cfg.job.strict and self.impl.fallbacks:
             first = self.impl.fallbacks[0]
             raise ConfigError(
@@ -151,19 +155,13 @@ class Trainer:
             )
         torch.manual_seed(t.seed)
         with torch.device("meta"):
-            model = K3Model(self.args, self.impl, cfg.model.qb_eta)
+            model = self.model_spec.build(self.args, self.impl, cfg.model)
         self.impl.choices += parallelize(model, self.dist.dims, self.dist.mesh, cfg, self.device)
         model.to_empty(device=self.device)
-        self._build_model = lambda: K3Model(self.args, self.impl, cfg.model.qb_eta)
+        self._build_model = lambda: self.model_spec.build(self.args, self.impl, cfg.model)
         init_weights(model, self._build_model, t.seed, self.device)
-        for router in model.moe_routers().values():
-            router.update_enabled = cfg.model.qb_update
-            router.dp_group = self.dp_group
-            router.defer_update = True  # moved after each micro-batch's backward, all routers in one all-reduce
-        if self.device.type == "cuda" and t.compute_dtype == "bfloat16":
-            model.loss_dtype = torch.bfloat16
+        self.hooks = self.model_spec.step_hooks(model, cfg, self.device, self.dp_group)
         self.model = model.train()
-        self._routers = list(model.moe_routers().values())
 
         hints = model.optim_hints()
         o = cfg.optimizer
@@ -179,16 +177,11 @@ class Trainer:
             min_lr_factor=s.min_lr_factor,
         )
         self.context_stages = parse_context_stages(t.context_stages) if t.context_stages else []
-        self.seq_len = t.seq_len
-        self.tokens_per_update = t.local_batch_size * t.seq_len * t.grad_accum * self.dp_world
-        self.flops_per_token = flops_per_token(self.args, t.seq_len)
+        self.state = TrainState(seq_len=t.seq_len)
+        self.flops_per_token = self.model_spec.flops_per_token(self.args, t.seq_len)
         self.data = describe_run_data(self.loader.describe(), fixed_batch=t.fixed_batch, total_tokens=run_tokens(
             steps=t.steps, seq_len=t.seq_len, context_stages=t.context_stages, local_batch_size=t.local_batch_size,
             grad_accum=t.grad_accum, dp_world=self.dp_world))
-        self.step = 0
-        self.tokens_seen = 0
-        self.skipped_updates = 0
-        self.skipped_in_row = 0
         self._unsettled: deque = deque()
         self._fixed = None
         self.evaluator = Evaluator(cfg, self.tokenizer, self.device, dp_rank=self.dp_rank, dp_world=self.dp_world,
@@ -215,14 +208,14 @@ class Trainer:
         self.reporter.start(self.run_dir, self.events)
         self.profiler = StepProfiler(cfg.profiling, self.run_dir, self.rank, self.events)
         self.invariants = InvariantRunner(cfg.invariants, self.events, group=self.dp_group, rank=self.rank, device=self.device,
-                                          seq_len=t.seq_len, on_violation=self.reporter.violation,
+                                          on_violation=self.reporter.violation,
                                           probe_rtol=0.1 if self._bf16_autocast else 1e-3)
-        self.qk_clip_max_logits: dict[int, torch.Tensor] = {}
         self._report_start()
         self.checkpointer = build_checkpointer(self)
         if self.stop_signals is not None:
             self.stop_signals.install()  # back from the checkpointer's handler: ours hands it signals after update 1
         self.checkpointer.load(resume)
+        self._use_seq_len(self.state.seq_len)  # a resumed run continues at its curriculum stage
         self._inject_faults()
         self.gc_schedule = ScheduledGC(t.gc_every)  # last: a failed start leaves Python's collector as it was
         self._built_at = time.time()
@@ -255,11 +248,12 @@ class Trainer:
     def _report_start(self) -> None:
         if self.rank != 0:
             return
-        pc, card = count_params(self.args), count_params(get_flavor("k3"))
+        spec = self.model_spec
+        pc, card = spec.count_params(self.args), spec.count_params(spec.args(spec.card_flavor, 0))
         t = self.cfg.training
         print(f"titan_k3 | run {self.run_dir}")
         print(f"model {self.cfg.model.flavor}: {pc.total / 1e6:.2f}M total, {pc.active / 1e6:.2f}M active "
-              f"(k3 card: {card.total / 1e9:.1f}B total, {card.active / 1e9:.1f}B active)")
+              f"({spec.card_flavor} card: {card.total / 1e9:.1f}B total, {card.active / 1e9:.1f}B active)")
         print(f"tokens per update = {t.local_batch_size} batch x {t.seq_len} seq x {t.grad_accum} accum x "
               f"{self.dp_world} dp = {self.tokens_per_update}")
         print(f"mesh: {self.dist.dims.describe()}" + (f" | {self.dist.mesh}" if self.dist.mesh is not None else
@@ -325,10 +319,9 @@ class Trainer:
             if defer_reduce:
                 set_microbatch_sync(self.model, last=i == len(batches) - 1)
             with autocast:
-                out = self.model(host_to_device(b.input_ids, self.device), host_to_device(b.labels, self.device),
-                                 OnHost.wrap(b.cu_seqlens))
+                out = self.model(*self.model_spec.batch_inputs(b, self.device))
             (out.loss_sum / normaliser).backward()
-            apply_deferred_updates(self._routers, self.dp_group)  # QB, before the next micro-batch routes
+            self.hooks.after_backward()  # the model's own work before the next micro-batch routes (QB)
             loss_sum += out.loss_sum.detach().float()
         sum_replicated_grads(self.model, self.dp_group)
         loss_t = self._all_reduce(loss_sum) / global_valid
@@ -337,7 +330,7 @@ class Trainer:
             self.reporter.capture_grads(self.model.named_parameters())
         self.invariants.before_clip(self.step + 1, batches=batches, model=self.model, optimizers=self.optimizers,
                                     normaliser=normaliser, local_valid=n_valid, loader=self.loader,
-                                    qk_clip_max_logits=self.qk_clip_max_logits)
+                                    qk_clip_max_logits=self.hooks.qk_clip_max_logits)
         max_norm = cfg.training.max_norm if cfg.training.max_norm > 0 else float("inf")
         # NOTE: the clip coefficient rides on the optimizers' first read of each gradient (Optimizers.step),
         # not on a pass over every gradient of its own (2.2 ms of a k3-mini step).
@@ -353,7 +346,7 @@ class Trainer:
             self.invariants.after_clip(result.grad_norm)  # reads the norm now: a violation can stop the update
         self._last_lr = self.optimizers.lr
         self.optimizers.step(skip_if=skip, grad_scale=clip_coef if cfg.training.max_norm > 0 else None)
-        self._qk_clip(skip)
+        self.hooks.after_step(skip)  # the model's own work after the step (QK-Clip); a skipped update changes nothing
         self.optimizers.zero_grad(set_to_none=True)
         self.schedule.step()
         self._settle(wait=False)
@@ -385,35 +378,32 @@ class Trainer:
             if result is upto:
                 return
 
-    @torch.no_grad()
-    def _qk_clip(self, skip: torch.Tensor) -> None:
-        """QK-Clip after the update; a skipped update (`skip`, on the device) clips nothing."""
-        tau = self.cfg.optimizer.qk_clip_tau
-        layers = self.model.mla_layers()
-        if not layers:
-            return
-        # NOTE: every MLA layer's per-head maxima in one all-reduce, not one collective per layer.
-        maxima = torch.cat([layer.pop_max_logit() for layer in layers.values()])
-        maxima = self._all_reduce(maxima, dist.ReduceOp.MAX if self.dp_group else None)
-        for (i, layer), max_logit in zip(layers.items(), maxima.split([layer.n_heads for layer in layers.values()])):
-            self.qk_clip_max_logits[i] = max_logit
-            if tau > 0:
-                # NOTE: a max of 0 clips no head (gamma = 1 unless the max exceeds tau > 0).
-                qk_clip_(layer.wq_b.weight, layer.wkv_b.weight, torch.where(skip, 0.0, max_logit), n_heads=layer.n_heads,
-                         nope_dim=layer.nope, rope_dim=layer.rope, v_dim=layer.v_dim, tau=tau)
-
     def _enter_context_stage(self, update: int) -> None:
         """Switch to the curriculum's sequence length for `update`; the loader keeps its exact token position."""
         seq = seq_len_at(update, self.cfg.training.seq_len, self.context_stages)
-        if seq == self.seq_len:
+        if seq == self.state.seq_len:
             return
         self.loader.set_seq_len(seq)
-        t = self.cfg.training
-        self.seq_len = seq
-        self.tokens_per_update = t.local_batch_size * seq * t.grad_accum * self.dp_world
-        self.flops_per_token = self.reporter.flops_per_token = flops_per_token(self.args, seq)
+        self._use_seq_len(seq)
         self.events.emit("context_stage", f"sequence length {seq} from update {update} "
                          f"({self.tokens_per_update} tokens per update)", step=update, seq_len=seq)
+
+    def _use_seq_len(self, seq: int) -> None:
+        """Make `seq` the current sequence length (TrainState) and update what derives from it."""
+        self.state.seq_len = seq
+        self.flops_per_token = self.reporter.flops_per_token = self.model_spec.flops_per_token(self.args, seq)
+
+    @property
+    def tokens_per_update(self) -> int:
+        t = self.cfg.training
+        return t.local_batch_size * self.state.seq_len * t.grad_accum * self.dp_world
+
+    # Where the run is lives in `self.state` (a TrainState, what the checkpointer saves and restores); the
+    # trainer reads and writes these counters through it.
+    step = _state_field("step")
+    tokens_seen = _state_field("tokens_seen")
+    skipped_updates = _state_field("skipped_updates")
+    skipped_in_row = _state_field("skipped_in_row")
 
     def train(self) -> list[StepResult]:
         cfg = self.cfg

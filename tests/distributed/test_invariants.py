@@ -54,7 +54,7 @@ def _runner(out: Path, rank: int, group):
     out.mkdir(parents=True, exist_ok=True)
     cfg = SimpleNamespace(enable=True, interval=INTERVAL, abort=False)
     return InvariantRunner(cfg, EventLog(out / "events.jsonl" if rank == 0 else None), group=group, rank=rank,
-                           device=torch.device("cpu"), seq_len=SEQ)
+                           device=torch.device("cpu"))
 
 
 def _dp_scenario(bug: str, rank: int, group, tokenizer, out: Path) -> list:

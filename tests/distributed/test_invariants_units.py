@@ -59,7 +59,7 @@ def test_abort_raises_after_reporting(tmp_path):
     cfg = SimpleNamespace(enable=True, interval=1, abort=True)
     counted = []
     runner = InvariantRunner(cfg, EventLog(tmp_path / "events.jsonl"), group=None, rank=0, device=torch.device("cpu"),
-                             seq_len=8, on_violation=counted.append)
+                             on_violation=counted.append)
     model = torch.nn.Linear(2, 2)
     model(torch.randn(3, 2)).sum().backward()
     batch = SimpleNamespace(fingerprints=torch.arange(2))

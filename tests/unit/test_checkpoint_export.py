@@ -18,6 +18,7 @@ from titan_k3.models.k3.args import FLAVORS, get_flavor
 from titan_k3.models.k3.impl import resolve_impl
 from titan_k3.models.k3.model import K3Model
 from titan_k3.optim import LRSchedule, ParamSpec, build_optimizers
+from titan_k3.train_state import TrainState
 from dataclasses import asdict
 
 
@@ -51,7 +52,7 @@ def checkpoint(tmp_path_factory):
     loader = SimpleNamespace(state_dict=lambda: {}, load_state_dict=lambda s: None)
     cfg = SimpleNamespace(enable=True, interval=1, folder="checkpoints", keep_latest_k=0, async_mode="disabled",
                           load_step=-1, initial_load_path="")
-    state = SimpleNamespace(step=3, tokens_seen=0, skipped_updates=0, skipped_in_row=0)
+    state = TrainState(step=3)
     manager = CheckpointManager(cfg, root / "checkpoints", model=model, optimizers=opts, schedule=sched, loader=loader,
                                 train_state=state, meta={"model_args": asdict(model.args), "qb_eta": 1.0},
                                 events=EventLog(None))

@@ -18,6 +18,7 @@ from titan_k3.models.k3.args import get_flavor
 from titan_k3.models.k3.impl import resolve_impl
 from titan_k3.models.k3.model import K3Model
 from titan_k3.optim import LRSchedule, ParamSpec, build_optimizers
+from titan_k3.train_state import TrainState
 
 
 class FakeLoader:
@@ -50,7 +51,7 @@ class Run:
         self.schedule = LRSchedule(self.optimizers, base_lr=1e-2, total_steps=20, warmup_steps=2,
                                    decay_type="cosine", decay_ratio=None, min_lr_factor=0.1)
         self.loader = FakeLoader()
-        self.state = SimpleNamespace(step=0, tokens_seen=0, skipped_updates=0, skipped_in_row=0)
+        self.state = TrainState()
         cfg = SimpleNamespace(enable=True, interval=2, folder="checkpoints", keep_latest_k=0, async_mode="disabled",
                               load_step=-1, initial_load_path="")
         for k, v in cfg_kw.items():

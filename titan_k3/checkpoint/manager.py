@@ -70,8 +70,6 @@ META_VERSION = 2
 _READABLE_META_VERSIONS = (1, 2)
 # Room for the small files of a save (rank-R.pt, meta.json, .metadata, checksums.json), per rank.
 _SMALL_FILES_BYTES = 1 << 20
-# Trainer attributes that make up the train state, saved in meta.json.
-TRAIN_STATE_KEYS = ("step", "tokens_seen", "skipped_updates", "skipped_in_row")
 _MAX_LISTED = 5
 # NOTE: a single-process run saves and loads with no_dist; DCP still warns about it on every call.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -133,7 +131,8 @@ class CheckpointManager:
         folder: run_dir / cfg.folder.
         model, optimizers, schedule, loader: the trainer's objects (optimizers is an
             `Optimizers`, schedule an `LRSchedule`, loader has state_dict/load_state_dict).
-        train_state: object whose TRAIN_STATE_KEYS attributes are saved and restored (the Trainer).
+        train_state: where the run is (the trainer's TrainState): its state_dict() is saved in meta.json and
+            handed back to its load_state_dict() on resume.
         meta: JSON-able facts stored in meta.json (model args, flavor, ...).
         events: an EventLog (rank 0 writes; others print nothing).
         restore_data: False leaves the loader at its start on resume (a fixed-batch run trains on the
@@ -173,7 +172,7 @@ class CheckpointManager:
         return {"model": get_model_state_dict(self.model), "optim": self.optimizers.state_dict()}
 
     def _train_state(self) -> dict[str, int]:
-        return {k: int(getattr(self.train_state, k)) for k in TRAIN_STATE_KEYS}
+        return self.train_state.state_dict()
 
     def _rank_state(self) -> dict[str, Any]:
         rng = {"torch_cpu": torch.get_rng_state(), "python": random.getstate()}
@@ -410,8 +409,7 @@ class CheckpointManager:
         set_model_state_dict(self.model, state["model"])
         self.optimizers.load_state_dict(state["optim"])
         self.schedule.load_state_dict(meta["schedule"])
-        for k in TRAIN_STATE_KEYS:
-            setattr(self.train_state, k, int(meta["train"][k]))
+        self.train_state.load_state_dict(meta["train"])
         note = self._load_rank_state(path, meta)
         step = int(meta["step"])
         self._last_saved_step = step
@@ -575,7 +573,7 @@ def build_checkpointer(trainer) -> CheckpointManager:
             "tokenizer": getattr(trainer.tokenizer, "name", "")}
     return CheckpointManager(
         cfg.checkpoint, trainer.run_dir / cfg.checkpoint.folder, model=trainer.model, optimizers=trainer.optimizers,
-        schedule=trainer.schedule, loader=trainer.loader, train_state=trainer, meta=meta, events=trainer.events,
+        schedule=trainer.schedule, loader=trainer.loader, train_state=trainer.state, meta=meta, events=trainer.events,
         rank=trainer.rank, world_size=trainer.world_size, dp_rank=trainer.dp_rank, dp_world=trainer.dp_world,
         restore_data=not cfg.training.fixed_batch, faults=CheckpointFaults.from_debug(cfg.debug),
     )

@@ -33,9 +33,9 @@ class Job:
 @dataclass
 class Model:
     name: str = "k3"
-    """Model family; only 'k3' is registered."""
+    """Model family, as registered in titan_k3/models/registry.py: k3."""
     flavor: str = "tiny"
-    """Named shape from titan_k3/models/k3/args.py: debug, tiny, k3-mini, k3."""
+    """Named shape from titan_k3/spec.py: debug, tiny, k3-mini, k3."""
     vocab_size: int = 0
     """Vocabulary size; 0 takes the tokenizer's (rounded up to a multiple of 64)."""
     qb_eta: float = 1.0

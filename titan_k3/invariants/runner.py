@@ -43,9 +43,8 @@ class InvariantRunner:
     """
 
     def __init__(self, cfg, events, *, group: dist.ProcessGroup | None, rank: int, device: torch.device,
-                 seq_len: int, on_violation: Callable[[str], None] | None = None, probe_rtol: float = 1e-3):
+                 on_violation: Callable[[str], None] | None = None, probe_rtol: float = 1e-3):
         self.cfg, self.events, self.group, self.rank, self.device = cfg, events, group, rank, device
-        self.seq_len = seq_len
         self.on_violation = on_violation
         self.probe_rtol = probe_rtol
         self.total_violations = 0
@@ -112,8 +111,10 @@ class InvariantRunner:
         weights = getattr(loader, "weights", None)
         if weights:
             world = 1 if self.group is None else dist.get_world_size(self.group)
+            # NOTE: this update's own sequence length: a context curriculum changes it mid-run.
+            window = batches[0].input_ids.shape[-1]
             found += self._timed("data.source_mix", C.check_source_mix, loader.source_tokens_total, weights, self.group,
-                                 slack_tokens=4 * self.seq_len * world)
+                                 slack_tokens=4 * window * world)
         found += self._timed("gradient_scale.loss_normaliser", C.check_loss_normaliser,
                              float(normaliser), int(local_valid), self.group)
         found += self._timed("replicas.checksums", C.check_replicas,
