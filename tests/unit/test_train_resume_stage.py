@@ -1,0 +1,21 @@
+"""A run resumed inside a context stage continues at that stage's length, read from its TrainState."""
+
+import json
+
+from titan_k3.train import main
+
+FAST = ["--model.flavor", "debug", "--training.seq_len", "64", "--metrics.log_freq", "1"]
+
+
+def test_resume_inside_a_context_stage_keeps_its_length_and_counts(tmp_path):
+    run = [*FAST, "--job.dump_folder", str(tmp_path), "--job.name", "ctx", "--training.context_stages", "3:128",
+           "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+    assert main([*run, "--training.steps", "4"]) == 0
+    meta = json.loads((tmp_path / "ctx" / "checkpoints" / "step-4" / "meta.json").read_text())
+    assert meta["train"]["seq_len"] == 128 and meta["train"]["tokens_seen"] == 64 + 64 + 128 + 128
+    assert main([*run, "--training.steps", "6"]) == 0
+    records = [json.loads(x) for x in (tmp_path / "ctx" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["tokens_seen"] for r in records if r["step"] > 4] == [512, 640]
+    events = [json.loads(x) for x in (tmp_path / "ctx" / "events.jsonl").read_text().splitlines()]
+    # NOTE: the stage began once, at update 3; the resumed session starts inside it and announces nothing.
+    assert [e["step"] for e in events if e["kind"] == "context_stage"] == [3]
