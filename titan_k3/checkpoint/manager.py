@@ -7,8 +7,9 @@ What one checkpoint (`checkpoints/step-N/`) holds:
                                        buffers layers.N.ffn.router.qb_bias
                             "optim.*"  Optimizers.state_dict(): {"muon"|"adamw": {"state": {param name:
                                        {...}}, "param_groups": [...]}}, keyed by parameter name
-    meta.json               step, tokens seen, skipped updates, LR schedule state, model args, world
-                            sizes (rank 0; human-readable; the exporter reads the model args from it)
+    meta.json               the TrainState (step, tokens seen, skipped updates, sequence length), LR schedule
+                            state, model args, world sizes (rank 0; human-readable; the exporter reads the
+                            model args from it)
     rank-R.pt               per rank R: the data loader position and the torch CPU/CUDA RNG states
     checksums.json          size and CRC-32 per 64 MiB block of every other file (integrity.py)
 
