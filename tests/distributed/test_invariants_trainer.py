@@ -63,7 +63,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not dist.is_available(), reas
 
 def test_clean_fsdp_step_passes_every_check_and_logs_the_cost(dump):
     assert _violations(dump, "clean") == []
-    assert "invariants at step 1: 9 checks in" in (dump / "clean" / "stdout.log").read_text()
+    assert "invariants at step 1: 10 checks in" in (dump / "clean" / "stdout.log").read_text()
 
 
 def test_trainer_catches_every_rank_reading_the_same_data(dump):
