@@ -67,8 +67,9 @@ def test_fitting_narrows_the_v_tile_once_unpipelined():
 
 # Triton 3.6's shared memory on an H200 (CompiledKernel.metadata.shared, tests/gpu/test_kda_fla_gpu.py,
 # 2026-12-02): (kernel, K = V, dtype, BK, BV, num_stages) -> bytes; the decayed-product gradients (dintra,
-# dfused) in three TF32 passes for bfloat16. Then float32 at K = 256, compiled ahead of time for sm_90 with
-# Triton 3.6: the pipelined walks exceed the GPU, and the unpipelined backward walk's bound does too.
+# dfused) in three TF32 passes for bfloat16. Then, compiled ahead of time for sm_90 with Triton 3.6, the walks'
+# 64-wide V tiles (k3-mini's with many sequences; float32's pipelined backward walk at K = 128 came within 2,560
+# bytes of the limit) and float32 at K = 256: the pipelined walks exceed the GPU, the unpipelined bound does too.
 MEASURED = [
     ("dchunk", 64, torch.bfloat16, 64, 64, 2, 40_960),
     ("dchunk", 64, torch.float32, 64, 64, 2, 98_304),
@@ -110,6 +111,10 @@ MEASURED = [
     ("wy", 128, torch.bfloat16, 64, 64, 2, 40_960),
     ("wy", 128, torch.float32, 64, 64, 2, 65_536),
     ("wy", 256, torch.bfloat16, 64, 32, 2, 40_960),
+    ("state", 128, torch.bfloat16, 128, 64, 2, 74_240),
+    ("dstate", 128, torch.bfloat16, 128, 64, 2, 98_816),
+    ("dchunk", 128, torch.bfloat16, 64, 64, 2, 49_152),
+    ("dstate", 128, torch.float32, 128, 64, 2, 229_888),
     ("state", 256, torch.float32, 256, 32, 2, 279_552),
     ("state", 256, torch.float32, 256, 32, 1, 74_752),
     ("dstate", 256, torch.float32, 256, 32, 2, 418_816),
