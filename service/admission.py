@@ -25,6 +25,7 @@ from service.settings import Settings
 from titan_k3.config import JobConfig
 from titan_k3.config.check import config_error
 from titan_k3.models.k3.args import count_params, get_flavor
+from titan_k3.plan.search import refusal as plan_refusal
 
 CPU_MAX_PARAMS = 100_000_000
 """Largest model (total parameters) a run without GPUs may train: past it one update takes minutes on CPU."""
@@ -124,5 +125,6 @@ class TrainerCheck:
 def refusal(settings: Settings, sub: Submission, claimed_ports: dict[int, str],
             trainer_check: TrainerCheck) -> str | None:
     """The first reason to refuse `sub`, or None to accept it."""
+    # The planner (torch-free, in process): a run whose memory cannot fit its GPUs, one process each.
     return (host_refusal(settings, sub) or port_refusal(settings, sub, claimed_ports)
-            or trainer_check(sub))
+            or (plan_refusal(sub.cfg, sub.nproc_per_node) if sub.gpus else None) or trainer_check(sub))

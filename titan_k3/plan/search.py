@@ -19,8 +19,13 @@ from titan_k3.plan.estimate import Estimate, Layout, estimate
 AC_MODES = ("none", "selective", "full")
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+MAX_MICROBATCH = 4096
+"""The search tries micro-batches up to this many sequences (a submitted batch may be huge)."""
+
+
+def divisors(n: int, at_most: int | None = None) -> list[int]:
+    """Ascending divisors of n >= 1 (those <= at_most when given)."""
+    return [d for d in range(1, min(n, at_most or n) + 1) if n % d == 0]
 
 
 def resolve_layout(cfg, world: int, n_experts: int) -> Layout:
@@ -54,7 +59,7 @@ def candidates(a: K3Args, base: Layout, world: int, global_seqs: int) -> list[La
         for ep in (d for d in divisors(shard) if a.n_experts % d == 0):
             dispatches = ("all_gather", "all_to_all") if ep > 1 else (base.expert_dispatch,)
             for dispatch in dispatches:
-                for batch in divisors(per_rank):
+                for batch in divisors(per_rank, MAX_MICROBATCH):
                     accum = per_rank // batch
                     for ac in AC_MODES:
                         for reshard in (True, False):
