@@ -95,6 +95,16 @@ def test_a_folder_the_service_made_or_a_run_with_a_checkpoint_is_usable(tmp_path
     assert "checkpoints are off (checkpoint.enable = false)" in run_dir.run_dir_problem(cfg)
 
 
+def test_a_torchrun_restart_continues_its_own_job_without_a_checkpoint(tmp_path, monkeypatch):
+    cfg = load_job_config(["--job.dump_folder", str(tmp_path), "--job.name", "r"])
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "metrics.jsonl").write_text("")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert "nothing to resume" in run_dir.run_dir_problem(cfg)  # the first attempt reusing a name is refused
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert run_dir.run_dir_problem(cfg) is None  # a restart of the job that wrote these files starts again
+
+
 def test_reusing_a_name_with_nothing_to_resume_stops_untouched_or_overwrites(tmp_path, capsys):
     args = [*FAST, "--job.dump_folder", str(tmp_path), "--job.name", "r"]
     assert main(args) == 0

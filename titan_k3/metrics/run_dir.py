@@ -111,6 +111,11 @@ def _unusable_folder(folder: Path) -> str | None:
     return None
 
 
+def is_torchrun_restart() -> bool:
+    """Whether this process is a torchrun restart (`--max-restarts`) of a job whose earlier attempt failed."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
 def run_dir_problem(cfg: JobConfig) -> str | None:
     """The one line that refuses this run's directory, or None: a dump folder that cannot hold it, a run
     directory that is a file, or a reused name with nothing to resume (without job.overwrite)."""
@@ -124,7 +129,9 @@ def run_dir_problem(cfg: JobConfig) -> str | None:
     if path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
         return f"config key 'job.name' = '{cfg.job.name}': run directory {path} is not writable by this user"
     previous = previous_run_files(path)
-    if previous and not cfg.job.overwrite and not has_checkpoint(cfg, path):
+    # NOTE: a torchrun restart continues its own job, whose earlier attempt wrote these files: with no checkpoint
+    # it starts again at update 0 and appends (the summary keeps the later attempt's rows of a redone update).
+    if previous and not cfg.job.overwrite and not has_checkpoint(cfg, path) and not is_torchrun_restart():
         why = "checkpoints are off (checkpoint.enable = false)" if not cfg.checkpoint.enable and not getattr(
             cfg.checkpoint, "save_on_stop", False) else f"no complete checkpoint in {path / cfg.checkpoint.folder}"
         return (f"config key 'job.name' = '{cfg.job.name}': {path} holds a previous run ({previous[0].name}) and "
