@@ -37,7 +37,7 @@ from benchmarks.common import environment, print_cuda_profile, rel_rms  # noqa: 
 from kernels.kda import chunk_kda, kda_gate, l2norm, ops  # noqa: E402
 
 SHAPES = {
-    # name: (B, T, H, K = V); the two that PERF.md's target names come first
+    # name: (B, T, H, K = V); the two shapes our KDA speed target names come first
     "b8-t4096-h8": (8, 4096, 8, 128),
     "k3-mini": (8, 4096, 4, 128),
     "b32-t1024-h8": (32, 1024, 8, 128),

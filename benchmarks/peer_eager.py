@@ -1,4 +1,4 @@
-"""The eager public-parts peer (PERF.md): k3-mini built from the best public parts, none of our recipe.
+"""The eager peer: our k3-mini model run eagerly on public kernels, none of our recipe.
 
 fla's chunk_kda (safe gate, in-kernel gate / L2 norm), cuDNN SDPA for MLA
 (plain causal: no document masks), `torch._grouped_mm` experts with a
