@@ -16,9 +16,9 @@ gradients before timing.
 documents: packed documents as the loader makes them (lengths uniform in
 200..3000 from a fixed seed, every row restarting with a new document, the
 last one cut at the row's end), masked the two ways the model can: SDPA on the
-dense [B, 1, T, T] mask (cuDNN, what `kernels.attention = auto` runs today,
-and memory-efficient), and flex_attention on the documents' BlockMask
-(`kernels.attention = flex`); plain causal cuDNN on the same tensors for
+dense [B, 1, T, T] mask (cuDNN and memory-efficient), flex_attention on the
+documents' BlockMask (`kernels.attention = flex`) and flash's variable-length
+kernel on the boundaries, values padded to 192 (`kernels.attention = varlen`); plain causal cuDNN on the same tensors for
 reference, and the per-forward cost of building each mask. Each variant is
 checked against SDPA's float32 math path on its own mask before timing.
 Appends each table, with ratios to its first row, to OUTDIR/attention.md.
@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import environment, rel_rms, write_results  # noqa: E402
 from titan_k3.models.k3.args import get_flavor  # noqa: E402
 from titan_k3.models.k3.documents import Documents  # noqa: E402
-from titan_k3.models.k3.mla import compiled_flex_attention  # noqa: E402
+from titan_k3.models.k3.mla import compiled_flex_attention, document_varlen_attention  # noqa: E402
 
 DOC_LENGTHS = (200, 3000)
 """Document lengths of the documents table, uniform in this closed range (tokens)."""
@@ -151,7 +151,8 @@ def causal_table(B: int, T: int, H: int, inputs: dict, env: dict) -> tuple[list[
 
 
 def documents_table(B: int, T: int, H: int, inputs: dict, env: dict) -> tuple[list[dict], list[str]]:
-    """Packed documents: dense-mask SDPA against flex_attention on the BlockMask, checked against float32 math."""
+    """Packed documents: dense-mask SDPA against flex_attention on the BlockMask and flash's variable-length kernel
+    on the boundaries, checked against float32 math."""
     cu = packed_boundaries(B, T)
     docs = Documents.build(B, T, cu, torch.device("cuda"))
     mask, block_mask = docs.attention_mask(), docs.block_mask()
@@ -167,6 +168,9 @@ def documents_table(B: int, T: int, H: int, inputs: dict, env: dict) -> tuple[li
     def flex(q, k, v):
         return compiled_flex_attention(q, k, v, block_mask=block_mask, scale=scale)
 
+    def varlen(q, k, v):
+        return document_varlen_attention(q, k, v, docs.cu_seqlens_i32, scale)
+
     references = {"documents": math_reference(mask), "causal": math_reference(None)}
     cudnn, efficient = (functools.partial(sdpa, backend=b, mask=mask)
                         for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION))
@@ -176,6 +180,8 @@ def documents_table(B: int, T: int, H: int, inputs: dict, env: dict) -> tuple[li
         "dense mask, efficient": (efficient, "contiguous", "documents"),
         "flex, BlockMask": (flex, "contiguous", "documents"),
         "flex, BlockMask, model layout": (flex, "model", "documents"),
+        "flash varlen, v padded": (varlen, "contiguous", "documents"),
+        "flash varlen, v padded, model layout": (varlen, "model", "documents"),
         "causal cudnn, no documents (reference)": (functools.partial(sdpa, backend=SDPBackend.CUDNN_ATTENTION, mask=None),
                                                    "contiguous", "causal"),
     }

@@ -51,6 +51,9 @@ VARIANTS = {
     "ours-compile-flex": ["--compile.enable", "true", "--kernels.attention", "flex"],
     # Per-Head Muon's Newton-Schulz replayed as CUDA graphs (fewer host launches in a host-bound step)
     "ours-compile-ns-graphs": ["--compile.enable", "true", "--optimizer.ns_cuda_graphs", "true"],
+    # ... and MLA on packed documents through flash's variable-length kernel (each document its own sequence)
+    "ours-compile-ns-graphs-varlen": ["--compile.enable", "true", "--optimizer.ns_cuda_graphs", "true",
+                                      "--kernels.attention", "varlen"],
     # FP8 on every block linear of k3-mini (the default min_dim 8192 converts none: none paid, fp8.md)
     "ours-compile-fp8": ["--compile.enable", "true", "--float8.enable", "true", "--float8.min_dim", "256"],
     "ours-compile-torch-loss": ["--compile.enable", "true", "--kernels.loss", "torch"],

@@ -56,8 +56,9 @@ class Kernels:
     """Block Attention Residuals' pseudo-query mixes: fused triton kernel, torch reference, or auto (triton on CUDA)."""
     max_logit: Literal["auto", "triton", "torch"] = "auto"
     """QK-Clip's per-head max logit of MLA: one Triton pass over the allowed key blocks, the chunked torch reference, or auto."""
-    attention: Literal["auto", "cudnn", "flash", "efficient", "math", "flex"] = "auto"
-    """MLA attention: an SDPA backend on a dense document mask, flex (flex_attention on a BlockMask, CUDA only), or auto."""
+    attention: Literal["auto", "cudnn", "flash", "efficient", "math", "flex", "varlen"] = "auto"
+    """MLA attention: varlen (flash attention's variable-length kernel, each document its own sequence, CUDA only),
+    flex (flex_attention on a BlockMask, CUDA only), an SDPA backend on a dense document mask, or auto."""
     precompile_threads: int = 8
     """On CUDA: threads that compile our Triton kernels' recorded specializations (kernels/specializations/, one file per Triton version and GPU) in the background from the start of the run, instead of one after another at their first calls; 0 turns it off. Without a file for this Triton and GPU the kernels compile at first call, and the start-up report says so."""
 

@@ -224,6 +224,11 @@ def validate(cfg: JobConfig) -> None:
         "(flex_attention's tiles for MLA's 192-wide heads do not fit float32 in shared memory)",
     )
     _require(
+        not (cfg.kernels.attention == "varlen" and t.compute_dtype != "bfloat16"),
+        "config key 'kernels.attention' = 'varlen': needs training.compute_dtype = 'bfloat16' "
+        "(flash attention computes in 16-bit floats only)",
+    )
+    _require(
         not (cfg.float8.enable and t.compute_dtype != "bfloat16"),
         "config key 'float8.enable' = true: needs training.compute_dtype = 'bfloat16'",
     )

@@ -3,9 +3,11 @@
 A microbatch [B, T] with document boundaries `cu_seqlens` (int64 [N+1] over the
 flattened B*T tokens, every row start a boundary) is processed as one packed
 row of B*T tokens for KDA and with a document mask for MLA, so no state and no
-attention ever crosses a document. MLA reads the mask either dense (for
-scaled_dot_product_attention) or as flex_attention's BlockMask, whose empty
-blocks (across documents, above the diagonal) are never computed.
+attention ever crosses a document. MLA reads the documents as int32 boundaries
+(flash attention's variable-length kernel: each document its own causal
+sequence), as a dense mask (for scaled_dot_product_attention) or as
+flex_attention's BlockMask, whose empty blocks (across documents, above the
+diagonal) are never computed.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class Documents:
     """int64 [B, T] document index of each token (global over the microbatch)."""
     cu_seqlens_host: torch.Tensor | None = None
     """The same boundaries on the host: kernels that need the document lengths read them here, not from the device."""
+    cu_seqlens_i32: torch.Tensor | None = None
+    """The same boundaries as int32 on the model's device (flash attention's variable-length kernel reads these)."""
     _mask: torch.Tensor | None = None
     _block_mask: BlockMask | None = None
 
@@ -92,10 +96,14 @@ class Documents:
         if not torch.isin(torch.arange(0, n, seq_len), host).all():
             raise ValueError("cu_seqlens must contain every row start (a document never spans two rows)")
         cu = host_to_device(host, device)
+        cu_i32 = host_to_device(host.to(torch.int32), device)
+        # NOTE: the number of documents changes from batch to batch; a compiled MLA sublayer that reads these
+        # boundaries would otherwise compile once for the first count and again for the second.
+        torch._dynamo.maybe_mark_dynamic(cu_i32, 0)
         idx = torch.arange(n, device=device)
         doc = torch.searchsorted(cu, idx, right=True) - 1
         pos = idx - cu[doc]
-        return Documents(cu, pos.view(batch, seq_len), doc.view(batch, seq_len), host)
+        return Documents(cu, pos.view(batch, seq_len), doc.view(batch, seq_len), host, cu_i32)
 
     def attention_mask(self) -> torch.Tensor | None:
         """bool [B, 1, T, T]: causal and same document; None when rows are whole documents. Built once per forward."""

@@ -22,7 +22,7 @@ from kernels.fused_ce import reference as ce_reference
 from kernels.grouped_gemm import reference as gg_reference
 from kernels.kda import reference as kda_reference
 from kernels.max_logit.reference import max_logit_per_head_reference
-from titan_k3.models.k3.mla import FLEX
+from titan_k3.models.k3.mla import FLEX, VARLEN
 
 
 @dataclass
@@ -43,7 +43,8 @@ class Impl:
     experts: Callable
     loss: Callable
     sdpa_backends: list | None
-    """MLA's attention: SDPBackend values in order of preference, and mla.FLEX for flex_attention (GatedMLA._attend)."""
+    """MLA's attention: SDPBackend values in order of preference, mla.FLEX for flex_attention and mla.VARLEN for
+    flash attention's variable-length kernel (GatedMLA._attend)."""
     attn_res: Callable = pseudo_query_mix_reference
     """Block Attention Residuals' pseudo-query mix(sources, query, eps)."""
     max_logit: Callable = max_logit_per_head_reference
@@ -182,6 +183,12 @@ def _attention_backends(requested: str, on_cuda: bool) -> tuple[list | None, Ker
             raise ValueError("config key 'kernels.attention' = 'flex': flex_attention has no backward on CPU "
                              f"(torch {torch.__version__}); use a CUDA device, or 'auto' / 'math' on CPU")
         return [FLEX], KernelChoice("attention", "flex", "flex", False)
+    if requested == "varlen":
+        if not on_cuda:
+            raise ValueError("config key 'kernels.attention' = 'varlen': flash attention's variable-length kernel "
+                             "runs on CUDA only; use 'auto' or 'math' on CPU")
+        # Whole-row batches (no packed documents) run causal SDPA on cuDNN, the fastest for these head widths.
+        return [VARLEN, table["cudnn"], table["efficient"]], KernelChoice("attention", "varlen", "varlen+cudnn", False)
     if requested == "auto":
         if not on_cuda:
             return None, KernelChoice("attention", "auto", "math", True, "no CUDA device: SDPA runs its math path")

@@ -2,15 +2,18 @@
 
 Legend: B batch, T tokens, D width, H heads, N nope width, R shared ("rope",
 never rotated) key width, V value width. Packed documents are masked so no
-token attends to another document: by scaled_dot_product_attention on a dense
-[B, 1, T, T] mask, or by flex_attention on the documents' BlockMask, which
-skips every block that lies across documents. The layer records, per head,
+token attends to another document: by flash attention's variable-length kernel
+(each document its own causal sequence: no work across documents), by
+scaled_dot_product_attention on a dense [B, 1, T, T] mask, or by
+flex_attention on the documents' BlockMask, which skips every block that lies
+across documents. The layer records, per head,
 the largest pre-softmax logit it produced since the last `pop_max_logit()`
 (exact, over the causal document mask): QK-Clip reads it after each optimizer step.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.varlen import varlen_attn
 
 from kernels.max_logit import max_logit_per_head_reference
 from titan_k3.models.k3.args import K3Args
@@ -26,6 +30,37 @@ from titan_k3.models.k3.layers import RMSNorm, init_linear
 
 FLEX = "flex"
 """An entry of `GatedMLA.sdpa_backends` next to the SDPBackend ones: packed-document batches attend through flex_attention."""
+
+VARLEN = "varlen"
+"""An entry of `GatedMLA.sdpa_backends`: packed-document batches attend through flash attention's variable-length
+kernel (`document_varlen_attention`)."""
+
+# NOTE: torch 2.10 spells causal `is_causal=True` and has no `scale`; later versions take a (left, right) window
+# and a scale. Resolved once, here.
+_VARLEN_PARAMS = inspect.signature(varlen_attn).parameters
+_VARLEN_CAUSAL = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}
+_VARLEN_TAKES_SCALE = "scale" in _VARLEN_PARAMS
+
+
+def document_varlen_attention(q, k, v, cu_seqlens_i32: torch.Tensor, scale: float) -> torch.Tensor:
+    """q, k [B, H, T, E], v [B, H, T, V <= E], cu_seqlens_i32 [N+1] over B*T -> [B, H, T, V], causal per document.
+
+    The B rows are one packed sequence of N documents; flash attention computes each document's causal
+    attention alone, so no block across documents is ever loaded (a dense mask computes all T x T scores).
+    NOTE: flash takes one head width for q, k and v: v is padded with zeros to E and the output cut back to V;
+    the padding's extra work (E / V on the value side) is far less than the dense mask's wasted blocks.
+    """
+    B, H, T, E = q.shape
+    V = v.shape[-1]
+    if not _VARLEN_TAKES_SCALE:
+        q = q * (scale * E**0.5)  # the kernel's own scale is E ** -0.5
+    # [B, H, T, d] views of [B, T, H, d] projections: back to token-major rows, a free reshape when contiguous.
+    q_, k_ = (t.transpose(1, 2).reshape(B * T, H, E) for t in (q, k))
+    v_ = F.pad(v.transpose(1, 2), (0, E - V)).reshape(B * T, H, E)
+    kwargs = dict(_VARLEN_CAUSAL, scale=scale) if _VARLEN_TAKES_SCALE else dict(_VARLEN_CAUSAL)
+    o = varlen_attn(q_, k_, v_, cu_seqlens_i32, cu_seqlens_i32, T, T, **kwargs)
+    return o[..., :V].view(B, T, H, V).transpose(1, 2)
+
 
 # NOTE: compiled once, here, as torch's docs ask: eager flex_attention materialises the whole score matrix. Inside a
 # compiled sublayer (parallelize.apply_compile) dynamo traces through this wrapper, so the sublayer's graph holds
@@ -71,12 +106,16 @@ class GatedMLA(nn.Module):
     def _attend(self, q, k, v, docs: Documents) -> torch.Tensor:
         """q, k [B, H, T, N+R], v [B, H, T, V] -> [B, H, T, V], causal inside each document.
 
-        With FLEX among the backends, packed-document batches run flex_attention on the documents' BlockMask;
-        batches of whole-row documents run the SDPA backends listed with it (is_causal), or flex when none is.
-        Otherwise SDPA runs on the listed backends (all of them when the list is empty) with the dense mask.
+        With VARLEN among the backends, packed-document batches run flash attention's variable-length kernel
+        on the document boundaries; with FLEX, flex_attention on the documents' BlockMask, and batches of
+        whole-row documents run the SDPA backends listed with it (is_causal), or flex when none is.
+        Otherwise SDPA runs on the listed backends (all of them when the list is empty) with the dense mask
+        (is_causal for whole-row documents).
         """
         backends = self.sdpa_backends or []
-        sdpa = [b for b in backends if b != FLEX]
+        if VARLEN in backends and docs.cu_seqlens is not None:
+            return document_varlen_attention(q, k, v, docs.cu_seqlens_i32, self.scale)
+        sdpa = [b for b in backends if b not in (FLEX, VARLEN)]
         if FLEX in backends and (docs.cu_seqlens is not None or not sdpa):
             # NOTE: contiguous [B, H, T, d] operands: on the model's transposed views flex ran 3.02 ms fwd+bwd
             # against 2.12 ms (attention.md); inductor folds the copies into the projections' epilogues.
