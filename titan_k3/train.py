@@ -177,7 +177,7 @@ class Trainer:
             min_lr_factor=s.min_lr_factor,
         )
         self.context_stages = parse_context_stages(t.context_stages) if t.context_stages else []
-        self.state = TrainState(seq_len=t.seq_len)
+        self.state = TrainState(seq_len=t.seq_len, data=self.loader)
         self.flops_per_token = self.model_spec.flops_per_token(self.args, t.seq_len)
         self.data = describe_run_data(self.loader.describe(), fixed_batch=t.fixed_batch, total_tokens=run_tokens(
             steps=t.steps, seq_len=t.seq_len, context_stages=t.context_stages, local_batch_size=t.local_batch_size,

@@ -49,11 +49,10 @@ def checkpoint(tmp_path_factory):
     opts = build_optimizers(model.named_parameters(), lambda n, _p: ParamSpec(**hints[n]), lr=1e-3)
     sched = LRSchedule(opts, base_lr=1e-3, total_steps=4, warmup_steps=1, decay_type="cosine",
                        decay_ratio=None, min_lr_factor=0.1)
-    loader = SimpleNamespace(state_dict=lambda: {}, load_state_dict=lambda s: None)
     cfg = SimpleNamespace(enable=True, interval=1, folder="checkpoints", keep_latest_k=0, async_mode="disabled",
                           load_step=-1, initial_load_path="")
     state = TrainState(step=3)
-    manager = CheckpointManager(cfg, root / "checkpoints", model=model, optimizers=opts, schedule=sched, loader=loader,
+    manager = CheckpointManager(cfg, root / "checkpoints", model=model, optimizers=opts, schedule=sched,
                                 train_state=state, meta={"model_args": asdict(model.args), "qb_eta": 1.0},
                                 events=EventLog(None))
     manager.save(3)

@@ -18,7 +18,7 @@ import torch
 
 from test_checkpoint_manager import Run, _assert_same, _events
 from titan_k3.checkpoint import integrity, layout
-from titan_k3.checkpoint.manager import check_resumable
+from titan_k3.checkpoint.manager import META_VERSION, check_resumable
 
 
 def _run(path: Path, **kw) -> Run:
@@ -73,7 +73,7 @@ def test_every_save_lists_every_file_with_its_size_and_crc(tmp_path, mode):
             data = (step_dir / name).read_bytes()
             assert entry["bytes"] == len(data)
             assert entry["crc32"] == [f"{zlib.crc32(data):08x}"]  # one block: files under 64 MiB
-        assert json.loads((step_dir / layout.META_FILE).read_text())["version"] == 2
+        assert json.loads((step_dir / layout.META_FILE).read_text())["version"] == META_VERSION
 
 
 def test_blocks_locate_the_damage_and_split_across_ranks(tmp_path, monkeypatch):

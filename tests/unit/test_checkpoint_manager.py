@@ -22,13 +22,17 @@ from titan_k3.train_state import TrainState
 
 
 class FakeLoader:
-    def __init__(self):
-        self.position = 0
+    """The data position's owner; like the loader, it refuses a position that is not a whole batch of this run."""
+
+    def __init__(self, batch: int = 1):
+        self.position, self.batch = 0, batch
 
     def state_dict(self):
         return {"position": self.position}
 
     def load_state_dict(self, state):
+        if state["position"] % self.batch:
+            raise ValueError(f"position {state['position']}: not a multiple of {self.batch}")
         self.position = state["position"]
 
 
@@ -44,14 +48,14 @@ def _model(flavor_kw=None, seed=0):
 class Run:
     """The pieces a trainer hands its CheckpointManager, with a one-call fake update."""
 
-    def __init__(self, folder: Path, seed=0, flavor_kw=None, **cfg_kw):
+    def __init__(self, folder: Path, seed=0, flavor_kw=None, manager_kw=None, batch=1, **cfg_kw):
         self.model = _model(flavor_kw, seed)
         hints = self.model.optim_hints()
         self.optimizers = build_optimizers(self.model.named_parameters(), lambda n, _p: ParamSpec(**hints[n]), lr=1e-2)
         self.schedule = LRSchedule(self.optimizers, base_lr=1e-2, total_steps=20, warmup_steps=2,
                                    decay_type="cosine", decay_ratio=None, min_lr_factor=0.1)
-        self.loader = FakeLoader()
-        self.state = TrainState()
+        self.loader = FakeLoader(batch)
+        self.state = TrainState(data=self.loader)
         cfg = SimpleNamespace(enable=True, interval=2, folder="checkpoints", keep_latest_k=0, async_mode="disabled",
                               load_step=-1, initial_load_path="")
         for k, v in cfg_kw.items():
@@ -59,8 +63,8 @@ class Run:
         folder.mkdir(parents=True, exist_ok=True)
         self.events = EventLog(folder / "events.jsonl")
         self.manager = CheckpointManager(cfg, folder / "checkpoints", model=self.model, optimizers=self.optimizers,
-                                         schedule=self.schedule, loader=self.loader, train_state=self.state,
-                                         meta={"model_args": {}}, events=self.events)
+                                         schedule=self.schedule, train_state=self.state,
+                                         meta={"model_args": {}}, events=self.events, **(manager_kw or {}))
 
     @torch.no_grad()
     def update(self, seed: int) -> None:
@@ -87,7 +91,7 @@ class Run:
                     flat[f"optim.{key}.{name}.{sk}"] = v.clone()
         flat["loader"] = self.loader.position
         flat["lr"] = self.optimizers.lr
-        flat["train"] = vars(self.state).copy()
+        flat["train"] = self.state.state_dict()
         flat["rng"] = torch.get_rng_state()
         return flat
 
@@ -129,6 +133,64 @@ def test_save_then_load_restores_everything(tmp_path, mode):
     _assert_same(expected, fresh.snapshot())
     assert [e["step"] for e in _events(tmp_path) if e["kind"] == "resumed"] == [4]
     fresh.close()
+
+
+def test_the_data_position_is_saved_in_the_train_state_alone(tmp_path):
+    run = Run(tmp_path)
+    run.update(1)
+    run.manager.save(1)
+    run.close()
+    step1 = tmp_path / "checkpoints" / "step-1"
+    assert json.loads((step1 / "meta.json").read_text())["train"]["data"] == {"position": 7}
+    assert "loader" not in torch.load(step1 / "rank-0.pt", weights_only=False)
+
+
+def _as_before_the_data_position_was_in_the_train_state(step_dir: Path) -> None:
+    """Rewrite a step dir as meta.json version 2 wrote it: the loader's position in rank-R.pt, not in meta.json."""
+    meta = json.loads((step_dir / "meta.json").read_text())
+    rank = torch.load(step_dir / "rank-0.pt", weights_only=False)
+    torch.save({**rank, "loader": meta["train"].pop("data")}, step_dir / "rank-0.pt")
+    (step_dir / "meta.json").write_text(json.dumps({**meta, "version": 2}))
+
+
+def test_a_checkpoint_with_the_position_in_its_rank_files_still_resumes(tmp_path):
+    run = Run(tmp_path)
+    run.update(1)
+    run.update(2)
+    run.manager.save(2)
+    expected = run.snapshot()
+    run.close()
+    step2 = tmp_path / "checkpoints" / "step-2"
+    _as_before_the_data_position_was_in_the_train_state(step2)
+    fresh = Run(tmp_path, seed=1)
+    assert fresh.manager.load_from(step2) == 2  # load_from: the doctored files no longer match their checksums
+    _assert_same(expected, fresh.snapshot())
+    fresh.close()
+
+
+def test_a_run_that_restarts_its_data_resumes_everything_else(tmp_path):
+    run = Run(tmp_path)
+    run.update(1)
+    run.update(2)
+    run.manager.save(2)
+    run.close()
+    fixed = Run(tmp_path, seed=1, manager_kw={"restore_data": False})
+    assert fixed.manager.load() == 2
+    assert fixed.state.step == 2 and fixed.loader.position == 0
+    fixed.close()
+
+
+def test_a_data_position_that_does_not_fit_stops_with_one_line(tmp_path):
+    run = Run(tmp_path)
+    run.update(1)
+    run.manager.save(1)
+    run.close()
+    other = Run(tmp_path, seed=1, batch=2)
+    with pytest.raises(ValueError, match=r"^checkpoint \S*step-1: data loader position does not fit this run: "
+                                         r"position 7: not a multiple of 2$"):
+        other.manager.load()
+    assert other.state.step == 0 and other.loader.position == 0
+    other.close()
 
 
 def test_retention_keeps_the_newest_complete_and_load_step_picks_one(tmp_path):

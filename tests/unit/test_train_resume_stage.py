@@ -1,4 +1,5 @@
-"""A run resumed inside a context stage continues at that stage's length, read from its TrainState."""
+"""A run resumed inside a context stage continues at that stage's length and its data position, read from its
+TrainState."""
 
 import json
 
@@ -13,7 +14,11 @@ def test_resume_inside_a_context_stage_keeps_its_length_and_counts(tmp_path):
     assert main([*run, "--training.steps", "4"]) == 0
     meta = json.loads((tmp_path / "ctx" / "checkpoints" / "step-4" / "meta.json").read_text())
     assert meta["train"]["seq_len"] == 128 and meta["train"]["tokens_seen"] == 64 + 64 + 128 + 128
+    # The data position travels in the TrainState: one sequence per update, in windows of the stage's length.
+    assert (meta["train"]["data"]["seq_index"], meta["train"]["data"]["seq_len"]) == (4, 128)
     assert main([*run, "--training.steps", "6"]) == 0
+    meta = json.loads((tmp_path / "ctx" / "checkpoints" / "step-6" / "meta.json").read_text())
+    assert meta["train"]["data"]["seq_index"] == 6
     records = [json.loads(x) for x in (tmp_path / "ctx" / "metrics.jsonl").read_text().splitlines()]
     assert [r["tokens_seen"] for r in records if r["step"] > 4] == [512, 640]
     events = [json.loads(x) for x in (tmp_path / "ctx" / "events.jsonl").read_text().splitlines()]

@@ -7,18 +7,20 @@ What one checkpoint (`checkpoints/step-N/`) holds:
                                        buffers layers.N.ffn.router.qb_bias
                             "optim.*"  Optimizers.state_dict(): {"muon"|"adamw": {"state": {param name:
                                        {...}}, "param_groups": [...]}}, keyed by parameter name
-    meta.json               the TrainState (step, tokens seen, skipped updates, sequence length), LR schedule
-                            state, model args, world sizes (rank 0; human-readable; the exporter reads the
-                            model args from it)
-    rank-R.pt               per rank R: the data loader position and the torch CPU/CUDA RNG states
+    meta.json               the TrainState (step, tokens seen, skipped updates, sequence length, and the data
+                            loader's position), LR schedule state, model args, world sizes (rank 0;
+                            human-readable; the exporter reads the model args from it)
+    rank-R.pt               per rank R: the torch CPU/CUDA and Python RNG states
     checksums.json          size and CRC-32 per 64 MiB block of every other file (integrity.py)
 
 DCP stores every tensor by its global shape, so a checkpoint saved on W ranks
-loads on any other number of ranks (resharding). The data loader's state is
-global by construction (titan_k3/data/loader.py: the stream does not depend on
-the ranks, and every rank holds the same state), so a different dp_world
-continues at the same global sequence index; the loader itself refuses, with a
-clear message, a position that is not a whole number of new global batches.
+loads on any other number of ranks (resharding). The data position is global
+by construction (titan_k3/data/loader.py: the stream does not depend on the
+ranks, and every rank holds the same state), so the TrainState rank 0 writes
+serves every rank, and a different dp_world continues at the same global
+sequence index; the loader itself refuses, with a clear message, a position
+that is not a whole number of new global batches. The checkpointer reaches the
+data position only through the TrainState (its `data` owner is the loader).
 RNG states are per rank: on another world size, rank R takes rank R's saved
 state when there was one, and otherwise keeps its seeded state.
 
@@ -64,11 +66,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from titan_k3.checkpoint import layout, verify
 from titan_k3.checkpoint.faults import CheckpointFaults
 from titan_k3.checkpoint.verify import ResumePlan, format_bytes
+from titan_k3.train_state import DATA_KEY
 
 META_FILE = layout.META_FILE
 # 2: the step dir has checksums.json. Version 1 checkpoints (none) still load, announced as unverified.
-META_VERSION = 2
-_READABLE_META_VERSIONS = (1, 2)
+# 3: the TrainState holds the data position; versions 1 and 2 kept it in each rank-R.pt (still read on load).
+META_VERSION = 3
+_READABLE_META_VERSIONS = (1, 2, 3)
 # Room for the small files of a save (rank-R.pt, meta.json, .metadata, checksums.json), per rank.
 _SMALL_FILES_BYTES = 1 << 20
 _MAX_LISTED = 5
@@ -130,23 +134,23 @@ class CheckpointManager:
     Args:
         cfg: the [checkpoint] section.
         folder: run_dir / cfg.folder.
-        model, optimizers, schedule, loader: the trainer's objects (optimizers is an
-            `Optimizers`, schedule an `LRSchedule`, loader has state_dict/load_state_dict).
-        train_state: where the run is (the trainer's TrainState): its state_dict() is saved in meta.json and
-            handed back to its load_state_dict() on resume.
+        model, optimizers, schedule: the trainer's objects (optimizers is an `Optimizers`, schedule an
+            `LRSchedule`).
+        train_state: where the run is (the trainer's TrainState, the data position included): its state_dict()
+            is saved in meta.json and handed back to its load_state_dict() on resume.
         meta: JSON-able facts stored in meta.json (model args, flavor, ...).
         events: an EventLog (rank 0 writes; others print nothing).
-        restore_data: False leaves the loader at its start on resume (a fixed-batch run trains on the
-            loader's first batch, which a fresh loader yields again).
+        restore_data: False hands the TrainState back without its data position on resume, so the loader
+            stays at its start (a fixed-batch run trains on the loader's first batch, which a fresh loader
+            yields again).
         faults: the [debug] checkpoint fault injections (faults.py); none by default.
     """
 
-    def __init__(self, cfg, folder: Path, *, model: torch.nn.Module, optimizers, schedule, loader,
-                 train_state, meta: dict[str, Any], events, rank: int = 0, world_size: int = 1,
+    def __init__(self, cfg, folder: Path, *, model: torch.nn.Module, optimizers, schedule, train_state, meta: dict[str, Any], events, rank: int = 0, world_size: int = 1,
                  dp_rank: int = 0, dp_world: int = 1, restore_data: bool = True, faults: CheckpointFaults | None = None):
         self.cfg = cfg
         self.folder = Path(folder)
-        self.model, self.optimizers, self.schedule, self.loader = model, optimizers, schedule, loader
+        self.model, self.optimizers, self.schedule = model, optimizers, schedule
         self.train_state = train_state
         self.meta = meta
         self.events = events
@@ -172,15 +176,11 @@ class CheckpointManager:
         """The sharded part; tensors are the live ones, so dcp.load fills them in place."""
         return {"model": get_model_state_dict(self.model), "optim": self.optimizers.state_dict()}
 
-    def _train_state(self) -> dict[str, int]:
-        return self.train_state.state_dict()
-
     def _rank_state(self) -> dict[str, Any]:
         rng = {"torch_cpu": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rng["torch_cuda"] = torch.cuda.get_rng_state()
-        return {"rank": self.rank, "dp_rank": self.dp_rank, "dp_world": self.dp_world,
-                "loader": self.loader.state_dict(), "rng": rng}
+        return {"rank": self.rank, "dp_rank": self.dp_rank, "dp_world": self.dp_world, "rng": rng}
 
     # ------------------------------------------------------------------ saving
     @property
@@ -224,7 +224,7 @@ class CheckpointManager:
             tmp.mkdir(parents=True, exist_ok=True)
             torch.save(self._rank_state(), tmp / rank_file(self.rank))
             if self.rank == 0:
-                meta = {"version": META_VERSION, "step": step, "train": self._train_state(),
+                meta = {"version": META_VERSION, "step": step, "train": self.train_state.state_dict(),
                         "schedule": self.schedule.state_dict(), "world_size": self.world_size,
                         "dp_world": self.dp_world, "saved_unix": time.time(), **self.meta}
                 (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
@@ -410,8 +410,11 @@ class CheckpointManager:
         set_model_state_dict(self.model, state["model"])
         self.optimizers.load_state_dict(state["optim"])
         self.schedule.load_state_dict(meta["schedule"])
-        self.train_state.load_state_dict(meta["train"])
-        note = self._load_rank_state(path, meta)
+        try:
+            self.train_state.load_state_dict(self._saved_train_state(path, meta))
+        except ValueError as e:
+            raise ValueError(f"checkpoint {path}: {e}") from None
+        note = self._load_rng(path, meta)
         step = int(meta["step"])
         self._last_saved_step = step
         self.events.emit("resumed", f"resumed from {path} at update {step}" + (f"; {note}" if note else ""),
@@ -419,16 +422,22 @@ class CheckpointManager:
                          world_size=self.world_size)
         return step
 
-    def _load_rank_state(self, path: Path, meta: dict) -> str:
+    def _saved_train_state(self, path: Path, meta: dict) -> dict[str, Any]:
+        """The TrainState of checkpoint `path` as this run takes it back: without the data position when the
+        run restarts its data (restore_data False)."""
+        train = dict(meta["train"])
+        if not self.restore_data:
+            train.pop(DATA_KEY, None)
+        elif DATA_KEY not in train:
+            # NOTE: checkpoints of meta.json version <= 2 kept the data position beside the RNG states, in every
+            # rank-R.pt; it is the same on every rank, so rank 0's serves any world size.
+            train[DATA_KEY] = torch.load(path / rank_file(0), weights_only=False)["loader"]
+        return train
+
+    def _load_rng(self, path: Path, meta: dict) -> str:
+        """Restore this rank's saved RNG states, if it had any; returns the resharding note ("" on the same world)."""
         same_world = meta["world_size"] == self.world_size and meta["dp_world"] == self.dp_world
         own = path / rank_file(self.rank)
-        # NOTE: the loader state is the same on every rank, so rank 0's serves any new world size.
-        loader_src = own if same_world else path / rank_file(0)
-        if self.restore_data:
-            try:
-                self.loader.load_state_dict(torch.load(loader_src, weights_only=False)["loader"])
-            except ValueError as e:
-                raise ValueError(f"checkpoint {path}: data loader position does not fit this run: {e}") from None
         if own.is_file():
             rng = torch.load(own, weights_only=False)["rng"]
             torch.set_rng_state(rng["torch_cpu"])
@@ -574,7 +583,7 @@ def build_checkpointer(trainer) -> CheckpointManager:
             "tokenizer": getattr(trainer.tokenizer, "name", "")}
     return CheckpointManager(
         cfg.checkpoint, trainer.run_dir / cfg.checkpoint.folder, model=trainer.model, optimizers=trainer.optimizers,
-        schedule=trainer.schedule, loader=trainer.loader, train_state=trainer.state, meta=meta, events=trainer.events,
+        schedule=trainer.schedule, train_state=trainer.state, meta=meta, events=trainer.events,
         rank=trainer.rank, world_size=trainer.world_size, dp_rank=trainer.dp_rank, dp_world=trainer.dp_world,
         restore_data=not cfg.training.fixed_batch, faults=CheckpointFaults.from_debug(cfg.debug),
     )
