@@ -35,19 +35,22 @@ def run_dir_of(checkpoint: Path) -> Path:
 
 
 def build_model(cfg: JobConfig, device: torch.device):
-    """(model, tokenizer, kernel fallbacks) as the trainer builds them, on one device, weights not loaded."""
+    """(model, tokenizer, kernel fallbacks) as the trainer builds them, on one device, weights not loaded.
+
+    The model comes from the registry by `model.name` (titan_k3/models/registry.py), as in the trainer:
+    its flavor, kernel choice and build are the family's `ModelSpec`.
+    """
     from titan_k3.data.tokenizer import load_tokenizer
-    from titan_k3.models.k3.args import get_flavor
-    from titan_k3.models.k3.impl import resolve_impl
-    from titan_k3.models.k3.model import K3Model
+    from titan_k3.models.registry import get_model_spec
 
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     # NOTE: the trainer's rule for the vocabulary (titan_k3/train.py): the tokenizer's, rounded up to 64.
     vocab = cfg.model.vocab_size or -(-tokenizer.vocab_size // 64) * 64
-    args = get_flavor(cfg.model.flavor, vocab)
-    impl = resolve_impl(cfg.kernels, device, args.max_mix_sources)
+    spec = get_model_spec(cfg.model.name)
+    args = spec.args(cfg.model.flavor, vocab)
+    impl = spec.resolve_kernels(cfg.kernels, device, args)
     with torch.device(device):
-        model = K3Model(args, impl, cfg.model.qb_eta)
+        model = spec.build(args, impl, cfg.model)
     return model.eval(), tokenizer, impl.fallbacks
 
 
