@@ -19,6 +19,12 @@ class StubTokenizer(Tokenizer):
     def __init__(self):
         self.name, self.sha256, self.vocab_size, self.eos_id = "stub", "c" * 64, VOCAB, 0
 
+    def encode(self, text):
+        return [ord(c) for c in text]  # one id per character: the datasets here are written as ids
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
 
 def make_dataset(path, doc_lengths: dict[str, list[int]]):
     """Returns (tokenizer, token id -> (source, doc, last-in-doc)) for a dataset of unique tokens."""

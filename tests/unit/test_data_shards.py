@@ -13,6 +13,12 @@ class StubTokenizer(Tokenizer):
     def __init__(self, vocab_size=1000, sha="a" * 64):
         self.name, self.sha256, self.vocab_size, self.eos_id = "stub", sha, vocab_size, 0
 
+    def encode(self, text):
+        return [ord(c) for c in text]  # one id per character: the datasets here are written as ids
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
 
 def _write(tmp_path, vocab_size=1000):
     tok = StubTokenizer(vocab_size)

@@ -18,6 +18,7 @@ This module does not import torch, so data tooling stays light.
 
 from __future__ import annotations
 
+import abc
 import base64
 import hashlib
 import os
@@ -45,8 +46,10 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-class Tokenizer:
+class Tokenizer(abc.ABC):
     """A text <-> token-id map with the identity the data index records.
+
+    A subclass implements `encode` and `decode` and sets the four attributes.
 
     Attributes:
         name: human-readable name (file name, or ``embedded-py3.11-v1``).
@@ -60,14 +63,16 @@ class Tokenizer:
     vocab_size: int
     eos_id: int
 
+    @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
+        """Token ids of `text`, encoded as ordinary text (no special tokens)."""
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
 
+    @abc.abstractmethod
     def decode(self, ids: Iterable[int]) -> str:
-        raise NotImplementedError
+        """The text of `ids`."""
 
     def __repr__(self) -> str:
         return (
