@@ -9,6 +9,7 @@ state, MLA records its max logits), and writes the median time and the peak memo
 Under `--ep FLAVOR=N` the MoE sublayer holds one EP rank's E/N experts and routes among them.
 
     python benchmarks/layer_cost.py                      # k3-mini and full-K3 shapes (EP8 share), T4096, B1
+    python benchmarks/layer_cost.py --flavors k3-mini --batch 8 --compile --param-dtype float32   # one-GPU recipe
     python benchmarks/layer_cost.py --flavors debug --seq 64 --out /tmp/costs.json   # CPU smoke (reference kernels)
 """
 
@@ -51,14 +52,23 @@ def sublayers(args) -> dict[str, tuple[int, str]]:
     return out
 
 
-def time_sublayer(args, layer: int, which: str, impl, batch: int, seq: int, device, compile_: bool) -> tuple[float, float]:
-    """(median ms of forward + backward, peak GiB) of one sublayer at [batch, seq, dim]."""
+def time_sublayer(args, layer: int, which: str, impl, batch: int, seq: int, device, compile_: bool,
+                  param_dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+    """(median ms of forward + backward, peak GiB) of one sublayer at [batch, seq, dim].
+
+    param_dtype: the matrices' dtype, as the trainer hands them to the sublayer: float32 on one GPU (autocast
+    casts them every forward), bfloat16 under FSDP2 (its mixed precision all-gathers them in bf16). The
+    routers stay float32 either way, as in the trainer.
+    """
     with torch.device(device):  # built in place: the full-K3 MoE share holds 3.5B float32 parameters
         block = K3Block(args, layer, impl, qb_eta=1.0)
     with torch.no_grad():
         for module in block.modules():
             if module is not block and hasattr(module, "reset_parameters"):
                 module.reset_parameters()
+        for name, p in block.named_parameters():
+            if p.ndim >= 2 and ".router." not in f".{name}":
+                p.data = p.data.to(param_dtype)
     block.train()
     docs = Documents.build(batch, seq, None, device)
     fn = block.attn_sublayer if which == "attn" else block.ffn_sublayer
@@ -112,6 +122,9 @@ def main() -> int:
     ap.add_argument("--ep", default="k3=8", help="FLAVOR=N: time the MoE as one of N EP ranks (E/N local experts)")
     ap.add_argument("--kinds", default="kda,mla,moe,dense_ffn,head", help="sublayer kinds to time")
     ap.add_argument("--compile", action="store_true", help="torch.compile each sublayer (as the trainer's recipe)")
+    ap.add_argument("--param-dtype", choices=["float32", "bfloat16"], default=None,
+                    help="the sublayer's matrices: bfloat16 as FSDP2 gathers them (any run of several GPUs; the "
+                         "default on CUDA), float32 as one GPU without FSDP keeps them (the default on CPU)")
     ap.add_argument("--out", default=str(DEFAULT_TABLE), help="JSON table to add the entries to")
     a = ap.parse_args()
     try:
@@ -122,6 +135,7 @@ def main() -> int:
         return 2
     kinds = set(a.kinds.split(","))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    a.param_dtype = a.param_dtype or ("bfloat16" if device.type == "cuda" else "float32")
     env = environment()
     entries = []
     for name, args in zip(a.flavors.split(","), flavors):
@@ -134,11 +148,12 @@ def main() -> int:
         for kind, (layer, which) in sublayers(local).items():
             if kind not in kinds:
                 continue
-            ms, peak = time_sublayer(local, layer, which, impl, a.batch, a.seq, device, a.compile)
+            ms, peak = time_sublayer(local, layer, which, impl, a.batch, a.seq, device, a.compile,
+                                     getattr(torch, a.param_dtype))
             entries.append(dict(kind=kind, shape=layer_shape(args, kind, local.n_experts), tokens=a.batch * a.seq,
                                 seq_len=a.seq, batch=a.batch, fwd_bwd_ms=round(ms, 3), peak_gib=round(peak, 2),
                                 dtype="bfloat16" if device.type == "cuda" else "float32", compiled=a.compile,
-                                source=f"benchmarks/layer_cost.py, {name}", **env))
+                                param_dtype=a.param_dtype, source=f"benchmarks/layer_cost.py, {name}", **env))
             print(f"{name:8s} {kind:9s} B{a.batch} T{a.seq}: {ms:9.3f} ms  peak {peak:6.2f} GiB", flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -1,7 +1,7 @@
 """k3-mini training throughput on one GPU: our full recipe, ablations, and both peers in the same run.
 
     PYTHONPATH=. python benchmarks/train_throughput.py --out OUTDIR \
-        [--variants ours-compile-ns-graphs,peer-compiled,peer,...] [--seq 4096 1024 --batch 8 32]
+        [--variants ours-compile-ns-graphs,peer-compiled,peer,...] [--seq 4096 1024 --batch 8 32] [--isolate]
 
 Each variant trains k3-mini (vocab 163,840) on the embedded corpus's real
 tokens: warm-up steps, then timed steps run back to back as in training
@@ -11,6 +11,8 @@ seconds from variant start to the end of its first step, the loss of every step 
 like ours on the same batches), and two ratios: to the strong peer (`peer-compiled`,
 benchmarks/peer_compiled.py: public parts, compiled per block) and to the eager peer (`peer`,
 benchmarks/peer_eager.py). Prints a table last and appends dated rows to OUTDIR/train_throughput.md.
+`--isolate` runs each variant in a fresh process: in one process the peers' host-bound steps and every
+variant's peak memory depend on what ran before them (the strong peer measured 206 ms first, 242 ms last).
 """
 
 from __future__ import annotations
@@ -190,6 +192,22 @@ def _compile_note(row: dict) -> str:
     return f"{row['graphs']} graphs, {row['graph_breaks']} graph breaks" if "graphs" in row else ""
 
 
+def run_isolated(name: str, seq: int, batch: int, args) -> dict:
+    """One variant in a child process of this script (a crash or an out-of-memory loses that variant alone)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        row_json = Path(tmp) / "rows.json"
+        cmd = [sys.executable, __file__, "--variants", name, "--flavor", args.flavor, "--seq", str(seq),
+               "--batch", str(batch), "--warmup", str(args.warmup), "--steps", str(args.steps),
+               "--profile", args.profile, "--out", str(args.out), "--row-json", str(row_json)]
+        done = subprocess.run(cmd)
+        if not row_json.is_file():
+            return {"variant": name, "seq": seq, "batch": batch, "error": f"child process exited {done.returncode}"}
+        return json.loads(row_json.read_text())[0]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default="ours,peer")
@@ -201,6 +219,9 @@ def main() -> int:
     p.add_argument("--deadline-s", type=float, default=1e9, help="skip variants that start after this many seconds")
     p.add_argument("--profile", default="ours", help="variants to profile (one step, torch.profiler); 'all' profiles every one")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--isolate", action="store_true",
+                   help="run each variant in a fresh process: none inherits another's memory, caches or host state")
+    p.add_argument("--row-json", type=Path, help=argparse.SUPPRESS)  # an --isolate child: its rows go here, no table
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     env, t0, rows = environment(), time.perf_counter(), []
@@ -208,14 +229,19 @@ def main() -> int:
         for name in args.variants.split(","):
             if time.perf_counter() - t0 > args.deadline_s:
                 rows.append({"variant": name, "seq": seq, "batch": batch, "error": "skipped: deadline"})
-                continue
-            try:
-                rows.append(run_variant(name, args.flavor, seq, batch, args.warmup, args.steps, args.out,
-                                        args.profile == "all" or name in args.profile.split(",")))
-            except Exception as e:  # one failing variant must not lose the others' numbers
-                rows.append({"variant": name, "seq": seq, "batch": batch, "error": f"{type(e).__name__}: {e}"})
-                traceback.print_exc()
+            elif args.isolate:
+                rows.append(run_isolated(name, seq, batch, args))
+            else:
+                try:
+                    rows.append(run_variant(name, args.flavor, seq, batch, args.warmup, args.steps, args.out,
+                                            args.profile == "all" or name in args.profile.split(",")))
+                except Exception as e:  # one failing variant must not lose the others' numbers
+                    rows.append({"variant": name, "seq": seq, "batch": batch, "error": f"{type(e).__name__}: {e}"})
+                    traceback.print_exc()
             print(json.dumps(rows[-1]), flush=True)
+    if args.row_json:
+        args.row_json.write_text(json.dumps(rows))
+        return 0
     lines = []
     for r in rows:
         if "error" in r:

@@ -82,8 +82,12 @@ def test_no_token_attends_or_sends_gradient_across_a_document():
     a, b = _with_grads(_varlen(docs), q, k, v, do), _with_grads(_varlen(docs), q2, k2, v2, do)
     untouched = torch.ones(2, T, dtype=torch.bool, device="cuda")
     untouched[0, 16:80] = False
+    # NOTE: flash's backward adds dq's key blocks with atomics, so two identical runs differ in dq by an ulp or
+    # so (4.9e-4 seen); a leak from the x10 document would move the others by far more than that.
+    floor = max((x - y).abs().max().item() for x, y in zip(a, _with_grads(_varlen(docs), q, k, v, do)))
     for x, y in zip(a, b):
-        torch.testing.assert_close(x.transpose(1, 2)[untouched], y.transpose(1, 2)[untouched], rtol=0, atol=1e-6)
+        torch.testing.assert_close(x.transpose(1, 2)[untouched], y.transpose(1, 2)[untouched], rtol=0,
+                                   atol=max(2 * floor, 1e-6))
     assert (a[0][other] - b[0][other]).abs().max() > 1e-2
 
 

@@ -104,12 +104,13 @@ def test_flex_without_bf16_compute_is_refused_with_the_key_named():
         load_job_config(["--kernels.attention", "flex"])
 
 
-def test_flex_on_cuda_is_chosen_as_asked_and_auto_keeps_sdpa():
-    """auto stays on cuDNN + efficient with the dense mask: flex measured no faster in the compiled step."""
+def test_flex_on_cuda_is_chosen_as_asked_and_auto_is_not_flex():
+    """auto prefers flash varlen, then cuDNN + efficient: flex measured no faster in the compiled step."""
     backends, choice = _attention_backends("flex", on_cuda=True)
     assert backends == [FLEX] and choice.chosen == "flex" and not choice.fallback
     backends, choice = _attention_backends("auto", on_cuda=True)
-    assert backends == [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION] and not choice.fallback
+    assert backends == [mla.VARLEN, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    assert choice.chosen == "varlen+cudnn" and not choice.fallback
     backends, choice = _attention_backends("auto", on_cuda=False)
     assert backends is None and choice.fallback and "no CUDA device" in choice.reason
 

@@ -45,6 +45,7 @@ def reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, wind
 @pytest.fixture
 def varlen_on_cpu(monkeypatch):
     monkeypatch.setattr(mla, "varlen_attn", reference_varlen_attn)
+    monkeypatch.setattr(mla, "VARLEN_DTYPES", (torch.float64,))
 
 
 def _layers():
@@ -71,6 +72,7 @@ def test_varlen_layer_matches_dense_mask_math_with_gradients(varlen_on_cpu):
 
 
 def test_whole_row_batches_run_causal_sdpa_not_varlen(monkeypatch):
+    monkeypatch.setattr(mla, "VARLEN_DTYPES", (torch.float64,))
     calls = []
     monkeypatch.setattr(mla, "varlen_attn", lambda *a, **k: calls.append(a) or reference_varlen_attn(*a, **k))
     var, math = _layers()
@@ -90,6 +92,18 @@ def test_scale_is_applied_where_the_kernel_takes_none(monkeypatch):
     out = mla.document_varlen_attention(q, k, v, docs.cu_seqlens_i32, 0.3)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=docs.attention_mask(), scale=0.3)
     torch.testing.assert_close(out, ref)
+
+
+def test_float32_under_auto_goes_on_to_the_dense_mask(monkeypatch):
+    """auto lists varlen first, but flash computes in 16 bits: a float32 batch takes the SDPA backends after it."""
+    monkeypatch.setattr(mla, "varlen_attn", lambda *a, **k: pytest.fail("varlen ran on float32"))
+    torch.manual_seed(0)
+    var, math = GatedMLA(ARGS, [VARLEN, SDPBackend.MATH]), GatedMLA(ARGS, [SDPBackend.MATH])
+    var.reset_parameters()
+    math.load_state_dict(var.state_dict())
+    x = torch.randn(2, T, ARGS.dim)
+    torch.testing.assert_close(var(x, Documents.build(2, T, CU, torch.device("cpu"))),
+                               math(x, Documents.build(2, T, CU, torch.device("cpu"))))
 
 
 def test_varlen_is_refused_on_cpu_with_the_key_named():

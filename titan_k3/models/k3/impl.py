@@ -192,10 +192,12 @@ def _attention_backends(requested: str, on_cuda: bool) -> tuple[list | None, Ker
     if requested == "auto":
         if not on_cuda:
             return None, KernelChoice("attention", "auto", "math", True, "no CUDA device: SDPA runs its math path")
-        # NOTE: a packed batch's dense [B, 1, T, T] mask goes to the first of these that takes it; order = preference.
-        # Not flex: 2.58x the dense-mask cuDNN path in isolation (attention.md), but no faster in the compiled
-        # k3-mini step (183.7 vs 184.3 ms, host-bound) and ~13 s more compilation (train_throughput.md).
-        return [table["cudnn"], table["efficient"]], KernelChoice("attention", "auto", "cudnn+efficient", False)
+        # NOTE: a list of preferences, each batch taking the first that takes it: packed documents in 16-bit go
+        # to flash's variable-length kernel (3.2x the dense-mask cuDNN path in isolation, 7.5 ms less per compiled
+        # k3-mini step: attention.md, train_throughput.md); whole rows, and float32, to SDPA (cuDNN first).
+        # Not flex: 2.6x the dense mask in isolation but no faster in the compiled step (host-bound: its
+        # BlockMask is built on the host every forward) and ~13 s more compilation.
+        return [VARLEN, table["cudnn"], table["efficient"]], KernelChoice("attention", "auto", "varlen+cudnn", False)
     if requested != "math" and not on_cuda:
         return [table["math"]], KernelChoice("attention", requested, "math", True, "no CUDA device")
     return [table[requested]], KernelChoice("attention", requested, requested, False)

@@ -35,6 +35,9 @@ VARLEN = "varlen"
 """An entry of `GatedMLA.sdpa_backends`: packed-document batches attend through flash attention's variable-length
 kernel (`document_varlen_attention`)."""
 
+VARLEN_DTYPES = (torch.bfloat16, torch.float16)
+"""What flash attention computes in."""
+
 # NOTE: torch 2.10 spells causal `is_causal=True` and has no `scale`; later versions take a (left, right) window
 # and a scale. Resolved once, here.
 _VARLEN_PARAMS = inspect.signature(varlen_attn).parameters
@@ -106,14 +109,15 @@ class GatedMLA(nn.Module):
     def _attend(self, q, k, v, docs: Documents) -> torch.Tensor:
         """q, k [B, H, T, N+R], v [B, H, T, V] -> [B, H, T, V], causal inside each document.
 
-        With VARLEN among the backends, packed-document batches run flash attention's variable-length kernel
-        on the document boundaries; with FLEX, flex_attention on the documents' BlockMask, and batches of
+        With VARLEN among the backends, packed-document batches in 16 bits run flash attention's variable-length
+        kernel on the document boundaries (float32 goes on to the SDPA backends listed with it: `kernels.attention
+        = varlen` itself is refused without bf16 compute); with FLEX, flex_attention on the documents' BlockMask, and batches of
         whole-row documents run the SDPA backends listed with it (is_causal), or flex when none is.
         Otherwise SDPA runs on the listed backends (all of them when the list is empty) with the dense mask
         (is_causal for whole-row documents).
         """
         backends = self.sdpa_backends or []
-        if VARLEN in backends and docs.cu_seqlens is not None:
+        if VARLEN in backends and docs.cu_seqlens is not None and q.dtype in VARLEN_DTYPES:
             return document_varlen_attention(q, k, v, docs.cu_seqlens_i32, self.scale)
         sdpa = [b for b in backends if b not in (FLEX, VARLEN)]
         if FLEX in backends and (docs.cu_seqlens is not None or not sdpa):
