@@ -22,6 +22,7 @@ from titan_k3.models.k3.impl import _attention_backends, resolve_impl
 from titan_k3.models.k3.mla import VARLEN, GatedMLA
 
 ARGS = FLAVORS["debug"]  # 2 heads, q/k 16 + 8 = 24 wide, values 16: the values are padded
+WIDE_V = FLAVORS["tiny"]  # q/k 32 + 16 = 48 wide, values 64: the queries and keys are padded
 T = 300
 LENGTHS = ([1, 15, 64, 200, 20], [200, 64, 15, 1, 20])
 CU = torch.tensor([0, *itertools.accumulate(n for row in LENGTHS for n in row)])
@@ -48,18 +49,19 @@ def varlen_on_cpu(monkeypatch):
     monkeypatch.setattr(mla, "VARLEN_DTYPES", (torch.float64,))
 
 
-def _layers():
+def _layers(args=ARGS):
     torch.manual_seed(0)
-    var, math = GatedMLA(ARGS, [VARLEN]), GatedMLA(ARGS, [SDPBackend.MATH])
+    var, math = GatedMLA(args, [VARLEN]), GatedMLA(args, [SDPBackend.MATH])
     var.reset_parameters()
     math.load_state_dict(var.state_dict())
     return var.double(), math.double()
 
 
-def test_varlen_layer_matches_dense_mask_math_with_gradients(varlen_on_cpu):
+@pytest.mark.parametrize("args", [ARGS, WIDE_V], ids=["values-narrower", "values-wider"])
+def test_varlen_layer_matches_dense_mask_math_with_gradients(varlen_on_cpu, args):
     """Documents of 1 to 200 tokens: the layer's output and every parameter gradient equal the dense-mask math path."""
-    var, math = _layers()
-    x = torch.randn(2, T, ARGS.dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    var, math = _layers(args)
+    x = torch.randn(2, T, args.dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     docs = Documents.build(2, T, CU, torch.device("cpu"))
     assert docs.cu_seqlens_i32.dtype == torch.int32 and torch.equal(docs.cu_seqlens_i32.long(), CU)
     out, ref = var(x, docs), math(x, Documents.build(2, T, CU, torch.device("cpu")))

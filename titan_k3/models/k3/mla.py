@@ -46,22 +46,27 @@ _VARLEN_TAKES_SCALE = "scale" in _VARLEN_PARAMS
 
 
 def document_varlen_attention(q, k, v, cu_seqlens_i32: torch.Tensor, scale: float) -> torch.Tensor:
-    """q, k [B, H, T, E], v [B, H, T, V <= E], cu_seqlens_i32 [N+1] over B*T -> [B, H, T, V], causal per document.
+    """q, k [B, H, T, E], v [B, H, T, V], cu_seqlens_i32 [N+1] over B*T -> [B, H, T, V], causal per document.
 
     The B rows are one packed sequence of N documents; flash attention computes each document's causal
     attention alone, so no block across documents is ever loaded (a dense mask computes all T x T scores).
-    NOTE: flash takes one head width for q, k and v: v is padded with zeros to E and the output cut back to V;
-    the padding's extra work (E / V on the value side) is far less than the dense mask's wasted blocks.
+    NOTE: flash takes one head width W = max(E, V) for q, k and v: the narrower side is padded with zeros (zero
+    columns change no dot product) and the output cut back to V; the padding's extra work is far less than the
+    dense mask's wasted blocks.
     """
     B, H, T, E = q.shape
     V = v.shape[-1]
+    W = max(E, V)
     if not _VARLEN_TAKES_SCALE:
-        q = q * (scale * E**0.5)  # the kernel's own scale is E ** -0.5
-    # [B, H, T, d] views of [B, T, H, d] projections: back to token-major rows, a free reshape when contiguous.
-    q_, k_ = (t.transpose(1, 2).reshape(B * T, H, E) for t in (q, k))
-    v_ = F.pad(v.transpose(1, 2), (0, E - V)).reshape(B * T, H, E)
+        q = q * (scale * W**0.5)  # the kernel's own scale is W ** -0.5
+
+    def rows(t):
+        # [B, H, T, d] views of [B, T, H, d] projections -> token-major [B*T, H, W]: a free reshape when contiguous.
+        t = t.transpose(1, 2)
+        return (F.pad(t, (0, W - t.shape[-1])) if t.shape[-1] < W else t).reshape(B * T, H, W)
+
     kwargs = dict(_VARLEN_CAUSAL, scale=scale) if _VARLEN_TAKES_SCALE else dict(_VARLEN_CAUSAL)
-    o = varlen_attn(q_, k_, v_, cu_seqlens_i32, cu_seqlens_i32, T, T, **kwargs)
+    o = varlen_attn(rows(q), rows(k), rows(v), cu_seqlens_i32, cu_seqlens_i32, T, T, **kwargs)
     return o[..., :V].view(B, T, H, V).transpose(1, 2)
 
 
