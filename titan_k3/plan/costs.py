@@ -76,7 +76,9 @@ class CostTable:
         then most tokens."""
         want = layer_shape(a, kind, experts_local)
         fixed = {k: v for k, v in want.items() if k != "experts_local"}
-        hits = [e for e in self.entries if e["kind"] == kind and bool(e.get("compiled", False)) == compiled
+        # NOTE: the head + loss is our fused kernel, never inside a compiled region: one entry serves both.
+        hits = [e for e in self.entries if e["kind"] == kind
+                and (kind == "head" or bool(e.get("compiled", False)) == compiled)
                 and all(e["shape"].get(k) == v for k, v in fixed.items())]
         if not hits:
             return None
