@@ -16,6 +16,7 @@ def _evaluate(dp_rank: int, dp_world: int, dp_group) -> tuple[dict, list[int]]:
     from titan_k3.data.tokenizer import load_tokenizer
     from titan_k3.eval.validation import validation_batches, validation_loss
     from titan_k3.models.k3.args import get_flavor
+    from titan_k3.models.k3.bundle import k3_batch_inputs
     from titan_k3.models.k3.impl import reference_impl
     from titan_k3.models.k3.model import K3Model
 
@@ -25,7 +26,7 @@ def _evaluate(dp_rank: int, dp_world: int, dp_group) -> tuple[dict, list[int]]:
     model.init_weights(SEED)
     batches = list(validation_batches("embedded", tokenizer, SEQ_LEN, GLOBAL_BATCH, N_BATCHES, dp_rank, dp_world, SEED))
     seen = [f for b in batches for f in b.fingerprints.tolist()]
-    return validation_loss(model, batches, torch.device("cpu"), dp_group), seen
+    return validation_loss(model, k3_batch_inputs, batches, torch.device("cpu"), dp_group), seen
 
 
 def _evaluate_rank(rank: int, world: int) -> tuple[dict, list[int]]:

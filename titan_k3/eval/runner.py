@@ -22,7 +22,8 @@ import torch
 from titan_k3.config import ConfigError, JobConfig
 from titan_k3.eval.multiple_choice import Example, load_task, model_loglikelihood, score_task, task_name
 from titan_k3.eval.validation import validation_batches, validation_loss, validation_split_tokens
-from titan_k3.models.k3.args import KDA_CHUNK
+from titan_k3.models.registry import get_model_spec
+from titan_k3.spec import KDA_CHUNK
 
 
 def training_autocast(cfg: JobConfig, device: torch.device):
@@ -65,6 +66,7 @@ class Evaluator:
         self.val_steps = e.steps if val_steps is None else val_steps
         self.tasks = load_tasks(e.tasks if tasks is None else tasks)
         self.autocast = training_autocast(cfg, device)
+        self.batch_inputs = get_model_spec(cfg.model.name).batch_inputs
         # NOTE: the Triton KDA kernels take whole chunks; the reference takes any length.
         self.pad_to = 1 if cfg.kernels.kda == "torch" else KDA_CHUNK
         if self.val_steps and (offline or e.interval > 0):
@@ -90,7 +92,8 @@ class Evaluator:
         if self.val_steps:
             batches = validation_batches(self.cfg.data.dataset, self.tokenizer, t.seq_len, e.batch_size, self.val_steps,
                                          self.dp_rank, self.dp_world, t.seed)
-            metrics.update(validation_loss(model, batches, self.device, self.dp_group, self.autocast))
+            metrics.update(validation_loss(model, self.batch_inputs, batches, self.device, self.dp_group,
+                                           self.autocast))
         if self.tasks:
             loglikelihood = model_loglikelihood(model, self.device, t.seq_len, self.pad_to, self.autocast)
             for name, examples in self.tasks.items():

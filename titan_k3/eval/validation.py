@@ -16,9 +16,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kernels.device import host_to_device
-from titan_k3.models.k3.documents import OnHost
-
 
 def validation_split_tokens(dataset: str) -> int:
     """Tokens in the dataset's validation split (from its index; 0 when it has none)."""
@@ -62,8 +59,13 @@ def _take(loader, n: int) -> Iterator:
 
 
 @torch.no_grad()
-def validation_loss(model, batches: Iterable, device: torch.device, dp_group=None, autocast=None) -> dict[str, float]:
-    """Mean next-token loss over `batches` (of all ranks in `dp_group`) -> {"val_loss", "val_tokens"}."""
+def validation_loss(model, batch_inputs, batches: Iterable, device: torch.device, dp_group=None,
+                    autocast=None) -> dict[str, float]:
+    """Mean next-token loss over `batches` (of all ranks in `dp_group`) -> {"val_loss", "val_tokens"}.
+
+    batch_inputs: the model family's `ModelSpec.batch_inputs`, (loader batch, device) -> the forward's
+    positional arguments, as the trainer feeds them.
+    """
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
@@ -71,8 +73,7 @@ def validation_loss(model, batches: Iterable, device: torch.device, dp_group=Non
         for b in batches:
             ctx = autocast if autocast is not None else torch.autocast(device.type, enabled=False)
             with ctx:
-                out = model(host_to_device(b.input_ids, device), host_to_device(b.labels, device),
-                            OnHost.wrap(b.cu_seqlens))
+                out = model(*batch_inputs(b, device))
             totals[0] += out.loss_sum.double()
             totals[1] += out.n_valid.double()
     finally:
