@@ -49,6 +49,7 @@ from titan_k3.parallel import (
     sum_replicated_grads,
 )
 from titan_k3.parallel.faults import active_injections, check_injections, inject_replica_drift
+from titan_k3.run_faults import RunFaults
 from titan_k3.signals import EXIT_STATUS, StopNow, StopSignals
 from titan_k3.train_state import TrainState
 
@@ -237,7 +238,9 @@ class Trainer:
 
     def _inject_faults(self) -> None:
         """Announce the [debug] fault injections that are on; apply the replica drift (after init or load)."""
-        for key, value in active_injections(self.cfg.debug).items() if self.rank == 0 else ():
+        self.run_faults = RunFaults.from_debug(self.cfg.debug)
+        on = {**active_injections(self.cfg.debug), **self.run_faults.active()}
+        for key, value in on.items() if self.rank == 0 else ():
             self.events.emit("fault_injection", f"FAULT INJECTED: {key} = {value!r}", step=self.step, key=key, value=value)
         drift = self.cfg.debug.inject_replica_drift
         if drift and self.dp_rank == self.dp_world - 1:
@@ -449,10 +452,7 @@ class Trainer:
                 window = {"tokens": 0, "training_seconds": 0.0, "data_wait": 0.0}
             if self.checkpointer.after_step(self.step, last=self.step == cfg.training.steps):
                 break  # a stop signal: the update is finished and saved
-            if cfg.debug.crash_at_step == self.step:
-                print(f"debug.crash_at_step = {self.step}: exiting with status 3", flush=True)
-                sys.stdout.flush()
-                os._exit(3)
+            self.run_faults.after_update(self.step)
         self.checkpointer.close()
         return results
 
