@@ -53,9 +53,12 @@ VARIANTS = {
     "ours-compile-flex": ["--compile.enable", "true", "--kernels.attention", "flex"],
     # Per-Head Muon's Newton-Schulz replayed as CUDA graphs (fewer host launches in a host-bound step)
     "ours-compile-ns-graphs": ["--compile.enable", "true", "--optimizer.ns_cuda_graphs", "true"],
-    # ... and MLA on packed documents through flash's variable-length kernel (each document its own sequence)
+    # ... MLA on packed documents through flash's variable-length kernel (each document its own sequence: what
+    # auto picks since bf6501e), and through cuDNN on the dense document mask (auto before)
     "ours-compile-ns-graphs-varlen": ["--compile.enable", "true", "--optimizer.ns_cuda_graphs", "true",
                                       "--kernels.attention", "varlen"],
+    "ours-compile-ns-graphs-dense-mask": ["--compile.enable", "true", "--optimizer.ns_cuda_graphs", "true",
+                                          "--kernels.attention", "cudnn"],
     # FP8 on every block linear of k3-mini (the default min_dim 8192 converts none: none paid, fp8.md)
     "ours-compile-fp8": ["--compile.enable", "true", "--float8.enable", "true", "--float8.min_dim", "256"],
     "ours-compile-torch-loss": ["--compile.enable", "true", "--kernels.loss", "torch"],
