@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -151,6 +152,7 @@ def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps
         "tokens_per_s": tok_s, "mfu": tok_s * fpt / 989e12, "peak_gib": peak_gib(),
         "start_to_first_step_s": build_s + first, "steps_timed": steps,
         "losses": [round(_loss(r), 4) for r in results],
+        "pid": os.getpid(),  # under --isolate, each variant's own process
     }
     watch = getattr(holder, "compile_watch", None)
     if watch is not None:

@@ -31,6 +31,17 @@ def test_train_throughput_times_a_variant_and_writes_its_row(tmp_path):
     assert "| ours | B2 T64 |" in (tmp_path / "out" / "train_throughput.md").read_text()
 
 
+def test_train_throughput_isolate_runs_each_variant_in_its_own_process(tmp_path):
+    run = _run("train_throughput.py", tmp_path, "--variants", "ours,ours-adamw", "--warmup", "1", "--steps", "1",
+               "--profile", "none", "--isolate")
+    rows = json.loads((tmp_path / "out" / "train_throughput.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["ours", "ours-adamw"] and not [r for r in rows if "error" in r], rows
+    assert len({r["pid"] for r in rows}) == 2, rows
+    table = (tmp_path / "out" / "train_throughput.md").read_text()
+    assert "| ours | B2 T64 |" in table and "| ours-adamw | B2 T64 |" in table
+    assert run.returncode == 0
+
+
 def test_checkpoint_benchmark_saves_blocking_and_async(tmp_path):
     run = _run("checkpoint.py", tmp_path)
     table = (tmp_path / "out" / "checkpoint.md").read_text()
