@@ -197,8 +197,12 @@ def _compile_note(row: dict) -> str:
     return f"{row['graphs']} graphs, {row['graph_breaks']} graph breaks" if "graphs" in row else ""
 
 
-def run_isolated(name: str, seq: int, batch: int, args) -> dict:
-    """One variant in a child process of this script (a crash or an out-of-memory loses that variant alone)."""
+def run_isolated(name: str, seq: int, batch: int, args, time_left_s: float) -> dict:
+    """One variant in a child process of this script (a crash, an out-of-memory or a hang loses that variant alone).
+
+    The child is killed once `time_left_s` (what is left of --deadline-s) has passed: a hung variant must not
+    take the rows of the others with it when the whole run has a wall-clock limit.
+    """
     import subprocess
     import tempfile
 
@@ -207,7 +211,10 @@ def run_isolated(name: str, seq: int, batch: int, args) -> dict:
         cmd = [sys.executable, __file__, "--variants", name, "--flavor", args.flavor, "--seq", str(seq),
                "--batch", str(batch), "--warmup", str(args.warmup), "--steps", str(args.steps),
                "--profile", args.profile, "--out", str(args.out), "--row-json", str(row_json)]
-        done = subprocess.run(cmd)
+        try:
+            done = subprocess.run(cmd, timeout=time_left_s)
+        except subprocess.TimeoutExpired:
+            return {"variant": name, "seq": seq, "batch": batch, "error": f"killed after {time_left_s:.0f} s: deadline"}
         if not row_json.is_file():
             return {"variant": name, "seq": seq, "batch": batch, "error": f"child process exited {done.returncode}"}
         return json.loads(row_json.read_text())[0]
@@ -221,7 +228,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[8])
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--deadline-s", type=float, default=1e9, help="skip variants that start after this many seconds")
+    p.add_argument("--deadline-s", type=float, default=1e9,
+                   help="skip variants that start after this many seconds (with --isolate, also kill one still running)")
     p.add_argument("--profile", default="ours", help="variants to profile (one step, torch.profiler); 'all' profiles every one")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--isolate", action="store_true",
@@ -235,7 +243,7 @@ def main() -> int:
             if time.perf_counter() - t0 > args.deadline_s:
                 rows.append({"variant": name, "seq": seq, "batch": batch, "error": "skipped: deadline"})
             elif args.isolate:
-                rows.append(run_isolated(name, seq, batch, args))
+                rows.append(run_isolated(name, seq, batch, args, args.deadline_s - (time.perf_counter() - t0)))
             else:
                 try:
                     rows.append(run_variant(name, args.flavor, seq, batch, args.warmup, args.steps, args.out,

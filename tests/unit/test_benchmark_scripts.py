@@ -42,6 +42,14 @@ def test_train_throughput_isolate_runs_each_variant_in_its_own_process(tmp_path)
     assert run.returncode == 0
 
 
+def test_train_throughput_isolate_kills_a_variant_past_the_deadline_and_keeps_going(tmp_path):
+    _run("train_throughput.py", tmp_path, "--variants", "ours,ours-adamw", "--isolate", "--profile", "none",
+         "--deadline-s", "3")
+    rows = json.loads((tmp_path / "out" / "train_throughput.json").read_text())["rows"]
+    assert [r.get("error", "")[:6] for r in rows] == ["killed", "skippe"], rows
+    assert "killed after 3 s: deadline" in (tmp_path / "out" / "train_throughput.md").read_text()
+
+
 def test_checkpoint_benchmark_saves_blocking_and_async(tmp_path):
     run = _run("checkpoint.py", tmp_path)
     table = (tmp_path / "out" / "checkpoint.md").read_text()
