@@ -226,7 +226,13 @@ class Trainer:
         self.checkpointer.stop.signum = signum
 
     def close(self) -> None:
-        """Stop the metric sinks and teeing stdout into the run directory; give Python its collector back."""
+        """Stop the metric sinks and teeing stdout into the run directory; give Python its collector back, and the
+        process its signal handlers (the checkpointer's graceful stop turns SIGTERM into a flag while it lives)."""
+        if getattr(self, "checkpointer", None) is not None:
+            # NOTE: train() closes the checkpointer when its loop ends; a trainer stepped from outside (a benchmark,
+            # a test, a notebook) or stopped by an exception must not leave a process that SIGTERM no longer ends.
+            # Only the handlers: a pending save's commit may wait on other ranks, which an error path must not.
+            self.checkpointer.stop.restore()
         if getattr(self, "precompile", None) is not None:
             self.precompile.finish()  # a run ended before its first update leaves no compile threads or Triton hook
         if getattr(self, "gc_schedule", None) is not None:

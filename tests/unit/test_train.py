@@ -43,6 +43,20 @@ def test_run_directory_holds_what_design_promises(tmp_path):
     assert "tokens per update = 1 batch x 64 seq x 1 accum x 1 dp = 64" in (run / "stdout.log").read_text()
 
 
+def test_a_closed_trainer_gives_the_process_its_sigterm_handler_back(tmp_path):
+    """Stepped from outside and closed without train() (a benchmark, a notebook): SIGTERM ends the process again."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    trainer = Trainer(load_job_config([*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "2"]))
+    try:
+        assert signal.getsignal(signal.SIGTERM) is not before  # the checkpointer's graceful stop, while it lives
+        trainer.train_step()
+    finally:
+        trainer.close()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_strict_refuses_fallbacks_before_creating_anything(tmp_path, capsys):
     rc = main([*FAST, "--job.dump_folder", str(tmp_path), "--job.strict", "true"])
     assert rc == 2
