@@ -6,9 +6,9 @@ token attends to another document: by flash attention's variable-length kernel
 (each document its own causal sequence: no work across documents), by
 scaled_dot_product_attention on a dense [B, 1, T, T] mask, or by
 flex_attention on the documents' BlockMask, which skips every block that lies
-across documents. The layer records, per head,
-the largest pre-softmax logit it produced since the last `pop_max_logit()`
-(exact, over the causal document mask): QK-Clip reads it after each optimizer step.
+across documents. The layer records, per head, the largest pre-softmax logit
+it produced since the last `pop_max_logit()` (exact, over the causal document
+mask): QK-Clip reads it after each optimizer step.
 """
 
 from __future__ import annotations
@@ -115,11 +115,11 @@ class GatedMLA(nn.Module):
         """q, k [B, H, T, N+R], v [B, H, T, V] -> [B, H, T, V], causal inside each document.
 
         With VARLEN among the backends, packed-document batches in 16 bits run flash attention's variable-length
-        kernel on the document boundaries (float32 goes on to the SDPA backends listed with it: `kernels.attention
-        = varlen` itself is refused without bf16 compute); with FLEX, flex_attention on the documents' BlockMask, and batches of
-        whole-row documents run the SDPA backends listed with it (is_causal), or flex when none is.
-        Otherwise SDPA runs on the listed backends (all of them when the list is empty) with the dense mask
-        (is_causal for whole-row documents).
+        kernel on the document boundaries (float32 goes on to the SDPA backends listed with it; an explicit
+        `kernels.attention = varlen` is refused without bf16 compute). With FLEX, packed-document batches run
+        flex_attention on the documents' BlockMask, and batches of whole-row documents the SDPA backends listed
+        with it (is_causal), or flex when none is. Otherwise SDPA runs on the listed backends (all of them when the
+        list is empty) with the dense mask (is_causal for whole-row documents).
         """
         backends = self.sdpa_backends or []
         if VARLEN in backends and docs.cu_seqlens is not None and q.dtype in VARLEN_DTYPES:
