@@ -1,62 +1,25 @@
 """MLA's flex_attention path on CUDA, at k3-mini's head widths (q/k 192, v 128): output and gradients against
 SDPA's math path on the dense document mask, isolation between documents, a compiled sublayer around it, the
-whole model through `kernels.attention = flex`, and no host sync.
+whole model through `kernels.attention = flex`, and no host sync (the checks shared with the varlen path are in
+mla_checks.py).
 """
-
-import itertools
 
 import pytest
 import torch
-import torch.nn.functional as F
-from host_sync import run_without_host_sync
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from mla_checks import (
+    E, T, assert_documents_isolated, assert_model_matches_math, assert_no_host_sync, docs_of, inputs, math64, rel_rms,
+    with_grads,
+)
+from torch.nn.attention import SDPBackend
 
 from titan_k3.models.k3.args import FLAVORS
-from titan_k3.models.k3.documents import Documents
 from titan_k3.models.k3.mla import FLEX, GatedMLA, compiled_flex_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-H, E, V = 4, 192, 128
-T = 1000  # not a multiple of flex's 128-token blocks
-LENGTHS = ([1, 15, 64, 200, 720], [200, 64, 15, 1, 720])
-CU = torch.tensor([0, *itertools.accumulate(n for row in LENGTHS for n in row)])
-
-
-def _rel_rms(x, ref):
-    x, ref = x.double(), ref.double()
-    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
-
-
-def _docs(packed: bool) -> Documents:
-    return Documents.build(2, T, CU if packed else None, torch.device("cuda"))
-
-
-def _inputs(dtype, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v, do = (torch.randn(2, H, T, d, device="cuda", generator=g).to(dtype) for d in (E, E, V, V))
-    return q, k, v, do
-
-
-def _with_grads(fn, q, k, v, do):
-    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
-    o = fn(*leaves)
-    return [o.detach(), *torch.autograd.grad(o, leaves, do.to(o.dtype))]
-
 
 def _flex(docs):
     return lambda q, k, v: compiled_flex_attention(q, k, v, block_mask=docs.block_mask(), scale=E**-0.5)
-
-
-def _math64(docs):
-    mask = docs.attention_mask()
-
-    def fn(q, k, v):
-        with sdpa_kernel([SDPBackend.MATH]):
-            return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
-                                                  is_causal=mask is None, scale=E**-0.5)
-
-    return fn
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "whole-rows"])
@@ -65,28 +28,17 @@ def _math64(docs):
 @pytest.mark.parametrize("dtype, tol", [(torch.float16, 5e-3), (torch.bfloat16, 2e-2)], ids=["fp16", "bf16"])
 def test_flex_matches_dense_mask_math(packed, dtype, tol):
     """Output and dq, dk, dv within tol (relative RMS) of float64 math on the dense mask."""
-    docs = _docs(packed)
-    q, k, v, do = _inputs(dtype)
-    out = _with_grads(_flex(docs), q, k, v, do)
-    ref = _with_grads(_math64(docs), q, k, v, do)
+    docs = docs_of(packed)
+    q, k, v, do = inputs(dtype)
+    out = with_grads(_flex(docs), q, k, v, do)
+    ref = with_grads(math64(docs), q, k, v, do)
     for name, x, r in zip(("o", "dq", "dk", "dv"), out, ref):
-        assert _rel_rms(x, r) < tol, (name, _rel_rms(x, r))
+        assert rel_rms(x, r) < tol, (name, rel_rms(x, r))
 
 
 def test_no_token_attends_or_sends_gradient_across_a_document():
     """Changing one document's q, k, v leaves every other token's output and gradients unchanged."""
-    docs = _docs(True)
-    q, k, v, do = _inputs(torch.bfloat16)
-    other = (slice(0, 1), slice(None), slice(16, 80))  # row 0's 64-token document
-    q2, k2, v2 = q.clone(), k.clone(), v.clone()
-    for t in (q2, k2, v2):
-        t[other] = torch.randn_like(t[other]) * 10
-    a, b = _with_grads(_flex(docs), q, k, v, do), _with_grads(_flex(docs), q2, k2, v2, do)
-    untouched = torch.ones(2, T, dtype=torch.bool, device="cuda")
-    untouched[0, 16:80] = False
-    for x, y in zip(a, b):
-        torch.testing.assert_close(x.transpose(1, 2)[untouched], y.transpose(1, 2)[untouched], rtol=0, atol=1e-6)
-    assert (a[0][other] - b[0][other]).abs().max() > 1e-2
+    assert_documents_isolated(_flex)
 
 
 def test_flex_inside_a_compiled_sublayer_matches_eager_math():
@@ -106,58 +58,26 @@ def test_flex_inside_a_compiled_sublayer_matches_eager_math():
 
     compiled = torch.compile(sublayer, fullgraph=True)
     x = torch.randn(2, T, args.dim, device="cuda")
-    docs = _docs(True)
+    docs = docs_of(True)
     mask = docs.block_mask()  # built before the compiled sublayers, as K3Model.hidden does
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out = compiled(flex[1], compiled(flex[0], x, docs), docs).float()
-        ref_docs = _docs(True)
+        ref_docs = docs_of(True)
         ref = math[1](math[0](x, ref_docs), ref_docs).float()
     assert docs.block_mask() is mask
-    assert _rel_rms(out, ref) < 2e-2
+    assert rel_rms(out, ref) < 2e-2
     out.square().sum().backward()
     ref.square().sum().backward()
     for f, m in zip(flex, math):
         for (name, p), r in zip(f.named_parameters(), m.parameters()):
-            assert _rel_rms(p.grad, r.grad) < 5e-2, name
+            assert rel_rms(p.grad, r.grad) < 5e-2, name
 
 
 def test_model_with_flex_attention_matches_math():
     """`kernels.attention = flex` reaches every MLA layer: the same loss and gradients as SDPA's math path."""
-    from titan_k3.config import load_job_config
-    from titan_k3.models.k3.args import get_flavor
-    from titan_k3.models.k3.impl import resolve_impl
-    from titan_k3.models.k3.model import K3Model
-
-    device = torch.device("cuda")
-    losses, grads = {}, {}
-    for attention in ("flex", "math"):
-        impl = resolve_impl(load_job_config(["--kernels.attention", attention, "--training.compute_dtype",
-                                               "bfloat16"]).kernels, device)
-        assert not [c for c in impl.fallbacks if c.op == "attention"]
-        model = K3Model(get_flavor("tiny", 8192), impl).to(device)
-        model.init_weights(seed=0)
-        assert all(layer.sdpa_backends == ([FLEX] if attention == "flex" else [SDPBackend.MATH])
-                   for layer in model.mla_layers().values())
-        ids = torch.randint(0, 8192, (2, 256), generator=torch.Generator().manual_seed(0)).to(device)
-        with torch.autocast("cuda", dtype=torch.bfloat16):  # flex needs bf16 compute here (validate.py)
-            out = model(ids, ids, torch.tensor([0, 100, 256, 300, 512]))
-        out.loss_sum.backward()
-        losses[attention] = out.loss_sum.item()
-        grads[attention] = {n: p.grad for n, p in model.named_parameters() if ".attn." in n and p.grad is not None}
-    assert abs(losses["flex"] - losses["math"]) < 1e-2 * abs(losses["math"])
-    for name, g in grads["math"].items():
-        assert _rel_rms(grads["flex"][name], g) < 5e-2, name
+    assert_model_matches_math("flex", [FLEX])
 
 
 def test_block_mask_and_flex_do_not_sync():
     """Building the BlockMask from host boundaries, flex forward and backward: the host never waits for the GPU."""
-    q, k, v, do = _inputs(torch.bfloat16)
-
-    def step():
-        docs = Documents.build(2, T, CU, torch.device("cuda"))
-        return _with_grads(_flex(docs), q, k, v, do)
-
-    out = run_without_host_sync(step)
-    ref = _with_grads(_math64(_docs(True)), q, k, v, do)
-    for name, x, r in zip(("o", "dq", "dk", "dv"), out, ref):
-        assert _rel_rms(x, r) < 2e-2, (name, _rel_rms(x, r))
+    assert_no_host_sync(_flex)
