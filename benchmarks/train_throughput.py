@@ -60,6 +60,11 @@ VARIANTS = {
                                       "--kernels.attention", "varlen"],
     "ours-compile-ns-graphs-dense-mask": ["--compile.enable", "true", "--optimizer.ns_cuda_graphs", "true",
                                           "--kernels.attention", "cudnn"],
+    # ... and the update's forward and backward replayed as one CUDA graph (the host no longer issues ~2,500 launches)
+    "ours-compile-step-graph": ["--compile.enable", "true", "--optimizer.ns_cuda_graphs", "true",
+                                "--compile.cuda_graph", "true"],
+    "ours-compile-adamw-step-graph": ["--compile.enable", "true", "--optimizer.name", "adamw",
+                                      "--compile.cuda_graph", "true"],
     # FP8 on every block linear of k3-mini (the default min_dim 8192 converts none: none paid, fp8.md)
     "ours-compile-fp8": ["--compile.enable", "true", "--float8.enable", "true", "--float8.min_dim", "256"],
     "ours-compile-torch-loss": ["--compile.enable", "true", "--kernels.loss", "torch"],

@@ -51,6 +51,7 @@ from titan_k3.parallel import (
 from titan_k3.parallel.faults import active_injections, check_injections, inject_replica_drift
 from titan_k3.run_faults import RunFaults
 from titan_k3.signals import EXIT_STATUS, StopNow, StopSignals
+from titan_k3.step_graph import StepGraph, check_capturable
 from titan_k3.train_state import TrainState
 
 IGNORE_INDEX = -100
@@ -154,6 +155,8 @@ class Trainer:
             raise ConfigError(
                 f"job.strict = true and {first.op} falls back to '{first.chosen}' (asked '{first.requested}'): {first.reason}"
             )
+        if cfg.compile.cuda_graph:
+            check_capturable(cfg, self.device, self.world_size, self.impl.choices, self.model_spec.graph_inputs)
         torch.manual_seed(t.seed)
         with torch.device("meta"):
             model = self.model_spec.build(self.args, self.impl, cfg.model)
@@ -206,6 +209,7 @@ class Trainer:
             sys.stdout = Tee(sys.stdout, self.run_dir / "stdout.log")
         self.events = EventLog(self.run_dir / "events.jsonl" if self.rank == 0 else None, echo=self.rank == 0)
         self.compile_watch = CompileWatch(self.events) if cfg.compile.enable else None
+        self.step_graph = self._build_step_graph()
         self.reporter.start(self.run_dir, self.events)
         self.profiler = StepProfiler(cfg.profiling, self.run_dir, self.rank, self.events)
         self.invariants = InvariantRunner(cfg.invariants, self.events, group=self.dp_group, rank=self.rank, device=self.device,
@@ -220,6 +224,15 @@ class Trainer:
         self._inject_faults()
         self.gc_schedule = ScheduledGC(t.gc_every)  # last: a failed start leaves Python's collector as it was
         self._built_at = time.time()
+
+    def _build_step_graph(self) -> StepGraph | None:
+        """The CUDA graph of each update's forward and backward (compile.cuda_graph), or None."""
+        c = self.cfg.compile
+        if not c.cuda_graph:
+            return None
+        return StepGraph(self.model, self._forward_backward, self.model_spec.graph_inputs, self.device,
+                         max_documents=c.cuda_graph_max_documents, warmup=c.cuda_graph_warmup,
+                         strict=self.cfg.job.strict, emit=self.events.emit)
 
     def _stop_after_update(self, signum: int) -> None:
         """A stop signal after update 1: the checkpointer saves after the current update and the loop ends."""
@@ -321,17 +334,14 @@ class Trainer:
         global_valid = self._all_reduce(n_valid.clone()).clamp(min=1)
         # debug.inject_grad_scale = 'local_normaliser': the loss divided by this rank's targets, not the update's.
         normaliser = n_valid.clamp(min=1) if cfg.debug.inject_grad_scale == "local_normaliser" else global_valid
-        loss_sum = torch.zeros((), device=self.device)
-        autocast = self._autocast()
-        defer_reduce = cfg.parallelism.fsdp_defer_grad_reduce and len(batches) > 1
-        for i, b in enumerate(batches):
-            if defer_reduce:
-                set_microbatch_sync(self.model, last=i == len(batches) - 1)
-            with autocast:
-                out = self.model(*self.model_spec.batch_inputs(b, self.device))
-            (out.loss_sum / normaliser).backward()
-            self.hooks.after_backward()  # the model's own work before the next micro-batch routes (QB)
-            loss_sum += out.loss_sum.detach().float()
+
+        def eager() -> torch.Tensor:
+            return self._forward_backward((self.model_spec.batch_inputs(b, self.device) for b in batches), normaliser)
+
+        if self.step_graph is not None:
+            loss_sum = self.step_graph.forward_backward(batches, normaliser, self.step + 1, eager)
+        else:
+            loss_sum = eager()
         sum_replicated_grads(self.model, self.dp_group)
         loss_t = self._all_reduce(loss_sum) / global_valid
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -362,6 +372,25 @@ class Trainer:
         while len(self._unsettled) > 1:
             self._settle(self._unsettled[0][0])
         return result
+
+    def _forward_backward(self, inputs, normaliser: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of each micro-batch (`inputs`: the model's arguments of each); the summed loss.
+
+        Each micro-batch's summed loss is divided by `normaliser` (the update's valid targets) before its backward,
+        so the gradients add up to those of the update's mean loss. A CUDA graph of the step records this pass.
+        """
+        inputs = list(inputs)
+        defer_reduce = self.cfg.parallelism.fsdp_defer_grad_reduce and len(inputs) > 1
+        loss_sum = torch.zeros((), device=self.device)
+        for i, args in enumerate(inputs):
+            if defer_reduce:
+                set_microbatch_sync(self.model, last=i == len(inputs) - 1)
+            with self._autocast():
+                out = self.model(*args)
+            (out.loss_sum / normaliser).backward()
+            self.hooks.after_backward()  # the model's own work before the next micro-batch routes (QB)
+            loss_sum += out.loss_sum.detach().float()
+        return loss_sum
 
     def _settle(self, upto: StepResult | None = None, wait: bool = True) -> None:
         """Read back pending results in update order, through `upto` (None: all); wait=False: only landed copies.

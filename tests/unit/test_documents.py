@@ -89,3 +89,43 @@ def test_block_tables_match_an_evaluation_of_the_mask_over_every_element(seed, T
     # away from the ragged edge, torch finds the same full blocks
     whole = T // FLEX_BLOCK
     assert torch.equal(ours.full_kv_num_blocks[..., :whole], theirs.full_kv_num_blocks[..., :whole].to(torch.int32))
+
+
+def test_a_capacity_pads_with_empty_documents_and_keeps_positions_and_ids():
+    """A CUDA graph's inputs: the boundaries padded to a fixed count, every per-token tensor as without padding."""
+    cpu = torch.device("cpu")
+    plain = Documents.build(2, 6, torch.tensor([0, 2, 6, 9, 12]), cpu)
+    padded = Documents.build(2, 6, torch.tensor([0, 2, 6, 9, 12]), cpu, capacity=7)
+    assert padded.cu_seqlens.tolist() == [0, 2, 6, 9, 12, 12, 12, 12] and padded.num_slots == 7
+    assert padded.cu_seqlens_host.tolist() == padded.cu_seqlens.tolist() == padded.cu_seqlens_i32.tolist()
+    assert torch.equal(padded.pos_BT, plain.pos_BT) and torch.equal(padded.doc_BT, plain.doc_BT)
+    assert torch.equal(padded.attention_mask(), plain.attention_mask())
+    cu, chunks, offsets = padded.kda_chunks
+    assert cu.tolist() == padded.cu_seqlens.tolist() and offsets.shape == (8,)
+    # Whole-row batches become packed ones (one document per row) of the same fixed shape.
+    rows = Documents.build(2, 6, None, cpu, capacity=7)
+    assert rows.cu_seqlens.tolist() == [0, 6, 12, 12, 12, 12, 12, 12] and rows.kda_chunks[1].shape == chunks.shape
+
+
+def test_copy_writes_a_new_batch_into_the_same_tensors():
+    cpu = torch.device("cpu")
+    static = Documents.build(2, 6, torch.tensor([0, 2, 6, 9, 12]), cpu, capacity=5)
+    before = [static.cu_seqlens, static.pos_BT, static.doc_BT, static.cu_seqlens_i32, *static.kda_chunks]
+    static.attention_mask()
+    new = Documents.build(2, 6, torch.tensor([0, 6, 7, 8, 12]), cpu, capacity=5)
+    assert static.copy_(new) is static
+    after = [static.cu_seqlens, static.pos_BT, static.doc_BT, static.cu_seqlens_i32, *static.kda_chunks]
+    assert all(a is b for a, b in zip(before, after))  # the memory a graph reads
+    assert all(torch.equal(a, b) for a, b in zip(after, [new.cu_seqlens, new.pos_BT, new.doc_BT, new.cu_seqlens_i32,
+                                                        *new.kda_chunks]))
+    assert torch.equal(static.attention_mask(), new.attention_mask())  # derived again, not the old batch's
+    with pytest.raises(ValueError, match="one shape and capacity"):
+        static.copy_(Documents.build(2, 6, torch.tensor([0, 6, 12]), cpu, capacity=4))
+    assert Documents.build(2, 6, static, cpu) is static
+    with pytest.raises(ValueError, match="passed for a batch of"):
+        Documents.build(3, 4, static, cpu)
+
+
+def test_a_batch_over_the_capacity_stops_with_one_line():
+    with pytest.raises(ValueError, match="capacity"):
+        Documents.build(2, 6, torch.tensor([0, 2, 6, 9, 12]), torch.device("cpu"), capacity=4)

@@ -228,6 +228,17 @@ def validate(cfg: JobConfig) -> None:
         "config key 'kernels.attention' = 'varlen': needs training.compute_dtype = 'bfloat16' "
         "(flash attention computes in 16-bit floats only)",
     )
+    _non_negative("compile.cuda_graph_max_documents", cfg.compile.cuda_graph_max_documents)
+    _positive("compile.cuda_graph_warmup", cfg.compile.cuda_graph_warmup)
+    if cfg.compile.cuda_graph:
+        graph = "config key 'compile.cuda_graph' = true"
+        _require(t.device != "cpu", f"{graph}: CUDA graphs need a CUDA device (training.device = 'cpu')")
+        for op in ("kda", "experts"):
+            asked = getattr(cfg.kernels, op)
+            _require(asked in ("auto", "triton"), f"{graph}: needs our Triton {op} kernels (they read the batch's "
+                                                  f"layout from the device); kernels.{op} = '{asked}'")
+        _require(cfg.kernels.attention != "flex", f"{graph}: flex attention builds its block mask on the host every "
+                                                  "forward; use kernels.attention = 'varlen' or 'auto'")
     _require(
         not (cfg.float8.enable and t.compute_dtype != "bfloat16"),
         "config key 'float8.enable' = true: needs training.compute_dtype = 'bfloat16'",

@@ -56,3 +56,9 @@ class ModelSpec:
     """(a loader batch, device) -> the positional arguments of the model's training forward."""
     step_hooks: Callable[..., StepHooks]
     """(model, cfg, device, dp_group) -> the hooks of this built model; also sets it up for training."""
+    graph_inputs: Callable[..., tuple] | None = None
+    """(a loader batch, device, max_documents, into) -> the same arguments as `batch_inputs` in tensors whose shapes
+    do not depend on the batch (document metadata sized for max_documents), which a CUDA graph of the step reads:
+    newly made when `into` is None, else the batch's values written into `into` (an earlier result), which is
+    returned. Raises ValueError when the batch has more than max_documents documents. None: the family has no
+    fixed-shape inputs and its steps are not captured."""

@@ -123,7 +123,9 @@ def _checkpointed(forward):
         # NOTE: the residual stream appends to its list of sources after the
         # block returns; the recompute must see the list as it was, so pass a copy.
         args = tuple(list(a) if isinstance(a, list) else a for a in args)
-        return checkpoint(forward, *args, use_reentrant=False,
+        # NOTE: preserve_rng_state=False: the model draws no random numbers, and saving the generators' state per
+        # block is host work that a CUDA graph of the step (compile.cuda_graph) could not capture.
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False,
                           context_fn=lambda: (contextlib.nullcontext(), routing_recompute()))
 
     return run

@@ -13,7 +13,7 @@ from torch import nn
 
 from kernels.device import host_to_device
 from titan_k3.models.k3.args import FLAVORS, K3Args, count_params, flops_per_token, get_flavor
-from titan_k3.models.k3.documents import OnHost
+from titan_k3.models.k3.documents import Documents, OnHost
 from titan_k3.models.k3.impl import Impl, resolve_impl
 from titan_k3.models.k3.model import K3Model
 from titan_k3.models.k3.moe import apply_deferred_updates
@@ -33,6 +33,20 @@ def resolve_k3_kernels(kernels_cfg, device: torch.device, args: K3Args) -> Impl:
 def k3_batch_inputs(batch, device: torch.device) -> tuple:
     """(input_ids, labels) on `device`, document boundaries left on the host (`OnHost`: FSDP2 passes them as they are)."""
     return host_to_device(batch.input_ids, device), host_to_device(batch.labels, device), OnHost.wrap(batch.cu_seqlens)
+
+
+def k3_graph_inputs(batch, device: torch.device, max_documents: int, into: tuple | None = None) -> tuple:
+    """(input_ids, labels, Documents padded to max_documents) in fixed shapes; see ModelSpec.graph_inputs."""
+    B, T = batch.input_ids.shape
+    # One empty document at least pads the boundaries: our KDA kernels point the chunk table's padding at it.
+    docs = Documents.build(B, T, batch.cu_seqlens, device, capacity=max_documents + 1)
+    if into is None:
+        return host_to_device(batch.input_ids, device), host_to_device(batch.labels, device), docs
+    ids, labels, static_docs = into
+    ids.copy_(batch.input_ids.pin_memory() if device.type == "cuda" else batch.input_ids, non_blocking=True)
+    labels.copy_(batch.labels.pin_memory() if device.type == "cuda" else batch.labels, non_blocking=True)
+    static_docs.copy_(docs)
+    return into
 
 
 class K3StepHooks:
@@ -93,4 +107,5 @@ K3_MODEL_SPEC = ModelSpec(
     routed_experts=lambda args: args.n_experts,
     batch_inputs=k3_batch_inputs,
     step_hooks=k3_step_hooks,
+    graph_inputs=k3_graph_inputs,
 )

@@ -18,6 +18,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from kernels.device import host_to_device
+from kernels.kda.common import chunk_layout
 
 
 FLEX_BLOCK = 128
@@ -70,12 +71,20 @@ class Documents:
     """The same boundaries on the host: kernels that need the document lengths read them here, not from the device."""
     cu_seqlens_i32: torch.Tensor | None = None
     """The same boundaries as int32 on the model's device (flash attention's variable-length kernel reads these)."""
+    kda_chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """Our KDA kernels' chunk layout on the model's device (kernels.kda.common.chunk_layout): cu_seqlens int32 [N+1],
+    chunk_indices int32 [NT, 2], chunk_offsets int32 [N+1]; built once per forward for every KDA layer."""
     _mask: torch.Tensor | None = None
     _block_mask: BlockMask | None = None
 
     @staticmethod
-    def build(batch: int, seq_len: int, cu_seqlens: torch.Tensor | OnHost | None, device: torch.device) -> "Documents":
-        """Validate the boundaries and derive positions and document ids.
+    def build(batch: int, seq_len: int, cu_seqlens: torch.Tensor | OnHost | "Documents" | None, device: torch.device,
+              capacity: int | None = None) -> "Documents":
+        """Validate the boundaries and derive positions and document ids (a `Documents` passes through as it is).
+
+        capacity: pad to exactly this many documents with empty ones at the end (at least one; whole-row batches
+        become packed ones), so that every tensor here has the same shape whatever the batch: what a CUDA graph
+        replays (`copy_` writes a new batch into the captured tensors). Positions and document ids do not change.
 
         NOTE: pass cu_seqlens on the host (the loader makes it there), through
         an FSDP2 root wrapped in `OnHost`: reading a device tensor here, and in
@@ -84,8 +93,15 @@ class Documents:
         optimizer step runs.
         """
         n = batch * seq_len
+        if isinstance(cu_seqlens, Documents):
+            if tuple(cu_seqlens.pos_BT.shape) != (batch, seq_len):
+                raise ValueError(f"Documents of shape {tuple(cu_seqlens.pos_BT.shape)} passed for a batch of "
+                                 f"{(batch, seq_len)}")
+            return cu_seqlens
         if isinstance(cu_seqlens, OnHost):
             cu_seqlens = cu_seqlens.tensor
+        if cu_seqlens is None and capacity is not None:
+            cu_seqlens = torch.arange(0, n + 1, seq_len)
         if cu_seqlens is None:
             pos = torch.arange(seq_len, device=device).expand(batch, seq_len)
             doc = torch.arange(batch, device=device)[:, None].expand(batch, seq_len)
@@ -95,15 +111,44 @@ class Documents:
             raise ValueError(f"cu_seqlens must be int64 [N+1] from 0 to B*T={n}, got {host.tolist()[:8]}...")
         if not torch.isin(torch.arange(0, n, seq_len), host).all():
             raise ValueError("cu_seqlens must contain every row start (a document never spans two rows)")
+        # The KDA layout checks the boundaries ascend and pads its chunk table itself (one line if over capacity).
+        kda_chunks = chunk_layout(batch, seq_len, host, device, capacity)[:3]
+        if capacity is not None:
+            host = torch.cat([host, host.new_full((capacity + 1 - host.numel(),), n)])
         cu = host_to_device(host, device)
         cu_i32 = host_to_device(host.to(torch.int32), device)
-        # NOTE: the number of documents changes from batch to batch; a compiled MLA sublayer that reads these
-        # boundaries would otherwise compile once for the first count and again for the second.
-        torch._dynamo.maybe_mark_dynamic(cu_i32, 0)
+        # NOTE: the number of documents changes from batch to batch; a compiled sublayer that reads these tensors
+        # would otherwise compile once for the first count and again for the second.
+        for t in (cu_i32, *kda_chunks):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
         idx = torch.arange(n, device=device)
         doc = torch.searchsorted(cu, idx, right=True) - 1
         pos = idx - cu[doc]
-        return Documents(cu, pos.view(batch, seq_len), doc.view(batch, seq_len), host, cu_i32)
+        return Documents(cu, pos.view(batch, seq_len), doc.view(batch, seq_len), host, cu_i32, kda_chunks)
+
+    def copy_(self, src: "Documents") -> "Documents":
+        """Write `src`'s values into these tensors, which keep their memory (a CUDA graph's inputs); returns self.
+
+        Both must be packed and of one shape (`build` with the same capacity). The masks derived lazily are dropped:
+        the next forward derives them again from the new values (a captured forward: on the device, in the graph).
+        """
+        if self.cu_seqlens is None or src.cu_seqlens is None or self.cu_seqlens.shape != src.cu_seqlens.shape \
+                or self.pos_BT.shape != src.pos_BT.shape or self.kda_chunks[1].shape != src.kda_chunks[1].shape:
+            raise ValueError("Documents.copy_: both must be packed documents of one shape and capacity, got "
+                             f"{tuple(src.pos_BT.shape)} with {src.num_slots} slots into {tuple(self.pos_BT.shape)} "
+                             f"with {self.num_slots}")
+        for dst, new in zip((self.cu_seqlens, self.pos_BT, self.doc_BT, self.cu_seqlens_host, self.cu_seqlens_i32,
+                             *self.kda_chunks),
+                            (src.cu_seqlens, src.pos_BT, src.doc_BT, src.cu_seqlens_host, src.cu_seqlens_i32,
+                             *src.kda_chunks)):
+            dst.copy_(new, non_blocking=True)
+        self._mask = self._block_mask = None
+        return self
+
+    @property
+    def num_slots(self) -> int:
+        """Documents counted by the boundaries, empty padding ones included (0 when rows are whole documents)."""
+        return 0 if self.cu_seqlens is None else self.cu_seqlens.shape[0] - 1
 
     def attention_mask(self) -> torch.Tensor | None:
         """bool [B, 1, T, T]: causal and same document; None when rows are whole documents. Built once per forward."""

@@ -59,7 +59,7 @@ class Impl:
 def reference_impl() -> Impl:
     """Pure-PyTorch paths everywhere (tests, CPU)."""
     return Impl(
-        kda=kda_reference.chunk_kda_reference,
+        kda=reads_own_layout(kda_reference.chunk_kda_reference),
         experts=gg_reference.moe_experts,
         loss=ce_reference.linear_cross_entropy,
         sdpa_backends=None,
@@ -101,9 +101,24 @@ def _pick(op: str, requested: str, on_cuda: bool, fast: tuple[str, str, str], re
     return fn, KernelChoice(op, requested, fast[2], False)
 
 
+def reads_own_layout(kda: Callable) -> Callable:
+    """A KDA path that finds the documents in cu_seqlens itself, called like ours: the model's `chunk_layout` (the
+    chunk table our Triton kernels take, Documents.kda_chunks) is not an input of it."""
+
+    @functools.wraps(kda)
+    def call(*args, chunk_layout=None, **kwargs):
+        return kda(*args, **kwargs)
+
+    return call
+
+
 def fla_chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                  A_log=None, dt_bias=None, gate_lower_bound=-5.0, use_qk_l2norm=False, beta_is_logit=False):
-    """flash-linear-attention's chunk_kda behind our chunk_kda signature (its in-kernel gate and L2 norm)."""
+                  chunk_layout=None, A_log=None, dt_bias=None, gate_lower_bound=-5.0, use_qk_l2norm=False,
+                  beta_is_logit=False):
+    """flash-linear-attention's chunk_kda behind our chunk_kda signature (its in-kernel gate and L2 norm).
+
+    chunk_layout (our kernels' chunk table) is not read: fla builds its own from cu_seqlens.
+    """
     from fla.ops.kda import chunk_kda
 
     if cu_seqlens is not None:
@@ -133,7 +148,8 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
             raise ValueError(f"config key 'kernels.kda' = 'fla': flash-linear-attention is not importable ({e})") from None
         kda, c_kda = fla_chunk_kda, KernelChoice("kda", "fla", "fla", False)
     else:
-        kda, c_kda = _pick("kda", kernels_cfg.kda, on_cuda, ("kernels.kda", "chunk_kda", "triton"), kda_reference.chunk_kda_reference)
+        kda, c_kda = _pick("kda", kernels_cfg.kda, on_cuda, ("kernels.kda", "chunk_kda", "triton"),
+                           reads_own_layout(kda_reference.chunk_kda_reference))
     loss, c_loss = _pick("loss", kernels_cfg.loss, on_cuda, ("kernels.fused_ce", "linear_cross_entropy", "triton"), ce_reference.linear_cross_entropy)
     if c_loss.chosen == "triton":
         # NOTE: the trainer checks token ids on the host before they reach the GPU, so the

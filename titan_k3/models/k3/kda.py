@@ -84,7 +84,7 @@ class KimiDeltaAttention(nn.Module):
         o, _ = self.kda_fn(
             q.reshape(*shape, H, K), k.reshape(*shape, H, K), v.reshape(*shape, H, K),
             g_raw.reshape(*shape, H, K), beta_logit.reshape(*shape, H),
-            cu_seqlens=docs.cu_seqlens_host, A_log=self.A_log, dt_bias=self.dt_bias,
+            cu_seqlens=docs.cu_seqlens_host, chunk_layout=docs.kda_chunks, A_log=self.A_log, dt_bias=self.dt_bias,
             gate_lower_bound=self.gate_lower_bound, use_qk_l2norm=True, beta_is_logit=True,
         )
         o = rms_norm(o.reshape(B, T, H, K), self.o_norm, self.eps)

@@ -1,0 +1,189 @@
+"""compile.cuda_graph on the CPU: the refusals, and the trainer's use of the graph with a stand-in for the capture.
+
+The stand-in has a CUDA graph's semantics where the trainer can see them: the capture records the pass without
+changing the model (the buffers it moved are restored), every replay runs it again on the current fixed-shape
+inputs and writes into the tensors the capture made (the gradients, the loss). The real capture runs on a GPU in
+tests/gpu/test_step_graph_gpu.py.
+"""
+
+import contextlib
+import json
+
+import pytest
+import torch
+
+from titan_k3.config import ConfigError, load_job_config
+from titan_k3.models.k3.impl import KernelChoice
+from titan_k3.step_graph import StepGraph, check_capturable, max_documents
+from titan_k3.train import Trainer
+
+FAST = ["--model.flavor", "debug", "--training.seq_len", "64", "--training.local_batch_size", "2",
+        "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "1"]
+
+
+@pytest.fixture
+def stand_in_capture(monkeypatch):
+    """torch.cuda's graph capture replaced as described above; `owner[0]` is the StepGraph being captured."""
+    owner, captured_grads = [], []
+
+    class Graph:
+        def replay(self):
+            sg = owner[0]
+            params = list(sg.model.parameters())
+            held = [p.grad for p in params]  # a replay changes no Python attribute: put them back after the pass
+            for p in params:
+                p.grad = None
+            loss = sg._run(sg._inputs, sg._normaliser)
+            for p, grad in captured_grads:
+                grad.copy_(p.grad)
+            for p, grad in zip(params, held):
+                p.grad = grad
+            sg._loss_sum.copy_(loss)
+
+    @contextlib.contextmanager
+    def capture(graph, **kwargs):
+        assert kwargs == {"capture_error_mode": "thread_local"}
+        buffers = [(b, b.clone()) for b in owner[0].model.buffers()]
+        yield
+        for b, before in buffers:
+            b.copy_(before)
+        captured_grads[:] = [(p, p.grad) for p in owner[0].model.parameters() if p.grad is not None]
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    return owner
+
+
+def _trainer(tmp_path, name, *extra):
+    return Trainer(load_job_config([*FAST, "--job.dump_folder", str(tmp_path), "--job.name", name, *extra]))
+
+
+def _attach_graph(trainer, owner, **kwargs):
+    sg = StepGraph(trainer.model, trainer._forward_backward, trainer.model_spec.graph_inputs, trainer.device,
+                   **{"max_documents": 0, "warmup": 2, "strict": False, "emit": trainer.events.emit, **kwargs})
+    trainer.step_graph = sg
+    owner.append(sg)
+    return sg
+
+
+def test_updates_through_the_graph_equal_the_eager_ones(tmp_path, stand_in_capture):
+    """Two warm-up updates, the capture, then replays: losses, grad norms and weights as without the graph."""
+    eager, graphed = _trainer(tmp_path, "eager", "--training.steps", "6"), _trainer(tmp_path, "graph", "--training.steps", "6")
+    try:
+        sg = _attach_graph(graphed, stand_in_capture)
+        for update in range(1, 7):
+            a, b = eager.train_step(), graphed.train_step()
+            eager.step = graphed.step = update  # as train() counts them
+            assert sg.captured == (update >= 3)
+            assert b.loss == pytest.approx(a.loss, rel=1e-5) and b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5)
+        assert sg.captures == 1 and sg.eager_updates == 0
+        for (name, p), q in zip(eager.model.named_parameters(), graphed.model.parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+        for (name, b), c in zip(eager.model.named_buffers(), graphed.model.buffers()):
+            torch.testing.assert_close(c, b, rtol=1e-5, atol=1e-6, msg=name)  # the routers' biases moved alike
+    finally:
+        eager.close()
+        graphed.close()
+    events = [json.loads(x) for x in (tmp_path / "graph" / "events.jsonl").read_text().splitlines()]
+    captured = [e for e in events if e["kind"] == "cuda_graph"]
+    assert len(captured) == 1 and captured[0]["step"] == 3 and captured[0]["max_documents"] == 2 + 2 * 64 // 64
+
+
+def test_a_parameter_whose_gradient_is_not_handed_back_does_not_train(tmp_path, stand_in_capture):
+    """The check above can fail: after a replay the optimizer reads only the gradients handed back to .grad."""
+    trainer = _trainer(tmp_path, "g", "--training.steps", "4")
+    try:
+        sg = _attach_graph(trainer, stand_in_capture, warmup=1)
+        trainer.train_step()
+        trainer.train_step()  # captured here
+        handed_back = sg._grads
+        (first, _), sg._grads = handed_back[0], handed_back[1:]  # the replay still writes it; .grad stays None
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        trainer.train_step()
+        moved = {id(p) for a, p in zip(before, trainer.model.parameters()) if not torch.equal(a, p)}
+        assert id(first) not in moved and len(moved) > len(before) // 2
+        sg._grads = handed_back
+        trainer.train_step()
+        assert not torch.equal(before[0], first)
+    finally:
+        trainer.close()
+
+
+def test_a_micro_batch_over_the_capacity_runs_eagerly_and_says_so(tmp_path, stand_in_capture):
+    trainer = _trainer(tmp_path, "over", "--training.steps", "3")
+    try:
+        sg = _attach_graph(trainer, stand_in_capture, max_documents=1, warmup=1)  # every batch holds >= 2 (its rows)
+        result = trainer.train_step()
+        assert result.loss > 0 and sg.eager_updates == 1 and not sg.captured
+    finally:
+        trainer.close()
+    events = [json.loads(x) for x in (tmp_path / "over" / "events.jsonl").read_text().splitlines()]
+    over = [e for e in events if e["kind"] == "cuda_graph_eager"]
+    assert len(over) == 1 and over[0]["max_documents"] == 1 and "runs without it" in over[0]["message"]
+
+
+def test_strict_turns_a_micro_batch_over_the_capacity_into_an_error(tmp_path, stand_in_capture):
+    trainer = _trainer(tmp_path, "strict", "--training.steps", "3")
+    try:
+        _attach_graph(trainer, stand_in_capture, max_documents=1, strict=True)
+        with pytest.raises(ConfigError, match="job.strict = true and update 1: a micro-batch holds"):
+            trainer.train_step()
+    finally:
+        trainer.close()
+
+
+def test_a_new_batch_shape_captures_again(tmp_path, stand_in_capture):
+    """A context-length stage changes the batch shape: warm-up and capture again, with new fixed-shape inputs."""
+    trainer = _trainer(tmp_path, "stage", "--training.steps", "8")
+    try:
+        sg = _attach_graph(trainer, stand_in_capture, warmup=1)
+        trainer.train_step()
+        trainer.train_step()
+        first_inputs = sg._inputs
+        assert sg.captured and sg.captures == 1
+        trainer.loader.set_seq_len(128)
+        trainer.train_step()
+        assert not sg.captured and sg._inputs is not first_inputs and sg._inputs[0][0].shape == (2, 128)
+        trainer.train_step()
+        assert sg.captured and sg.captures == 2
+    finally:
+        trainer.close()
+
+
+def test_the_default_capacity_is_a_document_per_row_and_per_64_tokens():
+    assert max_documents(0, 8, 4096) == 520 and max_documents(0, 2, 64) == 4 and max_documents(300, 8, 4096) == 300
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--training.device", "cpu"], "need a CUDA device"),
+    (["--kernels.kda", "fla"], "needs our Triton kda kernels"),
+    (["--kernels.experts", "grouped_mm"], "needs our Triton experts kernels"),
+    (["--kernels.attention", "flex", "--training.compute_dtype", "bfloat16"], "flex attention builds its block mask"),
+])
+def test_the_config_refuses_what_cannot_be_captured(args, message):
+    with pytest.raises(ConfigError, match=message):
+        load_job_config(["--compile.cuda_graph", "true", *args])
+
+
+@pytest.mark.parametrize("key, value", [("cuda_graph_max_documents", "-1"), ("cuda_graph_warmup", "0")])
+def test_graph_counts_are_checked(key, value):
+    with pytest.raises(ConfigError, match=f"compile.{key}"):
+        load_job_config([f"--compile.{key}", value])
+
+
+def test_the_trainer_refuses_a_graph_it_cannot_capture_before_any_work():
+    cfg = load_job_config(["--compile.cuda_graph", "true"])
+    ok = [KernelChoice("kda", "auto", "triton", False), KernelChoice("experts", "auto", "triton", False),
+          KernelChoice("attention", "auto", "varlen+cudnn", False)]
+    cuda = torch.device("cuda", 0)
+    check_capturable(cfg, cuda, 1, ok, object())  # nothing to refuse
+    with pytest.raises(ConfigError, match="need a CUDA device"):
+        check_capturable(cfg, torch.device("cpu"), 1, ok, object())
+    with pytest.raises(ConfigError, match="runs in one process; this run has 2"):
+        check_capturable(cfg, cuda, 2, ok, object())
+    with pytest.raises(ConfigError, match="no fixed-shape inputs"):
+        check_capturable(cfg, cuda, 1, ok, None)
+    fallen = [KernelChoice("kda", "auto", "torch", True, "no kernel"), *ok[1:]]
+    with pytest.raises(ConfigError, match="kernels.kda runs 'torch'"):
+        check_capturable(cfg, cuda, 1, fallen, object())

@@ -1,0 +1,152 @@
+"""An update's forward and backward replayed as one CUDA graph (`compile.cuda_graph`, docs/cuda-graphs.md).
+
+A compiled k3-mini update launches ~2,500 kernels, and issuing them (Python, dynamo's guards, autograd, the
+launches) takes the host longer than the GPU takes to run many of them: the step is host-bound. A CUDA graph
+records every launch of the update's forward and backward passes once (all micro-batches, and the routers'
+Quantile-Balancing moves between them) and replays them with one call, so the host is free while the GPU runs.
+
+What makes it possible:
+- inputs of fixed shape: the model family's `graph_inputs` pads the document metadata to
+  `compile.cuda_graph_max_documents` documents and writes each batch into the tensors the graph reads;
+- a step that never reads a device value on the host (tests/gpu/test_host_syncs checks it);
+- gradients in the graph's memory: the captured backward allocated them; after each replay the parameters'
+  `.grad` point at them again (the trainer's zero_grad(set_to_none) dropped them), and the optimizer reads them.
+
+What stays outside the graph: the optimizer step, clipping, QK-Clip, metrics, invariant checks and evaluation.
+The first `compile.cuda_graph_warmup` updates run eagerly through the same fixed-shape inputs, so that compilation,
+autotuning and lazy initialisation are done before the capture. A micro-batch with more documents than the graph
+holds runs its update eagerly, with a warning event (an error under job.strict); a new batch shape (a context-length
+stage) captures again.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from titan_k3.config import ConfigError
+
+GRAPH_TOKENS_PER_DOCUMENT = 64
+"""compile.cuda_graph_max_documents = 0 holds one document per row and one more per this many tokens."""
+
+
+def check_capturable(cfg, device: torch.device, world_size: int, kernel_choices: Sequence, graph_inputs) -> None:
+    """Refuse `compile.cuda_graph` in one line where a step cannot be captured, before any work."""
+    key = "config key 'compile.cuda_graph' = true"
+    if device.type != "cuda":
+        raise ConfigError(f"{key}: CUDA graphs need a CUDA device (this run trains on {device.type})")
+    if world_size > 1:
+        raise ConfigError(f"{key}: runs in one process; this run has {world_size} (the collectives of FSDP and "
+                          "expert parallelism are not captured)")
+    if graph_inputs is None:
+        raise ConfigError(f"{key}: model family '{cfg.model.name}' has no fixed-shape inputs (ModelSpec.graph_inputs)")
+    chosen = {c.op: c.chosen for c in kernel_choices}
+    for op, ok in (("kda", {"triton"}), ("experts", {"triton"})):
+        if op in chosen and chosen[op] not in ok:
+            raise ConfigError(f"{key}: needs our Triton {op} kernels (they read the batch's layout from the device); "
+                              f"kernels.{op} runs '{chosen[op]}'")
+    if chosen.get("attention") == "flex":
+        raise ConfigError(f"{key}: flex attention builds its block mask on the host every forward; use "
+                          "kernels.attention = 'varlen' or 'auto'")
+
+
+def max_documents(cfg_value: int, batch: int, seq_len: int) -> int:
+    """Documents a captured micro-batch holds: the configured number, or one per row and one per 64 tokens.
+
+    NOTE: every row starts a document, so a row of T tokens holds T / L + 1 documents of L tokens at most; the
+    embedded corpus has ~840 tokens per document at T4096 (10-74 documents in micro-batches of 8 rows, 520 held).
+    A padding document costs only launches that find no rows (flash's and KDA's grids grow with the count).
+    """
+    return cfg_value if cfg_value > 0 else batch + batch * seq_len // GRAPH_TOKENS_PER_DOCUMENT
+
+
+def documents_in(batch) -> int:
+    """Documents of a loader batch (its rows when the rows are whole documents)."""
+    return batch.input_ids.shape[0] if batch.cu_seqlens is None else batch.cu_seqlens.numel() - 1
+
+
+class StepGraph:
+    """Runs the trainer's forward + backward over an update's micro-batches, replayed from a CUDA graph.
+
+    run(inputs, normaliser) -> loss_sum is the trainer's own pass (`Trainer._forward_backward`): micro-batch
+    forward, backward of its loss over `normaliser`, the model's hooks between micro-batches; it returns the summed
+    loss (float32 scalar). `inputs` here are the family's fixed-shape `graph_inputs`.
+    """
+
+    def __init__(self, model: torch.nn.Module, run: Callable, graph_inputs: Callable, device: torch.device, *,
+                 max_documents: int, warmup: int, strict: bool, emit: Callable):
+        self.model, self._run, self._graph_inputs, self.device = model, run, graph_inputs, device
+        self.max_documents_cfg, self.warmup, self.strict, self._emit = max_documents, warmup, strict, emit
+        self.eager_updates = 0
+        """Updates run eagerly because a micro-batch held too many documents."""
+        self.captures = 0
+        self._reset(None)
+
+    def _reset(self, shape: tuple | None) -> None:
+        self._shape, self._graph, self._inputs, self._grads, self._loss_sum = shape, None, None, [], None
+        self._warm = 0
+        self._max_documents = None if shape is None else max_documents(self.max_documents_cfg, shape[1], shape[2])
+        self._normaliser = torch.ones((), device=self.device)
+
+    @property
+    def captured(self) -> bool:
+        return self._graph is not None
+
+    def forward_backward(self, batches: list, normaliser: torch.Tensor, update: int, eager: Callable) -> torch.Tensor:
+        """This update's summed loss (float32 scalar), with the parameters' .grad holding its gradients.
+
+        eager() runs the same pass on the batches without the graph (for a micro-batch over the capacity).
+        """
+        shape = (len(batches), *batches[0].input_ids.shape)
+        if shape != self._shape:
+            if self._shape is not None:
+                self._emit("cuda_graph", f"update {update}: batches of {shape[1:]} (was {self._shape[1:]}): the "
+                                         "step's CUDA graph is captured again after its warm-up", step=update)
+            self._reset(shape)
+        most = max(documents_in(b) for b in batches)
+        if most > self._max_documents:
+            message = (f"update {update}: a micro-batch holds {most} documents, more than the {self._max_documents} "
+                       "the step's CUDA graph holds (compile.cuda_graph_max_documents): this update runs without it")
+            if self.strict:
+                raise ConfigError(f"job.strict = true and {message}")
+            self.eager_updates += 1
+            self._emit("cuda_graph_eager", message + " (slower, and its activations are not in the graph's memory)",
+                       step=update, documents=most, max_documents=self._max_documents)
+            return eager()
+        if self._inputs is None:
+            self._inputs = [self._graph_inputs(b, self.device, self._max_documents) for b in batches]
+        else:
+            for b, into in zip(batches, self._inputs):
+                self._graph_inputs(b, self.device, self._max_documents, into)
+        self._normaliser.copy_(normaliser)
+        if self._warm < self.warmup:
+            self._warm += 1
+            return self._run(self._inputs, self._normaliser)
+        if self._graph is None:
+            self._capture(update)
+        self._graph.replay()
+        for p, grad in self._grads:
+            p.grad = grad
+        return self._loss_sum.clone()
+
+    def _capture(self, update: int) -> None:
+        held = [name for name, p in self.model.named_parameters() if p.grad is not None]
+        if held:
+            raise RuntimeError(f"StepGraph: {len(held)} gradients (first {held[0]}) exist before the capture; the "
+                               "captured backward must allocate them (zero_grad(set_to_none=True) first)")
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+        graph = torch.cuda.CUDAGraph()
+        # NOTE: thread_local: the loader's prefetch thread may use CUDA during the capture without invalidating it.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self._loss_sum = self._run(self._inputs, self._normaliser)
+        self._graph = graph
+        self._grads = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
+        self.captures += 1
+        seconds = time.perf_counter() - start
+        pool = (torch.cuda.memory_reserved(self.device) - reserved) / 2**30
+        self._emit("cuda_graph", f"update {update}: the forward and backward of {len(self._inputs)} micro-batch(es) "
+                                 f"captured as one CUDA graph in {seconds:.1f} s (up to {self._max_documents} documents "
+                                 f"per micro-batch, {pool:+.1f} GiB reserved)", step=update,
+                   seconds=round(seconds, 3), max_documents=self._max_documents)
