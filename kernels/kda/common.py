@@ -3,7 +3,10 @@
 Every kernel works on the packed layout: tensors are [1, T_total, H, D] with
 `cu_seqlens` [N+1] marking the sequences (a [B, T] batch is B sequences of T).
 A "chunk" is 64 consecutive tokens of one sequence; the last chunk of a
-sequence may be partial (rows at or past `eos` are masked).
+sequence may be partial (rows at or past `eos` are masked). A layout padded to a
+capacity (`chunk_layout`) adds zero-length sequences at T_total and padding
+chunks without rows (t0 == eos == T_total): every row of theirs is masked, so
+they write nothing but the zero partial sums of `bwd._ddecay_kernel`.
 
 Legend: NT total chunks over all sequences, BT chunk size (64), BC sub-block
 size (16), BK / BV tile widths over K / V.
@@ -37,7 +40,7 @@ def bounded_gate(lower_bound: float | None) -> bool:
     return lower_bound is not None and -(BC // 2) * lower_bound <= SPAN_LIMIT and lower_bound <= 0.0
 
 
-def chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device) -> tuple:
+def chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device, capacity: int | None = None) -> tuple:
     """Returns (cu_seqlens int32 [N+1], chunk_indices int32 [NT, 2], chunk_offsets int32 [N+1], N, NT).
 
     chunk_indices[c] = (sequence, chunk within that sequence); chunk_offsets[n] is the
@@ -45,19 +48,29 @@ def chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device) -> tup
     documents read their lengths on the host (no wait when cu_seqlens lives there) and
     the layout goes to the GPU as asynchronous pinned copies. Both are built once per
     layout and reused (read-only) by every layer's forward and backward.
+
+    capacity (packed documents only) fixes the shapes, so that one captured CUDA graph serves
+    every batch: N = capacity, the real documents followed by zero-length ones at B*T, and
+    NT = cdiv(B*T, 64) + capacity, the real chunks followed by padding chunks (chunk 0 of the
+    last document: no rows). It needs at least one padding document (N < capacity).
     """
     device = torch.device(device)
     # NOTE: memory of a CUDA graph's pool must not outlive the graph, so nothing is cached while capturing.
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if cu_seqlens is None:
+        if capacity is not None:
+            raise ValueError(f"chunk_layout: capacity={capacity} pads packed documents, and cu_seqlens is None")
         return (_batch_layout.__wrapped__ if capturing else _batch_layout)(B, T, device)
     ends = tuple(cu_seqlens.tolist())
-    return (_packed_layout.__wrapped__ if capturing else _packed_layout)(ends, B * T, device)
+    if capacity is not None and len(ends) - 1 >= capacity:
+        raise ValueError(f"chunk_layout: {len(ends) - 1} documents need capacity > {len(ends) - 1} "
+                         f"(one padding document at least), got capacity={capacity}")
+    return (_packed_layout.__wrapped__ if capturing else _packed_layout)(ends, B * T, capacity, device)
 
 
 @functools.lru_cache(maxsize=16)
-def _packed_layout(ends: tuple[int, ...], n: int, device: torch.device) -> tuple:
-    """chunk_layout of packed documents with boundaries `ends` over n tokens.
+def _packed_layout(ends: tuple[int, ...], n: int, capacity: int | None, device: torch.device) -> tuple:
+    """chunk_layout of packed documents with boundaries `ends` over n tokens, padded to `capacity` documents.
 
     NOTE: cached because building it (Python over every chunk, three pinned copies) took ~0.3 ms of
     host time per call, and a k3-mini step makes 18 calls with one layout: the host bounds the step
@@ -69,12 +82,17 @@ def _packed_layout(ends: tuple[int, ...], n: int, device: torch.device) -> tuple
     offsets = [0]
     for count in counts:
         offsets.append(offsets[-1] + count)
+    if capacity is not None:
+        # Real chunks are at most cdiv(n, 64) + N - 1 (one partial chunk per document at most), so padding chunks remain.
+        ends += (n,) * (capacity + 1 - len(ends))
+        offsets += [len(pairs)] * (capacity + 1 - len(offsets))
+        pairs += [(capacity - 1, 0)] * (triton.cdiv(n, BT) + capacity - len(pairs))
     chunk_indices = torch.tensor(pairs if pairs else [(0, 0)], dtype=torch.int32).reshape(-1, 2)
     return (
         host_to_device(torch.tensor(ends, dtype=torch.int32), device),
         host_to_device(chunk_indices[: len(pairs)], device),
         host_to_device(torch.tensor(offsets, dtype=torch.int32), device),
-        len(counts),
+        len(ends) - 1,
         len(pairs),
     )
 

@@ -176,11 +176,20 @@ def _walk_launch(name: str, K: int, V: int, walks: int, sms: int) -> dict:
     return opts
 
 
-def _max_chunks(T: int, batch: int, cu_seqlens) -> int:
-    """Chunks over all sequences, or for packed documents an upper bound known from shapes alone."""
+def _sizes(T: int, batch: int, cu_seqlens, chunk_indices) -> tuple:
+    """(N, NT): the sequences and the chunk table's rows, from shapes alone (`batch` sequences of T / batch,
+    or the packed layout's tensors); a padded layout counts its padding documents and chunks."""
     if cu_seqlens is None:
-        return batch * triton.cdiv(T // batch, BT)
-    return triton.cdiv(T, BT) + cu_seqlens.shape[0] - 1
+        return batch, batch * triton.cdiv(T // batch, BT)
+    return cu_seqlens.shape[0] - 1, chunk_indices.shape[0]
+
+
+def _layout(T: int, batch: int, layout, device) -> tuple:
+    """(cu_seqlens, chunk_indices, chunk_offsets, N, NT) of a call: the cached plain layout of `batch` sequences
+    (layout None), or the packed documents' device tensors `layout` as given (their values are not read here)."""
+    if layout is None:
+        return chunk_layout(batch, T // batch, None, device)
+    return (*layout, *_sizes(T, batch, layout[0], layout[1]))
 
 
 def _plan_for(K: int, V: int, dtype: torch.dtype, device: torch.device, walks: int, gate) -> dict:
@@ -189,14 +198,15 @@ def _plan_for(K: int, V: int, dtype: torch.dtype, device: torch.device, walks: i
     return launch_plan(K, V, dtype, walks, _sm_count(device), gate, limit=limit)
 
 
-def kda_forward(q, k, v, g, beta, scale, h0, output_final_state, batch, cu_seqlens, gate):
-    """Runs the forward kernels on packed [T, H, *] tensors (`batch` sequences of T / batch, or cu_seqlens).
+def kda_forward(q, k, v, g, beta, scale, h0, output_final_state, batch, layout, gate):
+    """Runs the forward kernels on packed [T, H, *] tensors: `batch` sequences of T / batch (layout None)
+    or packed documents, layout = (cu_seqlens, chunk_indices, chunk_offsets) int32 on q's device.
 
     gate: None (g is the log decay) or (A_log [H], dt_bias [H, K] or None, lower_bound or None).
     Returns o [T, H, V], the final state [N, H, K, V] float32 or None, and what backward needs.
     """
     T, H, K = q.shape
-    cu, chunk_indices, chunk_offsets, N, NT = chunk_layout(batch, T // batch, cu_seqlens, q.device)
+    cu, chunk_indices, chunk_offsets, N, NT = _layout(T, batch, layout, q.device)
     V = v.shape[-1]
     BK_full = _tiles(K, V)[0]
     plan = _plan_for(K, V, q.dtype, q.device, N * H, gate)
@@ -224,7 +234,7 @@ def kda_forward(q, k, v, g, beta, scale, h0, output_final_state, batch, cu_seqle
     fwd._wy_kernel[(NT, H)](
         k, v, b, beta, Ai, Wk, Wv, chunk_indices, cu, H=H, K=K, V=V, BT=BT, PREC=prec, **plan["wy"],
     )
-    h = torch.empty(_max_chunks(T, batch, cu_seqlens), H, K, V, device=dev, dtype=q.dtype)
+    h = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
     U = torch.empty_like(v)
     final = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     state = plan["state"]
@@ -239,11 +249,11 @@ def kda_forward(q, k, v, g, beta, scale, h0, output_final_state, batch, cu_seqle
     return o, final, (b, M, A, Ai, Wk, h, U)
 
 
-def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, cu_seqlens, gate, saved):
+def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, layout, gate, saved):
     """Runs the backward kernels; returns dq, dk, dv, dg (of the raw gate when fused), dbeta, dh0, dA_log, ddt_bias."""
     b, M, A, Ai, Wk, h, U = saved
     T, H, K = q.shape
-    cu, chunk_indices, chunk_offsets, N, NT = chunk_layout(batch, T // batch, cu_seqlens, q.device)
+    cu, chunk_indices, chunk_offsets, N, NT = _layout(T, batch, layout, q.device)
     V = v.shape[-1]
     BK_full = _tiles(K, V)[0]
     plan = _plan_for(K, V, q.dtype, q.device, N * H, gate)
@@ -299,6 +309,8 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, cu_seqlens, gate, 
 
 # The autograd wrapper is a pair of custom ops so that torch.compile sees one opaque call (no graph
 # break). Absent optional outputs are empty tensors: a custom op returns a fixed tuple of tensors.
+# Packed documents come as their layout's three device tensors (None for a plain batch), sizes from their shapes:
+# nothing is read on the host, so a captured CUDA graph replays the ops with new documents of one capacity.
 _EMPTY = (0,)
 
 
@@ -306,19 +318,22 @@ _EMPTY = (0,)
 def _chunk_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     h0: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None, batch: int, scale: float, output_final_state: bool, lower_bound: float | None,
+    cu_seqlens: torch.Tensor | None, chunk_indices: torch.Tensor | None, chunk_offsets: torch.Tensor | None,
+    batch: int, scale: float, output_final_state: bool, lower_bound: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor]:
     gate = None if A_log is None else (A_log, dt_bias, lower_bound)
-    o, final, saved = kda_forward(q, k, v, g, beta, scale, h0, output_final_state, batch, cu_seqlens, gate)
+    layout = None if cu_seqlens is None else (cu_seqlens, chunk_indices, chunk_offsets)
+    o, final, saved = kda_forward(q, k, v, g, beta, scale, h0, output_final_state, batch, layout, gate)
     return (o, q.new_empty(_EMPTY, dtype=torch.float32) if final is None else final, *saved)
 
 
 @_chunk_fwd_op.register_fake
-def _(q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens, batch, scale, output_final_state, lower_bound):
+def _(q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens, chunk_indices, chunk_offsets, batch, scale,
+      output_final_state, lower_bound):
     T, H, K = q.shape
     V = v.shape[-1]
-    N = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    N, NT = _sizes(T, batch, cu_seqlens, chunk_indices)
     f32 = dict(dtype=torch.float32)
     return (
         torch.empty_like(v),
@@ -326,7 +341,7 @@ def _(q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens, batch, scale, output_fin
         q.new_empty(T, H, K, **f32),
         *(q.new_empty(T, H, BT, **f32) for _ in range(3)),
         torch.empty_like(k),
-        q.new_empty(_max_chunks(T, batch, cu_seqlens), H, K, V),
+        q.new_empty(NT, H, K, V),
         torch.empty_like(v),
     )
 
@@ -335,15 +350,17 @@ def _(q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens, batch, scale, output_fin
 def _chunk_bwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     h0: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None, b: torch.Tensor, M: torch.Tensor, A: torch.Tensor, Ai: torch.Tensor,
+    cu_seqlens: torch.Tensor | None, chunk_indices: torch.Tensor | None, chunk_offsets: torch.Tensor | None,
+    b: torch.Tensor, M: torch.Tensor, A: torch.Tensor, Ai: torch.Tensor,
     Wk: torch.Tensor, h: torch.Tensor, U: torch.Tensor, do: torch.Tensor, dht: torch.Tensor | None,
     batch: int, scale: float, lower_bound: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
     gate = None if A_log is None else (A_log, dt_bias, lower_bound)
+    layout = None if cu_seqlens is None else (cu_seqlens, chunk_indices, chunk_offsets)
     dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = kda_backward(
         q, k, v, g, beta, scale, h0, do.contiguous(), None if dht is None else dht.contiguous(),
-        batch, cu_seqlens, gate, (b, M, A, Ai, Wk, h, U),
+        batch, layout, gate, (b, M, A, Ai, Wk, h, U),
     )
 
     def or_empty(x, like):
@@ -354,7 +371,8 @@ def _chunk_bwd_op(
 
 
 @_chunk_bwd_op.register_fake
-def _(q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens, b, M, A, Ai, Wk, h, U, do, dht, batch, scale, lower_bound):
+def _(q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens, chunk_indices, chunk_offsets, b, M, A, Ai, Wk, h, U, do, dht,
+      batch, scale, lower_bound):
     def like_or_empty(x):
         return q.new_empty(_EMPTY) if x is None else torch.empty_like(x)
 
@@ -363,21 +381,21 @@ def _(q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens, b, M, A, Ai, Wk, h, U, d
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens, batch, scale, output_final_state, lower_bound = inputs
-    ctx.save_for_backward(q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens, *output[2:])
+    q, k, v, g, beta, h0, A_log, dt_bias, *layout, batch, scale, output_final_state, lower_bound = inputs
+    ctx.save_for_backward(q, k, v, g, beta, h0, A_log, dt_bias, *layout, *output[2:])
     ctx.batch, ctx.scale, ctx.lower_bound, ctx.output_final_state = batch, scale, lower_bound, output_final_state
 
 
 def _backward(ctx, do, dht, *_unused):
-    q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens, *saved = ctx.saved_tensors
+    q, k, v, g, beta, h0, A_log, dt_bias, *saved = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
     dht = dht if ctx.output_final_state else None
     dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = _chunk_bwd_op(
-        q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens, *saved, do, dht, ctx.batch, ctx.scale, ctx.lower_bound,
+        q, k, v, g, beta, h0, A_log, dt_bias, *saved, do, dht, ctx.batch, ctx.scale, ctx.lower_bound,
     )
     return (dq, dk, dv, dg, dbeta, None if h0 is None else dh0, None if A_log is None else dA_log,
-            None if dt_bias is None else ddt_bias, None, None, None, None, None)
+            None if dt_bias is None else ddt_bias, None, None, None, None, None, None, None)
 
 
 _chunk_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -398,8 +416,34 @@ def _dchunk_launch(K: int, V: int, dtype: torch.dtype) -> dict:
     return opts
 
 
+def _check_layout(layout, device: torch.device) -> int:
+    """N of a chunk_layout given to `chunk_kda`; one ValueError line unless it is three int32 tensors on
+    `device`: cu_seqlens [N+1] (N >= 1), chunk_indices [NT, 2] (NT >= 1) and chunk_offsets [N+1]."""
+    parts = list(layout) if isinstance(layout, (tuple, list)) else [layout]
+    ok = len(parts) == 3 and all(isinstance(t, torch.Tensor) for t in parts)
+    if ok:
+        cu, chunk_indices, chunk_offsets = parts
+        ok = (all(t.dtype == torch.int32 and t.device == device for t in parts)
+              and cu.dim() == 1 and cu.shape[0] >= 2 and chunk_offsets.shape == cu.shape
+              and chunk_indices.dim() == 2 and chunk_indices.shape[1] == 2 and chunk_indices.shape[0] >= 1)
+    if not ok:
+        got = ", ".join(f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+                        for t in parts)
+        raise ValueError("chunk_layout must be (cu_seqlens int32 [N+1], chunk_indices int32 [NT, 2], chunk_offsets "
+                         f"int32 [N+1]) on {device}, as common.chunk_layout(...)[:3] builds it, got ({got})")
+    return parts[0].shape[0] - 1
+
+
+# NOTE: reading the boundaries on the host is a graph break under torch.compile (and an error with fullgraph=True):
+# a compiled caller builds the layout outside and passes chunk_layout.
+@torch.compiler.disable
+def _host_layout(cu_seqlens: torch.Tensor, T: int, device: torch.device) -> tuple:
+    """(cu_seqlens, chunk_indices, chunk_offsets) of one packed row of T tokens, from boundaries read on the host."""
+    return chunk_layout(1, T, cu_seqlens, device)[:3]
+
+
 def chunk_kda(
-    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_layout=None,
     A_log=None, dt_bias=None, gate_lower_bound=DEFAULT_GATE_LOWER_BOUND, use_qk_l2norm=False, beta_is_logit=False,
 ):
     """Chunked Kimi Delta Attention (docs/k3.md §2.1) in Triton, differentiable.
@@ -407,8 +451,14 @@ def chunk_kda(
     q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; q, k, v share one dtype (bfloat16, float16 or
     float32); state math and accumulation are float32. Widths: K, V <= 256, and on a GPU in float32
     K <= 128 (wider float32 heads exceed its shared memory: ValueError before any work, `launch_plan`).
-    initial_state [N, H, K, V] float32; cu_seqlens int64 [N+1] packs N documents with B == 1; it may
-    live on the host (preferred: the document lengths are then read without waiting for the GPU).
+    initial_state [N, H, K, V] float32. Packed documents (B == 1) come one of two ways:
+    - cu_seqlens int64 [N+1] (zero-length documents allowed); it may live on the host (preferred: the
+      lengths are then read without waiting for the GPU) and the chunk layout is built from it (cached);
+    - chunk_layout = (cu_seqlens int32 [N+1], chunk_indices int32 [NT, 2], chunk_offsets int32 [N+1]) on
+      q's device, as `kernels.kda.common.chunk_layout(1, T, cu, device, capacity)[:3]` builds it: used as
+      is, nothing read on the host, so a CUDA graph replays it with new values of the same shapes. N counts
+      its padding documents (capacity): initial_state has N rows, and the final state of a padding
+      document is its initial state (zeros without one). cu_seqlens is then not read.
     Fused options: A_log [H] (with optional dt_bias [H, K]) turns g into the raw gate of the safe
     gate g = lb * sigmoid(exp(A_log) (g + dt_bias)), lb = gate_lower_bound (None: the softplus gate);
     use_qk_l2norm normalises q and k over K (eps 1e-6); beta_is_logit applies a sigmoid to beta.
@@ -416,7 +466,8 @@ def chunk_kda(
     run as PyTorch ops just before them, so that all three equal the unfused computation.
     Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] float32 or None).
     """
-    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
+    documents = None if chunk_layout is None else _check_layout(chunk_layout, q.device)
+    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, documents=documents)
     if not triton_runs_on(q.device):
         raise ValueError(
             f"chunk_kda runs Triton kernels and needs CUDA tensors, got device {q.device}; "
@@ -429,7 +480,9 @@ def chunk_kda(
     B, T, H, K = q.shape
     V = v.shape[-1]
     lower_bound = None if A_log is None or gate_lower_bound is None else float(gate_lower_bound)
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if chunk_layout is None and cu_seqlens is not None:
+        chunk_layout = _host_layout(cu_seqlens, T, q.device)
+    N = B if chunk_layout is None else chunk_layout[0].shape[0] - 1
     # Widths whose kernels exceed the GPU's shared memory stop here, before any work (one line, ValueError).
     _plan_for(K, V, q.dtype, q.device, N * H, None if A_log is None else (A_log, dt_bias, lower_bound))
     scale = K**-0.5 if scale is None else float(scale)
@@ -444,6 +497,8 @@ def chunk_kda(
 
     o, final, *_ = _chunk_fwd_op(
         packed(q), packed(k), packed(v), packed(g), packed(beta), h0, A_log,
-        None if dt_bias is None else dt_bias.contiguous(), cu_seqlens, B, scale, output_final_state, lower_bound,
+        None if dt_bias is None else dt_bias.contiguous(),
+        *((None,) * 3 if chunk_layout is None else (t.contiguous() for t in chunk_layout)),
+        B, scale, output_final_state, lower_bound,
     )
     return o.reshape(B, T, H, V), (final if output_final_state else None)

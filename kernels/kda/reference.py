@@ -61,13 +61,18 @@ def kda_gate(
 
 
 def check_cu_seqlens_values(ends: list[int], T: int) -> None:
-    """Raises ValueError unless the document boundaries rise from 0 to T."""
+    """Raises ValueError unless the document boundaries rise from 0 to T (never fall: a zero-length document,
+    two equal boundaries, has no tokens and is legal)."""
     if ends[0] != 0 or ends[-1] != T or any(b < a for a, b in zip(ends, ends[1:])):
         raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {ends}")
 
 
-def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias) -> int:
-    """Validates shapes and dtypes; returns the number of sequences N. Raises ValueError."""
+def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, *, documents=None) -> int:
+    """Validates shapes and dtypes; returns the number of sequences N. Raises ValueError.
+
+    documents: N of packed documents described by a chunk layout (`chunk_kda`'s chunk_layout) instead of
+    cu_seqlens, which is then neither checked nor read.
+    """
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
     B, T, H, K = q.shape
@@ -83,7 +88,11 @@ def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias
     if K > 256 or V > 256:
         raise ValueError(f"K and V must be <= 256, got K={K}, V={V}")
     N = B
-    if cu_seqlens is not None:
+    if documents is not None:
+        if B != 1:
+            raise ValueError(f"chunk_layout needs B == 1 (packed documents), got B={B}")
+        N = documents
+    elif cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"cu_seqlens needs B == 1 (packed documents), got B={B}")
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int64, torch.int32) or len(cu_seqlens) < 2:
@@ -213,7 +222,7 @@ def chunk_kda_reference(
     """Chunked KDA in plain PyTorch: differentiable, any T, packed documents. Same contract as `chunk_kda`.
 
     q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [N, H, K, V];
-    cu_seqlens int64 [N+1] with B == 1. With A_log given, g is the raw gate (see `kda_gate`);
+    cu_seqlens int64 [N+1] with B == 1 (zero-length documents allowed: their final state is their initial one). With A_log given, g is the raw gate (see `kda_gate`);
     use_qk_l2norm normalises q and k over K; beta_is_logit applies a sigmoid to beta.
     Computes in float64 when any input is float64, else float32. Returns (o [B, T, H, V]
     in v's dtype, final state [N, H, K, V] in the compute dtype, or None).

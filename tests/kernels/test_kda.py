@@ -184,7 +184,7 @@ def test_reference_bad_input_names_the_argument(change, match):
 
 
 def test_triton_checks_document_bounds_even_when_compiled():
-    """Under torch.compile the input check cannot read cu_seqlens; the op itself must, before any kernel."""
+    """Under torch.compile the input check cannot read cu_seqlens; the layout built from it checks what it reads."""
     from kernels.kda.common import chunk_layout
 
     with pytest.raises(ValueError, match="cu_seqlens must rise"):
