@@ -95,6 +95,8 @@ def _dchunk_kernel(
     """
     i_c, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, t0 = chunk_bounds(chunk_indices, cu_seqlens, i_c, BT)
+    if t0 >= eos:  # a padding chunk: no rows (common.py)
+        return
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     rows = t0 + o_t
@@ -343,7 +345,7 @@ def _ddecay_kernel(
 
     With the gate, dg is the raw gate's gradient; this chunk's sums of the A_log gradient
     (dA_log_part [NT, NK, H]) and of the dt_bias gradient (ddt_part [NT, H, K], float32) are
-    left for the caller to add up.
+    left for the caller to add up: every chunk writes its rows of both, zeros for a padding chunk.
     """
     i_c, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, t0 = chunk_bounds(chunk_indices, cu_seqlens, i_c, BT)

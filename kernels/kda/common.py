@@ -5,8 +5,9 @@ Every kernel works on the packed layout: tensors are [1, T_total, H, D] with
 A "chunk" is 64 consecutive tokens of one sequence; the last chunk of a
 sequence may be partial (rows at or past `eos` are masked). A layout padded to a
 capacity (`chunk_layout`) adds zero-length sequences at T_total and padding
-chunks without rows (t0 == eos == T_total): every row of theirs is masked, so
-they write nothing but the zero partial sums of `bwd._ddecay_kernel`.
+chunks without rows (t0 == eos == T_total). A per-chunk kernel returns at once
+on one (its loads would all be masked but for the state tiles h, dh), except
+`bwd._ddecay_kernel`, which writes the zero partial sums that its caller adds up.
 
 Legend: NT total chunks over all sequences, BT chunk size (64), BC sub-block
 size (16), BK / BV tile widths over K / V.

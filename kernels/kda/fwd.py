@@ -41,6 +41,8 @@ def _decay_kernel(
 ):
     i_c, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, t0 = chunk_bounds(chunk_indices, cu_seqlens, i_c, BT)
+    if t0 >= eos:  # a padding chunk: no rows (common.py)
+        return
     rows = t0 + tl.arange(0, BT)
     cols = i_k * BK + tl.arange(0, BK)
     mask = (rows < eos)[:, None] & (cols < K)[None, :]
@@ -170,6 +172,8 @@ def _solve_kernel(
     """Ai = (I + diag(beta) A)^-1 for one chunk (A strictly lower), 4x4 blocks of 16, zeros above included."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, eos, t0 = chunk_bounds(chunk_indices, cu_seqlens, i_c, BT)
+    if t0 >= eos:  # a padding chunk: no rows (common.py)
+        return
     inv = _invert_diag_blocks(A, beta, t0, eos, i_h, H, BT, BC)
     NS: tl.constexpr = BT // BC
     i00, i11, i22, i33 = block_of(inv, 0, NS), block_of(inv, 1, NS), block_of(inv, 2, NS), block_of(inv, 3, NS)
@@ -217,6 +221,8 @@ def _wy_kernel(
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, eos, t0 = chunk_bounds(chunk_indices, cu_seqlens, i_c, BT)
+    if t0 >= eos:  # a padding chunk: no rows (common.py)
+        return
     o_t = tl.arange(0, BT)
     rows = t0 + o_t
     m_t = rows < eos
@@ -283,6 +289,8 @@ def _output_kernel(
 ):
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, t0 = chunk_bounds(chunk_indices, cu_seqlens, i_c, BT)
+    if t0 >= eos:  # a padding chunk: no rows (common.py)
+        return
     o_t = tl.arange(0, BT)
     rows = t0 + o_t
     m_t = rows < eos
