@@ -19,7 +19,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, K, V = 1, 32, 16
 # Padded against unpadded: the same kernels on the same chunks (sums over more, zero, partials may round apart).
 SAME_TOL = 1e-6
-# float32 kernels against the float64 reference, at these widths and lengths (measured ~1e-6 / ~1e-5).
+# float32 kernels against the float64 reference at these widths and lengths: the interpreter gave at most 1.2e-6
+# (outputs) and 8.7e-6 (gradients, ddt_bias) over the cases below.
 OUT_TOL, GRAD_TOL = 1e-4, 1e-3
 
 
@@ -91,9 +92,7 @@ def run(fn, x: dict, documents: int, *, dtype, device, with_h0: bool, lower_boun
     """fn's output, final state and gradients (q, k, v, g, beta, h0, A_log, dt_bias) for the first `documents`
     rows of the initial state and of the final state's cotangent."""
     names = ["q", "k", "v", "g", "beta"] + (["h0"] if with_h0 else []) + (["A_log", "dt_bias"] if "A_log" in x else [])
-    leaves = {n: x[n][:documents] if n == "h0" else x[n] for n in names}
-    leaves = {n: t.to(device, dtype if n != "h0" else torch.float32 if dtype != torch.float64 else dtype)
-              .requires_grad_(True) for n, t in leaves.items()}
+    leaves = {n: (x[n][:documents] if n == "h0" else x[n]).to(device, dtype).requires_grad_(True) for n in names}
     gate = dict(A_log=leaves["A_log"], dt_bias=leaves["dt_bias"], gate_lower_bound=lower_bound) if "A_log" in x else {}
     o, S = fn(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), initial_state=leaves.get("h0"),
               output_final_state=True, **gate, **kwargs)
