@@ -35,8 +35,10 @@ def test_replayed_updates_equal_eager_ones(tmp_path, compiled):
         for update in range(1, 7):
             a, b = eager.train_step(), graphed.train_step()
             eager.step = graphed.step = update  # as train() counts them
-            assert b.loss == pytest.approx(a.loss, rel=2e-3), update
-            assert b.grad_norm == pytest.approx(a.grad_norm, rel=2e-2), update
+            # NOTE: eager runs are bitwise repeatable here, and the graph replays the same kernels: on the H200 the
+            # first three updates agreed to every digit; an aliased input drifted by 1e-4 (loss), 8e-3 (norm).
+            assert b.loss == pytest.approx(a.loss, rel=1e-5), update
+            assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-4), update
             layouts = tuple(tuple(inputs[2].cu_seqlens_host.tolist()) for inputs in graphed.step_graph._inputs)
             if update == 2:
                 captured = layouts
@@ -45,10 +47,10 @@ def test_replayed_updates_equal_eager_ones(tmp_path, compiled):
         assert graphed.step_graph.captures == 1 and graphed.step_graph.eager_updates == 0
         assert replayed - {captured}, "the replays must see other documents than the capture for this test to show anything"
         for (name, p), q in zip(eager.model.named_parameters(), graphed.model.parameters()):
-            torch.testing.assert_close(q, p, rtol=2e-2, atol=2e-3, msg=name)
+            torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
         for (name, b), c in zip(eager.model.named_buffers(), graphed.model.buffers()):
             if name.endswith("qb_bias"):
-                torch.testing.assert_close(c, b, rtol=2e-2, atol=2e-3, msg=name)
+                torch.testing.assert_close(c, b, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     finally:
         eager.close()
         graphed.close()

@@ -187,3 +187,30 @@ def test_the_trainer_refuses_a_graph_it_cannot_capture_before_any_work():
     fallen = [KernelChoice("kda", "auto", "torch", True, "no kernel"), *ok[1:]]
     with pytest.raises(ConfigError, match="kernels.kda runs 'torch'"):
         check_capturable(cfg, cuda, 1, fallen, object())
+
+
+def test_a_graphs_inputs_never_write_into_a_layout_other_batches_share():
+    """Found on the H200: the graph's Documents held the KDA chunk layout `build` caches per set of documents, so
+    writing the next batch into it changed that cached layout, and a later batch with the first one's documents
+    replayed another batch's layout (losses off from the 4th update). The graph's inputs own their tensors."""
+    from types import SimpleNamespace
+
+    from titan_k3.models.k3.bundle import k3_graph_inputs
+    from titan_k3.models.k3.documents import Documents
+
+    cpu = torch.device("cpu")
+
+    def batch(cu):
+        return SimpleNamespace(input_ids=torch.zeros(2, 64, dtype=torch.long), labels=torch.zeros(2, 64, dtype=torch.long),
+                               cu_seqlens=torch.tensor(cu))
+
+    first, second = [0, 64, 128], [0, 10, 64, 100, 128]
+    static = k3_graph_inputs(batch(first), cpu, 8)
+    k3_graph_inputs(batch(second), cpu, 8, static)
+    cu, chunks, offsets = Documents.build(2, 64, torch.tensor(first), cpu, capacity=9).kda_chunks  # from the cache
+    assert cu.tolist() == [0, 64, 128] + [128] * 7
+    assert chunks[:2].tolist() == [[0, 0], [1, 0]] and chunks[2:].tolist() == [[8, 0]] * (len(chunks) - 2)
+    assert offsets.tolist() == [0, 1] + [2] * 8
+    assert static[2].kda_chunks[0][:5].tolist() == second
+    k3_graph_inputs(batch(first), cpu, 8, static)
+    assert static[2].kda_chunks[0][:3].tolist() == first and static[2].kda_chunks[0][3:].unique().tolist() == [128]

@@ -41,7 +41,7 @@ def k3_graph_inputs(batch, device: torch.device, max_documents: int, into: tuple
     # One empty document at least pads the boundaries: our KDA kernels point the chunk table's padding at it.
     docs = Documents.build(B, T, batch.cu_seqlens, device, capacity=max_documents + 1)
     if into is None:
-        return host_to_device(batch.input_ids, device), host_to_device(batch.labels, device), docs
+        return host_to_device(batch.input_ids, device), host_to_device(batch.labels, device), docs.owned()
     ids, labels, static_docs = into
     ids.copy_(batch.input_ids.pin_memory() if device.type == "cuda" else batch.input_ids, non_blocking=True)
     labels.copy_(batch.labels.pin_memory() if device.type == "cuda" else batch.labels, non_blocking=True)

@@ -129,7 +129,7 @@ class Documents:
     def copy_(self, src: "Documents") -> "Documents":
         """Write `src`'s values into these tensors, which keep their memory (a CUDA graph's inputs); returns self.
 
-        Both must be packed and of one shape (`build` with the same capacity). The masks derived lazily are dropped:
+        Both must be packed and of one shape (`build` with the same capacity); self must own its tensors (`owned`). The masks derived lazily are dropped:
         the next forward derives them again from the new values (a captured forward: on the device, in the graph).
         """
         if self.cu_seqlens is None or src.cu_seqlens is None or self.cu_seqlens.shape != src.cu_seqlens.shape \
@@ -144,6 +144,20 @@ class Documents:
             dst.copy_(new, non_blocking=True)
         self._mask = self._block_mask = None
         return self
+
+    def owned(self) -> "Documents":
+        """A copy whose tensors are its own, safe to write into with `copy_` (a CUDA graph's inputs).
+
+        NOTE: `build` hands out KDA chunk layouts from a cache shared by every batch of the same documents (and a
+        host tensor may be the caller's): writing the next batch into those would corrupt that layout for every
+        later batch that has it.
+        """
+        def own(t):
+            return None if t is None else t.clone()
+
+        chunks = None if self.kda_chunks is None else tuple(t.clone() for t in self.kda_chunks)
+        return Documents(own(self.cu_seqlens), self.pos_BT.clone(), self.doc_BT.clone(), own(self.cu_seqlens_host),
+                         own(self.cu_seqlens_i32), chunks)
 
     @property
     def num_slots(self) -> int:
