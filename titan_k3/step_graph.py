@@ -8,7 +8,7 @@ Quantile-Balancing moves between them) and replays them with one call, so the ho
 What makes it possible:
 - inputs of fixed shape: the model family's `graph_inputs` pads the document metadata to
   `compile.cuda_graph_max_documents` documents and writes each batch into the tensors the graph reads;
-- a step that never reads a device value on the host (tests/gpu/test_host_syncs checks it);
+- a step that never reads a device value on the host (tests/gpu/test_no_host_sync_gpu.py checks it);
 - gradients in the graph's memory: the captured backward allocated them; after each replay the parameters'
   `.grad` point at them again (the trainer's zero_grad(set_to_none) dropped them), and the optimizer reads them.
 
@@ -136,6 +136,9 @@ class StepGraph:
         if held:
             raise RuntimeError(f"StepGraph: {len(held)} gradients (first {held[0]}) exist before the capture; the "
                                "captured backward must allocate them (zero_grad(set_to_none=True) first)")
+        # NOTE: the capture empties the allocator's cache first; emptied here, the change in reserved memory is the
+        # graph's own pool, not that minus the cache the warm-up left.
+        torch.cuda.empty_cache()
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
         # NOTE: thread_local: the loader's prefetch thread may use CUDA during the capture without invalidating it.

@@ -336,7 +336,7 @@ class Trainer:
         normaliser = n_valid.clamp(min=1) if cfg.debug.inject_grad_scale == "local_normaliser" else global_valid
 
         def eager() -> torch.Tensor:
-            return self._forward_backward((self.model_spec.batch_inputs(b, self.device) for b in batches), normaliser)
+            return self._forward_backward([self.model_spec.batch_inputs(b, self.device) for b in batches], normaliser)
 
         if self.step_graph is not None:
             loss_sum = self.step_graph.forward_backward(batches, normaliser, self.step + 1, eager)
@@ -373,13 +373,12 @@ class Trainer:
             self._settle(self._unsettled[0][0])
         return result
 
-    def _forward_backward(self, inputs, normaliser: torch.Tensor) -> torch.Tensor:
+    def _forward_backward(self, inputs: list[tuple], normaliser: torch.Tensor) -> torch.Tensor:
         """Forward and backward of each micro-batch (`inputs`: the model's arguments of each); the summed loss.
 
         Each micro-batch's summed loss is divided by `normaliser` (the update's valid targets) before its backward,
         so the gradients add up to those of the update's mean loss. A CUDA graph of the step records this pass.
         """
-        inputs = list(inputs)
         defer_reduce = self.cfg.parallelism.fsdp_defer_grad_reduce and len(inputs) > 1
         loss_sum = torch.zeros((), device=self.device)
         for i, args in enumerate(inputs):
