@@ -67,17 +67,19 @@ def _attach_graph(trainer, owner, **kwargs):
     return sg
 
 
-def test_updates_through_the_graph_equal_the_eager_ones(tmp_path, stand_in_capture):
+@pytest.mark.parametrize("accum", [1, 2])
+def test_updates_through_the_graph_equal_the_eager_ones(tmp_path, stand_in_capture, accum):
     """Two warm-up updates, the capture, then replays: losses, grad norms and weights as without the graph."""
-    eager, graphed = _trainer(tmp_path, "eager", "--training.steps", "6"), _trainer(tmp_path, "graph", "--training.steps", "6")
+    flags = ["--training.steps", "5", "--training.grad_accum", str(accum)]
+    eager, graphed = _trainer(tmp_path, "eager", *flags), _trainer(tmp_path, "graph", *flags)
     try:
         sg = _attach_graph(graphed, stand_in_capture)
-        for update in range(1, 7):
+        for update in range(1, 6):
             a, b = eager.train_step(), graphed.train_step()
             eager.step = graphed.step = update  # as train() counts them
             assert sg.captured == (update >= 3)
             assert b.loss == pytest.approx(a.loss, rel=1e-5) and b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5)
-        assert sg.captures == 1 and sg.eager_updates == 0
+        assert sg.captures == 1 and sg.eager_updates == 0 and len(sg._inputs) == accum
         for (name, p), q in zip(eager.model.named_parameters(), graphed.model.parameters()):
             torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
         for (name, b), c in zip(eager.model.named_buffers(), graphed.model.buffers()):
