@@ -15,8 +15,8 @@ What makes it possible:
 What stays outside the graph: the optimizer step, clipping, QK-Clip, metrics, invariant checks and evaluation.
 The first `compile.cuda_graph_warmup` updates run eagerly through the same fixed-shape inputs, so that compilation,
 autotuning and lazy initialisation are done before the capture. A micro-batch with more documents than the graph
-holds runs its update eagerly, with a warning event (an error under job.strict); a new batch shape (a context-length
-stage) captures again.
+holds doubles what it holds (an event says so), and a new batch shape (a context-length stage) drops the graph: in
+both cases the warm-up and the capture run again.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 
 from titan_k3.config import ConfigError
 
-GRAPH_TOKENS_PER_DOCUMENT = 64
-"""compile.cuda_graph_max_documents = 0 holds one document per row and one more per this many tokens."""
+GRAPH_TOKENS_PER_DOCUMENT = 256
+"""compile.cuda_graph_max_documents = 0 starts with one document per row and one more per this many tokens."""
 
 
 def check_capturable(cfg, device: torch.device, world_size: int, kernel_choices: Sequence, graph_inputs) -> None:
@@ -53,11 +53,11 @@ def check_capturable(cfg, device: torch.device, world_size: int, kernel_choices:
 
 
 def max_documents(cfg_value: int, batch: int, seq_len: int) -> int:
-    """Documents a captured micro-batch holds: the configured number, or one per row and one per 64 tokens.
+    """Documents a captured micro-batch holds at first: the configured number, or one per row and one per 256 tokens.
 
-    NOTE: every row starts a document, so a row of T tokens holds T / L + 1 documents of L tokens at most; the
-    embedded corpus has ~840 tokens per document at T4096 (10-74 documents in micro-batches of 8 rows, 520 held).
-    A padding document costs only launches that find no rows (flash's and KDA's grids grow with the count).
+    NOTE: the embedded corpus has ~840 tokens per document at T4096: 10-74 documents in micro-batches of 8 rows
+    (136 held). Padding documents are not free: flash's and KDA's grids grow with the count, and 520 of them cost
+    flash ~1.6 ms per k3-mini update (its kernels 8.3 ms against 6.8 unpadded, profiles of 400a93a and bf6501e).
     """
     return cfg_value if cfg_value > 0 else batch + batch * seq_len // GRAPH_TOKENS_PER_DOCUMENT
 
@@ -76,29 +76,27 @@ class StepGraph:
     """
 
     def __init__(self, model: torch.nn.Module, run: Callable, graph_inputs: Callable, device: torch.device, *,
-                 max_documents: int, warmup: int, strict: bool, emit: Callable):
+                 max_documents: int, warmup: int, emit: Callable):
         self.model, self._run, self._graph_inputs, self.device = model, run, graph_inputs, device
-        self.max_documents_cfg, self.warmup, self.strict, self._emit = max_documents, warmup, strict, emit
-        self.eager_updates = 0
-        """Updates run eagerly because a micro-batch held too many documents."""
+        self.max_documents_cfg, self.warmup, self._emit = max_documents, warmup, emit
         self.captures = 0
         self._reset(None)
 
-    def _reset(self, shape: tuple | None) -> None:
+    def _reset(self, shape: tuple | None, documents: int | None = None) -> None:
+        """Drop the graph and its inputs; the next updates warm up and capture for `shape` and `documents`."""
         self._shape, self._graph, self._inputs, self._grads, self._loss_sum = shape, None, None, [], None
         self._warm = 0
-        self._max_documents = None if shape is None else max_documents(self.max_documents_cfg, shape[1], shape[2])
+        if documents is None and shape is not None:
+            documents = max_documents(self.max_documents_cfg, shape[1], shape[2])
+        self._max_documents = documents
         self._normaliser = torch.ones((), device=self.device)
 
     @property
     def captured(self) -> bool:
         return self._graph is not None
 
-    def forward_backward(self, batches: list, normaliser: torch.Tensor, update: int, eager: Callable) -> torch.Tensor:
-        """This update's summed loss (float32 scalar), with the parameters' .grad holding its gradients.
-
-        eager() runs the same pass on the batches without the graph (for a micro-batch over the capacity).
-        """
+    def forward_backward(self, batches: list, normaliser: torch.Tensor, update: int) -> torch.Tensor:
+        """This update's summed loss (float32 scalar), with the parameters' .grad holding its gradients."""
         shape = (len(batches), *batches[0].input_ids.shape)
         if shape != self._shape:
             if self._shape is not None:
@@ -107,14 +105,11 @@ class StepGraph:
             self._reset(shape)
         most = max(documents_in(b) for b in batches)
         if most > self._max_documents:
-            message = (f"update {update}: a micro-batch holds {most} documents, more than the {self._max_documents} "
-                       "the step's CUDA graph holds (compile.cuda_graph_max_documents): this update runs without it")
-            if self.strict:
-                raise ConfigError(f"job.strict = true and {message}")
-            self.eager_updates += 1
-            self._emit("cuda_graph_eager", message + " (slower, and its activations are not in the graph's memory)",
-                       step=update, documents=most, max_documents=self._max_documents)
-            return eager()
+            grown = max(2 * self._max_documents, most)
+            self._emit("cuda_graph", f"update {update}: a micro-batch holds {most} documents, more than the "
+                                     f"{self._max_documents} the step's CUDA graph holds: it now holds {grown}, "
+                                     "captured again after its warm-up", step=update, documents=most, max_documents=grown)
+            self._reset(shape, grown)
         if self._inputs is None:
             self._inputs = [self._graph_inputs(b, self.device, self._max_documents) for b in batches]
         else:

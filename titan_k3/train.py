@@ -231,8 +231,7 @@ class Trainer:
         if not c.cuda_graph:
             return None
         return StepGraph(self.model, self._forward_backward, self.model_spec.graph_inputs, self.device,
-                         max_documents=c.cuda_graph_max_documents, warmup=c.cuda_graph_warmup,
-                         strict=self.cfg.job.strict, emit=self.events.emit)
+                         max_documents=c.cuda_graph_max_documents, warmup=c.cuda_graph_warmup, emit=self.events.emit)
 
     def _stop_after_update(self, signum: int) -> None:
         """A stop signal after update 1: the checkpointer saves after the current update and the loop ends."""
@@ -334,14 +333,10 @@ class Trainer:
         global_valid = self._all_reduce(n_valid.clone()).clamp(min=1)
         # debug.inject_grad_scale = 'local_normaliser': the loss divided by this rank's targets, not the update's.
         normaliser = n_valid.clamp(min=1) if cfg.debug.inject_grad_scale == "local_normaliser" else global_valid
-
-        def eager() -> torch.Tensor:
-            return self._forward_backward([self.model_spec.batch_inputs(b, self.device) for b in batches], normaliser)
-
         if self.step_graph is not None:
-            loss_sum = self.step_graph.forward_backward(batches, normaliser, self.step + 1, eager)
+            loss_sum = self.step_graph.forward_backward(batches, normaliser, self.step + 1)
         else:
-            loss_sum = eager()
+            loss_sum = self._forward_backward([self.model_spec.batch_inputs(b, self.device) for b in batches], normaliser)
         sum_replicated_grads(self.model, self.dp_group)
         loss_t = self._all_reduce(loss_sum) / global_valid
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -61,7 +61,7 @@ def _trainer(tmp_path, name, *extra):
 
 def _attach_graph(trainer, owner, **kwargs):
     sg = StepGraph(trainer.model, trainer._forward_backward, trainer.model_spec.graph_inputs, trainer.device,
-                   **{"max_documents": 0, "warmup": 2, "strict": False, "emit": trainer.events.emit, **kwargs})
+                   **{"max_documents": 8, "warmup": 2, "emit": trainer.events.emit, **kwargs})
     trainer.step_graph = sg
     owner.append(sg)
     return sg
@@ -79,7 +79,7 @@ def test_updates_through_the_graph_equal_the_eager_ones(tmp_path, stand_in_captu
             eager.step = graphed.step = update  # as train() counts them
             assert sg.captured == (update >= 3)
             assert b.loss == pytest.approx(a.loss, rel=1e-5) and b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5)
-        assert sg.captures == 1 and sg.eager_updates == 0 and len(sg._inputs) == accum
+        assert sg.captures == 1 and len(sg._inputs) == accum
         for (name, p), q in zip(eager.model.named_parameters(), graphed.model.parameters()):
             torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
         for (name, b), c in zip(eager.model.named_buffers(), graphed.model.buffers()):
@@ -89,7 +89,7 @@ def test_updates_through_the_graph_equal_the_eager_ones(tmp_path, stand_in_captu
         graphed.close()
     events = [json.loads(x) for x in (tmp_path / "graph" / "events.jsonl").read_text().splitlines()]
     captured = [e for e in events if e["kind"] == "cuda_graph"]
-    assert len(captured) == 1 and captured[0]["step"] == 3 and captured[0]["max_documents"] == 2 + 2 * 64 // 64
+    assert len(captured) == 1 and captured[0]["step"] == 3 and captured[0]["max_documents"] == 8
 
 
 def test_a_parameter_whose_gradient_is_not_handed_back_does_not_train(tmp_path, stand_in_capture):
@@ -112,27 +112,25 @@ def test_a_parameter_whose_gradient_is_not_handed_back_does_not_train(tmp_path, 
         trainer.close()
 
 
-def test_a_micro_batch_over_the_capacity_runs_eagerly_and_says_so(tmp_path, stand_in_capture):
-    trainer = _trainer(tmp_path, "over", "--training.steps", "3")
+def test_a_micro_batch_over_the_capacity_doubles_it_and_captures_again(tmp_path, stand_in_capture):
+    """Holding 1 document, the first update (2 rows: 2 documents at least) grows the graph, which then warms up,
+    captures and replays as before; updates stay equal to eager ones."""
+    flags = ["--training.steps", "8"]
+    eager, graphed = _trainer(tmp_path, "eager", *flags), _trainer(tmp_path, "grow", *flags)
     try:
-        sg = _attach_graph(trainer, stand_in_capture, max_documents=1, warmup=1)  # every batch holds >= 2 (its rows)
-        result = trainer.train_step()
-        assert result.loss > 0 and sg.eager_updates == 1 and not sg.captured
+        sg = _attach_graph(graphed, stand_in_capture, max_documents=1, warmup=1)
+        for update in range(1, 9):
+            a, b = eager.train_step(), graphed.train_step()
+            eager.step = graphed.step = update
+            assert b.loss == pytest.approx(a.loss, rel=1e-5)
+        assert sg._max_documents >= 2 and sg.captured and sg.captures >= 1
     finally:
-        trainer.close()
-    events = [json.loads(x) for x in (tmp_path / "over" / "events.jsonl").read_text().splitlines()]
-    over = [e for e in events if e["kind"] == "cuda_graph_eager"]
-    assert len(over) == 1 and over[0]["max_documents"] == 1 and "runs without it" in over[0]["message"]
-
-
-def test_strict_turns_a_micro_batch_over_the_capacity_into_an_error(tmp_path, stand_in_capture):
-    trainer = _trainer(tmp_path, "strict", "--training.steps", "3")
-    try:
-        _attach_graph(trainer, stand_in_capture, max_documents=1, strict=True)
-        with pytest.raises(ConfigError, match="job.strict = true and update 1: a micro-batch holds"):
-            trainer.train_step()
-    finally:
-        trainer.close()
+        eager.close()
+        graphed.close()
+    events = [json.loads(x) for x in (tmp_path / "grow" / "events.jsonl").read_text().splitlines()]
+    grown = [e for e in events if e["kind"] == "cuda_graph" and "now holds" in e["message"]]
+    assert grown and grown[0]["step"] == 1 and grown[0]["max_documents"] >= 2
+    assert all(later["max_documents"] >= 2 * earlier["max_documents"] for earlier, later in zip(grown, grown[1:]))
 
 
 def test_a_new_batch_shape_captures_again(tmp_path, stand_in_capture):
@@ -153,8 +151,8 @@ def test_a_new_batch_shape_captures_again(tmp_path, stand_in_capture):
         trainer.close()
 
 
-def test_the_default_capacity_is_a_document_per_row_and_per_64_tokens():
-    assert max_documents(0, 8, 4096) == 520 and max_documents(0, 2, 64) == 4 and max_documents(300, 8, 4096) == 300
+def test_the_default_capacity_is_a_document_per_row_and_per_256_tokens():
+    assert max_documents(0, 8, 4096) == 136 and max_documents(0, 2, 64) == 2 and max_documents(300, 8, 4096) == 300
 
 
 @pytest.mark.parametrize("args, message", [

@@ -162,7 +162,7 @@ class Compile:
     cuda_graph: bool = False
     """Replay each update's forward and backward (all micro-batches) as one CUDA graph, captured after cuda_graph_warmup eager updates: one launch instead of thousands, so the host no longer bounds the step. One process on a CUDA device, our Triton KDA and expert kernels, attention other than flex (docs/cuda-graphs.md)."""
     cuda_graph_max_documents: int = 0
-    """Documents a captured micro-batch holds (the graph's document metadata has this fixed size); an update with a micro-batch holding more runs eagerly, with a warning event (an error under job.strict). 0: one per row and one per 64 tokens of the micro-batch (520 at 8 x 4096)."""
+    """Documents a captured micro-batch holds at first (the graph's document metadata has this fixed size); a micro-batch holding more doubles it, with an event, and the graph is captured again after its warm-up. 0: one per row and one per 256 tokens of the micro-batch (136 at 8 x 4096)."""
     cuda_graph_warmup: int = 2
     """Eager updates through the graph's fixed-shape inputs before the capture (compilation and autotuning must be done before it)."""
 
