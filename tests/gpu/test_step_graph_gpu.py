@@ -29,7 +29,8 @@ def _trainer(tmp_path, name: str, *extra: str):
 def test_replayed_updates_equal_eager_ones(tmp_path, compiled):
     flags = ["--compile.enable", str(compiled).lower()]
     eager = _trainer(tmp_path, "eager", *flags)
-    graphed = _trainer(tmp_path, "graph", *flags, "--compile.cuda_graph", "true", "--compile.cuda_graph_warmup", "1")
+    graphed = _trainer(tmp_path, "graph", *flags, "--compile.cuda_graph", "true", "--compile.cuda_graph_warmup", "1",
+                       "--compile.cuda_graph_max_documents", "32")  # room for every batch here: one capture
     try:
         replayed = set()
         for update in range(1, 7):
