@@ -1,7 +1,7 @@
 """k3-mini training throughput on one GPU: our full recipe, ablations, and both peers in the same run.
 
     PYTHONPATH=. python benchmarks/train_throughput.py --out OUTDIR \
-        [--variants ours-compile-ns-graphs,peer-compiled,peer,...] [--seq 4096 1024 --batch 8 32] [--isolate]
+        [--variants ours-compile-step-graph,peer-compiled,peer,...] [--seq 4096 1024 --batch 8 32] [--isolate]
 
 Each variant trains k3-mini (vocab 163,840) on the embedded corpus's real
 tokens: warm-up steps, then timed steps run back to back as in training
