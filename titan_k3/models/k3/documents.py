@@ -7,7 +7,9 @@ attention ever crosses a document. MLA reads the documents as int32 boundaries
 (flash attention's variable-length kernel: each document its own causal
 sequence), as a dense mask (for scaled_dot_product_attention) or as
 flex_attention's BlockMask, whose empty blocks (across documents, above the
-diagonal) are never computed.
+diagonal) are never computed. For a CUDA graph of the step, `build` pads the
+boundaries with empty documents to a fixed count, so that no tensor here
+changes shape from batch to batch, and `copy_` writes each batch into them.
 """
 
 from __future__ import annotations
