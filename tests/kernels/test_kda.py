@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels.kda import chunk_kda, chunk_kda_reference, kda_gate, l2norm, ops, recurrent_kda
+from kda_launch import launch_settings
 
 
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -330,20 +331,6 @@ def check_safe_gate_against_recurrent(
     for name, a, b in zip(names, [x for x in grads if x is not None], [x for x in grads_ref if x is not None]):
         if pin != "bound" or name not in ("g", "A_log", "dt_bias"):
             assert rel_rms(a.cpu(), b) < GRAD_TOL, name
-
-
-class launch_settings:
-    """ops.LAUNCH entries replaced for the duration of a with block (keyword: kernel name -> settings)."""
-
-    def __init__(self, **changes):
-        self.changes = changes
-
-    def __enter__(self):
-        self.kept = {name: ops.LAUNCH[name] for name in self.changes}
-        ops.LAUNCH.update({name: {**ops.LAUNCH[name], **c} for name, c in self.changes.items()})
-
-    def __exit__(self, *exc):
-        ops.LAUNCH.update(self.kept)
 
 
 def test_safe_gate_paths_are_chosen_by_the_bound_and_the_launch_table():

@@ -11,9 +11,10 @@ import pytest
 import torch
 import triton
 
-from kernels.kda import chunk_kda, chunk_kda_reference, l2norm, ops
+from kernels.kda import chunk_kda, chunk_kda_reference, l2norm
 from kernels.kda.common import BT, chunk_layout
 from kernels.kda.reference import check_cu_seqlens_values
+from kda_launch import launch_settings
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, K, V = 1, 32, 16
@@ -44,20 +45,6 @@ class nan_filled_empty:
     def __exit__(self, *exc):
         torch.use_deterministic_algorithms(self.kept[0], warn_only=self.kept[1])
         torch.utils.deterministic.fill_uninitialized_memory = self.kept[2]
-
-
-class launch_settings:
-    """ops.LAUNCH entries replaced for the duration of a with block (keyword: kernel name -> settings)."""
-
-    def __init__(self, **changes):
-        self.changes = changes
-
-    def __enter__(self):
-        self.kept = {name: ops.LAUNCH[name] for name in self.changes}
-        ops.LAUNCH.update({name: {**ops.LAUNCH[name], **c} for name, c in self.changes.items()})
-
-    def __exit__(self, *exc):
-        ops.LAUNCH.update(self.kept)
 
 
 def document_lengths(seed: int) -> list[int]:
