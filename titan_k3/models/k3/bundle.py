@@ -43,8 +43,8 @@ def k3_graph_inputs(batch, device: torch.device, max_documents: int, into: tuple
     if into is None:
         return host_to_device(batch.input_ids, device), host_to_device(batch.labels, device), docs.owned()
     ids, labels, static_docs = into
-    ids.copy_(batch.input_ids.pin_memory() if device.type == "cuda" else batch.input_ids, non_blocking=True)
-    labels.copy_(batch.labels.pin_memory() if device.type == "cuda" else batch.labels, non_blocking=True)
+    for dst, src in ((ids, batch.input_ids), (labels, batch.labels)):
+        dst.copy_(src.pin_memory() if device.type == "cuda" else src, non_blocking=True)  # no host stall (host_to_device)
     static_docs.copy_(docs)
     return into
 

@@ -131,35 +131,33 @@ class Documents:
     def copy_(self, src: "Documents") -> "Documents":
         """Write `src`'s values into these tensors, which keep their memory (a CUDA graph's inputs); returns self.
 
-        Both must be packed and of one shape (`build` with the same capacity); self must own its tensors (`owned`). The masks derived lazily are dropped:
-        the next forward derives them again from the new values (a captured forward: on the device, in the graph).
+        Both must be packed and of one shape (`build` with the same capacity), and self must own its tensors
+        (`owned`). The masks derived lazily are dropped: the next forward derives them again from the new values
+        (a captured forward: on the device, in the graph).
         """
-        if self.cu_seqlens is None or src.cu_seqlens is None or self.cu_seqlens.shape != src.cu_seqlens.shape \
-                or self.pos_BT.shape != src.pos_BT.shape or self.kda_chunks[1].shape != src.kda_chunks[1].shape:
+        if self.cu_seqlens is None or src.cu_seqlens is None or \
+                [t.shape for t in self._tensors()] != [t.shape for t in src._tensors()]:
             raise ValueError("Documents.copy_: both must be packed documents of one shape and capacity, got "
                              f"{tuple(src.pos_BT.shape)} with {src.num_slots} slots into {tuple(self.pos_BT.shape)} "
                              f"with {self.num_slots}")
-        for dst, new in zip((self.cu_seqlens, self.pos_BT, self.doc_BT, self.cu_seqlens_host, self.cu_seqlens_i32,
-                             *self.kda_chunks),
-                            (src.cu_seqlens, src.pos_BT, src.doc_BT, src.cu_seqlens_host, src.cu_seqlens_i32,
-                             *src.kda_chunks)):
+        for dst, new in zip(self._tensors(), src._tensors()):
             dst.copy_(new, non_blocking=True)
         self._mask = self._block_mask = None
         return self
 
     def owned(self) -> "Documents":
-        """A copy whose tensors are its own, safe to write into with `copy_` (a CUDA graph's inputs).
+        """A copy of packed documents whose tensors are its own, safe to write into with `copy_` (a graph's inputs).
 
         NOTE: `build` hands out KDA chunk layouts from a cache shared by every batch of the same documents (and a
         host tensor may be the caller's): writing the next batch into those would corrupt that layout for every
         later batch that has it.
         """
-        def own(t):
-            return None if t is None else t.clone()
+        cu, pos, doc, host, cu_i32, *chunks = (t.clone() for t in self._tensors())
+        return Documents(cu, pos, doc, host, cu_i32, tuple(chunks))
 
-        chunks = None if self.kda_chunks is None else tuple(t.clone() for t in self.kda_chunks)
-        return Documents(own(self.cu_seqlens), self.pos_BT.clone(), self.doc_BT.clone(), own(self.cu_seqlens_host),
-                         own(self.cu_seqlens_i32), chunks)
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor of packed documents, in the order of the fields."""
+        return (self.cu_seqlens, self.pos_BT, self.doc_BT, self.cu_seqlens_host, self.cu_seqlens_i32, *self.kda_chunks)
 
     @property
     def num_slots(self) -> int:
