@@ -23,10 +23,11 @@ from kernels.grouped_gemm.triton_gemm import (
     row_tiles_upper_bound,
 )
 from kernels.grouped_gemm.triton_moe import (
+    GLU_BWD_BLOCK,
     combine_block_sizes,
     combine_bwd_kernel,
     combine_kernel,
-    glu_bwd_kernel,
+    glu_bwd_pointwise_kernel,
     glu_up_kernel,
 )
 
@@ -222,6 +223,24 @@ def _(x, w1, w3, w2, weight, order, token, inverse, offsets, save):
     return x.new_empty(x.shape), g, torch.empty_like(g), x.new_empty(n_slots, hidden), x.new_empty(n_slots, x.shape[1])
 
 
+def _glu_backward(d_out: torch.Tensor, w2: torch.Tensor, g: torch.Tensor, u: torch.Tensor,
+                  offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dg, du) [S, F] from d_out [S, L]: dh = d_out @ w2[e]^T per expert, then the SiTU-GLU backward.
+
+    NOTE: two kernels, not one with the GLU backward in the GEMM's epilogue: that fused kernel needed
+    ~245 registers per thread (the accumulator next to g and u) and ran at a quarter of its memory
+    floor (benchmarks/results/moe.md). A plain GEMM and a pointwise pass each run near their own.
+    """
+    n_slots, hidden = g.shape[0], w2.shape[1]
+    dg = _launch_mm(d_out, w2.transpose(1, 2), offsets, torch.empty(n_slots, hidden, device=g.device, dtype=g.dtype))
+    du = torch.empty_like(dg)
+    if dg.numel() > 0:
+        glu_bwd_pointwise_kernel[(triton.cdiv(dg.numel(), GLU_BWD_BLOCK),)](
+            dg, g, u, du, offsets, hidden, N_EXPERTS=w2.shape[0], BLOCK=GLU_BWD_BLOCK, num_warps=8,
+        )
+    return dg, du
+
+
 @torch.library.custom_op("k3_grouped_gemm::moe_experts_bwd", mutates_args=())
 def _moe_bwd_op(
     dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
@@ -243,14 +262,7 @@ def _moe_bwd_op(
             dy, out, order, weight, d_out, d_weight, n_slots, latent, dy.stride(0), out.stride(0),
             TOP_K=top_k, BLOCK_S=block_s, BLOCK_L=block_l,
         )
-    dg = torch.empty(n_slots, hidden, **new)
-    du = torch.empty_like(dg)
-    if n_slots > 0 and hidden > 0:
-        glu_bwd_kernel[_mm_grid(n_slots, n_experts, hidden)](
-            d_out, w2, g, u, dg, du, offsets, n_slots, latent, hidden,
-            d_out.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), g.stride(0),
-            N_EXPERTS=n_experts, E_POW2=triton.next_power_of_2(n_experts), PRECISION=_precision(x.dtype),
-        )
+    dg, du = _glu_backward(d_out, w2, g, u, offsets)
     dw2 = torch.empty(w2.shape, **new)
     _launch_wgrad(h, d_out, offsets, dw2)
     dw1 = torch.empty(w1.shape, **new)

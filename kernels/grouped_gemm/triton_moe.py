@@ -137,6 +137,42 @@ def glu_bwd_kernel(
     tl.store(du_ptr + base + s_off, (dh * act_g * d_act_u).to(du_ptr.dtype.element_ty), mask=s_mask)
 
 
+# NOTE: 2048 elements and 8 warps give each thread 8 bf16 values (one 16-byte load per tensor).
+GLU_BWD_BLOCK = 2048
+
+
+@triton.jit
+def glu_bwd_pointwise_kernel(
+    dh_ptr, g_ptr, u_ptr, du_ptr, offsets_ptr, F,
+    N_EXPERTS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """The SiTU-GLU backward over the [S, F] slot tensors (contiguous, row stride F), dh -> dg in place.
+
+    With a(g) = 4 tanh(g/4) sigmoid(g) and b(u) = 25 tanh(u/25):
+    dg = dh * b(u) * a'(g) (written over dh), du = dh * a(g) * b'(u), in float32.
+    The tail past offsets[-1] is skipped (glu_up left g, u unwritten there; the dx GEMM
+    and the weight gradients never read dg, du there).
+    """
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    end = tl.load(offsets_ptr + N_EXPERTS - 1).to(tl.int64) * F
+    if start >= end:
+        return  # the tail: nothing to read or write
+    idx = start + tl.arange(0, BLOCK)
+    mask = idx < end
+    dh = tl.load(dh_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    tg = _tanh(g * 0.25)
+    sg = tl.sigmoid(g)
+    tu = _tanh(u * 0.04)
+    act_g = 4.0 * tg * sg
+    act_u = 25.0 * tu
+    d_act_g = (1.0 - tg * tg) * sg + act_g * (1.0 - sg)
+    d_act_u = 1.0 - tu * tu
+    tl.store(dh_ptr + idx, (dh * act_u * d_act_g).to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(du_ptr + idx, (dh * act_g * d_act_u).to(du_ptr.dtype.element_ty), mask=mask)
+
+
 def combine_block_sizes(width: int) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_L) for the combine kernels: whole rows up to 256 wide."""
     if INTERPRET:
