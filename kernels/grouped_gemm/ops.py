@@ -232,6 +232,7 @@ def _glu_backward(d_out: torch.Tensor, w2: torch.Tensor, g: torch.Tensor, u: tor
     floor (benchmarks/results/moe.md). A plain GEMM and a pointwise pass each run near their own.
     """
     n_slots, hidden = g.shape[0], w2.shape[1]
+    assert g.is_contiguous() and u.is_contiguous(), "the pointwise pass walks g and u as flat [S * F]"
     dg = _launch_mm(d_out, w2.transpose(1, 2), offsets, torch.empty(n_slots, hidden, device=g.device, dtype=g.dtype))
     du = torch.empty_like(dg)
     if dg.numel() > 0:

@@ -1,5 +1,5 @@
 """Triton kernels around the expert GEMMs: gathered SiTU-GLU up-projection,
-its fused backward, and the deterministic weighted combine.
+its pointwise backward, and the deterministic weighted combine.
 
 Legend: T tokens, k experts per token, S = T * k token-slots sorted by
 expert, E experts, L latent width, F expert hidden width.
@@ -52,7 +52,7 @@ def glu_up_kernel(
     h, g, u are [S, F] with row stride stride_s.
     NOTE: slots past offsets[-1] (the tail: under the EP all_gather dispatch,
     the other ranks' half of the slots) are left unwritten: every consumer
-    (the w2 GEMM, its weight gradient, glu_bwd) skips the tail, and writing
+    (the w2 GEMM, its weight gradient, the GLU backward) skips the tail, and writing
     zeros there cost 3 x [S/2, F] of memory traffic per EP2 layer. The tail's
     programs return at once: under EP2 they are half the grid, and running
     the GLU epilogue on empty tiles made one EP rank's glu_up 1.45x slower
@@ -85,56 +85,6 @@ def glu_up_kernel(
     if STORE_GU:
         tl.store(g_ptr + base + s_off, acc_g.to(g_ptr.dtype.element_ty), mask=s_mask)
         tl.store(u_ptr + base + s_off, acc_u.to(u_ptr.dtype.element_ty), mask=s_mask)
-
-
-@tuned_autotune("glu_bwd", epilogue_configs(), key=["L", "F", "N_EXPERTS"])
-@triton.jit
-def glu_bwd_kernel(
-    dout_ptr, w2_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, offsets_ptr,
-    n_rows, L, F,
-    stride_do, stride_we, stride_wf, stride_wl, stride_s,
-    N_EXPERTS: tl.constexpr, E_POW2: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """dh = dout[s] @ w2[e]^T, then the SiTU-GLU backward in the epilogue.
-
-    With a(g) = 4 tanh(g/4) sigmoid(g) and b(u) = 25 tanh(u/25):
-    dg = dh * b(u) * a'(g), du = dh * a(g) * b'(u). dout [S, L] (row stride
-    stride_do, unit column stride); g, u, dg, du are [S, F] with row stride stride_s.
-    The tail past offsets[-1] is skipped, its programs returning at once (glu_up
-    left g, u unwritten there; the dx GEMM and the weight gradients never read
-    dg, du there).
-    """
-    expert, row_start, row_end, local, row_mask, cols, col_mask = _slot_tile(
-        tl.program_id(0), offsets_ptr, n_rows, F, N_EXPERTS, E_POW2, BLOCK_M, BLOCK_N
-    )
-    if (expert < 0) | (row_start >= row_end):
-        return  # the tail, or a tile past the last group's: nothing to read or write
-    # NOTE: 64-bit row bases as scalars, 32-bit offsets inside the tile: int64
-    # offset tiles next to the accumulator and g, u spill registers.
-    dout_tile = dout_ptr + row_start.to(tl.int64) * stride_do + local[:, None] * stride_do
-    w2_tile = w2_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wf
-    dh = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, L, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < L
-        a = tl.load(dout_tile + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w2_tile + ks[:, None] * stride_wl, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        dh = tl.dot(a, b, dh, input_precision=PRECISION)
-    base = row_start.to(tl.int64) * stride_s
-    s_off = local[:, None] * stride_s + cols[None, :]
-    s_mask = row_mask[:, None] & col_mask[None, :]
-    g = tl.load(g_ptr + base + s_off, mask=s_mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + base + s_off, mask=s_mask, other=0.0).to(tl.float32)
-    tg = _tanh(g * 0.25)
-    sg = tl.sigmoid(g)
-    tu = _tanh(u * 0.04)
-    act_g = 4.0 * tg * sg
-    act_u = 25.0 * tu
-    d_act_g = (1.0 - tg * tg) * sg + act_g * (1.0 - sg)
-    d_act_u = 1.0 - tu * tu
-    tl.store(dg_ptr + base + s_off, (dh * act_u * d_act_g).to(dg_ptr.dtype.element_ty), mask=s_mask)
-    tl.store(du_ptr + base + s_off, (dh * act_g * d_act_u).to(du_ptr.dtype.element_ty), mask=s_mask)
 
 
 # NOTE: 2048 elements and 8 warps give each thread 8 bf16 values (one 16-byte load per tensor).

@@ -18,7 +18,6 @@ TUNED: dict[tuple, int] = {
     ("wgrad", (9, 0), torch.bfloat16, (544, 256, 176, False, False)): 0,  # 0.160 ms; 0.171 / 0.196
     ("wgrad_dual", (9, 0), torch.bfloat16, (256, 544, 176, True, True)): 0,  # 0.359 ms; 0.405 / 0.374
     ("glu_up", (9, 0), torch.bfloat16, (256, 544, 176, True)): 0,  # 0.627 ms; 0.956 / 0.636
-    ("glu_bwd", (9, 0), torch.bfloat16, (256, 544, 176)): 2,  # 1.018 ms; 1.215 / 1.243
 }
 
 

@@ -280,14 +280,14 @@ def test_a_measured_key_compiles_its_winner_alone(monkeypatch):
             self.device, self.dtype = torch.device(device), dtype
 
     monkeypatch.setattr(tuned.torch.cuda, "get_device_capability", lambda device: (9, 0))
-    prune = tuned.prune_to_tuned("glu_bwd", ["L", "F", "N_EXPERTS"])
+    prune = tuned.prune_to_tuned("glu_up", ["L", "F", "N_EXPERTS", "STORE_GU"])
     candidates = ["c0", "c1", "c2"]
-    measured = {"dout_ptr": Operand(), "n_rows": 4096, "L": 256, "F": 544}
-    assert prune(candidates, measured, N_EXPERTS=176) == ["c2"]
+    measured = {"x_ptr": Operand(), "n_rows": 4096, "L": 256, "F": 544, "STORE_GU": True}
+    assert prune(candidates, measured, N_EXPERTS=176) == ["c0"]
     assert prune(candidates, {**measured, "F": 512}, N_EXPERTS=176) == candidates  # another shape
     assert prune(candidates, measured, N_EXPERTS=88) == candidates  # another expert count (EP's local experts)
-    assert prune(candidates, {**measured, "dout_ptr": Operand(dtype=torch.float16)}, N_EXPERTS=176) == candidates
-    assert prune(candidates, {**measured, "dout_ptr": Operand("cpu")}, N_EXPERTS=176) == candidates
+    assert prune(candidates, {**measured, "x_ptr": Operand(dtype=torch.float16)}, N_EXPERTS=176) == candidates
+    assert prune(candidates, {**measured, "x_ptr": Operand("cpu")}, N_EXPERTS=176) == candidates
     monkeypatch.setattr(tuned.torch.cuda, "get_device_capability", lambda device: (8, 0))
     assert prune(candidates, measured, N_EXPERTS=176) == candidates  # another GPU architecture
 
@@ -300,7 +300,7 @@ def test_every_known_winner_names_a_candidate_of_its_kernel(monkeypatch):
     monkeypatch.setattr(triton_gemm, "INTERPRET", False)
     candidates = {"mm": triton_gemm.mm_configs(), "mm_dual": triton_gemm.epilogue_configs(),
                   "wgrad": triton_gemm.wgrad_configs(dual=False), "wgrad_dual": triton_gemm.wgrad_configs(dual=True),
-                  "glu_up": triton_gemm.epilogue_configs(), "glu_bwd": triton_gemm.epilogue_configs()}
+                  "glu_up": triton_gemm.epilogue_configs()}
     winners = {kernel: (candidates[kernel][index].kwargs, candidates[kernel][index].num_warps)
                for (kernel, *_), index in tuned.TUNED.items()}
     assert winners == {
@@ -309,5 +309,4 @@ def test_every_known_winner_names_a_candidate_of_its_kernel(monkeypatch):
         "wgrad": ({"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_R": 64}, 8),
         "wgrad_dual": ({"BLOCK_K": 128, "BLOCK_N": 64, "BLOCK_R": 64}, 8),
         "glu_up": ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, 8),
-        "glu_bwd": ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4),
     }
