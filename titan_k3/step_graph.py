@@ -27,22 +27,35 @@ from typing import Callable, Sequence
 import torch
 
 from titan_k3.config import ConfigError
+from titan_k3.models.k3.impl import KernelChoice
 
 GRAPH_TOKENS_PER_DOCUMENT = 256
 """compile.cuda_graph_max_documents = 0 starts with one document per row and one more per this many tokens."""
 
 
-def check_capturable(cfg, device: torch.device, world_size: int, kernel_choices: Sequence, graph_inputs) -> None:
-    """Refuse `compile.cuda_graph` in one line where a step cannot be captured, before any work."""
+def check_capturable(cfg, device: torch.device, world_size: int, kernel_choices: Sequence,
+                     graph_inputs) -> KernelChoice:
+    """The kernel report's `cuda_graph` line for `compile.cuda_graph = true`, or one line refusing it, before any work.
+
+    Where the run lands (no CUDA device, several processes) is not the config's to say, so a recipe can ask for
+    the graph and still run there: the update then runs eagerly, as a reported fallback (job.strict refuses it).
+    What the config itself chose against a capture (kernels that plan on the host, flex attention, a model family
+    without fixed-shape inputs) stops the run.
+    """
     key = "config key 'compile.cuda_graph' = true"
-    if device.type != "cuda":
-        raise ConfigError(f"{key}: CUDA graphs need a CUDA device (this run trains on {device.type})")
-    if world_size > 1:
-        raise ConfigError(f"{key}: runs in one process; this run has {world_size} (the collectives of FSDP and "
-                          "expert parallelism are not captured)")
     if graph_inputs is None:
         raise ConfigError(f"{key}: model family '{cfg.model.name}' has no fixed-shape inputs (ModelSpec.graph_inputs)")
     chosen = {c.op: c.chosen for c in kernel_choices}
+    off = None
+    if device.type != "cuda":
+        off = f"CUDA graphs need a CUDA device (this run trains on {device.type})"
+    elif world_size > 1:
+        off = (f"one process only; this run has {world_size} (the collectives of FSDP and expert parallelism are "
+               "not captured)")
+    if off is not None:
+        if cfg.job.strict:
+            raise ConfigError(f"job.strict = true and cuda_graph falls back to 'off': {off}")
+        return KernelChoice("cuda_graph", "on", "off", True, off)
     for op, ok in (("kda", {"triton"}), ("experts", {"triton"})):
         if op in chosen and chosen[op] not in ok:
             raise ConfigError(f"{key}: needs our Triton {op} kernels (they read the batch's layout from the device); "
@@ -50,6 +63,7 @@ def check_capturable(cfg, device: torch.device, world_size: int, kernel_choices:
     if chosen.get("attention") == "flex":
         raise ConfigError(f"{key}: flex attention builds its block mask on the host every forward; use "
                           "kernels.attention = 'varlen' or 'auto'")
+    return KernelChoice("cuda_graph", "on", "on", False, "forward + backward of each update")
 
 
 def max_documents(cfg_value: int, batch: int, seq_len: int) -> int:

@@ -155,12 +155,16 @@ class Trainer:
             raise ConfigError(
                 f"job.strict = true and {first.op} falls back to '{first.chosen}' (asked '{first.requested}'): {first.reason}"
             )
+        self._graph_choice = None
         if cfg.compile.cuda_graph:
-            check_capturable(cfg, self.device, self.world_size, self.impl.choices, self.model_spec.graph_inputs)
+            self._graph_choice = check_capturable(cfg, self.device, self.world_size, self.impl.choices,
+                                                  self.model_spec.graph_inputs)
         torch.manual_seed(t.seed)
         with torch.device("meta"):
             model = self.model_spec.build(self.args, self.impl, cfg.model)
         self.impl.choices += parallelize(model, self.dist.dims, self.dist.mesh, cfg, self.device)
+        if self._graph_choice is not None:
+            self.impl.choices.append(self._graph_choice)
         model.to_empty(device=self.device)
         self._build_model = lambda: self.model_spec.build(self.args, self.impl, cfg.model)
         init_weights(model, self._build_model, t.seed, self.device)
@@ -228,7 +232,7 @@ class Trainer:
     def _build_step_graph(self) -> StepGraph | None:
         """The CUDA graph of each update's forward and backward (compile.cuda_graph), or None."""
         c = self.cfg.compile
-        if not c.cuda_graph:
+        if self._graph_choice is None or self._graph_choice.fallback:
             return None
         return StepGraph(self.model, self._forward_backward, self.model_spec.graph_inputs, self.device,
                          max_documents=c.cuda_graph_max_documents, warmup=c.cuda_graph_warmup, emit=self.events.emit)

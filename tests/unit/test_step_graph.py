@@ -177,16 +177,49 @@ def test_the_trainer_refuses_a_graph_it_cannot_capture_before_any_work():
     ok = [KernelChoice("kda", "auto", "triton", False), KernelChoice("experts", "auto", "triton", False),
           KernelChoice("attention", "auto", "varlen+cudnn", False)]
     cuda = torch.device("cuda", 0)
-    check_capturable(cfg, cuda, 1, ok, object())  # nothing to refuse
-    with pytest.raises(ConfigError, match="need a CUDA device"):
-        check_capturable(cfg, torch.device("cpu"), 1, ok, object())
-    with pytest.raises(ConfigError, match="runs in one process; this run has 2"):
-        check_capturable(cfg, cuda, 2, ok, object())
+    assert check_capturable(cfg, cuda, 1, ok, object()) == KernelChoice("cuda_graph", "on", "on", False,
+                                                                          "forward + backward of each update")
     with pytest.raises(ConfigError, match="no fixed-shape inputs"):
         check_capturable(cfg, cuda, 1, ok, None)
     fallen = [KernelChoice("kda", "auto", "torch", True, "no kernel"), *ok[1:]]
     with pytest.raises(ConfigError, match="kernels.kda runs 'torch'"):
         check_capturable(cfg, cuda, 1, fallen, object())
+    flex = [*ok[:2], KernelChoice("attention", "auto", "flex", False)]
+    with pytest.raises(ConfigError, match="flex attention builds its block mask"):
+        check_capturable(cfg, cuda, 1, flex, object())
+
+
+@pytest.mark.parametrize("device, world, reason", [
+    ("cpu", 1, "CUDA graphs need a CUDA device (this run trains on cpu)"),
+    ("cuda", 2, "one process only; this run has 2"),
+])
+def test_a_recipe_asking_for_the_graph_runs_eagerly_where_it_lands_without_one(device, world, reason):
+    """A recipe (tomls/pretrain.toml) asks for the graph and still runs under torchrun or on a CPU-only machine:
+    the update runs eagerly and the kernel report says so, as a fallback that job.strict refuses."""
+    cfg = load_job_config(["--compile.cuda_graph", "true"])
+    choice = check_capturable(cfg, torch.device(device), world, [], object())
+    assert (choice.op, choice.chosen, choice.fallback) == ("cuda_graph", "off", True)
+    assert choice.reason.startswith(reason)
+
+
+def test_strict_refuses_a_graph_that_falls_back():
+    cfg = load_job_config(["--compile.cuda_graph", "true", "--job.strict", "true"])
+    with pytest.raises(ConfigError, match="job.strict = true and cuda_graph falls back to 'off': one process only"):
+        check_capturable(cfg, torch.device("cuda", 0), 2, [], object())
+
+
+def test_a_cpu_run_of_a_recipe_that_asks_for_the_graph_trains_eagerly_and_says_so(tmp_path):
+    trainer = _trainer(tmp_path, "cpu", "--compile.cuda_graph", "true", "--training.steps", "2")
+    try:
+        assert trainer.step_graph is None
+        assert [c for c in trainer.impl.choices if c.op == "cuda_graph"] == [
+            KernelChoice("cuda_graph", "on", "off", True, "CUDA graphs need a CUDA device (this run trains on cpu)")]
+        trainer.train()
+        kernels = json.loads((tmp_path / "cpu" / "manifest.json").read_text())["kernels"]
+        assert {"op": "cuda_graph", "requested": "on", "chosen": "off", "fallback": True,
+                "reason": "CUDA graphs need a CUDA device (this run trains on cpu)"} in kernels
+    finally:
+        trainer.close()
 
 
 def test_a_graphs_inputs_never_write_into_a_layout_other_batches_share():
