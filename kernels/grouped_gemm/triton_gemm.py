@@ -35,14 +35,14 @@ def mm_configs():
     """Autotune candidates for the plain row-tiled GEMM (one small config in the interpreter)."""
     if INTERPRET:
         return [_cfg(32, 32, 32, 4, 1)]
-    return [_cfg(128, 128, 64, 8, 3), _cfg(128, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 4)]
+    return [_cfg(128, 128, 64, 8, 3), _cfg(128, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 4), _cfg(128, 256, 64, 8, 3)]
 
 
 def epilogue_configs():
     """Candidates for the row-tiled kernels with two accumulators or a GLU epilogue."""
     if INTERPRET:
         return [_cfg(32, 32, 32, 4, 1)]
-    return [_cfg(128, 64, 64, 8, 3), _cfg(64, 128, 64, 8, 3), _cfg(64, 64, 64, 4, 3)]
+    return [_cfg(128, 64, 64, 8, 3), _cfg(64, 128, 64, 8, 3), _cfg(64, 64, 64, 4, 3), _cfg(128, 128, 64, 8, 3)]
 
 
 def wgrad_configs(dual: bool):
@@ -51,8 +51,10 @@ def wgrad_configs(dual: bool):
     if INTERPRET:
         return [_cfg(32, 32, 32, 4, 1, names)]
     if dual:
-        return [_cfg(128, 64, 64, 8, 3, names), _cfg(64, 128, 64, 8, 3, names), _cfg(64, 64, 64, 4, 4, names)]
-    return [_cfg(128, 128, 64, 8, 3, names), _cfg(64, 128, 64, 4, 4, names), _cfg(128, 64, 64, 4, 4, names)]
+        return [_cfg(128, 64, 64, 8, 3, names), _cfg(64, 128, 64, 8, 3, names), _cfg(64, 64, 64, 4, 4, names),
+                _cfg(128, 64, 64, 4, 4, names)]
+    return [_cfg(128, 128, 64, 8, 3, names), _cfg(64, 128, 64, 4, 4, names), _cfg(128, 64, 64, 4, 4, names),
+            _cfg(128, 256, 64, 8, 3, names)]
 
 
 def row_tiles_upper_bound(n_rows: int, n_experts: int, block_m: int) -> int:

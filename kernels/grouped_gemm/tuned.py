@@ -13,11 +13,12 @@ import torch
 # Winners of the H200 (sm_90) autotune at k3-mini's expert shapes (Triton 3.6, bf16, 2026-11-30): the timings
 # behind each pick are in benchmarks/results/grouped_gemm.md (session 8).
 TUNED: dict[tuple, int] = {
-    ("mm", (9, 0), torch.bfloat16, (544, 256, 176, False, False)): 0,  # 0.165 ms; 0.208 / 0.183
-    ("mm_dual", (9, 0), torch.bfloat16, (544, 256, 176, False, True)): 1,  # 0.356 ms; 0.393 / 0.415
-    ("wgrad", (9, 0), torch.bfloat16, (544, 256, 176, False, False)): 0,  # 0.160 ms; 0.171 / 0.196
-    ("wgrad_dual", (9, 0), torch.bfloat16, (256, 544, 176, True, True)): 0,  # 0.359 ms; 0.405 / 0.374
-    ("glu_up", (9, 0), torch.bfloat16, (256, 544, 176, True)): 0,  # 0.627 ms; 0.956 / 0.636
+    ("mm", (9, 0), torch.bfloat16, (544, 256, 176, False, False)): 3,  # the w2 GEMM
+    ("mm", (9, 0), torch.bfloat16, (256, 544, 176, False, False)): 0,  # the GLU backward's dh GEMM
+    ("mm_dual", (9, 0), torch.bfloat16, (544, 256, 176, False, True)): 3,
+    ("wgrad", (9, 0), torch.bfloat16, (544, 256, 176, False, False)): 3,
+    ("wgrad_dual", (9, 0), torch.bfloat16, (256, 544, 176, True, True)): 3,
+    ("glu_up", (9, 0), torch.bfloat16, (256, 544, 176, True)): 2,
 }
 
 
