@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 # (kernel, compute capability, dtype of the first operand, key values) -> index into that kernel's candidates.
-# Winners of the H200 (sm_90) autotune at k3-mini's expert shapes (Triton 3.6, bf16, 2026-11-30): the timings
-# behind each pick are in benchmarks/results/grouped_gemm.md (session 8).
+# Winners of the H200 (sm_90) autotune at k3-mini's expert shapes (Triton 3.6, bf16): the timings behind each
+# pick are in benchmarks/results/moe.md (session 14's sweep of 10-12 candidates per kernel).
 TUNED: dict[tuple, int] = {
     ("mm", (9, 0), torch.bfloat16, (544, 256, 176, False, False)): 3,  # the w2 GEMM
     ("mm", (9, 0), torch.bfloat16, (256, 544, 176, False, False)): 0,  # the GLU backward's dh GEMM

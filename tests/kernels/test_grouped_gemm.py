@@ -283,7 +283,7 @@ def test_a_measured_key_compiles_its_winner_alone(monkeypatch):
     prune = tuned.prune_to_tuned("glu_up", ["L", "F", "N_EXPERTS", "STORE_GU"])
     candidates = ["c0", "c1", "c2"]
     measured = {"x_ptr": Operand(), "n_rows": 4096, "L": 256, "F": 544, "STORE_GU": True}
-    assert prune(candidates, measured, N_EXPERTS=176) == ["c0"]
+    assert prune(candidates, measured, N_EXPERTS=176) == ["c2"]
     assert prune(candidates, {**measured, "F": 512}, N_EXPERTS=176) == candidates  # another shape
     assert prune(candidates, measured, N_EXPERTS=88) == candidates  # another expert count (EP's local experts)
     assert prune(candidates, {**measured, "x_ptr": Operand(dtype=torch.float16)}, N_EXPERTS=176) == candidates
@@ -294,19 +294,21 @@ def test_a_measured_key_compiles_its_winner_alone(monkeypatch):
 
 def test_every_known_winner_names_a_candidate_of_its_kernel(monkeypatch):
     """The GPU candidate lists (not the interpreter's single config) hold every tuned index, with the tile the
-    results table names (benchmarks/results/grouped_gemm.md, session 8)."""
+    results name (benchmarks/results/grouped_gemm.md: session 8, and the broader sweep of session 14)."""
     from kernels.grouped_gemm import triton_gemm, tuned
 
     monkeypatch.setattr(triton_gemm, "INTERPRET", False)
     candidates = {"mm": triton_gemm.mm_configs(), "mm_dual": triton_gemm.epilogue_configs(),
                   "wgrad": triton_gemm.wgrad_configs(dual=False), "wgrad_dual": triton_gemm.wgrad_configs(dual=True),
                   "glu_up": triton_gemm.epilogue_configs()}
-    winners = {kernel: (candidates[kernel][index].kwargs, candidates[kernel][index].num_warps)
-               for (kernel, *_), index in tuned.TUNED.items()}
+    winners = {(kernel, key[0]): (candidates[kernel][index].kwargs, candidates[kernel][index].num_warps,
+                                  candidates[kernel][index].num_stages)
+               for (kernel, _, _, key), index in tuned.TUNED.items()}
     assert winners == {
-        "mm": ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8),
-        "mm_dual": ({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, 8),
-        "wgrad": ({"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_R": 64}, 8),
-        "wgrad_dual": ({"BLOCK_K": 128, "BLOCK_N": 64, "BLOCK_R": 64}, 8),
-        "glu_up": ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, 8),
+        ("mm", 544): ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, 8, 3),
+        ("mm", 256): ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3),
+        ("mm_dual", 544): ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3),
+        ("wgrad", 544): ({"BLOCK_K": 128, "BLOCK_N": 256, "BLOCK_R": 64}, 8, 3),
+        ("wgrad_dual", 256): ({"BLOCK_K": 128, "BLOCK_N": 64, "BLOCK_R": 64}, 4, 4),
+        ("glu_up", 256): ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 3),
     }
