@@ -78,7 +78,9 @@ def base_args(flavor: str, seq: int, batch: int, name: str) -> list[str]:
     return [*model_args(flavor), "--training.seq_len", str(seq),
             "--training.local_batch_size", str(batch), "--training.compute_dtype", "bfloat16",
             "--training.steps", "1000", "--metrics.log_freq", "1000", "--invariants.enable", "false",
-            "--job.dump_folder", str(RUNS), "--job.name", name]
+            "--job.dump_folder", str(RUNS), "--job.name", name,
+            # NOTE: a scratch run: a second benchmark on the same machine reuses the name and starts it over.
+            "--job.overwrite", "true"]
 
 
 def time_steps(step_fn, warmup: int, steps: int) -> tuple[float, float, list[float], list]:

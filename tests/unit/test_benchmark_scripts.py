@@ -42,6 +42,15 @@ def test_train_throughput_isolate_runs_each_variant_in_its_own_process(tmp_path)
     assert run.returncode == 0
 
 
+def test_train_throughput_runs_again_on_a_machine_that_ran_it_before(tmp_path):
+    """Found on the H200: a second call on a warm machine found the first call's run folder under the same name
+    and the trainer refused to start the variant over."""
+    for _ in range(2):
+        _run("train_throughput.py", tmp_path, "--variants", "ours", "--warmup", "1", "--steps", "1", "--profile", "none")
+        rows = json.loads((tmp_path / "out" / "train_throughput.json").read_text())["rows"]
+        assert "error" not in rows[-1], rows
+
+
 def test_train_throughput_isolate_kills_a_variant_past_the_deadline_and_keeps_going(tmp_path):
     _run("train_throughput.py", tmp_path, "--variants", "ours,ours-adamw", "--isolate", "--profile", "none",
          "--deadline-s", "3")
