@@ -237,7 +237,7 @@ def _glu_backward(d_out: torch.Tensor, w2: torch.Tensor, g: torch.Tensor, u: tor
     du = torch.empty_like(dg)
     if dg.numel() > 0:
         glu_bwd_pointwise_kernel[(triton.cdiv(dg.numel(), GLU_BWD_BLOCK),)](
-            dg, g, u, du, offsets, hidden, N_EXPERTS=w2.shape[0], BLOCK=GLU_BWD_BLOCK, num_warps=8,
+            dg, g, u, du, offsets, n_slots, hidden, N_EXPERTS=w2.shape[0], BLOCK=GLU_BWD_BLOCK, num_warps=8,
         )
     return dg, du
 

@@ -93,7 +93,7 @@ GLU_BWD_BLOCK = 2048
 
 @triton.jit
 def glu_bwd_pointwise_kernel(
-    dh_ptr, g_ptr, u_ptr, du_ptr, offsets_ptr, F,
+    dh_ptr, g_ptr, u_ptr, du_ptr, offsets_ptr, n_rows, F,
     N_EXPERTS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """The SiTU-GLU backward over the [S, F] slot tensors (contiguous, row stride F), dh -> dg in place.
@@ -101,10 +101,11 @@ def glu_bwd_pointwise_kernel(
     With a(g) = 4 tanh(g/4) sigmoid(g) and b(u) = 25 tanh(u/25):
     dg = dh * b(u) * a'(g) (written over dh), du = dh * a(g) * b'(u), in float32.
     The tail past offsets[-1] is skipped (glu_up left g, u unwritten there; the dx GEMM
-    and the weight gradients never read dg, du there).
+    and the weight gradients never read dg, du there); offsets[-1] is clamped to n_rows, as
+    `row_tile` clamps, so that bad offsets never address past the tensors.
     """
     start = tl.program_id(0).to(tl.int64) * BLOCK
-    end = tl.load(offsets_ptr + N_EXPERTS - 1).to(tl.int64) * F
+    end = tl.minimum(tl.load(offsets_ptr + N_EXPERTS - 1), n_rows).to(tl.int64) * F
     if start >= end:
         return  # the tail: nothing to read or write
     idx = start + tl.arange(0, BLOCK)
