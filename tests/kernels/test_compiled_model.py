@@ -21,9 +21,10 @@ def test_compiled_model_with_our_kernels_has_no_graph_break():
     counters.clear()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = load_job_config(["--kernels.kda", "triton", "--kernels.experts", "triton", "--kernels.loss", "triton",
-                           "--kernels.attn_res", "triton"])
+                           "--kernels.attn_res", "triton", "--kernels.conv", "triton"])
     impl = resolve_impl(cfg.kernels, device)
-    assert [c.chosen for c in impl.choices][:4] == ["triton"] * 4
+    chosen = {c.op: c.chosen for c in impl.choices}
+    assert [chosen[op] for op in ("kda", "experts", "loss", "attn_res", "conv")] == ["triton"] * 5
     compiled = K3Model(get_flavor("debug", 256), impl).to(device)
     compiled.init_weights(seed=0)
     eager = K3Model(get_flavor("debug", 256), reference_impl()).to(device)

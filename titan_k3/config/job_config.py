@@ -56,6 +56,8 @@ class Kernels:
     """Block Attention Residuals' pseudo-query mixes: fused triton kernel, torch reference, or auto (triton on CUDA)."""
     max_logit: Literal["auto", "triton", "torch"] = "auto"
     """QK-Clip's per-head max logit of MLA: one Triton pass over the allowed key blocks, the chunked torch reference, or auto."""
+    conv: Literal["auto", "triton", "torch"] = "torch"
+    """KDA's short convolutions (causal depthwise conv + SiLU within documents): our Triton kernels, the torch reference (fused by torch.compile when compile.enable), or auto (triton on CUDA). Default torch until the Triton kernels are measured on a GPU (benchmarks/short_conv.py)."""
     attention: Literal["auto", "cudnn", "flash", "efficient", "math", "flex", "varlen"] = "auto"
     """MLA attention: varlen (flash attention's variable-length kernel, each document its own sequence, CUDA only),
     flex (flex_attention on a BlockMask, CUDA only), an SDPA backend on a dense document mask, or auto."""

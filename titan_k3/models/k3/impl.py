@@ -22,6 +22,7 @@ from kernels.fused_ce import reference as ce_reference
 from kernels.grouped_gemm import reference as gg_reference
 from kernels.kda import reference as kda_reference
 from kernels.max_logit.reference import max_logit_per_head_reference
+from kernels.short_conv.reference import causal_conv_silu_reference
 from titan_k3.models.k3.mla import FLEX, VARLEN
 
 
@@ -49,6 +50,8 @@ class Impl:
     """Block Attention Residuals' pseudo-query mix(sources, query, eps)."""
     max_logit: Callable = max_logit_per_head_reference
     """QK-Clip's per-head max logit of MLA's masked attention (q, k, scale, pos) -> [H]."""
+    conv: Callable = causal_conv_silu_reference
+    """KDA's short convolution + SiLU (x [B, T, C], w [C, 1, W], pos [B, T]) -> [B, T, C]."""
     choices: list[KernelChoice] = field(default_factory=list)
 
     @property
@@ -70,6 +73,7 @@ def reference_impl() -> Impl:
             KernelChoice("loss", "torch", "torch", False),
             KernelChoice("attn_res", "torch", "torch", False),
             KernelChoice("max_logit", "torch", "torch", False),
+            KernelChoice("conv", "torch", "torch", False),
             KernelChoice("attention", "math", "sdpa-default", False),
         ],
     )
@@ -178,9 +182,11 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
         attn_res, c_res = pseudo_query_mix_reference, KernelChoice("attn_res", "auto", "torch", True, why)
     max_logit, c_max = _pick("max_logit", kernels_cfg.max_logit, on_cuda,
                              ("kernels.max_logit", "max_logit_per_head", "triton"), max_logit_per_head_reference)
+    conv, c_conv = _pick("conv", kernels_cfg.conv, on_cuda, ("kernels.short_conv", "causal_conv_silu", "triton"),
+                         causal_conv_silu_reference)
     backends, c_attn = _attention_backends(kernels_cfg.attention, on_cuda)
-    return Impl(kda, experts, loss, backends, attn_res=attn_res, max_logit=max_logit,
-                choices=[c_kda, c_exp, c_loss, c_res, c_max, c_attn])
+    return Impl(kda, experts, loss, backends, attn_res=attn_res, max_logit=max_logit, conv=conv,
+                choices=[c_kda, c_exp, c_loss, c_res, c_max, c_conv, c_attn])
 
 
 def _attention_backends(requested: str, on_cuda: bool) -> tuple[list | None, KernelChoice]:

@@ -2,8 +2,8 @@
 
 Legend: B batch, T tokens, D model width, H heads, K key width, V value width.
 The recurrence itself is `kernels.kda.chunk_kda` (or its PyTorch reference);
-this layer owns the projections, the causal convolutions, the gate and the
-gated output norm. The safe gate, the q/k L2 norm and the beta sigmoid are
+this layer owns the projections, the gate and the gated output norm; the
+causal convolutions + SiLU are `kernels.short_conv` (or its PyTorch reference). The safe gate, the q/k L2 norm and the beta sigmoid are
 passed to the kernel to be fused there.
 """
 
@@ -13,7 +13,6 @@ import math
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from titan_k3.models.k3.args import K3Args
@@ -21,29 +20,13 @@ from titan_k3.models.k3.documents import Documents
 from titan_k3.models.k3.layers import init_linear, rms_norm
 
 
-def causal_depthwise_conv(x_BTC: torch.Tensor, w_C1W: torch.Tensor, pos_BT: torch.Tensor) -> torch.Tensor:
-    """Causal depthwise convolution that never reads across a document start.
-
-    x [B, T, C], w [C, 1, W] (nn.Conv1d layout, tap W-1 is the current token),
-    pos [B, T] position inside the document. y_t = sum_j w[:, W-1-j] x_{t-j} over
-    j <= pos_t.
-    """
-    width = w_C1W.shape[-1]
-    w = w_C1W[:, 0, :].to(x_BTC.dtype)
-    y = x_BTC * w[:, width - 1]
-    for j in range(1, width):
-        shifted = F.pad(x_BTC, (0, 0, j, 0))[:, : x_BTC.shape[1]]
-        y = y + shifted * w[:, width - 1 - j] * (pos_BT >= j).unsqueeze(-1).to(x_BTC.dtype)
-    return y
-
-
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, args: K3Args, kda_fn: Callable):
+    def __init__(self, args: K3Args, kda_fn: Callable, conv_fn: Callable):
         super().__init__()
         D, H, K = args.dim, args.kda_heads, args.kda_head_dim
         self.n_heads, self.head_dim, self.eps = H, K, args.norm_eps
         self.gate_lower_bound = args.kda_gate_lower_bound
-        self.kda_fn = kda_fn
+        self.kda_fn, self.conv_fn = kda_fn, conv_fn
         self.q_proj = nn.Linear(D, H * K, bias=False)
         self.k_proj = nn.Linear(D, H * K, bias=False)
         self.v_proj = nn.Linear(D, H * K, bias=False)
@@ -75,9 +58,9 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x_BTD: torch.Tensor, docs: Documents) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         H, K = self.n_heads, self.head_dim
-        q = F.silu(causal_depthwise_conv(self.q_proj(x_BTD), self.q_conv, docs.pos_BT))
-        k = F.silu(causal_depthwise_conv(self.k_proj(x_BTD), self.k_conv, docs.pos_BT))
-        v = F.silu(causal_depthwise_conv(self.v_proj(x_BTD), self.v_conv, docs.pos_BT))
+        q = self.conv_fn(self.q_proj(x_BTD), self.q_conv, docs.pos_BT)
+        k = self.conv_fn(self.k_proj(x_BTD), self.k_conv, docs.pos_BT)
+        v = self.conv_fn(self.v_proj(x_BTD), self.v_conv, docs.pos_BT)
         g_raw = self.f_b(self.f_a(x_BTD))
         beta_logit = self.b_proj(x_BTD)
         shape = (1, B * T) if docs.cu_seqlens is not None else (B, T)

@@ -29,7 +29,8 @@ class K3Block(nn.Module):
         self.is_mla, self.is_moe = args.is_mla(layer), args.is_moe(layer)
         self.attn_mix = PseudoQueryMix(args.dim, impl.attn_res, args.norm_eps)
         self.attn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attn = GatedMLA(args, impl.sdpa_backends, impl.max_logit) if self.is_mla else KimiDeltaAttention(args, impl.kda)
+        self.attn = (GatedMLA(args, impl.sdpa_backends, impl.max_logit) if self.is_mla
+                     else KimiDeltaAttention(args, impl.kda, impl.conv))
         self.ffn_mix = PseudoQueryMix(args.dim, impl.attn_res, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn = LatentMoE(args, impl.experts, qb_eta) if self.is_moe else SituGluFFN(args.dim, args.dense_hidden)

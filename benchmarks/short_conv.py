@@ -1,0 +1,108 @@
+"""Benchmark: KDA's short convolution + SiLU, forward + backward, the compiled reference vs our Triton kernels.
+
+Side by side, in one run, at the training shape (B8 T4096, the flavor's KDA width H * K, 4 taps, bf16,
+packed documents with lengths drawn from 1 .. 2 * doc_len - 1):
+  compiled   torch.compile of kernels.short_conv.causal_conv_silu_reference: what the compiled model
+             runs with kernels.conv = "torch" (inductor fuses the shifts, masks and SiLU)
+  ours       kernels.short_conv.causal_conv_silu (Triton forward; backward in two passes)
+Each is checked against the float32 reference (y, dx, dw, relative RMS) before it is timed. A KDA layer
+runs three of these (q, k, v) per micro-batch.
+
+    PYTHONPATH=. python benchmarks/short_conv.py [--flavor k3-mini --batch 8 --seq 4096 --doc-len 1000] [--out OUTDIR]
+
+Prints a table last and appends it to OUTDIR/short_conv.md (OUTDIR/short_conv.json: the rows).
+Without a GPU it runs on Triton's CPU interpreter in float32, the reference uncompiled (a smoke run; the
+times mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks.common import environment, median_ms, rel_rms, write_results  # noqa: E402
+from kernels.short_conv import causal_conv_silu, causal_conv_silu_reference  # noqa: E402
+from titan_k3.models.k3.args import FLAVORS  # noqa: E402
+from titan_k3.models.k3.documents import Documents  # noqa: E402
+
+TAPS = 4
+
+
+def packed_pos(batch: int, seq: int, doc_len: int, device: str) -> torch.Tensor:
+    """Documents.pos_BT of documents of 1 .. 2 * doc_len - 1 tokens, every row start a document start."""
+    gen = torch.Generator().manual_seed(1)
+    cuts = [0]
+    for b in range(batch):
+        while cuts[-1] < (b + 1) * seq:
+            cuts.append(min((b + 1) * seq, cuts[-1] + int(torch.randint(1, 2 * doc_len, (1,), generator=gen))))
+    return Documents.build(batch, seq, torch.tensor(cuts), torch.device(device)).pos_BT
+
+
+def fwd_bwd(fn, x, w, pos, dy):
+    """One forward + backward; returns (y, dx, dw)."""
+    x.grad = w.grad = None
+    y = fn(x, w, pos)
+    y.backward(dy)
+    return y, x.grad, w.grad
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--flavor", default="k3-mini")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--doc-len", type=int, default=1000, help="mean document length of the packed layout")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args()
+    on_cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if on_cuda else ("cpu", torch.float32)  # the interpreter has no bf16
+    flavor = FLAVORS[args.flavor]
+    channels = flavor.kda_heads * flavor.kda_head_dim
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(args.batch, args.seq, channels, device=device, generator=gen).to(dtype).requires_grad_()
+    w = (torch.randn(channels, 1, TAPS, device=device, generator=gen) / TAPS**0.5).requires_grad_()
+    dy = torch.randn(args.batch, args.seq, channels, device=device, generator=gen).to(dtype)
+    pos = packed_pos(args.batch, args.seq, args.doc_len, device)
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().clone().requires_grad_()
+    truth = fwd_bwd(causal_conv_silu_reference, x32, w32, pos, dy.float())
+    compiled = torch.compile(causal_conv_silu_reference) if on_cuda else causal_conv_silu_reference
+    variants = {"compiled": compiled, "ours": causal_conv_silu}
+    errors = {}
+    for name, fn in variants.items():
+        got = fwd_bwd(fn, x, w, pos, dy)
+        errors[name] = [rel_rms(a, b) for a, b in zip(got, truth)]
+        print(f"check {name}: rel-RMS y {errors[name][0]:.1e}, dx {errors[name][1]:.1e}, dw {errors[name][2]:.1e} "
+              "vs float32", flush=True)
+        assert max(errors[name]) < 2e-2, (name, errors[name])  # bf16 inputs and outputs
+    timed = {name: median_ms(lambda fn=fn: fwd_bwd(fn, x, w, pos, dy), grad_to_none=[x, w])
+             for name, fn in variants.items()}
+    forward = {name: median_ms(lambda fn=fn: fn(x.detach(), w.detach(), pos)) for name, fn in variants.items()}
+    print(f"fwd+bwd: compiled {timed['compiled']:.3f} ms, ours {timed['ours']:.3f} ms", flush=True)
+    env = environment()
+    row = {"shape": f"B{args.batch} T{args.seq} C{channels} W{TAPS} {str(dtype).removeprefix('torch.')}",
+           "layout": f"docs ~{args.doc_len}", **{f"{n}_ms": timed[n] for n in variants},
+           **{f"{n}_fwd_ms": forward[n] for n in variants}, "ours_rel_rms": errors["ours"]}
+    # NOTE: the minimum traffic of fwd + bwd: x read twice, y, dy, dx once each (dz's float32 round trip not counted).
+    moved = 5 * x.numel() * x.element_size()
+    header = ("| date | commit | GPU | torch | triton | shape | layout | compiled fwd+bwd ms | ours fwd+bwd ms | ours vs "
+              "compiled | compiled fwd ms | ours fwd ms | ours GB/s (5 passes) | ours rel-RMS y / dx / dw |\n|" + "---|" * 14)
+    line = (f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | {row['shape']} "
+            f"| {row['layout']} | {timed['compiled']:.3f} | {timed['ours']:.3f} | {timed['compiled'] / timed['ours']:.2f}x "
+            f"| {forward['compiled']:.3f} | {forward['ours']:.3f} | {moved / timed['ours'] / 1e6:.0f} "
+            f"| {' / '.join(f'{e:.1e}' for e in errors['ours'])} |")
+    write_results(args.out, "short_conv", header + "\n" + line, env, [row])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
