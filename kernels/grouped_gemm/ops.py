@@ -194,8 +194,13 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 def _moe_fwd_op(
     x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, weight: torch.Tensor,
     order: torch.Tensor, token: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, save: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, g, u, h, out); g and u are empty unless save (they feed the backward)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, g, u, out); g and u are empty unless save (they feed the backward).
+
+    NOTE: h = SiTU-GLU(g, u) lives only as long as the w2 GEMM: the backward's pointwise pass
+    rebuilds it from g and u, which it reads anyway (one [S, F] tensor fewer held per layer
+    between forward and backward).
+    """
     n_tokens, latent = x.shape
     n_experts, _, hidden = w1.shape
     n_slots = token.shape[0]
@@ -213,19 +218,20 @@ def _moe_fwd_op(
         )
     out = _launch_mm(h, w2, offsets, torch.empty(n_slots, latent, **new))
     y = _launch_combine(out, inverse, weight, torch.empty(n_tokens, latent, **new), weight.shape[1])
-    return y, g, u, h, out
+    return y, g, u, out
 
 
 @_moe_fwd_op.register_fake
 def _(x, w1, w3, w2, weight, order, token, inverse, offsets, save):
     n_slots, hidden = token.shape[0], w1.shape[2]
     g = x.new_empty(n_slots if save else 0, hidden)
-    return x.new_empty(x.shape), g, torch.empty_like(g), x.new_empty(n_slots, hidden), x.new_empty(n_slots, x.shape[1])
+    return x.new_empty(x.shape), g, torch.empty_like(g), x.new_empty(n_slots, x.shape[1])
 
 
 def _glu_backward(d_out: torch.Tensor, w2: torch.Tensor, g: torch.Tensor, u: torch.Tensor,
-                  offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dg, du) [S, F] from d_out [S, L]: dh = d_out @ w2[e]^T per expert, then the SiTU-GLU backward.
+                  offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dg, du, h) [S, F] from d_out [S, L]: dh = d_out @ w2[e]^T per expert, then the SiTU-GLU backward,
+    which also rebuilds the forward's h = SiTU-GLU(g, u) for the w2 weight gradient.
 
     NOTE: two kernels, not one with the GLU backward in the GEMM's epilogue: that fused kernel needed
     ~245 registers per thread (the accumulator next to g and u) and ran at a quarter of its memory
@@ -234,19 +240,19 @@ def _glu_backward(d_out: torch.Tensor, w2: torch.Tensor, g: torch.Tensor, u: tor
     n_slots, hidden = g.shape[0], w2.shape[1]
     assert g.is_contiguous() and u.is_contiguous(), "the pointwise pass walks g and u as flat [S * F]"
     dg = _launch_mm(d_out, w2.transpose(1, 2), offsets, torch.empty(n_slots, hidden, device=g.device, dtype=g.dtype))
-    du = torch.empty_like(dg)
+    du, h = torch.empty_like(dg), torch.empty_like(dg)
     if dg.numel() > 0:
         glu_bwd_pointwise_kernel[(triton.cdiv(dg.numel(), GLU_BWD_BLOCK),)](
-            dg, g, u, du, offsets, n_slots, hidden, N_EXPERTS=w2.shape[0], BLOCK=GLU_BWD_BLOCK, num_warps=8,
+            dg, g, u, du, h, offsets, n_slots, hidden, N_EXPERTS=w2.shape[0], BLOCK=GLU_BWD_BLOCK, num_warps=8,
         )
-    return dg, du
+    return dg, du, h
 
 
 @torch.library.custom_op("k3_grouped_gemm::moe_experts_bwd", mutates_args=())
 def _moe_bwd_op(
     dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
     weight: torch.Tensor, order: torch.Tensor, token: torch.Tensor, inverse: torch.Tensor,
-    offsets: torch.Tensor, g: torch.Tensor, u: torch.Tensor, h: torch.Tensor, out: torch.Tensor,
+    offsets: torch.Tensor, g: torch.Tensor, u: torch.Tensor, out: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw1, dw3, dw2, dweight)."""
     n_tokens, latent = x.shape
@@ -263,7 +269,7 @@ def _moe_bwd_op(
             dy, out, order, weight, d_out, d_weight, n_slots, latent, dy.stride(0), out.stride(0),
             TOP_K=top_k, BLOCK_S=block_s, BLOCK_L=block_l,
         )
-    dg, du = _glu_backward(d_out, w2, g, u, offsets)
+    dg, du, h = _glu_backward(d_out, w2, g, u, offsets)
     dw2 = torch.empty(w2.shape, **new)
     _launch_wgrad(h, d_out, offsets, dw2)
     dw1 = torch.empty(w1.shape, **new)
@@ -276,17 +282,17 @@ def _moe_bwd_op(
 
 
 @_moe_bwd_op.register_fake
-def _(dy, x, w1, w3, w2, weight, order, token, inverse, offsets, g, u, h, out):
+def _(dy, x, w1, w3, w2, weight, order, token, inverse, offsets, g, u, out):
     return (torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w3), torch.empty_like(w2),
             torch.empty_like(weight))
 
 
 def _moe_setup(ctx, inputs, output):
     x, w1, w3, w2, weight, order, token, inverse, offsets, _ = inputs
-    _, g, u, h, out = output
-    ctx.mark_non_differentiable(g, u, h, out)
+    _, g, u, out = output
+    ctx.mark_non_differentiable(g, u, out)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x, w1, w3, w2, weight, order, token, inverse, offsets, g, u, h, out)
+    ctx.save_for_backward(x, w1, w3, w2, weight, order, token, inverse, offsets, g, u, out)
 
 
 def _moe_backward(ctx, dy, *_):

@@ -93,13 +93,15 @@ GLU_BWD_BLOCK = 2048
 
 @triton.jit
 def glu_bwd_pointwise_kernel(
-    dh_ptr, g_ptr, u_ptr, du_ptr, offsets_ptr, n_rows, F,
+    dh_ptr, g_ptr, u_ptr, du_ptr, h_ptr, offsets_ptr, n_rows, F,
     N_EXPERTS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """The SiTU-GLU backward over the [S, F] slot tensors (contiguous, row stride F), dh -> dg in place.
 
     With a(g) = 4 tanh(g/4) sigmoid(g) and b(u) = 25 tanh(u/25):
-    dg = dh * b(u) * a'(g) (written over dh), du = dh * a(g) * b'(u), in float32.
+    dg = dh * b(u) * a'(g) (written over dh), du = dh * a(g) * b'(u), in float32; and the forward's
+    h = a(g) * b(u) again from g and u as stored (the w2 weight gradient reads it), so the forward need
+    not keep it; it differs from the forward's h, computed before g and u were rounded, by that rounding.
     The tail past offsets[-1] is skipped (glu_up left g, u unwritten there; the dx GEMM
     and the weight gradients never read dg, du there); offsets[-1] is clamped to n_rows, as
     `row_tile` clamps, so that bad offsets never address past the tensors.
@@ -122,6 +124,7 @@ def glu_bwd_pointwise_kernel(
     d_act_u = 1.0 - tu * tu
     tl.store(dh_ptr + idx, (dh * act_u * d_act_g).to(dh_ptr.dtype.element_ty), mask=mask)
     tl.store(du_ptr + idx, (dh * act_g * d_act_u).to(du_ptr.dtype.element_ty), mask=mask)
+    tl.store(h_ptr + idx, (act_g * act_u).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 def combine_block_sizes(width: int) -> tuple[int, int]:
