@@ -23,10 +23,9 @@ from kernels.grouped_gemm.triton_gemm import (
     row_tiles_upper_bound,
 )
 from kernels.grouped_gemm.triton_moe import (
-    GLU_BWD_BLOCK,
     combine_block_sizes,
-    combine_bwd_kernel,
     combine_kernel,
+    glu_bwd_block_sizes,
     glu_bwd_pointwise_kernel,
     glu_up_kernel,
 )
@@ -194,12 +193,13 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 def _moe_fwd_op(
     x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, weight: torch.Tensor,
     order: torch.Tensor, token: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, save: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, g, u, out); g and u are empty unless save (they feed the backward).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, g, u); g and u are empty unless save (they are all the backward keeps of the experts' work).
 
-    NOTE: h = SiTU-GLU(g, u) lives only as long as the w2 GEMM: the backward's pointwise pass
-    rebuilds it from g and u, which it reads anyway (one [S, F] tensor fewer held per layer
-    between forward and backward).
+    NOTE: h = SiTU-GLU(g, u) and the slots' outputs h @ w2 live only until the combine: the backward's
+    pointwise pass rebuilds h from g and u, which it reads anyway, and takes the routing weights' gradient
+    from there (`_glu_backward`), so a layer holds two [S, F] tensors between forward and backward, not
+    three plus the [S, L] outputs.
     """
     n_tokens, latent = x.shape
     n_experts, _, hidden = w1.shape
@@ -218,41 +218,46 @@ def _moe_fwd_op(
         )
     out = _launch_mm(h, w2, offsets, torch.empty(n_slots, latent, **new))
     y = _launch_combine(out, inverse, weight, torch.empty(n_tokens, latent, **new), weight.shape[1])
-    return y, g, u, out
+    return y, g, u
 
 
 @_moe_fwd_op.register_fake
 def _(x, w1, w3, w2, weight, order, token, inverse, offsets, save):
     n_slots, hidden = token.shape[0], w1.shape[2]
     g = x.new_empty(n_slots if save else 0, hidden)
-    return x.new_empty(x.shape), g, torch.empty_like(g), x.new_empty(n_slots, x.shape[1])
+    return x.new_empty(x.shape), g, torch.empty_like(g)
 
 
-def _glu_backward(d_out: torch.Tensor, w2: torch.Tensor, g: torch.Tensor, u: torch.Tensor,
-                  offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dg, du, h) [S, F] from d_out [S, L]: dh = d_out @ w2[e]^T per expert, then the SiTU-GLU backward,
-    which also rebuilds the forward's h = SiTU-GLU(g, u) for the w2 weight gradient.
+def _glu_backward(dout: torch.Tensor, w2: torch.Tensor, g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor,
+                  order: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(dg, du, hp [S, F], dweight float32 [S] by flat slot id) from dout [S, L], the unweighted dy row of each slot.
 
-    NOTE: two kernels, not one with the GLU backward in the GEMM's epilogue: that fused kernel needed
-    ~245 registers per thread (the accumulator next to g and u) and ran at a quarter of its memory
-    floor (benchmarks/results/moe.md). A plain GEMM and a pointwise pass each run near their own.
+    dh = dout @ w2[e]^T per expert, then one pointwise pass over whole rows: the SiTU-GLU backward scaled by
+    each slot's routing weight, the weight's own gradient <dh, h>, and hp = p * h for the w2 weight gradient
+    (`glu_bwd_pointwise_kernel`). NOTE: two kernels, not one with the GLU backward in the GEMM's epilogue: that
+    fused kernel needed ~245 registers per thread (the accumulator next to g and u) and ran at a quarter of its
+    memory floor (benchmarks/results/moe.md). A plain GEMM and a pointwise pass each run near their own.
     """
     n_slots, hidden = g.shape[0], w2.shape[1]
-    assert g.is_contiguous() and u.is_contiguous(), "the pointwise pass walks g and u as flat [S * F]"
-    dg = _launch_mm(d_out, w2.transpose(1, 2), offsets, torch.empty(n_slots, hidden, device=g.device, dtype=g.dtype))
-    du, h = torch.empty_like(dg), torch.empty_like(dg)
+    assert g.is_contiguous() and u.is_contiguous(), "the pointwise pass walks g and u as [S, F] rows of stride F"
+    dg = _launch_mm(dout, w2.transpose(1, 2), offsets, torch.empty(n_slots, hidden, device=g.device, dtype=g.dtype))
+    du, hp = torch.empty_like(dg), torch.empty_like(dg)
+    # NOTE: zeros: slots past offsets[-1] (EP's other ranks) take no weight gradient here.
+    dweight = torch.zeros(n_slots, device=g.device, dtype=torch.float32)
     if dg.numel() > 0:
-        glu_bwd_pointwise_kernel[(triton.cdiv(dg.numel(), GLU_BWD_BLOCK),)](
-            dg, g, u, du, h, offsets, n_slots, hidden, N_EXPERTS=w2.shape[0], BLOCK=GLU_BWD_BLOCK, num_warps=8,
+        block_s, block_f = glu_bwd_block_sizes(hidden)
+        glu_bwd_pointwise_kernel[(triton.cdiv(n_slots, block_s),)](
+            dg, g, u, du, hp, weight, order, dweight, offsets, n_slots, hidden,
+            N_EXPERTS=w2.shape[0], BLOCK_S=block_s, BLOCK_F=block_f, num_warps=8,
         )
-    return dg, du, h
+    return dg, du, hp, dweight
 
 
 @torch.library.custom_op("k3_grouped_gemm::moe_experts_bwd", mutates_args=())
 def _moe_bwd_op(
     dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
     weight: torch.Tensor, order: torch.Tensor, token: torch.Tensor, inverse: torch.Tensor,
-    offsets: torch.Tensor, g: torch.Tensor, u: torch.Tensor, out: torch.Tensor,
+    offsets: torch.Tensor, g: torch.Tensor, u: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw1, dw3, dw2, dweight)."""
     n_tokens, latent = x.shape
@@ -260,18 +265,12 @@ def _moe_bwd_op(
     n_slots = token.shape[0]
     top_k = weight.shape[1]
     new = dict(device=x.device, dtype=x.dtype)
-    dy = dy.contiguous()
-    d_out = torch.empty(n_slots, latent, **new)
-    d_weight = torch.empty(n_slots, device=x.device, dtype=torch.float32)
-    if n_slots > 0:
-        block_s, block_l = combine_block_sizes(latent)
-        combine_bwd_kernel[(triton.cdiv(n_slots, block_s),)](
-            dy, out, order, weight, d_out, d_weight, n_slots, latent, dy.stride(0), out.stride(0),
-            TOP_K=top_k, BLOCK_S=block_s, BLOCK_L=block_l,
-        )
-    dg, du, h = _glu_backward(d_out, w2, g, u, offsets)
+    # NOTE: each slot's unweighted dy row: the routing weight enters in the pointwise pass (dg, du, hp), which also
+    # gives the weight's gradient, so the backward needs no copy of the forward's slot outputs.
+    dout = dy.contiguous().index_select(0, token)
+    dg, du, hp, d_weight = _glu_backward(dout, w2, g, u, weight, order, offsets)
     dw2 = torch.empty(w2.shape, **new)
-    _launch_wgrad(h, d_out, offsets, dw2)
+    _launch_wgrad(hp, dout, offsets, dw2)
     dw1 = torch.empty(w1.shape, **new)
     dw3 = torch.empty(w3.shape, **new)
     _launch_wgrad(x, dg, offsets, dw1, gather=token, b2=du, out2=dw3)
@@ -282,17 +281,17 @@ def _moe_bwd_op(
 
 
 @_moe_bwd_op.register_fake
-def _(dy, x, w1, w3, w2, weight, order, token, inverse, offsets, g, u, out):
+def _(dy, x, w1, w3, w2, weight, order, token, inverse, offsets, g, u):
     return (torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w3), torch.empty_like(w2),
             torch.empty_like(weight))
 
 
 def _moe_setup(ctx, inputs, output):
     x, w1, w3, w2, weight, order, token, inverse, offsets, _ = inputs
-    _, g, u, out = output
-    ctx.mark_non_differentiable(g, u, out)
+    _, g, u = output
+    ctx.mark_non_differentiable(g, u)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x, w1, w3, w2, weight, order, token, inverse, offsets, g, u, out)
+    ctx.save_for_backward(x, w1, w3, w2, weight, order, token, inverse, offsets, g, u)
 
 
 def _moe_backward(ctx, dy, *_):

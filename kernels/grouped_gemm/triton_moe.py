@@ -1,5 +1,6 @@
 """Triton kernels around the expert GEMMs: gathered SiTU-GLU up-projection,
-its pointwise backward, and the deterministic weighted combine.
+its pointwise backward (with the routing weights' gradient), and the
+deterministic weighted combine.
 
 Legend: T tokens, k experts per token, S = T * k token-slots sorted by
 expert, E experts, L latent width, F expert hidden width.
@@ -87,44 +88,54 @@ def glu_up_kernel(
         tl.store(u_ptr + base + s_off, acc_u.to(u_ptr.dtype.element_ty), mask=s_mask)
 
 
-# NOTE: 2048 elements and 8 warps give each thread 8 bf16 values (one 16-byte load per tensor).
-GLU_BWD_BLOCK = 2048
+def glu_bwd_block_sizes(hidden: int) -> tuple[int, int]:
+    """(BLOCK_S, BLOCK_F) for the GLU backward's pointwise pass: whole rows of F, ~4K elements per program."""
+    block_f = triton.next_power_of_2(hidden)
+    return max(1, 4096 // block_f) if not INTERPRET else 4, block_f
 
 
 @triton.jit
 def glu_bwd_pointwise_kernel(
-    dh_ptr, g_ptr, u_ptr, du_ptr, h_ptr, offsets_ptr, n_rows, F,
-    N_EXPERTS: tl.constexpr, BLOCK: tl.constexpr,
+    dh_ptr, g_ptr, u_ptr, du_ptr, hp_ptr, weight_ptr, order_ptr, dweight_ptr, offsets_ptr, n_rows, F,
+    N_EXPERTS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr,
 ):
-    """The SiTU-GLU backward over the [S, F] slot tensors (contiguous, row stride F), dh -> dg in place.
+    """The SiTU-GLU backward and the routing weights' gradient, per slot row s (all [S, F] tensors contiguous).
 
-    With a(g) = 4 tanh(g/4) sigmoid(g) and b(u) = 25 tanh(u/25):
-    dg = dh * b(u) * a'(g) (written over dh), du = dh * a(g) * b'(u), in float32; and the forward's
-    h = a(g) * b(u) again from g and u as stored (the w2 weight gradient reads it), so the forward need
-    not keep it; it differs from the forward's h, computed before g and u were rounded, by that rounding.
-    The tail past offsets[-1] is skipped (glu_up left g, u unwritten there; the dx GEMM
-    and the weight gradients never read dg, du there); offsets[-1] is clamped to n_rows, as
-    `row_tile` clamps, so that bad offsets never address past the tensors.
+    dh [S, F] holds dout[s] @ w2^T with dout[s] = dy[token(s)] unweighted. With a(g) = 4 tanh(g/4) sigmoid(g),
+    b(u) = 25 tanh(u/25), h = a(g) b(u) and p = weight[order[s]] the slot's routing weight:
+    dweight[order[s]] = <dh[s], h[s]> (float32: the gradient of p, since y[t] sums p * h[s] @ w2);
+    dg = p dh b(u) a'(g) (written over dh), du = p dh a(g) b'(u); hp = p h (the w2 weight gradient is
+    hp^T @ dout). h is rebuilt from g and u as stored, so the forward keeps neither h nor its output rows;
+    it differs from the forward's h, computed before g and u were rounded, by that rounding.
+    Rows past offsets[-1] (the tail) are skipped; offsets[-1] is clamped to n_rows, as `row_tile` clamps.
     """
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    end = tl.minimum(tl.load(offsets_ptr + N_EXPERTS - 1), n_rows).to(tl.int64) * F
+    start = tl.program_id(0).to(tl.int64) * BLOCK_S
+    end = tl.minimum(tl.load(offsets_ptr + N_EXPERTS - 1), n_rows).to(tl.int64)
     if start >= end:
         return  # the tail: nothing to read or write
-    idx = start + tl.arange(0, BLOCK)
-    mask = idx < end
-    dh = tl.load(dh_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    rows = start + tl.arange(0, BLOCK_S)
+    row_mask = rows < end
+    cols = tl.arange(0, BLOCK_F)
+    mask = row_mask[:, None] & (cols < F)[None, :]
+    offs = rows[:, None] * F + cols[None, :]
+    dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    flat = tl.load(order_ptr + rows, mask=row_mask, other=0)
+    p = tl.load(weight_ptr + flat, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     tg = _tanh(g * 0.25)
     sg = tl.sigmoid(g)
     tu = _tanh(u * 0.04)
     act_g = 4.0 * tg * sg
     act_u = 25.0 * tu
+    h = act_g * act_u
+    tl.store(dweight_ptr + flat, tl.sum(dh * h, axis=1), mask=row_mask)
     d_act_g = (1.0 - tg * tg) * sg + act_g * (1.0 - sg)
     d_act_u = 1.0 - tu * tu
-    tl.store(dh_ptr + idx, (dh * act_u * d_act_g).to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(du_ptr + idx, (dh * act_g * d_act_u).to(du_ptr.dtype.element_ty), mask=mask)
-    tl.store(h_ptr + idx, (act_g * act_u).to(h_ptr.dtype.element_ty), mask=mask)
+    dh = dh * p
+    tl.store(dh_ptr + offs, (dh * act_u * d_act_g).to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(du_ptr + offs, (dh * act_g * d_act_u).to(du_ptr.dtype.element_ty), mask=mask)
+    tl.store(hp_ptr + offs, (h * p).to(hp_ptr.dtype.element_ty), mask=mask)
 
 
 def combine_block_sizes(width: int) -> tuple[int, int]:
@@ -159,31 +170,3 @@ def combine_kernel(
             v = v * p[:, None]
         acc += v
     tl.store(y_ptr + tokens.to(tl.int64)[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def combine_bwd_kernel(
-    dy_ptr, out_ptr, order_ptr, weight_ptr, dout_ptr, dweight_ptr,
-    n_slots, L, stride_dy, stride_s,
-    TOP_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr,
-):
-    """Backward of the combine, per sorted slot s with flat id f = order[s], token t = f // k:
-    dout[s] = p[f] * dy[t] and dweight[f] = <dy[t], out[s]> (float32).
-
-    Each flat id is written once: a permutation, so no atomics.
-    """
-    slots = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    s_mask = slots < n_slots
-    flat = tl.load(order_ptr + slots, mask=s_mask, other=0)
-    tokens = (flat // TOP_K).to(tl.int64)
-    p = tl.load(weight_ptr + flat, mask=s_mask, other=0.0).to(tl.float32)
-    dot = tl.zeros((BLOCK_S,), dtype=tl.float32)
-    for l0 in range(0, L, BLOCK_L):
-        cols = l0 + tl.arange(0, BLOCK_L)
-        mask = s_mask[:, None] & (cols < L)[None, :]
-        dy = tl.load(dy_ptr + tokens[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        s_off = slots.to(tl.int64)[:, None] * stride_s + cols[None, :]
-        out = tl.load(out_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dout_ptr + s_off, (dy * p[:, None]).to(dout_ptr.dtype.element_ty), mask=mask)
-        dot += tl.sum(dy * out, axis=1)
-    tl.store(dweight_ptr + flat, dot, mask=s_mask)
