@@ -1,7 +1,8 @@
 """k3-mini training throughput on one GPU: our full recipe, ablations, and both peers in the same run.
 
     PYTHONPATH=. python benchmarks/train_throughput.py --out OUTDIR \
-        [--variants ours-compile-step-graph,peer-compiled,peer,...] [--seq 4096 1024 --batch 8 32] [--isolate]
+        [--variants ours-compile-step-graph,peer-compiled,peer,...] [--seq 4096 1024 --batch 8 32] [--isolate] \
+        [--rounds N]
 
 Each variant trains k3-mini (vocab 163,840) on the embedded corpus's real
 tokens: warm-up steps, then timed steps run back to back as in training
@@ -13,6 +14,9 @@ benchmarks/peer_compiled.py: public parts, compiled per block) and to the eager 
 benchmarks/peer_eager.py). Prints a table last and appends dated rows to OUTDIR/train_throughput.md.
 `--isolate` runs each variant in a fresh process: in one process the peers' host-bound steps and every
 variant's peak memory depend on what ran before them (the strong peer measured 206 ms first, 242 ms last).
+`--rounds N` runs the variant list N times in turn: the strong peer's step moved 173-184 ms between calls on
+one warm machine (its step is host-bound), so one pair of runs is a noisy ratio; each round's ratio pairs
+runs minutes apart, and a summary gives the medians.
 """
 
 from __future__ import annotations
@@ -197,17 +201,45 @@ def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps
 
 
 def _ratio(row: dict, rows: list[dict], peer: str) -> str:
-    """row's tokens/s over the named peer's at the same shape in this run ("—" when the peer was not run)."""
-    ref = [r["tokens_per_s"] for r in rows if r["variant"] == peer and (r["seq"], r["batch"]) == (row["seq"], row["batch"])
-           and "tokens_per_s" in r]
+    """row's tokens/s over the named peer's at the same shape and round in this run ("—" when the peer was not run)."""
+    ref = [r["tokens_per_s"] for r in rows if r["variant"] == peer and _same_slot(r, row) and "tokens_per_s" in r]
     return f"{row['tokens_per_s'] / ref[0]:.2f}x" if ref else "—"
 
 
-def _compile_note(row: dict) -> str:
-    return f"{row['graphs']} graphs, {row['graph_breaks']} graph breaks" if "graphs" in row else ""
+def _same_slot(a: dict, b: dict) -> bool:
+    return (a["seq"], a["batch"], a.get("round", 1)) == (b["seq"], b["batch"], b.get("round", 1))
 
 
-def run_isolated(name: str, seq: int, batch: int, args, time_left_s: float) -> dict:
+def rounds_summary(rows: list[dict]) -> str:
+    """Per variant and shape over the rounds: median, fastest and slowest ms per step, and the median of each round's
+    ratio to the strong peer (each ratio from runs minutes apart, so drift of the machine between rounds cancels)."""
+    lines = ["| variant | shape | rounds | median ms | fastest ms | slowest ms | median of per-round ratios vs strong peer |",
+             "|---|---|---|---|---|---|---|"]
+    slots = sorted({(r["variant"], r["seq"], r["batch"]) for r in rows}, key=lambda k: (k[1], k[2]))
+    for variant, seq, batch in slots:
+        done = [r for r in rows if (r["variant"], r["seq"], r["batch"]) == (variant, seq, batch) and "ms_per_step" in r]
+        if not done:
+            continue
+        ms = sorted(r["ms_per_step"] for r in done)
+        ratios = []
+        for r in done:
+            peer = [q for q in rows if q["variant"] == "peer-compiled" and _same_slot(q, r) and "tokens_per_s" in q]
+            if peer:
+                ratios.append(r["tokens_per_s"] / peer[0]["tokens_per_s"])
+        ratio = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "—"
+        lines.append(f"| {variant} | B{batch} T{seq} | {len(done)} | {statistics.median(ms):.1f} | {ms[0]:.1f} | {ms[-1]:.1f} "
+                     f"| {ratio} |")
+    return "\n".join(lines)
+
+
+def _note(row: dict, rounds: int) -> str:
+    parts = [f"round {row['round']} of {rounds}"] if rounds > 1 else []
+    if "graphs" in row:
+        parts.append(f"{row['graphs']} graphs, {row['graph_breaks']} graph breaks")
+    return "; ".join(parts)
+
+
+def run_isolated(name: str, seq: int, batch: int, args, time_left_s: float, profile: str) -> dict:
     """One variant in a child process of this script (a crash, an out-of-memory or a hang loses that variant alone).
 
     The child is killed once `time_left_s` (what is left of --deadline-s) has passed: a hung variant must not
@@ -220,7 +252,7 @@ def run_isolated(name: str, seq: int, batch: int, args, time_left_s: float) -> d
         row_json = Path(tmp) / "rows.json"
         cmd = [sys.executable, __file__, "--variants", name, "--flavor", args.flavor, "--seq", str(seq),
                "--batch", str(batch), "--warmup", str(args.warmup), "--steps", str(args.steps),
-               "--profile", args.profile, "--out", str(args.out), "--row-json", str(row_json)]
+               "--profile", profile, "--out", str(args.out), "--row-json", str(row_json)]
         try:
             done = subprocess.run(cmd, timeout=time_left_s)
         except subprocess.TimeoutExpired:
@@ -244,24 +276,33 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--isolate", action="store_true",
                    help="run each variant in a fresh process: none inherits another's memory, caches or host state")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the variant list this many times in turn (A B A B ...); each row's ratio is to the peer "
+                        "of its own round, and a summary gives medians over the rounds")
     p.add_argument("--row-json", type=Path, help=argparse.SUPPRESS)  # an --isolate child: its rows go here, no table
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     env, t0, rows = environment(), time.perf_counter(), []
-    for seq, batch in zip(args.seq, args.batch):
-        for name in args.variants.split(","):
-            if time.perf_counter() - t0 > args.deadline_s:
-                rows.append({"variant": name, "seq": seq, "batch": batch, "error": "skipped: deadline"})
-            elif args.isolate:
-                rows.append(run_isolated(name, seq, batch, args, args.deadline_s - (time.perf_counter() - t0)))
-            else:
-                try:
-                    rows.append(run_variant(name, args.flavor, seq, batch, args.warmup, args.steps, args.out,
-                                            args.profile == "all" or name in args.profile.split(",")))
-                except Exception as e:  # one failing variant must not lose the others' numbers
-                    rows.append({"variant": name, "seq": seq, "batch": batch, "error": f"{type(e).__name__}: {e}"})
-                    traceback.print_exc()
-            print(json.dumps(rows[-1]), flush=True)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: must be >= 1")
+    # NOTE: the rounds alternate the variants (A B A B), so a machine that drifts during the call moves them alike.
+    runs = [(seq, batch, round_, name) for seq, batch in zip(args.seq, args.batch)
+            for round_ in range(1, args.rounds + 1) for name in args.variants.split(",")]
+    for seq, batch, round_, name in runs:
+        if time.perf_counter() - t0 > args.deadline_s:
+            row = {"variant": name, "seq": seq, "batch": batch, "error": "skipped: deadline"}
+        elif args.isolate:
+            row = run_isolated(name, seq, batch, args, args.deadline_s - (time.perf_counter() - t0),
+                               args.profile if round_ == 1 else "none")  # one profile per variant and shape
+        else:
+            try:
+                row = run_variant(name, args.flavor, seq, batch, args.warmup, args.steps, args.out,
+                                  round_ == 1 and (args.profile == "all" or name in args.profile.split(",")))
+            except Exception as e:  # one failing variant must not lose the others' numbers
+                row = {"variant": name, "seq": seq, "batch": batch, "error": f"{type(e).__name__}: {e}"}
+                traceback.print_exc()
+        rows.append({**row, "round": round_})
+        print(json.dumps(rows[-1]), flush=True)
     if args.row_json:
         args.row_json.write_text(json.dumps(rows))
         return 0
@@ -275,10 +316,12 @@ def main() -> int:
         losses = f"loss {r['losses'][0]:.2f} → {r['losses'][-1]:.2f}"
         lines.append(f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | {r['variant']} | "
                      f"B{r['batch']} T{r['seq']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
-                     f"{r['peak_gib']:.1f} | {r['start_to_first_step_s']:.1f} | {strong} | {weak} | {losses} | {_compile_note(r)} |")
+                     f"{r['peak_gib']:.1f} | {r['start_to_first_step_s']:.1f} | {strong} | {weak} | {losses} | {_note(r, args.rounds)} |")
     header = ("| date | commit | GPU | torch | triton | variant | shape | ms/step (timed steps back to back) | tokens/s | MFU (989) | "
               "peak GiB | start→first step s | vs strong peer | vs eager peer | losses | note |\n|" + "---|" * 16)
     table = header + "\n" + "\n".join(lines)
+    if args.rounds > 1:
+        table += "\n\n" + rounds_summary(rows)
     write_results(args.out, "train_throughput", table, env, rows)
     return 0
 

@@ -42,6 +42,17 @@ def test_train_throughput_isolate_runs_each_variant_in_its_own_process(tmp_path)
     assert run.returncode == 0
 
 
+def test_train_throughput_rounds_alternate_the_variants_and_summarise(tmp_path):
+    _run("train_throughput.py", tmp_path, "--variants", "ours,ours-adamw", "--warmup", "1", "--steps", "1",
+         "--profile", "ours", "--isolate", "--rounds", "2")
+    rows = json.loads((tmp_path / "out" / "train_throughput.json").read_text())["rows"]
+    assert [(r["variant"], r["round"]) for r in rows] == [("ours", 1), ("ours-adamw", 1), ("ours", 2), ("ours-adamw", 2)]
+    assert not [r for r in rows if "error" in r], rows
+    assert [bool(r.get("profile")) for r in rows] == [True, False, False, False]  # one profile per variant and shape
+    table = (tmp_path / "out" / "train_throughput.md").read_text()
+    assert "round 2 of 2" in table and "| ours-adamw | B2 T64 | 2 |" in table
+
+
 def test_train_throughput_runs_again_on_a_machine_that_ran_it_before(tmp_path):
     """Found on the H200: a second call on a warm machine found the first call's run folder under the same name
     and the trainer refused to start the variant over."""
