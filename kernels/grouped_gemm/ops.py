@@ -261,7 +261,6 @@ def _moe_bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw1, dw3, dw2, dweight)."""
     n_tokens, latent = x.shape
-    n_experts, _, hidden = w1.shape
     n_slots = token.shape[0]
     top_k = weight.shape[1]
     new = dict(device=x.device, dtype=x.dtype)
