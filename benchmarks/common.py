@@ -32,6 +32,18 @@ def median_ms(fn, grad_to_none: list[torch.Tensor] | None = None) -> float:
     return 1e3 * statistics.median(times)
 
 
+def packed_pos(batch: int, seq: int, doc_len: int, device: str, seed: int = 1) -> torch.Tensor:
+    """Documents.pos_BT of documents of 1 .. 2 * doc_len - 1 tokens, every row start a document start."""
+    from titan_k3.models.k3.documents import Documents
+
+    gen = torch.Generator().manual_seed(seed)
+    cuts = [0]
+    for b in range(batch):
+        while cuts[-1] < (b + 1) * seq:
+            cuts.append(min((b + 1) * seq, cuts[-1] + int(torch.randint(1, 2 * doc_len, (1,), generator=gen))))
+    return Documents.build(batch, seq, torch.tensor(cuts), torch.device(device)).pos_BT
+
+
 def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
     """RMS of (x - ref) over the RMS of ref, computed in float64."""
     x, ref = x.double(), ref.double()

@@ -30,10 +30,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.common import environment, median_ms, write_results  # noqa: E402
+from benchmarks.common import environment, median_ms, packed_pos, write_results  # noqa: E402
 from kernels.max_logit import kernel, max_logit_per_head, max_logit_per_head_reference  # noqa: E402
 from titan_k3.models.k3.args import FLAVORS  # noqa: E402
-from titan_k3.models.k3.documents import Documents  # noqa: E402
 
 # (BQ, BK, num_warps, num_stages) timed by --sweep.
 SWEEP = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3),
@@ -45,16 +44,6 @@ def make_inputs(batch: int, seq: int, heads: int, width: int, dtype: torch.dtype
     gen = torch.Generator(device=device).manual_seed(0)
     return [torch.randn(batch, seq, heads, width, device=device, generator=gen).to(dtype).transpose(1, 2)
             for _ in range(2)]
-
-
-def packed_pos(batch: int, seq: int, doc_len: int, device: str) -> torch.Tensor:
-    """Documents.pos_BT of documents of 1 .. 2 * doc_len - 1 tokens, every row start a document start."""
-    gen = torch.Generator().manual_seed(1)
-    cuts = [0]
-    for b in range(batch):
-        while cuts[-1] < (b + 1) * seq:
-            cuts.append(min((b + 1) * seq, cuts[-1] + int(torch.randint(1, 2 * doc_len, (1,), generator=gen))))
-    return Documents.build(batch, seq, torch.tensor(cuts), torch.device(device)).pos_BT
 
 
 def extra_gib(fn) -> float:

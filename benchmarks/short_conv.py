@@ -30,22 +30,11 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.common import environment, median_ms, rel_rms, write_results  # noqa: E402
+from benchmarks.common import environment, median_ms, packed_pos, rel_rms, write_results  # noqa: E402
 from kernels.short_conv import causal_conv_silu, causal_conv_silu_reference  # noqa: E402
 from titan_k3.models.k3.args import FLAVORS  # noqa: E402
-from titan_k3.models.k3.documents import Documents  # noqa: E402
 
 TAPS = 4
-
-
-def packed_pos(batch: int, seq: int, doc_len: int, device: str) -> torch.Tensor:
-    """Documents.pos_BT of documents of 1 .. 2 * doc_len - 1 tokens, every row start a document start."""
-    gen = torch.Generator().manual_seed(1)
-    cuts = [0]
-    for b in range(batch):
-        while cuts[-1] < (b + 1) * seq:
-            cuts.append(min((b + 1) * seq, cuts[-1] + int(torch.randint(1, 2 * doc_len, (1,), generator=gen))))
-    return Documents.build(batch, seq, torch.tensor(cuts), torch.device(device)).pos_BT
 
 
 def fwd_bwd(fn, x, w, pos, dy):
