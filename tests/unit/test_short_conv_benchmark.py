@@ -17,3 +17,6 @@ def test_short_conv_benchmark_checks_and_times_both_variants(tmp_path):
     row, = json.loads((tmp_path / "out" / "short_conv.json").read_text())["rows"]
     assert row["compiled_ms"] > 0 and row["ours_ms"] > 0 and max(row["ours_rel_rms"]) < 1e-5
     assert "check ours: rel-RMS" in run.stdout and "| docs ~20 |" in (tmp_path / "out" / "short_conv.md").read_text()
+    # fla's kernel is the strongest public baseline; without CUDA it is skipped out loud, and the ratio names the other
+    assert "fla skipped: " in run.stdout and row["baseline"] == "compiled"
+    assert "— (skipped)" in (tmp_path / "out" / "short_conv.md").read_text()
