@@ -3,6 +3,7 @@
 import datetime
 import json
 import os
+import platform
 import statistics
 import subprocess
 import time
@@ -89,14 +90,27 @@ def write_results(out: Path, name: str, table: str, env: dict, rows: list[dict])
 
 
 def environment() -> dict:
-    """date, commit, gpu, torch, triton: the columns every results row starts with."""
+    """date, commit, gpu, torch, triton: the columns every results row starts with; host: the machine (in the JSON)."""
     return {
         "date": datetime.date.today().isoformat(),
         "commit": git_commit(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
         "torch": torch.__version__,
         "triton": triton.__version__,
+        "host": host(),
     }
+
+
+def host() -> str:
+    """'<hostname> (<CPU model>, <n> cores)': two machines of one GPU kind can differ in the host, and a host-bound
+    step (the strong peer's) moves with it, so a ratio is read against the machine it was measured on."""
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{platform.node()} ({model}, {os.cpu_count()} cores)"
 
 
 def print_cuda_profile(run, row_limit: int = 20) -> None:

@@ -320,7 +320,7 @@ def main() -> int:
                      f"{r['peak_gib']:.1f} | {r['start_to_first_step_s']:.1f} | {strong} | {weak} | {losses} | {_note(r, args.rounds)} |")
     header = ("| date | commit | GPU | torch | triton | variant | shape | ms/step (timed steps back to back) | tokens/s | MFU (989) | "
               "peak GiB | start→first step s | vs strong peer | vs eager peer | losses | note |\n|" + "---|" * 16)
-    table = header + "\n" + "\n".join(lines)
+    table = header + "\n" + "\n".join(lines) + f"\n\nHost: {env['host']}."
     if args.rounds > 1:
         table += "\n\n" + rounds_summary(rows)
     write_results(args.out, "train_throughput", table, env, rows)

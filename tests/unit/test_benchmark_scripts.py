@@ -2,6 +2,7 @@
 
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -28,7 +29,10 @@ def test_train_throughput_times_a_variant_and_writes_its_row(tmp_path):
     assert rows[0]["tokens_per_s"] > 0 and rows[0]["ms_per_step"] > 0
     profile = (tmp_path / "out" / rows[0]["profile"]).read_text()
     assert profile.startswith("ours, seq 64, one step") and "aten::mm" in profile
-    assert "| ours | B2 T64 |" in (tmp_path / "out" / "train_throughput.md").read_text()
+    report = (tmp_path / "out" / "train_throughput.md").read_text()
+    assert "| ours | B2 T64 |" in report
+    # the machine is named under the table: the strong peer's host-bound step moves with the host
+    assert f"Host: {platform.node()} (" in report and " cores)." in report
 
 
 def test_train_throughput_isolate_runs_each_variant_in_its_own_process(tmp_path):
