@@ -14,9 +14,20 @@ def nesterov_momentum_(
     """buf <- momentum * buf + grad (in place); out <- grad + momentum * buf (Nesterov) or buf, in out's dtype.
 
     Skipped: buf keeps its value and out is zero. grad_scale (one element): grad is read as grad * grad_scale.
+    A buffer below float32 (bf16 momentum) is read into float32, advanced there, and rounded once when stored; the
+    direction comes from the unrounded float32 value, as in the fused kernel.
     """
     if grad_scale is not None:
         grad = grad.float() * grad_scale.float().reshape(())
+    if buf.dtype not in (torch.float32, torch.float64):
+        new = buf.float().mul_(momentum).add_(grad)
+        direction = torch.add(grad, new, alpha=momentum) if nesterov else new
+        if skip_if is not None:
+            keep = (skip_if == 0).reshape(())
+            direction, new = torch.where(keep, direction, 0.0), torch.where(keep, new, buf.float())
+        out.copy_(direction)
+        buf.copy_(new)
+        return
     if skip_if is None:
         buf.mul_(momentum).add_(grad)
         if nesterov:

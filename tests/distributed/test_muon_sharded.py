@@ -1,6 +1,6 @@
 """Per-Head Muon on FSDP2-sharded parameters equals the single-process update, communicating only where it must.
 
-Two gloo processes; parameters are DTensors sharded on dim 0 like FSDP2
+Two gloo processes (float32 and bf16 momentum buffers); parameters are DTensors sharded on dim 0 like FSDP2
 (including an uneven split and an empty shard). Heads that lie whole on one
 shard and per-expert weights are orthogonalised locally: only the other
 matrices may be gathered (one gather per parameter per step). A step skipped
@@ -27,14 +27,15 @@ CASES = {  # name: (shape, num_heads, per_expert, gathered?)
 }
 
 
-def _run(make, together=False):
+def _run(make, together=False, momentum_dtype=None):
     """Three Muon steps on every case: one optimizer per parameter, or (together) one optimizer for all."""
     gen = torch.Generator().manual_seed(0)
     params, groups = {}, []
     for name, (shape, heads, per_expert, _) in CASES.items():
         params[name] = torch.nn.Parameter(make(torch.randn(shape, generator=gen)))
         groups.append({"params": [params[name]], "num_heads": heads, "per_expert": per_expert})
-    opts = [PerHeadMuon(groups, lr=0.1)] if together else [PerHeadMuon([g], lr=0.1) for g in groups]
+    kw = {"lr": 0.1, "momentum_dtype": momentum_dtype}
+    opts = [PerHeadMuon(groups, **kw)] if together else [PerHeadMuon([g], **kw) for g in groups]
     grads = [{n: torch.randn(CASES[n][0], generator=gen) for n in CASES} for _ in range(3)]
     for g in grads:
         for name, p in params.items():
@@ -60,7 +61,7 @@ def _skipped_step_changes_nothing(params: dict, opts: list, make) -> bool:
     return len(before) == 2 * len(CASES) and all(torch.equal(a, b) for a, b in zip(before, after))
 
 
-def _compare(rank: int, world: int, triton_: bool) -> dict:
+def _compare(rank: int, world: int, triton_: bool, momentum_dtype) -> dict:
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     if triton_:  # the fused passes in Triton's interpreter (the parent set TRITON_INTERPRET=1 for this process)
@@ -74,29 +75,32 @@ def _compare(rank: int, world: int, triton_: bool) -> dict:
     def make(t):
         return distribute_tensor(t, mesh, [Shard(0)])
 
-    plain = {n: p.detach() for n, p in _run(lambda t: t)[0].items()}
+    plain = {n: p.detach() for n, p in _run(lambda t: t, momentum_dtype=momentum_dtype)[0].items()}
     out = {"plain": plain}
     for together in (False, True):
         gathers = []
         gather = dist.gather
         dist.gather = lambda *a, **k: (gathers.append(1), gather(*a, **k))[1]
         try:
-            sharded, opts = _run(make, together)
+            sharded, opts = _run(make, together, momentum_dtype)
         finally:
             dist.gather = gather
         out[together] = {"sharded": {n: p.detach().full_tensor() for n, p in sharded.items()}, "gathers": len(gathers),
-                         "skipped_unchanged": _skipped_step_changes_nothing(sharded, opts, make)}
+                         "skipped_unchanged": _skipped_step_changes_nothing(sharded, opts, make),
+                         "momentum_dtypes": {opt.state[p]["momentum_buffer"].dtype for opt in opts for p in opt.state}}
     return out
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-@pytest.mark.parametrize("triton_", [False, True], ids=["torch passes", "triton passes"])
-def test_sharded_muon_equals_single_process(tmp_path, monkeypatch, triton_):
+@pytest.mark.parametrize("triton_, momentum_dtype", [(False, None), (True, None), (False, torch.bfloat16)],
+                         ids=["torch passes", "triton passes", "torch passes, bf16 momentum"])
+def test_sharded_muon_equals_single_process(tmp_path, monkeypatch, triton_, momentum_dtype):
     if triton_:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    results = spawn_gloo(WORLD, _compare, triton_, result_file=tmp_path / "result.pt")
+    results = spawn_gloo(WORLD, _compare, triton_, momentum_dtype, result_file=tmp_path / "result.pt")
     result = results[0]
     for together in (False, True):
+        assert result[together]["momentum_dtypes"] == {momentum_dtype or torch.float32}
         for name in CASES:
             torch.testing.assert_close(result[together]["sharded"][name], result["plain"][name], rtol=1e-5, atol=1e-6,
                                        msg=f"{name} (one optimizer for all: {together})")

@@ -24,28 +24,30 @@ def test_bf16_newton_schulz_tracks_float32(shape):
     assert s.min() > 0.5 and s.max() < 1.3
 
 
-def _two_steps() -> tuple[torch.Tensor, torch.Tensor]:
+def _two_steps(momentum_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(parameters before, after) two PerHeadMuon steps on one per-expert parameter."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     p = torch.nn.Parameter(torch.randn(8, 256, 544, device="cuda", generator=gen))
     before = p.detach().clone()
     p.grad = torch.randn(p.shape, device="cuda", generator=gen)
-    opt = PerHeadMuon([dict(params=[p], per_expert=True)], lr=0.02, weight_decay=0.1)
+    opt = PerHeadMuon([dict(params=[p], per_expert=True)], lr=0.02, weight_decay=0.1, momentum_dtype=momentum_dtype)
     for _ in range(2):
         opt.step()
+    assert opt.state[p]["momentum_buffer"].dtype == (momentum_dtype or torch.float32)
     return before, p.detach()
 
 
-def test_fused_step_equals_the_torch_step(monkeypatch):
+@pytest.mark.parametrize("momentum_dtype", [None, torch.bfloat16], ids=["float32 momentum", "bf16 momentum"])
+def test_fused_step_equals_the_torch_step(monkeypatch, momentum_dtype):
     """Two PerHeadMuon steps with the fused CUDA passes equal the same steps with the PyTorch passes.
 
     The fused momentum rounds once (a fused multiply-add) where PyTorch rounds twice, so a few bf16
     Newton–Schulz inputs differ by one unit in the last place: the updates agree to bf16 noise.
     """
-    before, fused = _two_steps()
+    before, fused = _two_steps(momentum_dtype)
     for fn in (nesterov_momentum_multi_, decay_add_multi_, ns_scale_):
         monkeypatch.setattr(muon, fn.__name__, functools.partial(fn, triton_=False))
-    _, plain = _two_steps()
+    _, plain = _two_steps(momentum_dtype)
     update, update_ref = fused - before, plain - before
     assert ((update - update_ref).norm() / update_ref.norm()).item() < 1e-2
 

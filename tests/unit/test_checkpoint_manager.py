@@ -48,10 +48,11 @@ def _model(flavor_kw=None, seed=0):
 class Run:
     """The pieces a trainer hands its CheckpointManager, with a one-call fake update."""
 
-    def __init__(self, folder: Path, seed=0, flavor_kw=None, manager_kw=None, batch=1, **cfg_kw):
+    def __init__(self, folder: Path, seed=0, flavor_kw=None, manager_kw=None, batch=1, optim_kw=None, **cfg_kw):
         self.model = _model(flavor_kw, seed)
         hints = self.model.optim_hints()
-        self.optimizers = build_optimizers(self.model.named_parameters(), lambda n, _p: ParamSpec(**hints[n]), lr=1e-2)
+        self.optimizers = build_optimizers(self.model.named_parameters(), lambda n, _p: ParamSpec(**hints[n]), lr=1e-2,
+                                           **(optim_kw or {}))
         self.schedule = LRSchedule(self.optimizers, base_lr=1e-2, total_steps=20, warmup_steps=2,
                                    decay_type="cosine", decay_ratio=None, min_lr_factor=0.1)
         self.loader = FakeLoader(batch)
@@ -336,3 +337,28 @@ def test_leftovers_and_retention_only_touch_what_they_should(tmp_path):
     assert layout.apply_retention(folder, 1) == [2]  # step-1 is what latest names: kept
     assert sorted(layout.remove_leftovers(folder)) == ["latest.tmp-9999", "step-3.old-0123", "step-5.tmp-abcd"]
     assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-1", "step-3", "step-4"]
+
+
+def _momenta(run: Run) -> dict[str, torch.Tensor]:
+    return {name: s["momentum_buffer"].clone() for name, s in run.optimizers.state_dict()["muon"]["state"].items()}
+
+
+@pytest.mark.parametrize("saved, resumed", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                            (torch.bfloat16, torch.float32)])
+def test_a_resume_keeps_the_runs_momentum_dtype(tmp_path, saved, resumed):
+    """optimizer.momentum_dtype: a checkpoint of either buffer dtype resumes in the resuming run's, with the saved
+    values (rounded once when bf16 takes float32's); torch's loader alone would cast every buffer to float32."""
+    run = Run(tmp_path, optim_kw={"momentum_dtype": saved})
+    run.update(1)
+    momenta = _momenta(run)
+    assert momenta and all(b.dtype == saved for b in momenta.values())
+    run.manager.save(1)
+    run.close()
+    fresh = Run(tmp_path, seed=1, optim_kw={"momentum_dtype": resumed})
+    assert fresh.manager.load() == 1
+    loaded = _momenta(fresh)
+    assert loaded.keys() == momenta.keys()
+    for name, buf in loaded.items():
+        assert buf.dtype == resumed, name
+        assert torch.equal(buf, momenta[name].to(resumed)), name
+    fresh.close()

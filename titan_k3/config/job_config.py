@@ -111,6 +111,8 @@ class Optimizer:
     """Muon Nesterov momentum."""
     ns_steps: int = 5
     """Newton-Schulz iterations in Muon."""
+    momentum_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Storage of Muon's momentum buffers (the arithmetic is float32 either way, the buffer rounded once per update). bfloat16 halves the optimizer's largest state (~1.6 GiB less for k3-mini: 0.84B Muon parameters) and two of the momentum pass's four memory streams; AdamW's moments stay float32. A resume converts a checkpoint's buffers to this dtype (docs/k3.md §6.1)."""
     ns_cuda_graphs: bool = False
     """Replay each block shape's Newton-Schulz as a CUDA graph (CUDA; plain and FSDP2/EP-sharded parameters): one launch instead of ~25 per shape and update, for ~2x the Muon parameters this rank orthogonalises of reserved memory in the NS dtype. Pays where the host is the bottleneck (benchmarks/results/scaling.md); one GPU measured no gain (train_throughput.md)."""
     qk_clip_tau: float = 100.0

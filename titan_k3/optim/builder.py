@@ -160,6 +160,7 @@ def build_optimizers(
     use_muon: bool = True,
     ns_dtype: torch.dtype | None = None,
     ns_cuda_graphs: bool = False,
+    momentum_dtype: torch.dtype | None = None,
 ) -> Optimizers:
     """Split the trainable parameters between Per-Head Muon and AdamW.
 
@@ -205,7 +206,7 @@ def build_optimizers(
         ]
         optimizers["muon"] = PerHeadMuon(
             groups, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-            ns_steps=ns_steps, ns_dtype=ns_dtype, ns_cuda_graphs=ns_cuda_graphs,
+            ns_steps=ns_steps, ns_dtype=ns_dtype, ns_cuda_graphs=ns_cuda_graphs, momentum_dtype=momentum_dtype,
         )
         names["muon"] = [n for members in muon_groups.values() for n, _ in members]
     adamw_members = [(decay, m) for (decay, _), m in adamw_groups.items() if m]

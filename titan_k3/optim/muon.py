@@ -192,7 +192,8 @@ class PerHeadMuon(torch.optim.Optimizer):
         p <- p * (1 - lr * weight_decay)
         p <- p - lr * muon_update(grad, buf, spec)
     `ns_dtype` is the Newton–Schulz compute dtype (None: bf16 on GPU, float32 on CPU).
-    The momentum buffer has the parameter's dtype.
+    `momentum_dtype` is the momentum buffer's storage dtype (None: the parameter's). Below float32 (bf16) it
+    halves the optimizer's largest state; the arithmetic stays float32 and each update rounds the buffer once.
 
     `skip_if` (attribute, default None): a one-element tensor on the
     parameters' device, e.g. a trainer's found-inf flag. When it holds a
@@ -218,6 +219,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         ns_steps: int = 5,
         ns_dtype: torch.dtype | None = None,
         ns_cuda_graphs: bool = False,
+        momentum_dtype: torch.dtype | None = None,
     ) -> None:
         if lr < 0:
             raise ValueError(f"PerHeadMuon: lr={lr}; must be >= 0")
@@ -227,7 +229,11 @@ class PerHeadMuon(torch.optim.Optimizer):
             raise ValueError(f"PerHeadMuon: weight_decay={weight_decay}; must be >= 0")
         if ns_steps < 1:
             raise ValueError(f"PerHeadMuon: ns_steps={ns_steps}; must be >= 1")
+        if momentum_dtype not in (None, torch.float32, torch.bfloat16, torch.float64):
+            raise ValueError(f"PerHeadMuon: momentum_dtype={momentum_dtype}; use float32, bfloat16 or float64 "
+                             "(float16's range cannot hold a gradient's momentum)")
         self.ns_dtype = ns_dtype
+        self.momentum_dtype = momentum_dtype
         self.ns_graphs = NewtonSchulzGraphs() if ns_cuda_graphs else None
         self.skip_if: torch.Tensor | None = None
         self._layouts: dict[torch.Tensor, tuple[bool, ParamSpec | None]] = {}
@@ -251,7 +257,20 @@ class PerHeadMuon(torch.optim.Optimizer):
             for p in group["params"]:
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
+                    state["momentum_buffer"] = self._new_buffer(p)
+
+    def _new_buffer(self, p: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(p, dtype=self.momentum_dtype or p.dtype)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        # NOTE: torch casts every floating-point state tensor to its parameter's dtype on load; the momentum
+        # buffers go back to the configured storage (a checkpoint of either dtype resumes in this run's).
+        if self.momentum_dtype is not None:
+            for state in self.state.values():
+                buf = state.get("momentum_buffer")
+                if buf is not None and buf.dtype != self.momentum_dtype:
+                    state["momentum_buffer"] = buf.to(self.momentum_dtype)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -271,7 +290,7 @@ class PerHeadMuon(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
+                    state["momentum_buffer"] = self._new_buffer(p)
                 if self._layout(p, spec)[0]:
                     sharded.append((p, group, spec))
                     continue

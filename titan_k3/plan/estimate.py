@@ -40,6 +40,7 @@ class Layout:
     optimizer: str = "muon"
     ns_cuda_graphs: bool = False
     compiled: bool = False
+    momentum_dtype: str = "float32"
 
     @property
     def world(self) -> int:
@@ -157,10 +158,12 @@ def estimate(a: K3Args, lay: Layout, cluster: Cluster, table: CostTable) -> Esti
     params_local = dense_local + experts_here + g.routers
     muon_local = (g.muon_dense / S + experts_here) if muon else 0.0
     adam_local = params_local - muon_local
+    momentum_bytes = BF16 if lay.momentum_dtype == "bfloat16" else FP32
+    momentum_key = f"optimizer: Muon momentum ({'bf16' if momentum_bytes == BF16 else 'fp32'})"
     mem: dict[str, float] = {
         "parameters (fp32)": FP32 * params_local,
         "gradients (fp32)": FP32 * params_local if (A > 1 or not single) else 0.0,
-        "optimizer: Muon momentum (fp32)": FP32 * muon_local,
+        momentum_key: momentum_bytes * muon_local,
         "optimizer: AdamW moments (2 x fp32)": 2 * FP32 * adam_local,
         "Newton-Schulz CUDA graphs (bf16)": 2 * BF16 * muon_local if (muon and lay.ns_cuda_graphs) else 0.0,
     }
@@ -202,7 +205,7 @@ def estimate(a: K3Args, lay: Layout, cluster: Cluster, table: CostTable) -> Esti
     ns_dense, ns_experts = newton_schulz_flops(a)
     largest_group = max(g.muon_dense / S, experts_here / 1.5 if experts_here else 0.0)   # w1 and w3 share a shape
     ns_work = 0.0 if (not muon or lay.ns_cuda_graphs) else 3 * BF16 * largest_group
-    static = ["parameters (fp32)", "optimizer: Muon momentum (fp32)", "optimizer: AdamW moments (2 x fp32)",
+    static = ["parameters (fp32)", momentum_key, "optimizer: AdamW moments (2 x fp32)",
               "Newton-Schulz CUDA graphs (bf16)"]
     opt_peak = sum(mem[k] for k in static) + FP32 * params_local + ns_work
     peak = max(fb_peak, opt_peak)
@@ -226,7 +229,9 @@ def estimate(a: K3Args, lay: Layout, cluster: Cluster, table: CostTable) -> Esti
     compute = A * (per_mb + recompute + ep_glu)
 
     ns_flops = (ns_dense + ns_experts) / S if muon else 0.0
-    opt_bytes = (C.OPTIMIZER_BYTES_PER_PARAM["muon"] * muon_local + C.OPTIMIZER_BYTES_PER_PARAM["adamw"] * adam_local
+    # NOTE: the momentum pass reads and writes the buffer: a bf16 buffer saves two of its float32 streams.
+    muon_bytes = C.OPTIMIZER_BYTES_PER_PARAM["muon"] - 2 * (FP32 - momentum_bytes)
+    opt_bytes = (muon_bytes * muon_local + C.OPTIMIZER_BYTES_PER_PARAM["adamw"] * adam_local
                  + C.OPTIMIZER_BYTES_PER_PARAM["norm"] * params_local)
     optimizer = ns_flops / (cluster.matmul_tflops * 1e12 * C.NEWTON_SCHULZ_EFFICIENCY) + opt_bytes / (cluster.hbm_tbps * 1e12)
 

@@ -45,7 +45,8 @@ def resolve_layout(cfg, world: int, n_experts: int) -> Layout:
     return Layout(rep, shard, ep, t.local_batch_size, t.grad_accum, t.seq_len, cfg.activation_checkpoint.mode,
                   reshard_after_forward=p.fsdp_reshard_after_forward, defer_grad_reduce=p.fsdp_defer_grad_reduce,
                   expert_dispatch=p.expert_dispatch, optimizer=cfg.optimizer.name,
-                  ns_cuda_graphs=cfg.optimizer.ns_cuda_graphs, compiled=cfg.compile.enable)
+                  ns_cuda_graphs=cfg.optimizer.ns_cuda_graphs, compiled=cfg.compile.enable,
+                  momentum_dtype=cfg.optimizer.momentum_dtype)
 
 
 def candidates(a: K3Args, base: Layout, world: int, global_seqs: int) -> list[Layout]:
@@ -119,7 +120,8 @@ def plan(a: K3Args, cfg, cluster: Cluster, table: CostTable, keep: int = 6) -> V
         p = cfg.parallelism
         base = Layout(1, cluster.world, 1, cfg.training.local_batch_size, cfg.training.grad_accum, cfg.training.seq_len,
                       cfg.activation_checkpoint.mode, p.fsdp_reshard_after_forward, p.fsdp_defer_grad_reduce,
-                      p.expert_dispatch, cfg.optimizer.name, cfg.optimizer.ns_cuda_graphs, cfg.compile.enable)
+                      p.expert_dispatch, cfg.optimizer.name, cfg.optimizer.ns_cuda_graphs, cfg.compile.enable,
+                      cfg.optimizer.momentum_dtype)
     # NOTE: the global batch is the recipe's: what the config asks per rank, times the ranks it would get here.
     global_seqs = base.local_batch * base.grad_accum * cluster.world
     ests = [estimate(a, lay, cluster, table) for lay in candidates(a, base, cluster.world, global_seqs)]
