@@ -50,6 +50,9 @@ class PeerConfig:
     parts: str = "fla"
     """"fla" (CUDA: the public kernels) or "torch" (plain PyTorch, for a CPU smoke check)."""
     compile: bool = True
+    compile_mode: str | None = None
+    """torch.compile's mode for every block: None (default), or "reduce-overhead", its CUDA graphs (cudagraph trees)
+    around each compiled region: what a user whose step is host-bound would try first."""
     lr: float = 3e-3
     seed: int = 0
 
@@ -340,12 +343,15 @@ class PeerCompiledTrainer:
             # block is its own compile unit (and cache entry), as TorchTitan compiles its transformer blocks.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * args.n_layers)
             for block in self.model.layers:
-                block.compile()
+                block.compile(mode=cfg.compile_mode)
+        self.graphs = cfg.compile and cfg.compile_mode == "reduce-overhead"
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1,
                                      fused=self.device.type == "cuda")
 
     def train_step(self, batch) -> torch.Tensor:
         """The mean loss of the batch (a device scalar: no host sync)."""
+        if self.graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs are dead: reuse their memory
         loss = self.model(batch.input_ids.to(self.device, non_blocking=True),
                           batch.labels.to(self.device, non_blocking=True))
         loss.backward()

@@ -9,9 +9,9 @@ tokens: warm-up steps, then timed steps run back to back as in training
 (wall time between two CUDA synchronisations, per step). Reported: steady tokens/s, MFU against the datasheet
 peak (989 TFLOP/s) with the FLOP count of `flops_per_token`, peak memory,
 seconds from variant start to the end of its first step, the loss of every step (the peers must learn
-like ours on the same batches), and two ratios: to the strong peer (`peer-compiled`,
-benchmarks/peer_compiled.py: public parts, compiled per block) and to the eager peer (`peer`,
-benchmarks/peer_eager.py). Prints a table last and appends dated rows to OUTDIR/train_throughput.md.
+like ours on the same batches), and two ratios: to the strong peer (the faster of `peer-compiled`,
+benchmarks/peer_compiled.py: public parts, compiled per block, and `peer-compiled-graphs`, the same with
+`torch.compile`'s CUDA graphs, where both ran in the slot) and to the eager peer (`peer`, benchmarks/peer_eager.py). Prints a table last and appends dated rows to OUTDIR/train_throughput.md.
 `--isolate` runs each variant in a fresh process: in one process the peers' host-bound steps and every
 variant's peak memory depend on what ran before them (the strong peer measured 206 ms first, 242 ms last).
 `--rounds N` runs the variant list N times in turn: the strong peer's step moved 173-184 ms between calls on
@@ -123,7 +123,9 @@ def _loss(result) -> float:
     return float(result.loss if hasattr(result, "loss") else result)
 
 
-PEERS = ("peer", "peer-compiled", "peer-public-eager")
+PEERS = ("peer", "peer-compiled", "peer-compiled-graphs", "peer-public-eager")
+STRONG_PEERS = ("peer-compiled", "peer-compiled-graphs")
+"""A row's strong-peer ratio is to the faster of these in its slot: the strongest baseline a user could pick."""
 
 
 def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps: int, out: Path, profile: bool) -> dict:
@@ -148,7 +150,8 @@ def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps
             cpu = flavor == "debug"
             peer = PeerCompiledTrainer(PeerConfig(
                 flavor=flavor, vocab_size=tokenizer.vocab_size if cpu else 163840, parts="torch" if cpu else "fla",
-                compile=name == "peer-compiled" and not cpu))
+                compile=name in STRONG_PEERS and not cpu,
+                compile_mode="reduce-overhead" if name == "peer-compiled-graphs" else None))
         loader = build_dataloader("embedded", tokenizer, seq, batch, 0, 1, 0)
         step_fn = lambda: peer.train_step(next(loader))  # noqa: E731
         holder = peer
@@ -204,10 +207,16 @@ def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps
     return result
 
 
-def _ratio(row: dict, rows: list[dict], peer: str) -> str:
-    """row's tokens/s over the named peer's at the same shape and round in this run ("—" when the peer was not run)."""
-    ref = [r["tokens_per_s"] for r in rows if r["variant"] == peer and _same_slot(r, row) and "tokens_per_s" in r]
-    return f"{row['tokens_per_s'] / ref[0]:.2f}x" if ref else "—"
+def _peer_tokens_per_s(row: dict, rows: list[dict], peers: tuple[str, ...]) -> float | None:
+    """The fastest tokens/s of the named peers at row's shape and round in this run (None: none of them ran)."""
+    ref = [r["tokens_per_s"] for r in rows if r["variant"] in peers and _same_slot(r, row) and "tokens_per_s" in r]
+    return max(ref) if ref else None
+
+
+def _ratio(row: dict, rows: list[dict], peers: tuple[str, ...]) -> str:
+    """row's tokens/s over the fastest named peer's at the same shape and round ("—" when none was run)."""
+    ref = _peer_tokens_per_s(row, rows, peers)
+    return f"{row['tokens_per_s'] / ref:.2f}x" if ref else "—"
 
 
 def _same_slot(a: dict, b: dict) -> bool:
@@ -225,11 +234,7 @@ def rounds_summary(rows: list[dict]) -> str:
         if not done:
             continue
         ms = sorted(r["ms_per_step"] for r in done)
-        ratios = []
-        for r in done:
-            peer = [q for q in rows if q["variant"] == "peer-compiled" and _same_slot(q, r) and "tokens_per_s" in q]
-            if peer:
-                ratios.append(r["tokens_per_s"] / peer[0]["tokens_per_s"])
+        ratios = [r["tokens_per_s"] / ref for r in done if (ref := _peer_tokens_per_s(r, rows, STRONG_PEERS))]
         ratio = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "—"
         lines.append(f"| {variant} | B{batch} T{seq} | {len(done)} | {statistics.median(ms):.1f} | {ms[0]:.1f} | {ms[-1]:.1f} "
                      f"| {ratio} |")
@@ -316,7 +321,7 @@ def main() -> int:
             lines.append(f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | "
                          f"{r['variant']} | B{r['batch']} T{r['seq']} | — | — | — | — | — | — | — | — | {r['error'][:120]} |")
             continue
-        strong, weak = (_ratio(r, rows, peer) for peer in ("peer-compiled", "peer"))
+        strong, weak = _ratio(r, rows, STRONG_PEERS), _ratio(r, rows, ("peer",))
         losses = f"loss {r['losses'][0]:.2f} → {r['losses'][-1]:.2f}"
         lines.append(f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | {r['variant']} | "
                      f"B{r['batch']} T{r['seq']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "

@@ -1,6 +1,7 @@
 """The GPU benchmark scripts, run end to end on CPU with the debug flavor: a crash should cost CI time, not GPU time."""
 
 import json
+import math
 import os
 import platform
 import shutil
@@ -230,3 +231,43 @@ def test_strong_peer_learns_a_fixed_batch():
     losses = [float(trainer.train_step(batch)) for _ in range(25)]
     assert all(map(lambda x: x == x, losses)), losses
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_the_strong_peer_ratio_is_to_the_faster_strong_peer_of_the_same_slot():
+    """peer-compiled and peer-compiled-graphs (torch.compile's CUDA graphs): a row's strong ratio is to whichever
+    ran faster at its shape and round, never to a peer of another slot."""
+    from benchmarks.train_throughput import STRONG_PEERS, _ratio, rounds_summary
+
+    def row(variant, tps, rnd=1, seq=64):
+        return {"variant": variant, "seq": seq, "batch": 2, "round": rnd, "tokens_per_s": tps, "ms_per_step": 1e3 / tps}
+
+    rows = [row("peer-compiled", 100.0), row("peer-compiled-graphs", 125.0), row("ours", 150.0),
+            row("peer-compiled", 120.0, rnd=2), row("ours", 150.0, rnd=2), row("peer-compiled-graphs", 300.0, seq=128)]
+    assert _ratio(rows[2], rows, STRONG_PEERS) == "1.20x"  # 150 / 125: the graphs peer was faster in round 1
+    assert _ratio(rows[4], rows, STRONG_PEERS) == "1.25x"  # round 2 ran only peer-compiled
+    assert _ratio(rows[2], rows, ("peer",)) == "—"
+    assert "| ours | B2 T64 | 2 | 6.7 | 6.7 | 6.7 | 1.23x (1.20-1.25) |" in rounds_summary(rows)
+
+
+def test_strong_peer_with_compile_graphs_compiles_each_block_so_and_marks_each_step(monkeypatch):
+    """peer-compiled-graphs' wiring: every block compiled with mode "reduce-overhead" (torch.compile's CUDA graphs),
+    each step marked as a new cudagraph-trees step before its forward. The compile itself is stubbed (CPU CI): what
+    the mode does is measured on the GPU."""
+    import torch
+
+    from benchmarks.peer_compiled import PeerCompiledTrainer, PeerConfig
+    from titan_k3.data.loader import Batch
+
+    modes, marks = [], []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: modes.append(kw.get("mode")))
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    trainer = PeerCompiledTrainer(PeerConfig(flavor="debug", vocab_size=512, parts="torch", compile=True,
+                                             compile_mode="reduce-overhead", lr=3e-3))
+    assert modes == ["reduce-overhead"] * len(trainer.model.layers)
+    ids = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(0))
+    batch = Batch(input_ids=ids[:, :-1], labels=ids[:, 1:].clone(), cu_seqlens=torch.tensor([0, 32, 64]),
+                  source_tokens={}, fingerprints=torch.zeros(2, dtype=torch.int64))
+    losses = [float(trainer.train_step(batch)) for _ in range(3)]
+    assert len(marks) == 3 and all(math.isfinite(x) for x in losses), (marks, losses)
+    plain = PeerCompiledTrainer(PeerConfig(flavor="debug", vocab_size=512, parts="torch", compile=True))
+    assert modes[-len(plain.model.layers):] == [None] * len(plain.model.layers) and not plain.graphs
