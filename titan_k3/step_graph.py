@@ -94,6 +94,7 @@ class StepGraph:
         self.model, self._run, self._graph_inputs, self.device = model, run, graph_inputs, device
         self.max_documents_cfg, self.warmup, self._emit = max_documents, warmup, emit
         self.captures = 0
+        self._stream: torch.cuda.Stream | None = None
         self._reset(None)
 
     def _reset(self, shape: tuple | None, documents: int | None = None) -> None:
@@ -108,6 +109,11 @@ class StepGraph:
     @property
     def captured(self) -> bool:
         return self._graph is not None
+
+    def memory_pool(self) -> tuple[tuple[int, int], torch.cuda.Stream] | None:
+        """(the graph's memory pool, the stream it was captured on), or None while no graph is captured: what
+        Muon's Newton-Schulz graphs join under compile.cuda_graph_share_pool (`NewtonSchulzGraphs.join`)."""
+        return None if self._graph is None else (self._graph.pool(), self._stream)
 
     def forward_backward(self, batches: list, normaliser: torch.Tensor, update: int) -> torch.Tensor:
         """This update's summed loss (float32 scalar), with the parameters' .grad holding its gradients."""
@@ -150,8 +156,11 @@ class StepGraph:
         torch.cuda.empty_cache()
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
+        # NOTE: a stream of our own, named so that graphs joining this one's pool capture on it too: the allocator
+        # hands a pool's freed blocks only to allocations on the stream that freed them.
+        self._stream = self._stream or torch.cuda.Stream(self.device)
         # NOTE: thread_local: the loader's prefetch thread may use CUDA during the capture without invalidating it.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
             self._loss_sum = self._run(self._inputs, self._normaliser)
         self._graph = graph
         self._grads = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]

@@ -235,8 +235,11 @@ class Trainer:
         c = self.cfg.compile
         if self._graph_choice is None or self._graph_choice.fallback:
             return None
-        return StepGraph(self.model, self._forward_backward, self.model_spec.graph_inputs, self.device,
-                         max_documents=c.cuda_graph_max_documents, warmup=c.cuda_graph_warmup, emit=self.events.emit)
+        graph = StepGraph(self.model, self._forward_backward, self.model_spec.graph_inputs, self.device,
+                          max_documents=c.cuda_graph_max_documents, warmup=c.cuda_graph_warmup, emit=self.events.emit)
+        if c.cuda_graph_share_pool:
+            self.optimizers.optimizers["muon"].ns_graphs.join(graph.memory_pool)
+        return graph
 
     def _stop_after_update(self, signum: int) -> None:
         """A stop signal after update 1: the checkpointer saves after the current update and the loop ends."""

@@ -59,6 +59,29 @@ def test_replayed_updates_equal_eager_ones(tmp_path, compiled):
     assert [e["step"] for e in events if e["kind"] == "cuda_graph"] == [2]
 
 
+def test_newton_schulz_graphs_in_the_step_graphs_pool_change_no_number(tmp_path):
+    """compile.cuda_graph_share_pool: Muon's Newton-Schulz graphs captured into the update graph's pool, where the
+    activations of the next replay overwrite their memory, train exactly like the same graphs in a pool of their own
+    (an output read after the next replay, or a block handed to both, would show as a mismatch by update 4)."""
+    flags = ["--compile.enable", "true", "--compile.cuda_graph", "true", "--compile.cuda_graph_warmup", "1",
+             "--compile.cuda_graph_max_documents", "32", "--optimizer.ns_cuda_graphs", "true"]
+    own = _trainer(tmp_path, "own", *flags)
+    shared = _trainer(tmp_path, "shared", *flags, "--compile.cuda_graph_share_pool", "true")
+    try:
+        for update in range(1, 7):
+            a, b = own.train_step(), shared.train_step()
+            own.step = shared.step = update
+            assert b.loss == pytest.approx(a.loss, rel=1e-6), update
+            assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-6), update
+        ns = shared.optimizers.optimizers["muon"].ns_graphs
+        assert ns._graphs and all(g.pool() == shared.step_graph._graph.pool() for g, _ in ns._graphs.values())
+        for (name, p), q in zip(own.model.named_parameters(), shared.model.parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+    finally:
+        own.close()
+        shared.close()
+
+
 def test_empty_padding_documents_leave_flash_varlen_attention_alone():
     """The graph's padding: empty documents at the end of the boundaries change no output or gradient."""
     from titan_k3.models.k3.mla import document_varlen_attention

@@ -27,6 +27,9 @@ def stand_in_capture(monkeypatch):
     owner, captured_grads = [], []
 
     class Graph:
+        def pool(self):
+            return ("stand-in pool", id(self))
+
         def replay(self):
             sg = owner[0]
             params = list(sg.model.parameters())
@@ -42,7 +45,7 @@ def stand_in_capture(monkeypatch):
 
     @contextlib.contextmanager
     def capture(graph, **kwargs):
-        assert kwargs == {"capture_error_mode": "thread_local"}
+        assert kwargs == {"stream": "capture stream", "capture_error_mode": "thread_local"}
         buffers = [(b, b.clone()) for b in owner[0].model.buffers()]
         yield
         for b, before in buffers:
@@ -51,6 +54,7 @@ def stand_in_capture(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", capture)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: "capture stream")
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     return owner
 
@@ -90,6 +94,35 @@ def test_updates_through_the_graph_equal_the_eager_ones(tmp_path, stand_in_captu
     events = [json.loads(x) for x in (tmp_path / "graph" / "events.jsonl").read_text().splitlines()]
     captured = [e for e in events if e["kind"] == "cuda_graph"]
     assert len(captured) == 1 and captured[0]["step"] == 3 and captured[0]["max_documents"] == 8
+
+
+def test_the_graph_names_its_pool_and_stream_once_captured(tmp_path, stand_in_capture):
+    """compile.cuda_graph_share_pool's host: nothing before the capture, then the graph's pool and the stream it was
+    captured on (the stream graphs joining the pool must capture on)."""
+    trainer = _trainer(tmp_path, "g", "--training.steps", "3")
+    try:
+        sg = _attach_graph(trainer, stand_in_capture, warmup=1)
+        trainer.train_step()
+        assert sg.memory_pool() is None
+        trainer.train_step()
+        assert sg.memory_pool() == (("stand-in pool", id(sg._graph)), "capture stream")
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_the_trainer_joins_muons_graphs_to_the_step_graphs_pool_when_asked(tmp_path, share):
+    """On a CPU the graph falls back; built as on a GPU, Muon's Newton-Schulz graphs take their pool from it."""
+    trainer = _trainer(tmp_path, "g", "--optimizer.ns_cuda_graphs", "true",
+                       *(["--compile.cuda_graph", "true", "--compile.cuda_graph_share_pool", "true"] if share else []))
+    try:
+        assert trainer.step_graph is None
+        trainer._graph_choice = KernelChoice("cuda_graph", "on", "on", False)
+        graph = trainer._build_step_graph()
+        ns_graphs = trainer.optimizers.optimizers["muon"].ns_graphs
+        assert (ns_graphs._host == graph.memory_pool) is share
+    finally:
+        trainer.close()
 
 
 def test_a_parameter_whose_gradient_is_not_handed_back_does_not_train(tmp_path, stand_in_capture):
@@ -164,6 +197,19 @@ def test_the_default_capacity_is_a_document_per_row_and_per_256_tokens():
 def test_the_config_refuses_what_cannot_be_captured(args, message):
     with pytest.raises(ConfigError, match=message):
         load_job_config(["--compile.cuda_graph", "true", *args])
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "needs compile.cuda_graph = true"),
+    (["--compile.cuda_graph", "true"], "needs optimizer.name = 'muon' and optimizer.ns_cuda_graphs = true"),
+    (["--compile.cuda_graph", "true", "--optimizer.name", "adamw", "--optimizer.ns_cuda_graphs", "true"],
+     "got 'adamw'"),
+])
+def test_sharing_the_pool_needs_both_graphs(args, message):
+    with pytest.raises(ConfigError, match=message):
+        load_job_config(["--compile.cuda_graph_share_pool", "true", *args])
+    load_job_config(["--compile.cuda_graph_share_pool", "true", "--compile.cuda_graph", "true",
+                     "--optimizer.ns_cuda_graphs", "true"])
 
 
 @pytest.mark.parametrize("key, value", [("cuda_graph_max_documents", "-1"), ("cuda_graph_warmup", "0")])

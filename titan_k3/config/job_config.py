@@ -169,6 +169,8 @@ class Compile:
     """Documents a captured micro-batch holds at first (the graph's document metadata has this fixed size); a micro-batch holding more doubles it, with an event, and the graph is captured again after its warm-up. 0: one per row and one per 256 tokens of the micro-batch (136 at 8 x 4096)."""
     cuda_graph_warmup: int = 2
     """Eager updates through the graph's fixed-shape inputs before the capture (compilation and autotuning must be done before it)."""
+    cuda_graph_share_pool: bool = False
+    """With cuda_graph and optimizer.ns_cuda_graphs: Muon's Newton-Schulz graphs are captured after the update's graph, into its memory pool, so their outputs and temporaries reuse the memory its activations leave free while the optimizer runs, instead of a pool of their own (predicted up to ~2.6 GiB less for k3-mini; off until measured on a GPU, docs/cuda-graphs.md). Until the update's graph is captured the Newton-Schulz runs eagerly."""
 
 
 @dataclass

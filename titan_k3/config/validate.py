@@ -239,6 +239,12 @@ def validate(cfg: JobConfig) -> None:
                                                   f"layout from the device); kernels.{op} = '{asked}'")
         _require(cfg.kernels.attention != "flex", f"{graph}: flex attention builds its block mask on the host every "
                                                   "forward; use kernels.attention = 'varlen' or 'auto'")
+    if cfg.compile.cuda_graph_share_pool:
+        share = "config key 'compile.cuda_graph_share_pool' = true"
+        _require(cfg.compile.cuda_graph, f"{share}: needs compile.cuda_graph = true (the pool is the update graph's)")
+        _require(cfg.optimizer.name == "muon" and cfg.optimizer.ns_cuda_graphs,
+                 f"{share}: needs optimizer.name = 'muon' and optimizer.ns_cuda_graphs = true (the graphs that join "
+                 f"the pool); got '{cfg.optimizer.name}', ns_cuda_graphs = {str(cfg.optimizer.ns_cuda_graphs).lower()}")
     _require(
         not (cfg.float8.enable and t.compute_dtype != "bfloat16"),
         "config key 'float8.enable' = true: needs training.compute_dtype = 'bfloat16'",

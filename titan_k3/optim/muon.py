@@ -431,6 +431,19 @@ class NewtonSchulzGraphs:
         self._warm: set = set()
         self._pool = None
         self._stream: torch.cuda.Stream | None = None
+        self._host: Callable[[], tuple | None] | None = None
+
+    def join(self, host: Callable[[], tuple | None]) -> None:
+        """Capture into another graph's memory pool, on the stream that graph was captured on.
+
+        host() -> (pool, stream) of the other graph, or None while it is not captured; until then the Newton-Schulz
+        runs eagerly. Captured after that graph, each group's outputs and temporaries may take the blocks its
+        capture freed (the update's activations, dead while the optimizer runs) instead of a pool of their own.
+        NOTE: safe because the replays keep the captures' order (the update's graph, then each group in turn, every
+        update) and nothing reads a group's output after the next update's replay. A host captured again (a new
+        pool) drops these graphs; they are captured again into the new pool at their next run.
+        """
+        self._host = host
 
     def input(self, key, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         buf = self._inputs.get(key)
@@ -442,6 +455,14 @@ class NewtonSchulzGraphs:
 
     def run(self, key, ns: Callable[[], torch.Tensor]) -> torch.Tensor:
         """ns() reads only `input(key)`'s buffer; returns its result (the graph's persistent output)."""
+        if self._host is not None:
+            host = self._host()
+            if host is None:
+                self._warm.add(key)
+                return ns()
+            if host[0] != self._pool:
+                self._graphs.clear()
+                self._pool, self._stream = host
         entry = self._graphs.get(key)
         if entry is not None:
             entry[0].replay()
