@@ -11,7 +11,9 @@ peak (989 TFLOP/s) with the FLOP count of `flops_per_token`, peak memory,
 seconds from variant start to the end of its first step, the loss of every step (the peers must learn
 like ours on the same batches), and two ratios: to the strong peer (the faster of `peer-compiled`,
 benchmarks/peer_compiled.py: public parts, compiled per block, and `peer-compiled-graphs`, the same with
-`torch.compile`'s CUDA graphs, where both ran in the slot) and to the eager peer (`peer`, benchmarks/peer_eager.py). Prints a table last and appends dated rows to OUTDIR/train_throughput.md.
+`torch.compile`'s CUDA graphs, where both ran in the slot) and to the eager peer (`peer`,
+benchmarks/peer_eager.py). Prints a table last, the host under it, and appends dated rows to
+OUTDIR/train_throughput.md.
 `--isolate` runs each variant in a fresh process: in one process the peers' host-bound steps and every
 variant's peak memory depend on what ran before them (the strong peer measured 206 ms first, 242 ms last).
 `--rounds N` runs the variant list N times in turn: the strong peer's step moved 173-184 ms between calls on
