@@ -69,6 +69,16 @@ def peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 
 
+def peak_reserved_gib() -> float:
+    """Peak CUDA memory the allocator reserved since the last reset, GiB (0 without CUDA).
+
+    NOTE: with CUDA graphs this is the footprint to compare: a graph's pool stays reserved between replays, but
+    only the tensors alive at the end of its capture count as allocated, so the allocated peak leaves out the
+    activations' pool while the optimizer's own memory is in use.
+    """
+    return torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else 0.0
+
+
 def reset_peak() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -7,7 +7,8 @@
 Each variant trains k3-mini (vocab 163,840) on the embedded corpus's real
 tokens: warm-up steps, then timed steps run back to back as in training
 (wall time between two CUDA synchronisations, per step). Reported: steady tokens/s, MFU against the datasheet
-peak (989 TFLOP/s) with the FLOP count of `flops_per_token`, peak memory,
+peak (989 TFLOP/s) with the FLOP count of `flops_per_token`, peak memory (allocated, and reserved: the footprint
+to compare where CUDA graphs keep pools),
 seconds from variant start to the end of its first step, the loss of every step (the peers must learn
 like ours on the same batches), and two ratios: to the strong peer (the faster of `peer-compiled`,
 benchmarks/peer_compiled.py: public parts, compiled per block, and `peer-compiled-graphs`, the same with
@@ -38,7 +39,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RUNS, environment, model_args, peak_gib, reset_peak, sync, write_results  # noqa: E402
+from benchmarks.common import (RUNS, environment, model_args, peak_gib, peak_reserved_gib, reset_peak, sync,  # noqa: E402
+                               write_results)
 from titan_k3.config import load_job_config  # noqa: E402
 from titan_k3.models.k3.args import flops_per_token, get_flavor  # noqa: E402
 
@@ -179,7 +181,7 @@ def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps
     fpt = flops_per_token(args, seq)
     result = {
         "variant": name, "seq": seq, "batch": batch, "ms_per_step": 1e3 * per_step, "host_median_ms": 1e3 * statistics.median(times),
-        "tokens_per_s": tok_s, "mfu": tok_s * fpt / 989e12, "peak_gib": peak_gib(),
+        "tokens_per_s": tok_s, "mfu": tok_s * fpt / 989e12, "peak_gib": peak_gib(), "peak_reserved_gib": peak_reserved_gib(),
         "start_to_first_step_s": build_s + first, "steps_timed": steps,
         "losses": [round(_loss(r), 4) for r in results],
         "pid": os.getpid(),  # under --isolate, each variant's own process
@@ -334,9 +336,9 @@ def main() -> int:
         losses = f"loss {r['losses'][0]:.2f} → {r['losses'][-1]:.2f}"
         lines.append(f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | {r['variant']} | "
                      f"B{r['batch']} T{r['seq']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
-                     f"{r['peak_gib']:.1f} | {r['start_to_first_step_s']:.1f} | {strong} | {weak} | {losses} | {_note(r, args.rounds)} |")
+                     f"{r['peak_gib']:.1f} / {r.get('peak_reserved_gib', float('nan')):.1f} | {r['start_to_first_step_s']:.1f} | {strong} | {weak} | {losses} | {_note(r, args.rounds)} |")
     header = ("| date | commit | GPU | torch | triton | variant | shape | ms/step (timed steps back to back) | tokens/s | MFU (989) | "
-              "peak GiB | start→first step s | vs strong peer | vs eager peer | losses | note |\n|" + "---|" * 16)
+              "peak GiB allocated / reserved | start→first step s | vs strong peer | vs eager peer | losses | note |\n|" + "---|" * 16)
     table = header + "\n" + "\n".join(lines) + f"\n\nHost: {env['host']}."
     if args.rounds > 1:
         table += "\n\n" + rounds_summary(rows)

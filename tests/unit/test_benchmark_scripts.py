@@ -28,6 +28,7 @@ def test_train_throughput_times_a_variant_and_writes_its_row(tmp_path):
     rows = json.loads((tmp_path / "out" / "train_throughput.json").read_text())["rows"]
     assert len(rows) == 1 and "error" not in rows[0], rows
     assert rows[0]["tokens_per_s"] > 0 and rows[0]["ms_per_step"] > 0
+    assert "peak_reserved_gib" in rows[0] and "peak GiB allocated / reserved" in (tmp_path / "out" / "train_throughput.md").read_text()
     profile = (tmp_path / "out" / rows[0]["profile"]).read_text()
     assert profile.startswith("ours, seq 64, one step") and "aten::mm" in profile
     report = (tmp_path / "out" / "train_throughput.md").read_text()
