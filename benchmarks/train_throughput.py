@@ -80,10 +80,11 @@ VARIANTS = {
     # ... with Muon's momentum buffers stored in bf16 (optimizer.momentum_dtype; predicted ~1.6 GiB less held)
     "ours-compile-step-graph-bf16-momentum": ["--compile.enable", "true", "--optimizer.ns_cuda_graphs", "true",
                                               "--compile.cuda_graph", "true", "--optimizer.momentum_dtype", "bfloat16"],
-    # ... with Muon's Newton-Schulz graphs in the update graph's memory pool (predicted up to ~2.6 GiB less held)
+    # ... with Muon's Newton-Schulz graphs (and momentum passes) in the update graph's pool (predicted up to ~4 GiB
+    # less reserved)
     "ours-compile-step-graph-shared-pool": ["--compile.enable", "true", "--optimizer.ns_cuda_graphs", "true",
                                             "--compile.cuda_graph", "true", "--compile.cuda_graph_share_pool", "true"],
-    # ... both memory levers together (predicted ~4 GiB less: the strong peer's 29.3 GiB within reach)
+    # ... both memory levers together (predicted ~5 GiB less)
     "ours-compile-step-graph-lean": ["--compile.enable", "true", "--optimizer.ns_cuda_graphs", "true",
                                      "--compile.cuda_graph", "true", "--compile.cuda_graph_share_pool", "true",
                                      "--optimizer.momentum_dtype", "bfloat16"],

@@ -85,3 +85,61 @@ def test_without_a_host_the_groups_share_a_pool_of_their_own(fake_cuda):
     first, second = FakeGraph.made
     assert first.begun_with is None and second.begun_with == ("own", id(first))
     assert fake_cuda == ["new stream", "new stream"]
+
+
+def _group(seed):
+    gen = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(2, 8, 12, generator=gen), torch.randn(3, 8, 12, generator=gen)]
+    bufs = [torch.randn(2, 8, 12, generator=gen), torch.randn(3, 8, 12, generator=gen)]
+    return grads, bufs
+
+
+def _by_hand(grads, bufs, skip, scale):
+    """The unfused path: the momentum pass into a stacked input, then the Newton-Schulz of the stack."""
+    from kernels.muon import nesterov_momentum_multi_
+    from titan_k3.optim.muon import orthogonalise_stacked
+
+    stacked = torch.empty(5, 8, 12)
+    nesterov_momentum_multi_(grads, bufs, stacked, 0.95, True, skip_if=skip, grad_scale=scale)
+    return orthogonalise_stacked(stacked, 5, torch.float32)
+
+
+def test_joined_groups_run_their_momentum_pass_in_the_graph_with_the_same_numbers(fake_cuda):
+    """compile.cuda_graph_share_pool: the momentum pass goes into each group's graph (its stacked input becomes a
+    temporary of the pool); its warm-up and its capture give the unfused path's update and buffers."""
+    graphs = NewtonSchulzGraphs()
+    graphs.join(lambda: (("step pool", 1), "step stream"))
+    assert graphs.joined()
+    grads, bufs = _group(0)
+    ref_grads, ref_bufs = _group(0)
+    scale = torch.tensor([0.5])
+    for update in range(2):  # the warm-up (eager), then the capture (the stand-in runs it once, as a first replay)
+        skip = torch.tensor(0)
+        out = graphs.momentum_orthogonalise("g", grads, bufs, (5, 8, 12), 0.95, True, 5, torch.float32, skip, scale)
+        ref = _by_hand(ref_grads, ref_bufs, skip, scale)
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+        for b, r in zip(bufs, ref_bufs):
+            torch.testing.assert_close(b, r, rtol=1e-6, atol=1e-6)
+    assert [g.begun_with for g in FakeGraph.made] == [("step pool", 1)]
+    table, (my_skip, my_scale), _ = graphs._fused[("momentum", "g", True, True)]
+    graphs.momentum_orthogonalise("g", grads, bufs, (5, 8, 12), 0.95, True, 5, torch.float32, torch.tensor(1),
+                                  torch.tensor([0.25]))
+    assert FakeGraph.made[0].replays == 2  # replayed, not captured again
+    assert my_skip.item() == 1 and my_scale.item() == 0.25  # the graph reads the step's flags from its own tensors
+    assert graphs._fused[("momentum", "g", True, True)][0] is table  # one table for the group's life
+
+
+def test_a_joined_group_whose_tensors_moved_is_captured_again_never_replayed_on_stale_memory(fake_cuda):
+    graphs = NewtonSchulzGraphs()
+    graphs.join(lambda: (("step pool", 1), "step stream"))
+    grads, bufs = _group(1)
+    call = lambda g, b: graphs.momentum_orthogonalise("g", g, b, (5, 8, 12), 0.95, True, 5, torch.float32,  # noqa: E731
+                                                      None, None)
+    call(grads, bufs)
+    call(grads, bufs)
+    assert len(FakeGraph.made) == 1
+    moved = [b.clone() for b in bufs]  # e.g. the optimizer's state loaded anew: the buffers at other addresses
+    call(grads, moved)  # a new group: its warm-up runs eagerly
+    assert len(FakeGraph.made) == 1 and FakeGraph.made[0].replays == 1
+    call(grads, moved)  # then its capture
+    assert len(FakeGraph.made) == 2

@@ -338,30 +338,39 @@ class PerHeadMuon(torch.optim.Optimizer):
         grads = [blocks_of(p.grad, spec) for p, spec in members]
         bufs = [blocks_of(self.state[p]["momentum_buffer"], spec) for p, spec in members]
         shapes = _largest_first(by_block_shape(views), views)
-        tables = []
-        for _, idx in shapes:
-            tables += [momentum_table([grads[i] for i in idx], [bufs[i] for i in idx]),
-                       decay_add_table([views[i] for i in idx])]
-        send_tables(tables, params[0].device)  # NOTE: every table of the step in one host-to-device copy
         graphs = self.ns_graphs if params[0].is_cuda else None
+        # NOTE: joined to the update graph's pool (compile.cuda_graph_share_pool), each group's graph runs its
+        # momentum pass too (`NewtonSchulzGraphs.momentum_orthogonalise`, with tables of its own).
+        fused = graphs is not None and graphs.joined()
+        decay_tables = [decay_add_table([views[i] for i in idx]) for _, idx in shapes]
+        momentum_tables = [] if fused else [momentum_table([grads[i] for i in idx], [bufs[i] for i in idx])
+                                            for _, idx in shapes]
+        send_tables(decay_tables + momentum_tables, params[0].device)  # NOTE: the step's tables in one copy
         with record_function("muon.orthogonalise"):
             for g, ((rows, cols), idx) in enumerate(shapes):
                 shape = (sum(views[i].shape[0] for i in idx), rows, cols)
                 key = (tuple(id(params[i]) for i in idx), ns_steps, ns_dtype)
+                if fused:
+                    update = graphs.momentum_orthogonalise(key, [grads[i] for i in idx], [bufs[i] for i in idx],
+                                                           shape, momentum, nesterov, ns_steps, ns_dtype, skip, scale)
+                    with record_function("muon.apply"):
+                        decay_add_multi_([views[i] for i in idx], update, 1.0 - lr * wd, -lr, skip_if=skip,
+                                         table=decay_tables[g])
+                    continue
                 if graphs is not None:
                     stacked = graphs.input(key, shape, ns_dtype, params[0].device)
                 else:
                     stacked = views[idx[0]].new_empty(shape, dtype=ns_dtype)
                 with record_function("muon.momentum"):
                     nesterov_momentum_multi_([grads[i] for i in idx], [bufs[i] for i in idx], stacked, momentum,
-                                             nesterov, skip_if=skip, grad_scale=scale, table=tables[2 * g])
+                                             nesterov, skip_if=skip, grad_scale=scale, table=momentum_tables[g])
                 if graphs is not None:
                     update = graphs.run(key, lambda x=stacked: orthogonalise_stacked(x, ns_steps, ns_dtype))
                 else:
                     update = orthogonalise_stacked(stacked, ns_steps, ns_dtype)
                 with record_function("muon.apply"):
                     decay_add_multi_([views[i] for i in idx], update, 1.0 - lr * wd, -lr, skip_if=skip,
-                                     table=tables[2 * g + 1])
+                                     table=decay_tables[g])
 
     def _step_sharded(self, items: list, skip: torch.Tensor | None, scale: torch.Tensor | None) -> None:
         """Muon on dim-0-sharded DTensors (FSDP2, EP), working on local shards only.
@@ -432,6 +441,7 @@ class NewtonSchulzGraphs:
         self._pool = None
         self._stream: torch.cuda.Stream | None = None
         self._host: Callable[[], tuple | None] | None = None
+        self._fused: dict = {}  # key -> (momentum table on the device, (skip, scale) read by the graph, addresses)
 
     def join(self, host: Callable[[], tuple | None]) -> None:
         """Capture into another graph's memory pool, on the stream that graph was captured on.
@@ -461,7 +471,7 @@ class NewtonSchulzGraphs:
                 self._warm.add(key)
                 return ns()
             if host[0] != self._pool:
-                self._graphs.clear()
+                self._graphs.clear()  # NOTE: the fused groups' tables stay: `momentum_orthogonalise` checks addresses
                 self._pool, self._stream = host
         entry = self._graphs.get(key)
         if entry is not None:
@@ -486,6 +496,47 @@ class NewtonSchulzGraphs:
         self._graphs[key] = (graph, out)
         graph.replay()  # a capture only records: this step's update comes from the first replay
         return out
+
+    def joined(self) -> bool:
+        """Whether captures go into a host graph's pool now: joined (`join`), and that graph captured."""
+        return self._host is not None and self._host() is not None
+
+    def momentum_orthogonalise(self, key, grads: list[torch.Tensor], bufs: list[torch.Tensor],
+                               shape: tuple[int, int, int], momentum: float, nesterov: bool, ns_steps: int,
+                               ns_dtype: torch.dtype, skip: torch.Tensor | None,
+                               scale: torch.Tensor | None) -> torch.Tensor:
+        """A group's momentum pass and Newton-Schulz as one graph, when joined: blocks [b_i, r, c] of the gradients
+        and momentum buffers -> the update [B, r, c] in the NS dtype (the buffers advanced in place).
+
+        NOTE: in the update graph's pool the gradients are that graph's outputs, at fixed addresses, and the
+        buffers are the optimizer's state, so the pass can be captured too: the stacked input it writes becomes a
+        temporary of the pool instead of a buffer held between updates (~2 bytes per Muon parameter), and the
+        group makes one launch fewer. The graph reads the step's flags from tensors of its own, copied in per call.
+        Tensors at other addresses than the capture's (a state loaded anew) make it a new group: warmed up and
+        captured again, never replayed on stale memory.
+        """
+        fkey = ("momentum", key, skip is not None, scale is not None)
+        addresses = tuple(t.data_ptr() for t in (*grads, *bufs))
+        entry = self._fused.get(fkey)
+        if entry is None or entry[2] != addresses:
+            self._graphs.pop(fkey, None)
+            self._warm.discard(fkey)
+            table = momentum_table(grads, bufs)
+            send_tables([table], grads[0].device)
+            flags = tuple(None if f is None else f.detach().clone() for f in (skip, scale))
+            entry = self._fused[fkey] = (table, flags, addresses)
+        table, flags, _ = entry
+        for mine, given in zip(flags, (skip, scale)):
+            if mine is not None:
+                mine.copy_(given.reshape(mine.shape))
+
+        def run() -> torch.Tensor:
+            stacked = torch.empty(shape, dtype=ns_dtype, device=grads[0].device)
+            nesterov_momentum_multi_(grads, bufs, stacked, momentum, nesterov, skip_if=flags[0], grad_scale=flags[1],
+                                     table=table)
+            return orthogonalise_stacked(stacked, ns_steps, ns_dtype)
+
+        return self.run(fkey, run)
 
     def orthogonalise(self, key, blocks: list[torch.Tensor], shape: tuple[int, int, int], ns_steps: int,
                       ns_dtype: torch.dtype) -> torch.Tensor:
