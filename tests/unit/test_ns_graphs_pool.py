@@ -107,8 +107,12 @@ def _by_hand(grads, bufs, skip, scale):
 def test_joined_groups_run_their_momentum_pass_in_the_graph_with_the_same_numbers(fake_cuda):
     """compile.cuda_graph_share_pool: the momentum pass goes into each group's graph (its stacked input becomes a
     temporary of the pool); its warm-up and its capture give the unfused path's update and buffers."""
+    host = {"now": None}
     graphs = NewtonSchulzGraphs()
-    graphs.join(lambda: (("step pool", 1), "step stream"))
+    graphs.join(lambda: host["now"])
+    graphs.input("g", (5, 8, 12), torch.float32, torch.device("cpu"))  # an eager update's input, before the host
+    assert not graphs.joined() and graphs._inputs
+    host["now"] = (("step pool", 1), "step stream")
     assert graphs.joined()
     grads, bufs = _group(0)
     ref_grads, ref_bufs = _group(0)
@@ -121,6 +125,7 @@ def test_joined_groups_run_their_momentum_pass_in_the_graph_with_the_same_number
         for b, r in zip(bufs, ref_bufs):
             torch.testing.assert_close(b, r, rtol=1e-6, atol=1e-6)
     assert [g.begun_with for g in FakeGraph.made] == [("step pool", 1)]
+    assert not graphs._inputs  # the held input buffers went with the first joined run: the saving
     table, (my_skip, my_scale), _ = graphs._fused[("momentum", "g", True, True)]
     graphs.momentum_orthogonalise("g", grads, bufs, (5, 8, 12), 0.95, True, 5, torch.float32, torch.tensor(1),
                                   torch.tensor([0.25]))

@@ -471,7 +471,10 @@ class NewtonSchulzGraphs:
                 self._warm.add(key)
                 return ns()
             if host[0] != self._pool:
-                self._graphs.clear()  # NOTE: the fused groups' tables stay: `momentum_orthogonalise` checks addresses
+                # NOTE: the input buffers of the eager runs before go too (joined, each group's graph makes its
+                # own); the fused groups' tables stay: `momentum_orthogonalise` checks their addresses.
+                self._graphs.clear()
+                self._inputs.clear()
                 self._pool, self._stream = host
         entry = self._graphs.get(key)
         if entry is not None:
