@@ -1,5 +1,7 @@
 """What every GPU benchmark shares: the error measure and the environment a result row records."""
 
+import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -31,6 +33,14 @@ def median_ms(fn, grad_to_none: list[torch.Tensor] | None = None) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
+
+
+def add_packed_shape_args(p: argparse.ArgumentParser) -> None:
+    """--flavor, --batch, --seq, --doc-len: the training shape of a benchmark over packed documents (`packed_pos`)."""
+    p.add_argument("--flavor", default="k3-mini")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--doc-len", type=int, default=1000, help="mean document length of the packed layout")
 
 
 def packed_pos(batch: int, seq: int, doc_len: int, device: str, seed: int = 1) -> torch.Tensor:
@@ -115,11 +125,8 @@ def host() -> str:
     """'<hostname> (<CPU model>, <n> cores)': two machines of one GPU kind can differ in the host, and a host-bound
     step (the strong peer's) moves with it, so a ratio is read against the machine it was measured on."""
     model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:  # not Linux: the model stays unknown
+        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
     return f"{platform.node()} ({model}, {os.cpu_count()} cores)"
 
 

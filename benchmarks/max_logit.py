@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.common import environment, median_ms, packed_pos, write_results  # noqa: E402
+from benchmarks.common import add_packed_shape_args, environment, median_ms, packed_pos, write_results  # noqa: E402
 from kernels.max_logit import kernel, max_logit_per_head, max_logit_per_head_reference  # noqa: E402
 from titan_k3.models.k3.args import FLAVORS  # noqa: E402
 
@@ -81,10 +81,7 @@ def sweep_launch(q, k, scale, pos, label: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--flavor", default="k3-mini")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--doc-len", type=int, default=1000, help="mean document length of the packed layout")
+    add_packed_shape_args(p)
     p.add_argument("--sweep", action="store_true", help="also time alternative launch settings of ours")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.common import environment, median_ms, packed_pos, rel_rms, write_results  # noqa: E402
+from benchmarks.common import add_packed_shape_args, environment, median_ms, packed_pos, rel_rms, write_results  # noqa: E402
 from kernels.short_conv import causal_conv_silu, causal_conv_silu_reference  # noqa: E402
 from titan_k3.models.k3.args import FLAVORS  # noqa: E402
 
@@ -70,10 +70,7 @@ def fla_conv():
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--flavor", default="k3-mini")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--doc-len", type=int, default=1000, help="mean document length of the packed layout")
+    add_packed_shape_args(p)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     on_cuda = torch.cuda.is_available()

@@ -23,7 +23,7 @@ class FakeGraph:
         self.begun_with = pool
 
     def capture_end(self):
-        pass
+        """Nothing to close: the stand-in records only the pool it was begun with."""
 
     def pool(self):
         return self.begun_with if self.begun_with is not None else ("own", id(self))
