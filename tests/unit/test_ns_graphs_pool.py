@@ -119,17 +119,20 @@ def test_joined_groups_run_their_momentum_pass_in_the_graph_with_the_same_number
     scale = torch.tensor([0.5])
     for update in range(2):  # the warm-up (eager), then the capture (the stand-in runs it once, as a first replay)
         skip = torch.tensor(0)
-        out = graphs.momentum_orthogonalise("g", grads, bufs, (5, 8, 12), 0.95, True, 5, torch.float32, skip, scale)
+        flags = graphs.step_flags(skip, scale)
+        out = graphs.momentum_orthogonalise("g", grads, bufs, (5, 8, 12), 0.95, True, 5, torch.float32, flags)
         ref = _by_hand(ref_grads, ref_bufs, skip, scale)
         torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
         for b, r in zip(bufs, ref_bufs):
             torch.testing.assert_close(b, r, rtol=1e-6, atol=1e-6)
     assert [g.begun_with for g in FakeGraph.made] == [("step pool", 1)]
     assert not graphs._inputs  # the held input buffers went with the first joined run: the saving
-    table, (my_skip, my_scale), _ = graphs._fused[("momentum", "g", True, True)]
-    graphs.momentum_orthogonalise("g", grads, bufs, (5, 8, 12), 0.95, True, 5, torch.float32, torch.tensor(1),
-                                  torch.tensor([0.25]))
+    table = graphs._fused[("momentum", "g", True, True)][0]
+    my_skip, my_scale = flags
+    step = graphs.step_flags(torch.tensor(1), torch.tensor([0.25]))
+    graphs.momentum_orthogonalise("g", grads, bufs, (5, 8, 12), 0.95, True, 5, torch.float32, step)
     assert FakeGraph.made[0].replays == 2  # replayed, not captured again
+    assert step[0] is my_skip and step[1] is my_scale  # one pair of flag tensors for every step and group
     assert my_skip.item() == 1 and my_scale.item() == 0.25  # the graph reads the step's flags from its own tensors
     assert graphs._fused[("momentum", "g", True, True)][0] is table  # one table for the group's life
 
@@ -139,7 +142,7 @@ def test_a_joined_group_whose_tensors_moved_is_captured_again_never_replayed_on_
     graphs.join(lambda: (("step pool", 1), "step stream"))
     grads, bufs = _group(1)
     call = lambda g, b: graphs.momentum_orthogonalise("g", g, b, (5, 8, 12), 0.95, True, 5, torch.float32,  # noqa: E731
-                                                      None, None)
+                                                      (None, None))
     call(grads, bufs)
     call(grads, bufs)
     assert len(FakeGraph.made) == 1

@@ -342,6 +342,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         # NOTE: joined to the update graph's pool (compile.cuda_graph_share_pool), each group's graph runs its
         # momentum pass too (`NewtonSchulzGraphs.momentum_orthogonalise`, with tables of its own).
         fused = graphs is not None and graphs.joined()
+        flags = graphs.step_flags(skip, scale) if fused else None
         decay_tables = [decay_add_table([views[i] for i in idx]) for _, idx in shapes]
         momentum_tables = [] if fused else [momentum_table([grads[i] for i in idx], [bufs[i] for i in idx])
                                             for _, idx in shapes]
@@ -352,7 +353,7 @@ class PerHeadMuon(torch.optim.Optimizer):
                 key = (tuple(id(params[i]) for i in idx), ns_steps, ns_dtype)
                 if fused:
                     update = graphs.momentum_orthogonalise(key, [grads[i] for i in idx], [bufs[i] for i in idx],
-                                                           shape, momentum, nesterov, ns_steps, ns_dtype, skip, scale)
+                                                           shape, momentum, nesterov, ns_steps, ns_dtype, flags)
                     with record_function("muon.apply"):
                         decay_add_multi_([views[i] for i in idx], update, 1.0 - lr * wd, -lr, skip_if=skip,
                                          table=decay_tables[g])
@@ -441,7 +442,8 @@ class NewtonSchulzGraphs:
         self._pool = None
         self._stream: torch.cuda.Stream | None = None
         self._host: Callable[[], tuple | None] | None = None
-        self._fused: dict = {}  # key -> (momentum table on the device, (skip, scale) read by the graph, addresses)
+        self._fused: dict = {}  # key -> (momentum table on the device, the addresses it was built for)
+        self._flags: dict = {}  # (name, dtype, shape) -> the flag tensor every fused graph reads
 
     def join(self, host: Callable[[], tuple | None]) -> None:
         """Capture into another graph's memory pool, on the stream that graph was captured on.
@@ -504,34 +506,39 @@ class NewtonSchulzGraphs:
         """Whether captures go into a host graph's pool now: joined (`join`), and that graph captured."""
         return self._host is not None and self._host() is not None
 
+    def step_flags(self, skip: torch.Tensor | None, scale: torch.Tensor | None) -> tuple:
+        """(skip, scale) in tensors at fixed addresses that the fused graphs read, this step's values copied in:
+        one pair for every group, so two small copies per step (None stays None)."""
+        out = []
+        for name, given in (("skip", skip), ("scale", scale)):
+            if given is not None:
+                mine = self._flags.setdefault((name, given.dtype, tuple(given.shape)), torch.empty_like(given))
+                given = mine.copy_(given)
+            out.append(given)
+        return tuple(out)
+
     def momentum_orthogonalise(self, key, grads: list[torch.Tensor], bufs: list[torch.Tensor],
                                shape: tuple[int, int, int], momentum: float, nesterov: bool, ns_steps: int,
-                               ns_dtype: torch.dtype, skip: torch.Tensor | None,
-                               scale: torch.Tensor | None) -> torch.Tensor:
+                               ns_dtype: torch.dtype, flags: tuple) -> torch.Tensor:
         """A group's momentum pass and Newton-Schulz as one graph, when joined: blocks [b_i, r, c] of the gradients
         and momentum buffers -> the update [B, r, c] in the NS dtype (the buffers advanced in place).
 
         NOTE: in the update graph's pool the gradients are that graph's outputs, at fixed addresses, and the
         buffers are the optimizer's state, so the pass can be captured too: the stacked input it writes becomes a
         temporary of the pool instead of a buffer held between updates (~2 bytes per Muon parameter), and the
-        group makes one launch fewer. The graph reads the step's flags from tensors of its own, copied in per call.
-        Tensors at other addresses than the capture's (a state loaded anew) make it a new group: warmed up and
-        captured again, never replayed on stale memory.
+        group makes one launch fewer. flags: `step_flags`' (skip, scale), the tensors the graph reads. Tensors at
+        other addresses than the capture's (a state loaded anew) make it a new group: warmed up and captured again,
+        never replayed on stale memory.
         """
-        fkey = ("momentum", key, skip is not None, scale is not None)
-        addresses = tuple(t.data_ptr() for t in (*grads, *bufs))
+        fkey = ("momentum", key, *(f is not None for f in flags))
+        addresses = tuple(t.data_ptr() for t in (*grads, *bufs, *(f for f in flags if f is not None)))
         entry = self._fused.get(fkey)
-        if entry is None or entry[2] != addresses:
+        if entry is None or entry[1] != addresses:
             self._graphs.pop(fkey, None)
             self._warm.discard(fkey)
-            table = momentum_table(grads, bufs)
-            send_tables([table], grads[0].device)
-            flags = tuple(None if f is None else f.detach().clone() for f in (skip, scale))
-            entry = self._fused[fkey] = (table, flags, addresses)
-        table, flags, _ = entry
-        for mine, given in zip(flags, (skip, scale)):
-            if mine is not None:
-                mine.copy_(given.reshape(mine.shape))
+            entry = self._fused[fkey] = (momentum_table(grads, bufs), addresses)
+            send_tables([entry[0]], grads[0].device)
+        table = entry[0]
 
         def run() -> torch.Tensor:
             stacked = torch.empty(shape, dtype=ns_dtype, device=grads[0].device)
