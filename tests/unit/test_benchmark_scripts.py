@@ -272,3 +272,28 @@ def test_strong_peer_with_compile_graphs_compiles_each_block_so_and_marks_each_s
     assert len(marks) == 3 and all(math.isfinite(x) for x in losses), (marks, losses)
     plain = PeerCompiledTrainer(PeerConfig(flavor="debug", vocab_size=512, parts="torch", compile=True))
     assert modes[-len(plain.model.layers):] == [None] * len(plain.model.layers) and not plain.graphs
+
+
+def test_the_headline_variant_is_the_pretraining_recipe():
+    """ours-compile-step-graph-lean (the headline) and ours-recipe (tomls/pretrain.toml) resolve to one step.
+
+    Every section that shapes an update must agree; a lever turned on in the recipe and not in the headline's
+    variant (or the reverse) would make the headline measure something users do not run.
+    """
+    sys.path.insert(0, str(REPO))
+    from dataclasses import asdict
+
+    from benchmarks.train_throughput import VARIANTS, base_args
+    from titan_k3.config import load_job_config
+
+    def resolved(name: str) -> dict:
+        cfg = asdict(load_job_config(base_args("k3-mini", 1024, 32, name) + VARIANTS[name]))
+        return {k: cfg[k] for k in ("model", "training", "optimizer", "compile", "kernels", "float8",
+                                    "activation_checkpoint", "parallelism")}
+
+    recipe, headline = resolved("ours-recipe"), resolved("ours-compile-step-graph-lean")
+    differing = {f"{section}.{key}": (recipe[section][key], headline[section][key])
+                 for section in recipe for key in recipe[section] if recipe[section][key] != headline[section][key]}
+    # One process on one GPU runs without FSDP, so the recipe's multi-GPU setting changes nothing there.
+    assert set(differing) <= {"parallelism.fsdp_reshard_after_forward"}, differing
+    assert recipe["optimizer"]["momentum_dtype"] == "bfloat16" and recipe["compile"]["cuda_graph_share_pool"]
