@@ -13,7 +13,9 @@ Newton–Schulz normalisation on the Gram-side matrices), "torch passes"
 (the same step with the PyTorch reference passes: one or more kernels per
 parameter) and, on CUDA, "fused + NS graphs" (`optimizer.ns_cuda_graphs`:
 each block shape's Newton–Schulz replayed as a CUDA graph; its two warm-up
-steps are the eager warm-up and the capture). Appends a table to OUTDIR/muon.md. `--flavor debug` runs on CPU
+steps are the eager warm-up and the capture). `--ns-chunk N ...` adds "fused + NS graphs, chunks of N"
+(`optimizer.ns_chunk`: each Newton–Schulz over N blocks at a time, so that a chunk's iterates stay in L2; on
+CPU the chunked "fused" step). Appends a table to OUTDIR/muon.md. `--flavor debug` runs on CPU
 (host time only) as a smoke test.
 """
 
@@ -81,22 +83,27 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=0, help="unused (the benchmark scripts' common flags)")
     p.add_argument("--batch", type=int, default=0, help="unused (the benchmark scripts' common flags)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--ns-chunk", type=int, nargs="*", default=[],
+                   help="also time the step with the Newton-Schulz over this many blocks at a time (optimizer.ns_chunk)")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     opt, numel = muon_optimizer(args.flavor, device)
     env, rows = environment(), []
-    variants = ("fused", "torch passes") + (("fused + NS graphs",) if device.type == "cuda" else ())
+    best = "fused + NS graphs" if device.type == "cuda" else "fused"
+    variants = ("fused", "torch passes") + (("fused + NS graphs",) if device.type == "cuda" else ()) + tuple(
+        f"{best}, chunks of {n}" for n in args.ns_chunk)
     for variant in variants:
+        opt.ns_chunk = int(variant.rsplit(" ", 1)[1]) if ", chunks of " in variant else 0
         if variant == "torch passes":
             for fn in FUSED_PASSES:
                 setattr(muon, fn.__name__, functools.partial(fn, triton_=False))
-        opt.ns_graphs = muon.NewtonSchulzGraphs() if variant == "fused + NS graphs" else None
+        opt.ns_graphs = muon.NewtonSchulzGraphs() if variant.startswith("fused + NS graphs") else None
         try:
             gpu_ms, host_ms = time_steps(opt, args.steps, device.type == "cuda")
         finally:
             for fn in FUSED_PASSES:
                 setattr(muon, fn.__name__, fn)
-            opt.ns_graphs = None
+            opt.ns_graphs, opt.ns_chunk = None, 0
         rows.append(dict(env, variant=variant, flavor=args.flavor, numel=numel, gpu_ms=gpu_ms, host_ms=host_ms))
         print(rows[-1], flush=True)
     lines = [f"\n### Per-Head Muon step, {args.flavor} ({numel / 1e6:.1f}M Muon parameters), {device.type}",

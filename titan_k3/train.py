@@ -178,6 +178,7 @@ class Trainer:
             lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
             momentum=o.momentum, ns_steps=o.ns_steps, use_muon=o.name == "muon", ns_cuda_graphs=o.ns_cuda_graphs,
             momentum_dtype=getattr(torch, o.momentum_dtype),
+            ns_chunk=o.ns_chunk,
         )
         s = cfg.lr_scheduler
         self.schedule = LRSchedule(

@@ -27,14 +27,14 @@ CASES = {  # name: (shape, num_heads, per_expert, gathered?)
 }
 
 
-def _run(make, together=False, momentum_dtype=None):
+def _run(make, together=False, momentum_dtype=None, ns_chunk=0):
     """Three Muon steps on every case: one optimizer per parameter, or (together) one optimizer for all."""
     gen = torch.Generator().manual_seed(0)
     params, groups = {}, []
     for name, (shape, heads, per_expert, _) in CASES.items():
         params[name] = torch.nn.Parameter(make(torch.randn(shape, generator=gen)))
         groups.append({"params": [params[name]], "num_heads": heads, "per_expert": per_expert})
-    kw = {"lr": 0.1, "momentum_dtype": momentum_dtype}
+    kw = {"lr": 0.1, "momentum_dtype": momentum_dtype, "ns_chunk": ns_chunk}
     opts = [PerHeadMuon(groups, **kw)] if together else [PerHeadMuon([g], **kw) for g in groups]
     grads = [{n: torch.randn(CASES[n][0], generator=gen) for n in CASES} for _ in range(3)]
     for g in grads:
@@ -61,7 +61,7 @@ def _skipped_step_changes_nothing(params: dict, opts: list, make) -> bool:
     return len(before) == 2 * len(CASES) and all(torch.equal(a, b) for a, b in zip(before, after))
 
 
-def _compare(rank: int, world: int, triton_: bool, momentum_dtype) -> dict:
+def _compare(rank: int, world: int, triton_: bool, momentum_dtype, ns_chunk: int) -> dict:
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     if triton_:  # the fused passes in Triton's interpreter (the parent set TRITON_INTERPRET=1 for this process)
@@ -75,6 +75,7 @@ def _compare(rank: int, world: int, triton_: bool, momentum_dtype) -> dict:
     def make(t):
         return distribute_tensor(t, mesh, [Shard(0)])
 
+    # NOTE: the single-process reference runs the Newton-Schulz all at once; the sharded runs in ns_chunk's chunks.
     plain = {n: p.detach() for n, p in _run(lambda t: t, momentum_dtype=momentum_dtype)[0].items()}
     out = {"plain": plain}
     for together in (False, True):
@@ -82,7 +83,7 @@ def _compare(rank: int, world: int, triton_: bool, momentum_dtype) -> dict:
         gather = dist.gather
         dist.gather = lambda *a, **k: (gathers.append(1), gather(*a, **k))[1]
         try:
-            sharded, opts = _run(make, together, momentum_dtype)
+            sharded, opts = _run(make, together, momentum_dtype, ns_chunk)
         finally:
             dist.gather = gather
         out[together] = {"sharded": {n: p.detach().full_tensor() for n, p in sharded.items()}, "gathers": len(gathers),
@@ -92,12 +93,14 @@ def _compare(rank: int, world: int, triton_: bool, momentum_dtype) -> dict:
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-@pytest.mark.parametrize("triton_, momentum_dtype", [(False, None), (True, None), (False, torch.bfloat16)],
-                         ids=["torch passes", "triton passes", "torch passes, bf16 momentum"])
-def test_sharded_muon_equals_single_process(tmp_path, monkeypatch, triton_, momentum_dtype):
+@pytest.mark.parametrize("triton_, momentum_dtype, ns_chunk",
+                         [(False, None, 0), (True, None, 0), (False, torch.bfloat16, 0), (False, None, 1)],
+                         ids=["torch passes", "triton passes", "torch passes, bf16 momentum",
+                              "torch passes, Newton-Schulz one block at a time"])
+def test_sharded_muon_equals_single_process(tmp_path, monkeypatch, triton_, momentum_dtype, ns_chunk):
     if triton_:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    results = spawn_gloo(WORLD, _compare, triton_, momentum_dtype, result_file=tmp_path / "result.pt")
+    results = spawn_gloo(WORLD, _compare, triton_, momentum_dtype, ns_chunk, result_file=tmp_path / "result.pt")
     result = results[0]
     for together in (False, True):
         assert result[together]["momentum_dtypes"] == {momentum_dtype or torch.float32}

@@ -13,10 +13,13 @@ from titan_k3.optim.muon import PerHeadMuon, newton_schulz
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("shape", [(64, 256, 544), (64, 544, 256), (4, 512, 2560)])
-def test_bf16_newton_schulz_tracks_float32(shape):
+@pytest.mark.parametrize("shape, chunk", [((64, 256, 544), 0), ((64, 544, 256), 0), ((4, 512, 2560), 0),
+                                          ((64, 256, 544), 24), ((64, 544, 256), 24)],
+                         ids=["experts", "experts transposed", "dense", "experts in chunks",
+                              "experts transposed in chunks"])
+def test_bf16_newton_schulz_tracks_float32(shape, chunk):
     G = torch.randn(shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
-    O16 = newton_schulz(G, 5, dtype=torch.bfloat16).float()
+    O16 = newton_schulz(G, 5, dtype=torch.bfloat16, chunk=chunk).float()
     O32 = newton_schulz(G.double(), 5, dtype=torch.float64).float()
     rel = ((O16 - O32).norm() / O32.norm()).item()
     assert rel < 2e-2, rel

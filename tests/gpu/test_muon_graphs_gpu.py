@@ -18,10 +18,11 @@ def _spec(name, _p):
     return ParamSpec(use_muon=True, num_heads=8 if name == "heads" else 1, per_expert=name == "experts")
 
 
-def test_graphs_match_eager_over_steps_with_skip_and_scale():
+@pytest.mark.parametrize("ns_chunk", [0, 2], ids=["all blocks at once", "blocks in chunks of 2"])
+def test_graphs_match_eager_over_steps_with_skip_and_scale(ns_chunk):
     eager, graphed = _params(0), _params(0)
-    opt_e = build_optimizers(eager, _spec, lr=1e-2)
-    opt_g = build_optimizers(graphed, _spec, lr=1e-2, ns_cuda_graphs=True)
+    opt_e = build_optimizers(eager, _spec, lr=1e-2, ns_chunk=ns_chunk)
+    opt_g = build_optimizers(graphed, _spec, lr=1e-2, ns_cuda_graphs=True, ns_chunk=ns_chunk)
     gen = torch.Generator(device="cuda").manual_seed(1)
     for step in range(5):  # step 1 eager warm-up, step 2 capture, steps 3-5 replays
         skip = torch.tensor(step == 3, device="cuda")

@@ -118,9 +118,10 @@ def test_kda_candidates_change_the_launch_table_forward_and_backward_then_restor
 
 
 def test_muon_benchmark_times_both_passes(tmp_path):
-    _run("muon.py", tmp_path, "--steps", "2")
+    _run("muon.py", tmp_path, "--steps", "2", "--ns-chunk", "3")
     rows = json.loads((tmp_path / "out" / "muon.json").read_text())["rows"]
-    assert [r["variant"] for r in rows] == ["fused", "torch passes"] and all(r["host_ms"] > 0 for r in rows)
+    assert [r["variant"] for r in rows] == ["fused", "torch passes", "fused, chunks of 3"]
+    assert all(r["host_ms"] > 0 for r in rows)
     assert "| fused |" in (tmp_path / "out" / "muon.md").read_text()
 
 

@@ -244,3 +244,53 @@ def test_bf16_momentum_is_stored_in_bf16_and_tracks_the_float32_run():
 def test_momentum_dtype_float16_is_refused_by_name():
     with pytest.raises(ValueError, match="momentum_dtype=torch.float16"):
         PerHeadMuon([torch.zeros(4, 4)], lr=0.1, momentum_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("shape, chunk", [((7, 12, 20), 3), ((5, 20, 12), 2), ((2, 3, 8, 10), 4), ((4, 6, 9), 4),
+                                          ((4, 6, 9), 9)], ids=["ragged tail", "transposed", "4-d", "one chunk",
+                                                                "chunk above the count"])
+def test_newton_schulz_in_chunks_equals_all_at_once(shape, chunk):
+    """chunk only changes how many matrices each product covers, never a matrix's math (float64)."""
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    whole = newton_schulz(G, dtype=torch.float64, scale=0.7)
+    chunked = newton_schulz(G, dtype=torch.float64, scale=0.7, chunk=chunk)
+    assert chunked.shape == G.shape and chunked.is_contiguous() and chunked.dtype == torch.float64
+    torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-12)
+    # each matrix of the chunked result is that matrix's own Newton-Schulz
+    torch.testing.assert_close(chunked.reshape(-1, *shape[-2:])[-1],
+                               newton_schulz(G.reshape(-1, *shape[-2:])[-1], dtype=torch.float64, scale=0.7),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_newton_schulz_refuses_a_negative_chunk():
+    with pytest.raises(ValueError, match="chunk=-1"):
+        newton_schulz(torch.randn(3, 4, 5), chunk=-1)
+    with pytest.raises(ValueError, match="ns_chunk=-2"):
+        PerHeadMuon([torch.zeros(4, 4)], lr=0.1, ns_chunk=-2)
+
+
+def test_step_with_newton_schulz_in_chunks_equals_the_unchunked_step():
+    """Blocks of one shape from several parameters (experts, heads, plain matrices) in chunks that straddle them."""
+    def run(ns_chunk):
+        gen = torch.Generator().manual_seed(9)
+        params = [torch.randn(5, 8, 12, generator=gen, dtype=torch.float64),
+                  torch.randn(24, 12, generator=gen, dtype=torch.float64),
+                  torch.randn(8, 12, generator=gen, dtype=torch.float64)]
+        opt = PerHeadMuon([{"params": [params[0]], "per_expert": True}, {"params": [params[1]], "num_heads": 3},
+                           {"params": [params[2]]}], lr=0.05, ns_dtype=torch.float64, ns_chunk=ns_chunk)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            opt.step()
+        return params
+
+    for got, want in zip(run(3), run(0)):  # 9 blocks of [8, 12]: chunks of 3 cross the parameters' boundaries
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_ns_chunk_config_key_is_checked_before_any_work():
+    from titan_k3.config import load_job_config
+    from titan_k3.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="'optimizer.ns_chunk' = -1: must be >= 0"):
+        load_job_config(["--optimizer.ns_chunk", "-1"])

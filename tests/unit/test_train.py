@@ -200,14 +200,16 @@ def test_python_gc_is_scheduled_between_updates_and_given_back(tmp_path, monkeyp
 
 
 def test_bf16_momentum_reaches_the_optimizer_and_trains(tmp_path):
-    """optimizer.momentum_dtype: the Muon buffers the trainer builds are bf16 (AdamW's moments stay float32)."""
+    """optimizer.momentum_dtype: the Muon buffers the trainer builds are bf16 (AdamW's moments stay float32);
+    optimizer.ns_chunk reaches the optimizer too."""
     trainer = Trainer(load_job_config([*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "2",
-                                       "--optimizer.momentum_dtype", "bfloat16"]))
+                                       "--optimizer.momentum_dtype", "bfloat16", "--optimizer.ns_chunk", "3"]))
     try:
         losses = [trainer.train_step().loss for _ in range(2)]
         muon, adamw = (trainer.optimizers.optimizers[k] for k in ("muon", "adamw"))
         assert muon.state and {s["momentum_buffer"].dtype for s in muon.state.values()} == {torch.bfloat16}
         assert {s["exp_avg"].dtype for s in adamw.state.values()} == {torch.float32}
+        assert muon.ns_chunk == 3
         assert all(torch.isfinite(torch.tensor(x)) for x in losses)
     finally:
         trainer.close()

@@ -113,6 +113,8 @@ class Optimizer:
     """Newton-Schulz iterations in Muon."""
     momentum_dtype: Literal["float32", "bfloat16"] = "float32"
     """Storage of Muon's momentum buffers (the arithmetic is float32 either way, the buffer rounded once per update). bfloat16 halves the optimizer's largest state (~1.6 GiB less for k3-mini: 0.84B Muon parameters) and two of the momentum pass's four memory streams; AdamW's moments stay float32. A resume converts a checkpoint's buffers to this dtype (docs/k3.md §6.1)."""
+    ns_chunk: int = 0
+    """Newton-Schulz over this many blocks of one shape at a time instead of all of them at once (0): the same math per block, and a chunk's iterates and Gram matrices (a few MB) can stay in the GPU's L2 cache between the products, where k3-mini's 5,808 expert blocks of 256 x 544 pass through memory ~43 GB per update; the temporaries shrink to a chunk's. More launches (15 per chunk; inside ns_cuda_graphs' graphs they cost no host time). Not yet measured on a GPU (benchmarks/muon.py --ns-chunk)."""
     ns_cuda_graphs: bool = False
     """Replay each block shape's Newton-Schulz as a CUDA graph (CUDA; plain and FSDP2/EP-sharded parameters): one launch instead of ~25 per shape and update, for ~2x the Muon parameters this rank orthogonalises of reserved memory in the NS dtype. Pays where the host is the bottleneck (benchmarks/results/scaling.md); one GPU measured no gain (train_throughput.md)."""
     qk_clip_tau: float = 100.0

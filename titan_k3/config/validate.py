@@ -156,6 +156,7 @@ def validate(cfg: JobConfig) -> None:
         _require(0 <= value < 1, f"config key 'optimizer.{key}' = {value!r}: must be in [0, 1)")
     _positive("optimizer.eps", o.eps)
     _positive("optimizer.ns_steps", o.ns_steps)
+    _non_negative("optimizer.ns_chunk", o.ns_chunk)
     _non_negative("optimizer.qk_clip_tau", o.qk_clip_tau)
     _check_warmup(s, t.steps)
     _require(0 < s.decay_ratio <= 1, f"config key 'lr_scheduler.decay_ratio' = {s.decay_ratio!r}: must be in (0, 1]")

@@ -161,6 +161,7 @@ def build_optimizers(
     ns_dtype: torch.dtype | None = None,
     ns_cuda_graphs: bool = False,
     momentum_dtype: torch.dtype | None = None,
+    ns_chunk: int = 0,
 ) -> Optimizers:
     """Split the trainable parameters between Per-Head Muon and AdamW.
 
@@ -207,6 +208,7 @@ def build_optimizers(
         optimizers["muon"] = PerHeadMuon(
             groups, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps, ns_dtype=ns_dtype, ns_cuda_graphs=ns_cuda_graphs, momentum_dtype=momentum_dtype,
+            ns_chunk=ns_chunk,
         )
         names["muon"] = [n for members in muon_groups.values() for n, _ in members]
     adamw_members = [(decay, m) for (decay, _), m in adamw_groups.items() if m]

@@ -40,20 +40,24 @@ def default_ns_dtype(device: torch.device) -> torch.dtype:
 
 
 def newton_schulz(
-    G: torch.Tensor, steps: int = 5, *, dtype: torch.dtype | None = None, eps: float = 1e-7, scale: float = 1.0
+    G: torch.Tensor, steps: int = 5, *, dtype: torch.dtype | None = None, eps: float = 1e-7, scale: float = 1.0,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """Approximately orthogonalise each matrix of G: O ~ scale * U V^T for G = U S V^T.
 
     G [..., m, n] -> O [..., m, n] in `dtype` (default: `default_ns_dtype(G.device)`), which must have float32's
     exponent range (bf16, float32, float64). Each matrix counts as divided by its Frobenius norm (+ eps), summed
     in float32 (float64 for float64), so that every singular value starts in [0, 1]; `scale` rides on the last
-    step's matmul.
+    step's matmul. `chunk` > 0 runs every step over `chunk` matrices at a time instead of all of them (the same
+    math per matrix): a chunk's iterates and Gram matrices can stay in the GPU's L2 cache from one product to the
+    next, where the whole batch goes through memory every product, and the temporaries shrink to a chunk's.
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz: G must have at least 2 dims [..., m, n]; got shape {tuple(G.shape)}")
     if steps < 1:
         raise ValueError(f"newton_schulz: steps={steps}; must be >= 1")
-    a, b, c = NS_COEFFS
+    if chunk < 0:
+        raise ValueError(f"newton_schulz: chunk={chunk}; must be >= 0 (0: all matrices at once)")
     dtype = dtype or default_ns_dtype(G.device)
     if dtype not in (torch.bfloat16, torch.float32, torch.float64):
         # NOTE: the first Gram matrix is of the raw G (below); in float16 it overflows once a row's norm passes 256.
@@ -61,12 +65,24 @@ def newton_schulz(
     X = G.to(dtype)  # no pass when the caller wrote G in the NS dtype (PerHeadMuon does)
     # NOTE: iterate on the wide orientation so that X X^T is the smaller Gram matrix.
     transposed = X.size(-2) > X.size(-1)
-    if transposed:
-        X = X.mT
+    X3 = (X.mT if transposed else X).reshape(-1, *sorted(X.shape[-2:]))
+    if not 0 < chunk < X3.shape[0]:
+        return _ns_iterate(X3, steps, eps, scale, transposed).reshape(G.shape)
+    out = torch.empty((X3.shape[0], *G.shape[-2:]), dtype=dtype, device=G.device)
+    for first in range(0, X3.shape[0], chunk):
+        _ns_iterate(X3[first:first + chunk], steps, eps, scale, transposed, out=out[first:first + chunk])
+    return out.reshape(G.shape)
+
+
+def _ns_iterate(X3: torch.Tensor, steps: int, eps: float, scale: float, transposed: bool,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """`newton_schulz`'s steps on X3 [k, m, n] (m <= n, the NS dtype) -> [k, m, n], or [k, n, m] if `transposed`
+    (the caller's orientation), into `out` when given."""
+    a, b, c = NS_COEFFS
+    dtype = X3.dtype
     # NOTE: one step is X <- a X + b A X + c A^2 X = B' X with B' = a I + b A + c A^2 (A = X X^T): the
     # small [m, m] B' takes every coefficient (baddbmm, then a I on its diagonal), so the big [m, n]
     # product is a plain bmm (a baddbmm on X would first copy all of X into its output).
-    X3 = X.reshape(-1, *X.shape[-2:])
     for step in range(steps):
         s = scale if step == steps - 1 else 1.0
         A = X3 @ X3.mT
@@ -81,12 +97,15 @@ def newton_schulz(
             ns_scale_(B, sumsq, square=False, diag=a * s, eps=eps)
         else:
             B.diagonal(dim1=-2, dim2=-1).add_(a * s)
-        if transposed and step == steps - 1:
+        if step < steps - 1:
+            X3 = torch.bmm(B, X3)
+        elif transposed:
             # NOTE: the last step writes the caller's orientation, (B' X)^T = X^T B' (B' is symmetric), so the
             # result is contiguous and the update pass reads it in order (a transposed view reads strided).
-            return torch.bmm(X3.mT, B).reshape(G.shape)
-        X3 = torch.bmm(B, X3)
-    return X3.reshape(G.shape)
+            return torch.bmm(X3.mT, B, out=out)
+        else:
+            return torch.bmm(B, X3, out=out)
+    raise AssertionError("unreachable: steps >= 1")
 
 
 def muon_scale(rows: int, cols: int) -> float:
@@ -122,7 +141,7 @@ def orthogonalise(
 
 def orthogonalise_batched(
     directions: list[torch.Tensor], specs: list[ParamSpec], *, ns_steps: int = 5, ns_dtype: torch.dtype | None = None,
-    cast: bool = True, graphs: "NewtonSchulzGraphs | None" = None, key=None,
+    cast: bool = True, graphs: "NewtonSchulzGraphs | None" = None, key=None, ns_chunk: int = 0,
 ) -> list[torch.Tensor]:
     """`orthogonalise` of each plain tensor, with every block of one [r, c] shape in one Newton–Schulz call.
 
@@ -138,10 +157,10 @@ def orthogonalise_batched(
         if graphs is not None:
             shape = (sum(blocks[i].shape[0] for i in idx), rows, cols)
             O = graphs.orthogonalise((key, rows, cols), [blocks[i] for i in idx], shape, ns_steps,
-                                     ns_dtype or default_ns_dtype(blocks[idx[0]].device))
+                                     ns_dtype or default_ns_dtype(blocks[idx[0]].device), ns_chunk)
         else:
             stacked = blocks[idx[0]] if len(idx) == 1 else torch.cat([blocks[i] for i in idx])
-            O = orthogonalise_stacked(stacked, ns_steps, ns_dtype)
+            O = orthogonalise_stacked(stacked, ns_steps, ns_dtype, ns_chunk)
         for i, u in zip(idx, O.split([blocks[i].shape[0] for i in idx])):
             out[i] = (u.to(directions[i].dtype) if cast else u).reshape(directions[i].shape)
     return out
@@ -155,11 +174,12 @@ def by_block_shape(blocks: list[torch.Tensor]) -> dict[tuple[int, int], list[int
     return groups
 
 
-def orthogonalise_stacked(stacked: torch.Tensor, ns_steps: int, ns_dtype: torch.dtype | None) -> torch.Tensor:
-    """Scaled Newton–Schulz of blocks [B, r, c] of one shape, in the NS dtype."""
+def orthogonalise_stacked(stacked: torch.Tensor, ns_steps: int, ns_dtype: torch.dtype | None,
+                          ns_chunk: int = 0) -> torch.Tensor:
+    """Scaled Newton–Schulz of blocks [B, r, c] of one shape, in the NS dtype (`newton_schulz`'s chunk: ns_chunk)."""
     rows, cols = stacked.shape[-2:]
     with record_function(f"muon.newton_schulz[{stacked.shape[0]}x{rows}x{cols}]"):
-        return newton_schulz(stacked, ns_steps, dtype=ns_dtype, scale=muon_scale(rows, cols))
+        return newton_schulz(stacked, ns_steps, dtype=ns_dtype, scale=muon_scale(rows, cols), chunk=ns_chunk)
 
 
 def muon_update(
@@ -192,6 +212,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         p <- p * (1 - lr * weight_decay)
         p <- p - lr * muon_update(grad, buf, spec)
     `ns_dtype` is the Newton–Schulz compute dtype (None: bf16 on GPU, float32 on CPU).
+    `ns_chunk` > 0 runs each block shape's Newton–Schulz over that many blocks at a time (`newton_schulz`'s chunk).
     `momentum_dtype` is the momentum buffer's storage dtype (None: the parameter's). Below float32 (bf16) it
     halves the optimizer's largest state; the arithmetic stays float32 and each update rounds the buffer once.
 
@@ -220,6 +241,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         ns_dtype: torch.dtype | None = None,
         ns_cuda_graphs: bool = False,
         momentum_dtype: torch.dtype | None = None,
+        ns_chunk: int = 0,
     ) -> None:
         if lr < 0:
             raise ValueError(f"PerHeadMuon: lr={lr}; must be >= 0")
@@ -232,7 +254,10 @@ class PerHeadMuon(torch.optim.Optimizer):
         if momentum_dtype not in (None, torch.float32, torch.bfloat16, torch.float64):
             raise ValueError(f"PerHeadMuon: momentum_dtype={momentum_dtype}; use float32, bfloat16 or float64 "
                              "(float16's range cannot hold a gradient's momentum)")
+        if ns_chunk < 0:
+            raise ValueError(f"PerHeadMuon: ns_chunk={ns_chunk}; must be >= 0 (0: every block of a shape at once)")
         self.ns_dtype = ns_dtype
+        self.ns_chunk = ns_chunk
         self.momentum_dtype = momentum_dtype
         self.ns_graphs = NewtonSchulzGraphs() if ns_cuda_graphs else None
         self.skip_if: torch.Tensor | None = None
@@ -353,7 +378,8 @@ class PerHeadMuon(torch.optim.Optimizer):
                 key = (tuple(id(params[i]) for i in idx), ns_steps, ns_dtype)
                 if fused:
                     update = graphs.momentum_orthogonalise(key, [grads[i] for i in idx], [bufs[i] for i in idx],
-                                                           shape, momentum, nesterov, ns_steps, ns_dtype, flags)
+                                                           shape, momentum, nesterov, ns_steps, ns_dtype, flags,
+                                                           self.ns_chunk)
                     with record_function("muon.apply"):
                         decay_add_multi_([views[i] for i in idx], update, 1.0 - lr * wd, -lr, skip_if=skip,
                                          table=decay_tables[g])
@@ -366,9 +392,10 @@ class PerHeadMuon(torch.optim.Optimizer):
                     nesterov_momentum_multi_([grads[i] for i in idx], [bufs[i] for i in idx], stacked, momentum,
                                              nesterov, skip_if=skip, grad_scale=scale, table=momentum_tables[g])
                 if graphs is not None:
-                    update = graphs.run(key, lambda x=stacked: orthogonalise_stacked(x, ns_steps, ns_dtype))
+                    update = graphs.run(key, lambda x=stacked: orthogonalise_stacked(x, ns_steps, ns_dtype,
+                                                                                     self.ns_chunk))
                 else:
-                    update = orthogonalise_stacked(stacked, ns_steps, ns_dtype)
+                    update = orthogonalise_stacked(stacked, ns_steps, ns_dtype, self.ns_chunk)
                 with record_function("muon.apply"):
                     decay_add_multi_([views[i] for i in idx], update, 1.0 - lr * wd, -lr, skip_if=skip,
                                      table=decay_tables[g])
@@ -409,9 +436,9 @@ class PerHeadMuon(torch.optim.Optimizer):
             for ns_steps, members in local.items():
                 updates = orthogonalise_batched([d for _, d, _ in members], [s for _, _, s in members],
                                                 ns_steps=ns_steps, ns_dtype=self.ns_dtype, cast=False, graphs=graphs,
-                                                key=("local", *(id(p) for p, _, _ in members)))
+                                                key=("local", *(id(p) for p, _, _ in members)), ns_chunk=self.ns_chunk)
                 local_updates.update((p, u) for (p, _, _), u in zip(members, updates))
-            local_updates.update(_owner_orthogonalise(remote, self.ns_dtype, graphs))
+            local_updates.update(_owner_orthogonalise(remote, self.ns_dtype, graphs, self.ns_chunk))
         by_decay: dict[tuple, list] = {}
         for p, group, _ in items:
             by_decay.setdefault((group["lr"], group["weight_decay"], p.dtype, local_updates[p].dtype), []).append(p)
@@ -519,7 +546,7 @@ class NewtonSchulzGraphs:
 
     def momentum_orthogonalise(self, key, grads: list[torch.Tensor], bufs: list[torch.Tensor],
                                shape: tuple[int, int, int], momentum: float, nesterov: bool, ns_steps: int,
-                               ns_dtype: torch.dtype, flags: tuple) -> torch.Tensor:
+                               ns_dtype: torch.dtype, flags: tuple, ns_chunk: int = 0) -> torch.Tensor:
         """A group's momentum pass and Newton-Schulz as one graph, when joined: blocks [b_i, r, c] of the gradients
         and momentum buffers -> the update [B, r, c] in the NS dtype (the buffers advanced in place).
 
@@ -544,17 +571,18 @@ class NewtonSchulzGraphs:
             stacked = torch.empty(shape, dtype=ns_dtype, device=grads[0].device)
             nesterov_momentum_multi_(grads, bufs, stacked, momentum, nesterov, skip_if=flags[0], grad_scale=flags[1],
                                      table=table)
-            return orthogonalise_stacked(stacked, ns_steps, ns_dtype)
+            return orthogonalise_stacked(stacked, ns_steps, ns_dtype, ns_chunk)
 
         return self.run(fkey, run)
 
     def orthogonalise(self, key, blocks: list[torch.Tensor], shape: tuple[int, int, int], ns_steps: int,
-                      ns_dtype: torch.dtype) -> torch.Tensor:
+                      ns_dtype: torch.dtype, ns_chunk: int = 0) -> torch.Tensor:
         """`orthogonalise_stacked` of the blocks [b_i, r, c] concatenated: one copy into the group's input,
         one replay."""
         stacked = self.input((key, ns_steps, ns_dtype), shape, ns_dtype, blocks[0].device)
         torch.cat(blocks, out=stacked)
-        return self.run((key, ns_steps, ns_dtype), lambda: orthogonalise_stacked(stacked, ns_steps, ns_dtype))
+        return self.run((key, ns_steps, ns_dtype),
+                        lambda: orthogonalise_stacked(stacked, ns_steps, ns_dtype, ns_chunk))
 
 
 def _largest_first(groups: dict[tuple[int, int], list[int]], blocks: list[torch.Tensor]) -> list:
@@ -622,7 +650,7 @@ def _assign_owners(members: list[_Remote], world: int) -> list[list[_Remote]]:
     return owned
 
 
-def _owner_orthogonalise(remote: list, ns_dtype, graphs: NewtonSchulzGraphs | None = None) -> dict:
+def _owner_orthogonalise(remote: list, ns_dtype, graphs: NewtonSchulzGraphs | None = None, ns_chunk: int = 0) -> dict:
     """Gather each direction to its owner, orthogonalise it there, scatter the update back.
 
     FSDP2 splits dim 0 like torch.chunk: rank i holds rows [i*c, min((i+1)*c, n)),
@@ -641,7 +669,7 @@ def _owner_orthogonalise(remote: list, ns_dtype, graphs: NewtonSchulzGraphs | No
         groups.setdefault((pg, world, p.device_mesh.get_local_rank(dim), direction.dtype), []).append(member)
     updates = {}
     for (pg, world, me, _), members in groups.items():
-        updates.update(_exchange(pg, world, me, _assign_owners(members, world), ns_dtype, graphs))
+        updates.update(_exchange(pg, world, me, _assign_owners(members, world), ns_dtype, graphs, ns_chunk))
     return updates
 
 
@@ -651,7 +679,7 @@ def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _exchange(pg, world: int, me: int, owned: list[list[_Remote]], ns_dtype,
-              graphs: NewtonSchulzGraphs | None = None) -> dict:
+              graphs: NewtonSchulzGraphs | None = None, ns_chunk: int = 0) -> dict:
     """One shard group: gather to each owner, orthogonalise what this rank owns, scatter the updates back."""
     gathered, works = [], []
     for owner, members in enumerate(owned):
@@ -676,7 +704,8 @@ def _exchange(pg, world: int, me: int, owned: list[list[_Remote]], ns_dtype,
         full_updates = [None] * len(mine)
         for ns_steps, idx in by_steps.items():
             outs = orthogonalise_batched([fulls[i] for i in idx], [mine[i].spec for i in idx], ns_steps=ns_steps,
-                                         ns_dtype=ns_dtype, graphs=graphs, key=("owned", *(id(mine[i].p) for i in idx)))
+                                         ns_dtype=ns_dtype, graphs=graphs, key=("owned", *(id(mine[i].p) for i in idx)),
+                                         ns_chunk=ns_chunk)
             for i, u in zip(idx, outs):
                 full_updates[i] = u
     results, works = [], []
