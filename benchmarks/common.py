@@ -89,6 +89,42 @@ def peak_reserved_gib() -> float:
     return torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else 0.0
 
 
+def reserved_by_pool(segments: list[dict]) -> list[dict]:
+    """The allocator's reserved memory per pool, from `torch.cuda.memory_snapshot()`'s segments, largest first.
+
+    One row per (pool, stream): "pool" is "default" or the CUDA graph pool's id, with GiB reserved, allocated
+    (blocks in use) and free inside it, the largest free block (what one more allocation could take without
+    growing the pool) and the segment count. NOTE: a CUDA graph's pool keeps its capture's blocks; when the
+    reserved total stays above the allocated one, this says which pool holds the difference.
+    """
+    pools: dict[tuple, dict] = {}
+    for seg in segments:
+        pool_id = tuple(seg.get("segment_pool_id") or (0, 0))
+        key = ("default" if pool_id == (0, 0) else f"graph pool {pool_id[0]}.{pool_id[1]}", seg.get("stream", 0))
+        row = pools.setdefault(key, {"pool": key[0], "stream": key[1], "segments": 0, "reserved": 0, "allocated": 0,
+                                     "largest_free": 0})
+        row["segments"] += 1
+        row["reserved"] += seg["total_size"]
+        row["allocated"] += seg["allocated_size"]
+        free = [b["size"] for b in seg.get("blocks", []) if b["state"] == "inactive"]
+        row["largest_free"] = max([row["largest_free"], *free])
+    out = []
+    for row in sorted(pools.values(), key=lambda r: -r["reserved"]):
+        out.append({"pool": row["pool"], "stream": row["stream"], "segments": row["segments"],
+                    **{f"{k}_gib": round(row[k] / 2**30, 3) for k in ("reserved", "allocated", "largest_free")},
+                    "free_gib": round((row["reserved"] - row["allocated"]) / 2**30, 3)})
+    return out
+
+
+def pools_table(rows: list[dict]) -> str:
+    """`reserved_by_pool`'s rows as a Markdown table."""
+    lines = ["| pool | stream | segments | reserved GiB | allocated GiB | free GiB | largest free block GiB |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['pool']} | {r['stream']} | {r['segments']} | {r['reserved_gib']:.2f} | {r['allocated_gib']:.2f} | "
+              f"{r['free_gib']:.2f} | {r['largest_free_gib']:.2f} |" for r in rows]
+    return "\n".join(lines)
+
+
 def reset_peak() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

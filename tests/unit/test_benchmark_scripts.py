@@ -298,3 +298,48 @@ def test_the_headline_variant_is_the_pretraining_recipe():
     # One process on one GPU runs without FSDP, so the recipe's multi-GPU setting changes nothing there.
     assert set(differing) <= {"parallelism.fsdp_reshard_after_forward"}, differing
     assert recipe["optimizer"]["momentum_dtype"] == "bfloat16" and recipe["compile"]["cuda_graph_share_pool"]
+
+
+def test_reserved_by_pool_splits_the_reserve_between_the_default_allocator_and_graph_pools():
+    sys.path.insert(0, str(REPO))
+    from benchmarks.common import pools_table, reserved_by_pool
+
+    gib = 2**30
+    segments = [  # the shape of torch.cuda.memory_snapshot()'s segments, the fields used
+        {"segment_pool_id": (0, 0), "stream": 0, "total_size": 2 * gib, "allocated_size": gib,
+         "blocks": [{"size": gib, "state": "active_allocated"}, {"size": gib, "state": "inactive"}]},
+        {"segment_pool_id": (1, 3), "stream": 7, "total_size": 6 * gib, "allocated_size": 2 * gib,
+         "blocks": [{"size": 2 * gib, "state": "active_allocated"}, {"size": 3 * gib, "state": "inactive"},
+                    {"size": gib, "state": "inactive"}]},
+        {"segment_pool_id": (0, 0), "stream": 0, "total_size": gib // 2, "allocated_size": gib // 2,
+         "blocks": [{"size": gib // 2, "state": "active_allocated"}]},
+    ]
+    rows = reserved_by_pool(segments)
+    assert [(r["pool"], r["stream"], r["segments"]) for r in rows] == [("graph pool 1.3", 7, 1), ("default", 0, 2)]
+    assert (rows[0]["reserved_gib"], rows[0]["allocated_gib"], rows[0]["free_gib"], rows[0]["largest_free_gib"]) \
+        == (6.0, 2.0, 4.0, 3.0)
+    assert (rows[1]["reserved_gib"], rows[1]["allocated_gib"], rows[1]["largest_free_gib"]) == (2.5, 1.5, 1.0)
+    assert "| graph pool 1.3 | 7 | 1 | 6.00 | 2.00 | 4.00 | 3.00 |" in pools_table(rows)
+    assert reserved_by_pool([]) == []
+
+
+def test_a_variant_that_needs_an_allocator_setting_runs_only_in_its_own_process(tmp_path, monkeypatch):
+    """ours-recipe-expandable sets PYTORCH_CUDA_ALLOC_CONF for its child; in this process it is refused by name."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    _run("train_throughput.py", tmp_path, "--variants", "ours-recipe-expandable", "--profile", "none")
+    rows = json.loads((tmp_path / "out" / "train_throughput.json").read_text())["rows"]
+    assert rows[0]["error"] == "needs --isolate: sets PYTORCH_CUDA_ALLOC_CONF before CUDA starts", rows
+
+    sys.path.insert(0, str(REPO))
+    from types import SimpleNamespace
+
+    from benchmarks import train_throughput
+
+    seen = {}
+    monkeypatch.setattr(subprocess, "run", lambda cmd, timeout, env: seen.update(env=env) or SimpleNamespace(returncode=3))
+    args = SimpleNamespace(flavor="debug", warmup=1, steps=1, out=tmp_path)
+    row = train_throughput.run_isolated("ours-recipe-expandable", 64, 2, args, 60.0, "none")
+    assert seen["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True" and "PATH" in seen["env"]
+    assert row["error"] == "child process exited 3"
+    train_throughput.run_isolated("ours-recipe", 64, 2, args, 60.0, "none")
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in seen["env"]
