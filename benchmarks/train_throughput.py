@@ -97,7 +97,8 @@ VARIANTS = {
     # equal to ours-compile-step-graph-lean, the headline's variant.
     "ours-recipe": RECIPE,
     # ... with each Newton-Schulz over 32 / 64 blocks at a time (optimizer.ns_chunk: a chunk's iterates can stay in
-    # L2 where the whole batch goes through memory, ~43 GB per update; predicted up to ~10 ms of the 20.5 ms)
+    # L2 where the whole batch goes through memory, ~43 GB per update; predicted ~5-8 ms of the 20.5 ms:
+    # L2-resident products against ~1,800-3,600 more, shorter launches inside the graph)
     "ours-recipe-ns-chunk32": [*RECIPE, "--optimizer.ns_chunk", "32"],
     "ours-recipe-ns-chunk64": [*RECIPE, "--optimizer.ns_chunk", "64"],
     # ... with the allocator's expandable segments (VARIANT_ENV)
