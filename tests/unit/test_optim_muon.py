@@ -294,3 +294,19 @@ def test_ns_chunk_config_key_is_checked_before_any_work():
 
     with pytest.raises(ConfigError, match="'optimizer.ns_chunk' = -1: must be >= 0"):
         load_job_config(["--optimizer.ns_chunk", "-1"])
+
+
+@pytest.mark.parametrize("shape, chunk", [((7, 12, 20), 3), ((5, 20, 12), 2), ((6, 10, 14), 0)],
+                         ids=["chunked", "transposed, chunked", "all at once"])
+def test_newton_schulz_written_over_its_input_equals_a_fresh_output(shape, chunk):
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(10), dtype=torch.float64)
+    want = newton_schulz(G, dtype=torch.float64, scale=0.7)
+    scratch = G.clone()
+    got = newton_schulz(scratch, dtype=torch.float64, scale=0.7, chunk=chunk, overwrite=True)
+    assert got.data_ptr() == scratch.data_ptr() and got.shape == G.shape  # no output allocated
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # not when it cannot: one step (the only product reads G), another dtype (G is not the iterate), or not asked
+    for kw, src in (({"steps": 1}, G.clone()), ({}, G.float()), ({"overwrite": False}, G.clone())):
+        before = src.clone()
+        out = newton_schulz(src, **{"dtype": torch.float64, "chunk": chunk, "overwrite": True, **kw})
+        assert out.data_ptr() != src.data_ptr() and torch.equal(src, before), kw

@@ -41,7 +41,7 @@ def default_ns_dtype(device: torch.device) -> torch.dtype:
 
 def newton_schulz(
     G: torch.Tensor, steps: int = 5, *, dtype: torch.dtype | None = None, eps: float = 1e-7, scale: float = 1.0,
-    chunk: int = 0,
+    chunk: int = 0, overwrite: bool = False,
 ) -> torch.Tensor:
     """Approximately orthogonalise each matrix of G: O ~ scale * U V^T for G = U S V^T.
 
@@ -51,6 +51,8 @@ def newton_schulz(
     step's matmul. `chunk` > 0 runs every step over `chunk` matrices at a time instead of all of them (the same
     math per matrix): a chunk's iterates and Gram matrices can stay in the GPU's L2 cache from one product to the
     next, where the whole batch goes through memory every product, and the temporaries shrink to a chunk's.
+    `overwrite`: G is scratch and the result may be written over it (when G is contiguous, already in `dtype`
+    and steps > 1: no output allocation; the returned tensor is then G itself).
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz: G must have at least 2 dims [..., m, n]; got shape {tuple(G.shape)}")
@@ -66,9 +68,14 @@ def newton_schulz(
     # NOTE: iterate on the wide orientation so that X X^T is the smaller Gram matrix.
     transposed = X.size(-2) > X.size(-1)
     X3 = (X.mT if transposed else X).reshape(-1, *sorted(X.shape[-2:]))
+    # NOTE: G is read only by the first step (a transposed G not even then: X3 is its copy), so from two steps on
+    # the last product may write over it, chunk by chunk too (a chunk's rows of G are read only in its own steps).
+    in_place = overwrite and steps > 1 and X is G and G.is_contiguous()
+    out = G.view(-1, *G.shape[-2:]) if in_place else None
     if not 0 < chunk < X3.shape[0]:
-        return _ns_iterate(X3, steps, eps, scale, transposed).reshape(G.shape)
-    out = torch.empty((X3.shape[0], *G.shape[-2:]), dtype=dtype, device=G.device)
+        return _ns_iterate(X3, steps, eps, scale, transposed, out=out).reshape(G.shape)
+    if out is None:
+        out = torch.empty((X3.shape[0], *G.shape[-2:]), dtype=dtype, device=G.device)
     for first in range(0, X3.shape[0], chunk):
         _ns_iterate(X3[first:first + chunk], steps, eps, scale, transposed, out=out[first:first + chunk])
     return out.reshape(G.shape)
@@ -175,11 +182,16 @@ def by_block_shape(blocks: list[torch.Tensor]) -> dict[tuple[int, int], list[int
 
 
 def orthogonalise_stacked(stacked: torch.Tensor, ns_steps: int, ns_dtype: torch.dtype | None,
-                          ns_chunk: int = 0) -> torch.Tensor:
-    """Scaled Newton–Schulz of blocks [B, r, c] of one shape, in the NS dtype (`newton_schulz`'s chunk: ns_chunk)."""
+                          ns_chunk: int = 0, scratch: bool = False) -> torch.Tensor:
+    """Scaled Newton–Schulz of blocks [B, r, c] of one shape, in the NS dtype (`newton_schulz`'s chunk: ns_chunk).
+
+    scratch: `stacked` is the caller's scratch; with ns_chunk > 0 the update is written over it (no output
+    allocation, `newton_schulz`'s overwrite).
+    """
     rows, cols = stacked.shape[-2:]
     with record_function(f"muon.newton_schulz[{stacked.shape[0]}x{rows}x{cols}]"):
-        return newton_schulz(stacked, ns_steps, dtype=ns_dtype, scale=muon_scale(rows, cols), chunk=ns_chunk)
+        return newton_schulz(stacked, ns_steps, dtype=ns_dtype, scale=muon_scale(rows, cols), chunk=ns_chunk,
+                             overwrite=scratch and ns_chunk > 0)
 
 
 def muon_update(
@@ -212,7 +224,8 @@ class PerHeadMuon(torch.optim.Optimizer):
         p <- p * (1 - lr * weight_decay)
         p <- p - lr * muon_update(grad, buf, spec)
     `ns_dtype` is the Newton–Schulz compute dtype (None: bf16 on GPU, float32 on CPU).
-    `ns_chunk` > 0 runs each block shape's Newton–Schulz over that many blocks at a time (`newton_schulz`'s chunk).
+    `ns_chunk` > 0 runs each block shape's Newton–Schulz over that many blocks at a time (`newton_schulz`'s chunk)
+    and writes each update over the optimizer's own scratch input (no output buffer).
     `momentum_dtype` is the momentum buffer's storage dtype (None: the parameter's). Below float32 (bf16) it
     halves the optimizer's largest state; the arithmetic stays float32 and each update rounds the buffer once.
 
@@ -393,9 +406,9 @@ class PerHeadMuon(torch.optim.Optimizer):
                                              nesterov, skip_if=skip, grad_scale=scale, table=momentum_tables[g])
                 if graphs is not None:
                     update = graphs.run(key, lambda x=stacked: orthogonalise_stacked(x, ns_steps, ns_dtype,
-                                                                                     self.ns_chunk))
+                                                                                     self.ns_chunk, scratch=True))
                 else:
-                    update = orthogonalise_stacked(stacked, ns_steps, ns_dtype, self.ns_chunk)
+                    update = orthogonalise_stacked(stacked, ns_steps, ns_dtype, self.ns_chunk, scratch=True)
                 with record_function("muon.apply"):
                     decay_add_multi_([views[i] for i in idx], update, 1.0 - lr * wd, -lr, skip_if=skip,
                                      table=decay_tables[g])
@@ -571,7 +584,7 @@ class NewtonSchulzGraphs:
             stacked = torch.empty(shape, dtype=ns_dtype, device=grads[0].device)
             nesterov_momentum_multi_(grads, bufs, stacked, momentum, nesterov, skip_if=flags[0], grad_scale=flags[1],
                                      table=table)
-            return orthogonalise_stacked(stacked, ns_steps, ns_dtype, ns_chunk)
+            return orthogonalise_stacked(stacked, ns_steps, ns_dtype, ns_chunk, scratch=True)
 
         return self.run(fkey, run)
 
@@ -582,7 +595,7 @@ class NewtonSchulzGraphs:
         stacked = self.input((key, ns_steps, ns_dtype), shape, ns_dtype, blocks[0].device)
         torch.cat(blocks, out=stacked)
         return self.run((key, ns_steps, ns_dtype),
-                        lambda: orthogonalise_stacked(stacked, ns_steps, ns_dtype, ns_chunk))
+                        lambda: orthogonalise_stacked(stacked, ns_steps, ns_dtype, ns_chunk, scratch=True))
 
 
 def _largest_first(groups: dict[tuple[int, int], list[int]], blocks: list[torch.Tensor]) -> list:
