@@ -89,15 +89,16 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     opt, numel = muon_optimizer(args.flavor, device)
     env, rows = environment(), []
-    best = "fused + NS graphs" if device.type == "cuda" else "fused"
-    variants = ("fused", "torch passes") + (("fused + NS graphs",) if device.type == "cuda" else ()) + tuple(
-        f"{best}, chunks of {n}" for n in args.ns_chunk)
-    for variant in variants:
-        opt.ns_chunk = int(variant.rsplit(" ", 1)[1]) if ", chunks of " in variant else 0
+    graphs = device.type == "cuda"
+    # (name, Newton-Schulz graphs, ns_chunk); the chunked variants on the fastest unchunked one
+    variants = [("fused", False, 0), ("torch passes", False, 0)] + [("fused + NS graphs", True, 0)] * graphs
+    variants += [(f"{'fused + NS graphs' if graphs else 'fused'}, chunks of {n}", graphs, n) for n in args.ns_chunk]
+    for variant, with_graphs, chunk in variants:
+        opt.ns_chunk = chunk
         if variant == "torch passes":
             for fn in FUSED_PASSES:
                 setattr(muon, fn.__name__, functools.partial(fn, triton_=False))
-        opt.ns_graphs = muon.NewtonSchulzGraphs() if variant.startswith("fused + NS graphs") else None
+        opt.ns_graphs = muon.NewtonSchulzGraphs() if with_graphs else None
         try:
             gpu_ms, host_ms = time_steps(opt, args.steps, device.type == "cuda")
         finally:

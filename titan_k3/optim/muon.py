@@ -106,13 +106,9 @@ def _ns_iterate(X3: torch.Tensor, steps: int, eps: float, scale: float, transpos
             B.diagonal(dim1=-2, dim2=-1).add_(a * s)
         if step < steps - 1:
             X3 = torch.bmm(B, X3)
-        elif transposed:
-            # NOTE: the last step writes the caller's orientation, (B' X)^T = X^T B' (B' is symmetric), so the
-            # result is contiguous and the update pass reads it in order (a transposed view reads strided).
-            return torch.bmm(X3.mT, B, out=out)
-        else:
-            return torch.bmm(B, X3, out=out)
-    raise AssertionError("unreachable: steps >= 1")
+    # NOTE: the last step writes the caller's orientation, (B' X)^T = X^T B' (B' is symmetric), so the result is
+    # contiguous and the update pass reads it in order (a transposed view reads strided).
+    return torch.bmm(X3.mT, B, out=out) if transposed else torch.bmm(B, X3, out=out)
 
 
 def muon_scale(rows: int, cols: int) -> float:
