@@ -106,6 +106,28 @@ def _device(cfg: JobConfig) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
+EXPANDABLE = "expandable_segments:True"
+
+
+def _allocator_settings(cfg: JobConfig, device: torch.device) -> None:
+    """training.expandable_segments: have CUDA's caching allocator grow one mapping per stream (before it starts)."""
+    if not cfg.training.expandable_segments or device.type != "cuda":
+        return
+    current = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments" in current:
+        if EXPANDABLE not in current:
+            raise ConfigError(f"config key 'training.expandable_segments' = true: PYTORCH_CUDA_ALLOC_CONF={current!r} "
+                              "in the environment sets it otherwise; drop one of the two")
+        return
+    if torch.cuda.is_initialized():
+        # NOTE: CUDA started before the trainer (an embedding process): the setting still applies to every
+        # segment the allocator creates from here on.
+        torch.cuda.memory._set_allocator_settings(EXPANDABLE)
+    else:
+        # The allocator reads this when CUDA starts; child processes (compile workers) inherit it.
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, (current, EXPANDABLE)))
+
+
 def _state_field(name: str) -> property:
     """A Trainer attribute that is `self.state.<name>` (read and write)."""
     return property(lambda self: getattr(self.state, name), lambda self, value: setattr(self.state, name, value),
@@ -120,6 +142,7 @@ class Trainer:
         self.clocks = TwoClocks()
         self.startup_seconds = float("nan")  # set after this process's first update
         self.device = _device(cfg)
+        _allocator_settings(cfg, self.device)
         # First: our kernels compile in the background while everything below builds and dynamo traces.
         self.precompile = Precompile(self.device, cfg.kernels.precompile_threads).start() \
             if self.device.type == "cuda" and cfg.kernels.precompile_threads > 0 else None

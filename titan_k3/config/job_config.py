@@ -61,6 +61,8 @@ class Kernels:
     attention: Literal["auto", "cudnn", "flash", "efficient", "math", "flex", "varlen"] = "auto"
     """MLA attention: varlen (flash attention's variable-length kernel, each document its own sequence, CUDA only),
     flex (flex_attention on a BlockMask, CUDA only), an SDPA backend on a dense document mask, or auto."""
+    loss_chunk_rows: int = 0
+    """Rows of the fused head + cross-entropy whose logits exist at one time (0: as many as fit in 3 GiB of logits, 8,192 at k3's 163,840-wide vocabulary in bf16). Fewer rows hold less memory in the forward for a little more time per update (benchmarks/results/fused_ce.md: 4,096 rows 1.25 GiB less than 8,192 for ~0.6-0.8 ms more per 32K tokens). Both the Triton kernel and the torch reference take it."""
     precompile_threads: int = 8
     """On CUDA: threads that compile our Triton kernels' recorded specializations (kernels/specializations/, one file per Triton version and GPU) in the background from the start of the run, instead of one after another at their first calls; 0 turns it off. Without a file for this Triton and GPU the kernels compile at first call, and the start-up report says so."""
 
@@ -89,6 +91,8 @@ class Training:
     """Repeat the first batch forever (the overfit probe)."""
     context_stages: str = ""
     """Context curriculum as 'update:seq_len,...': from that update on, sequences of that length (training.seq_len before the first); every token of the stream is kept."""
+    expandable_segments: bool = False
+    """On CUDA: the caching allocator grows one mapping per stream ('expandable_segments:True' of PYTORCH_CUDA_ALLOC_CONF) instead of holding fixed-size segments, so less memory sits reserved but unused. Set before CUDA starts; an environment that already sets expandable_segments otherwise is refused."""
     gc_every: int = 50
     """Python's automatic garbage collection is off while the trainer runs; a generation-1 collection runs before every gc_every-th update (0: leave the automatic collector on). A host-bound step pauses with the host."""
 

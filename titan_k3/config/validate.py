@@ -125,6 +125,7 @@ def validate(cfg: JobConfig) -> None:
     _non_negative("training.max_norm", t.max_norm)
     _non_negative("training.seed", t.seed)
     _non_negative("kernels.precompile_threads", cfg.kernels.precompile_threads)
+    _non_negative("kernels.loss_chunk_rows", cfg.kernels.loss_chunk_rows)
     if cfg.kernels.kda != "torch":
         _require(
             t.seq_len % KDA_CHUNK == 0,

@@ -155,6 +155,8 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
         kda, c_kda = _pick("kda", kernels_cfg.kda, on_cuda, ("kernels.kda", "chunk_kda", "triton"),
                            reads_own_layout(kda_reference.chunk_kda_reference))
     loss, c_loss = _pick("loss", kernels_cfg.loss, on_cuda, ("kernels.fused_ce", "linear_cross_entropy", "triton"), ce_reference.linear_cross_entropy)
+    if kernels_cfg.loss_chunk_rows:
+        loss = functools.partial(loss, chunk_rows=kernels_cfg.loss_chunk_rows)
     if c_loss.chosen == "triton":
         # NOTE: the trainer checks token ids on the host before they reach the GPU, so the
         # kernel's own range check (a device sync per micro-batch) is skipped; a bad id
