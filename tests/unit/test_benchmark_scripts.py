@@ -276,7 +276,8 @@ def test_strong_peer_with_compile_graphs_compiles_each_block_so_and_marks_each_s
 
 
 def test_the_headline_variant_is_the_pretraining_recipe():
-    """ours-compile-step-graph-lean (the headline) and ours-recipe (tomls/pretrain.toml) resolve to one step.
+    """ours-recipe (tomls/pretrain.toml, the headline) and ours-compile-step-graph-lean-memory (every flag spelled
+    out) resolve to one step.
 
     Every section that shapes an update must agree; a lever turned on in the recipe and not in the headline's
     variant (or the reverse) would make the headline measure something users do not run.
@@ -292,12 +293,14 @@ def test_the_headline_variant_is_the_pretraining_recipe():
         return {k: cfg[k] for k in ("model", "training", "optimizer", "compile", "kernels", "float8",
                                     "activation_checkpoint", "parallelism")}
 
-    recipe, headline = resolved("ours-recipe"), resolved("ours-compile-step-graph-lean")
+    recipe, headline = resolved("ours-recipe"), resolved("ours-compile-step-graph-lean-memory")
     differing = {f"{section}.{key}": (recipe[section][key], headline[section][key])
                  for section in recipe for key in recipe[section] if recipe[section][key] != headline[section][key]}
     # One process on one GPU runs without FSDP, so the recipe's multi-GPU setting changes nothing there.
     assert set(differing) <= {"parallelism.fsdp_reshard_after_forward"}, differing
     assert recipe["optimizer"]["momentum_dtype"] == "bfloat16" and recipe["compile"]["cuda_graph_share_pool"]
+    assert recipe["training"]["expandable_segments"] and recipe["kernels"]["loss_chunk_rows"] == 4096
+    assert recipe["optimizer"]["ns_chunk"] == 512
 
 
 def test_reserved_by_pool_splits_the_reserve_between_the_default_allocator_and_graph_pools():

@@ -213,3 +213,58 @@ def test_bf16_momentum_reaches_the_optimizer_and_trains(tmp_path):
         assert all(torch.isfinite(torch.tensor(x)) for x in losses)
     finally:
         trainer.close()
+
+
+def test_expandable_segments_reach_the_allocator_before_cuda_starts(monkeypatch):
+    """training.expandable_segments sets PYTORCH_CUDA_ALLOC_CONF for a CUDA run (kept beside the user's own
+    settings), leaves a CPU run alone, and refuses an environment that says otherwise."""
+    from titan_k3.config.errors import ConfigError
+    from titan_k3.train import _allocator_settings
+
+    on = load_job_config(["--training.expandable_segments", "true"])
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    _allocator_settings(on, torch.device("cpu"))
+    _allocator_settings(load_job_config([]), cuda)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in __import__("os").environ
+    _allocator_settings(on, cuda)
+    assert __import__("os").environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    _allocator_settings(on, cuda)
+    assert __import__("os").environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128,expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    with pytest.raises(ConfigError, match="'training.expandable_segments' = true: PYTORCH_CUDA_ALLOC_CONF="):
+        _allocator_settings(on, cuda)
+
+
+def test_loss_chunk_rows_reaches_the_loss_and_keeps_its_value(monkeypatch):
+    """kernels.loss_chunk_rows is the chunk the model's loss runs with; the loss and its gradients do not depend on it."""
+    from kernels.fused_ce import reference
+    from titan_k3.config.errors import ConfigError
+    from titan_k3.models.k3.impl import resolve_impl
+
+    with pytest.raises(ConfigError, match="'kernels.loss_chunk_rows' = -1: must be >= 0"):
+        load_job_config(["--kernels.loss_chunk_rows", "-1"])
+    seen = []
+    real = reference.linear_cross_entropy
+
+    def spy(*args, chunk_rows=None, **kwargs):
+        seen.append(chunk_rows)
+        return real(*args, chunk_rows=chunk_rows, **kwargs)
+
+    monkeypatch.setattr(reference, "linear_cross_entropy", spy)
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(37, 8, dtype=torch.float64, generator=g)
+    w = torch.randn(50, 8, dtype=torch.float64, generator=g)
+    targets = torch.randint(0, 50, (37,), generator=g)
+    results = []
+    for rows in (0, 5):
+        impl = resolve_impl(load_job_config(["--kernels.loss_chunk_rows", str(rows)]).kernels, torch.device("cpu"))
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss, n = impl.loss(hh, ww, targets)
+        loss.backward()
+        results.append((loss.detach(), n, hh.grad, ww.grad))
+    assert seen == [None, 5]
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
