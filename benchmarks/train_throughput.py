@@ -118,6 +118,10 @@ VARIANTS = {
     # batches and 4.5 GiB less reserved; larger chunks, predicted: most of the reserve for under a millisecond)
     "ours-recipe-lean-memory-ns512": [*RECIPE, "--training.expandable_segments", "true",
                                       "--kernels.loss_chunk_rows", "4096", "--optimizer.ns_chunk", "512"],
+    # The recipe with one of its memory levers turned back off (which one moves speed or the loss curve)
+    "ours-recipe-ns-whole": [*RECIPE, "--optimizer.ns_chunk", "0"],
+    "ours-recipe-ce-default": [*RECIPE, "--kernels.loss_chunk_rows", "0"],
+    "ours-recipe-fixed-segments": [*RECIPE, "--training.expandable_segments", "false"],
     # FP8 on every block linear of k3-mini (the default min_dim 8192 converts none: none paid, fp8.md)
     "ours-compile-fp8": ["--compile.enable", "true", "--float8.enable", "true", "--float8.min_dim", "256"],
     "ours-compile-torch-loss": ["--compile.enable", "true", "--kernels.loss", "torch"],
