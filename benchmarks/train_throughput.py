@@ -97,7 +97,8 @@ VARIANTS = {
     "ours-compile-step-graph-lean-memory": ["--compile.enable", "true", "--optimizer.ns_cuda_graphs", "true",
                                             "--compile.cuda_graph", "true", "--compile.cuda_graph_share_pool", "true",
                                             "--optimizer.momentum_dtype", "bfloat16", "--training.expandable_segments",
-                                            "true", "--kernels.loss_chunk_rows", "4096", "--optimizer.ns_chunk", "512"],
+                                            "true", "--kernels.loss_chunk_rows", "4096", "--optimizer.ns_chunk", "512",
+                                            "--lr_scheduler.warmup_fraction", "0.01"],
     # The pretraining recipe itself (tomls/pretrain.toml: every optimizer, compile and kernel setting it makes) at the
     # benchmark's shape, on the embedded corpus, checkpointing off: the headline's variant.
     # tests/unit/test_benchmark_scripts.py keeps it equal to ours-compile-step-graph-lean-memory, every flag spelled out.

@@ -290,7 +290,8 @@ def test_the_headline_variant_is_the_pretraining_recipe():
 
     def resolved(name: str) -> dict:
         cfg = asdict(load_job_config(base_args("k3-mini", 1024, 32, name) + VARIANTS[name]))
-        return {k: cfg[k] for k in ("model", "training", "optimizer", "compile", "kernels", "float8",
+        # NOTE: lr_scheduler too: the learning rate steers routing, and routing the experts' load and speed.
+        return {k: cfg[k] for k in ("model", "training", "optimizer", "lr_scheduler", "compile", "kernels", "float8",
                                     "activation_checkpoint", "parallelism")}
 
     recipe, headline = resolved("ours-recipe"), resolved("ours-compile-step-graph-lean-memory")
