@@ -1,6 +1,7 @@
 """The trainer end to end on one process: overfit probe, run directory, non-finite handling."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -227,12 +228,12 @@ def test_expandable_segments_reach_the_allocator_before_cuda_starts(monkeypatch)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     _allocator_settings(on, torch.device("cpu"))
     _allocator_settings(load_job_config([]), cuda)
-    assert "PYTORCH_CUDA_ALLOC_CONF" not in __import__("os").environ
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
     _allocator_settings(on, cuda)
-    assert __import__("os").environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     _allocator_settings(on, cuda)
-    assert __import__("os").environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128,expandable_segments:True"
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128,expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     with pytest.raises(ConfigError, match="'training.expandable_segments' = true: PYTORCH_CUDA_ALLOC_CONF="):
         _allocator_settings(on, cuda)
