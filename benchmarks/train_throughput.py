@@ -108,17 +108,11 @@ VARIANTS = {
     # L2-resident products against ~1,800-3,600 more, shorter launches inside the graph)
     "ours-recipe-ns-chunk32": [*RECIPE, "--optimizer.ns_chunk", "32"],
     "ours-recipe-ns-chunk64": [*RECIPE, "--optimizer.ns_chunk", "64"],
-    # ... with the allocator's expandable segments (VARIANT_ENV)
+    # ... with the allocator's expandable segments set through the environment (VARIANT_ENV; measured in session 17
+    # before training.expandable_segments existed; the recipe now sets them itself, so this is the recipe again)
     "ours-recipe-expandable": RECIPE,
-    # ... with the fused loss's logits in chunks of 4,096 rows instead of 8,192 (kernels.loss_chunk_rows; predicted
-    # 1.25 GiB less allocated for ~0.6-0.8 ms, fused_ce.md's chunk sweep)
-    "ours-recipe-ce4096": [*RECIPE, "--kernels.loss_chunk_rows", "4096"],
-    # ... both, expandable segments through the config key (training.expandable_segments) this time
-    "ours-recipe-lean-memory": [*RECIPE, "--training.expandable_segments", "true", "--kernels.loss_chunk_rows", "4096"],
-    # ... and Newton-Schulz over 512 blocks at a time (chunks of 64 measured 2.6 ms more per Muon step than whole
-    # batches and 4.5 GiB less reserved; larger chunks, predicted: most of the reserve for under a millisecond)
-    "ours-recipe-lean-memory-ns512": [*RECIPE, "--training.expandable_segments", "true",
-                                      "--kernels.loss_chunk_rows", "4096", "--optimizer.ns_chunk", "512"],
+    # Session 17 measured the loss 4,096 rows at a time and Newton-Schulz over 512 blocks as recipe + flag variants
+    # (ours-recipe-ce4096, -lean-memory, -lean-memory-ns512; train_throughput.md); both are in the recipe now.
     # The recipe with one of its memory levers turned back off (which one moves speed or the loss curve)
     "ours-recipe-ns-whole": [*RECIPE, "--optimizer.ns_chunk", "0"],
     "ours-recipe-ce-default": [*RECIPE, "--kernels.loss_chunk_rows", "0"],
