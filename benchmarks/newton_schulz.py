@@ -1,0 +1,157 @@
+"""Newton-Schulz on k3-mini's Muon blocks: the standard iteration against the Gram form, per block shape.
+
+    PYTHONPATH=. python benchmarks/newton_schulz.py --out OUTDIR [--flavor k3-mini --chunk 0 512]
+
+For every block shape of the flavor's Muon matrices (as Per-Head Muon batches them: one call per [r, c] with
+all its blocks), `titan_k3.optim.muon.newton_schulz` in bf16 with 5 steps and the Muon update scale, per
+method ("standard", "gram") and chunk (`optimizer.ns_chunk`; 0 = every block at once):
+- error: relative RMS against the float64 iteration (`kernels.muon.reference.newton_schulz`) on 16 blocks
+  whose singular values span 1 .. 1e-4 (a momentum's spectrum decays; small singular values are where the
+  Gram form loses precision first);
+- time: the call captured as a CUDA graph (as the trainer replays it), median of `triton.testing.do_bench`;
+- FLOP: the multiply-adds each method does (2 per MAC), and the rate they imply.
+A second table times the single products at the largest shape, to say where each method's time goes.
+Appends both to OUTDIR/newton_schulz.md. Without CUDA it checks the errors only (a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import environment, median_ms, rel_rms, write_results  # noqa: E402
+from kernels.muon.reference import newton_schulz as newton_schulz_f64  # noqa: E402
+from titan_k3.models.k3.args import get_flavor  # noqa: E402
+from titan_k3.models.k3.impl import reference_impl  # noqa: E402
+from titan_k3.models.k3.model import K3Model  # noqa: E402
+from titan_k3.optim import ParamSpec  # noqa: E402
+from titan_k3.optim.muon import GRAM_RESTART, NS_METHODS, blocks_of, muon_scale, newton_schulz  # noqa: E402
+
+STEPS = 5
+
+
+def block_shapes(flavor: str) -> dict[tuple[int, int], int]:
+    """{(r, c): blocks} of the flavor's Muon parameters, as Per-Head Muon groups them (model on the meta device)."""
+    with torch.device("meta"):
+        model = K3Model(get_flavor(flavor), reference_impl())
+    hints = model.optim_hints()
+    shapes: dict[tuple[int, int], int] = {}
+    for name, p in model.named_parameters():
+        if hints[name]["use_muon"]:
+            blocks = blocks_of(p, ParamSpec(**hints[name]))
+            shapes[tuple(blocks.shape[-2:])] = shapes.get(tuple(blocks.shape[-2:]), 0) + blocks.shape[0]
+    return dict(sorted(shapes.items(), key=lambda kv: -kv[1] * kv[0][0] * kv[0][1]))
+
+
+def ns_flop(method: str, k: int, r: int, c: int, steps: int = STEPS) -> float:
+    """FLOP (2 per multiply-add) of `newton_schulz` on k blocks [r, c]."""
+    m, n = min(r, c), max(r, c)
+    if method == "standard":
+        macs = steps * (2 * m * m * n + m ** 3)
+    else:  # per run of s steps: two [m, n] products, s A^2, s - 1 chains of B Q, 2 (s - 1) for the next A
+        runs = [min(GRAM_RESTART, steps), steps - min(GRAM_RESTART, steps)]
+        macs = sum(2 * m * m * n + (s + (s - 1) + 2 * (s - 1)) * m ** 3 for s in runs if s)
+    return 2.0 * k * macs
+
+
+def decaying(k: int, r: int, c: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    """k float64 matrices [r, c] with singular values log-spaced from 1 to 1e-4 (times 1e-3, a momentum's scale)."""
+    gen = torch.Generator().manual_seed(seed)
+    m = min(r, c)
+    U, _ = torch.linalg.qr(torch.randn(k, r, m, dtype=torch.float64, generator=gen))
+    V, _ = torch.linalg.qr(torch.randn(k, c, m, dtype=torch.float64, generator=gen))
+    s = torch.logspace(0, -4, m, dtype=torch.float64)
+    return ((U * s) @ V.mT * 1e-3).to(device)
+
+
+def graph_ms(fn) -> float:
+    """Median ms of fn() replayed as a CUDA graph (after one eager warm-up)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(graph.replay)
+
+
+def product_times(k: int, m: int, n: int, device: torch.device) -> list[tuple[str, float, float]]:
+    """(product, ms, FLOP) of each single product the two methods make at k blocks [m, n] (m <= n)."""
+    X = torch.randn(k, m, n, device=device, dtype=torch.bfloat16)
+    A = torch.randn(k, m, m, device=device, dtype=torch.bfloat16) / m
+    H = A.half()
+    sq, rect = 2.0 * k * m ** 3, 2.0 * k * m * m * n
+    cases = [
+        ("X X^T -> bf16 [m, m]", lambda: X @ X.mT, rect),
+        ("X X^T -> float32 [m, m] (out_dtype)", lambda: torch.bmm(X, X.mT, out_dtype=torch.float32), rect),
+        ("baddbmm A A + A, bf16 [m, m]", lambda: torch.baddbmm(A, A, A, beta=-4.775, alpha=2.0315), sq),
+        ("baddbmm A A + A, float16 [m, m]", lambda: torch.baddbmm(H, H, H, beta=-4.775, alpha=2.0315), sq),
+        ("bmm B Q, float16 [m, m]", lambda: torch.bmm(H, H), sq),
+        ("bmm B X, bf16 [m, n]", lambda: torch.bmm(A, X), rect),
+    ]
+    out = []
+    for name, fn, flop in cases:
+        try:
+            out.append((name, median_ms(fn), flop))
+        except RuntimeError as e:  # a product this torch lacks (out_dtype) is a row, not a failed run
+            out.append((f"{name}: {str(e).splitlines()[0][:80]}", float("nan"), flop))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--flavor", default="k3-mini")
+    p.add_argument("--chunk", type=int, nargs="+", default=[0, 512], help="optimizer.ns_chunk values to time")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--seq", type=int, default=0, help="unused (the benchmark scripts' common flags)")
+    p.add_argument("--batch", type=int, default=0, help="unused (the benchmark scripts' common flags)")
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    env, rows = environment(), []
+    shapes = block_shapes(args.flavor)
+    for (r, c), k in shapes.items():
+        G64 = decaying(min(k, 16), r, c, device)
+        ref = newton_schulz_f64(G64, STEPS, dtype=torch.float64, scale=muon_scale(r, c))
+        G = torch.randn(k, r, c, device=device, dtype=torch.bfloat16) * 1e-3
+        for method in NS_METHODS:
+            err = rel_rms(newton_schulz(G64.bfloat16(), STEPS, dtype=torch.bfloat16, scale=muon_scale(r, c),
+                                        method=method), ref)
+            for chunk in args.chunk if cuda else [0]:
+                ms = graph_ms(lambda: newton_schulz(G, STEPS, dtype=torch.bfloat16, scale=muon_scale(r, c),
+                                                    chunk=chunk, method=method)) if cuda else float("nan")
+                flop = ns_flop(method, k, r, c)
+                rows.append(dict(env, shape=f"{k}x{r}x{c}", method=method, chunk=chunk, rel_err=err, ms=ms,
+                                 gflop=flop / 1e9, tflops=flop / ms / 1e9 if cuda else float("nan")))
+                print(rows[-1], flush=True)
+    lines = [f"\n### Newton-Schulz, {args.flavor}'s Muon blocks, 5 steps, bf16 ({device.type}; CUDA-graph replays)",
+             "| date | commit | GPU | torch | triton | blocks | method | chunk | rel err vs float64 | ms | GFLOP | TFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['date']} | {r['commit']} | {r['gpu']} | {r['torch']} | {r['triton']} | {r['shape']} | "
+                     f"{r['method']} | {r['chunk']} | {r['rel_err']:.2e} | {r['ms']:.3f} | {r['gflop']:.0f} | "
+                     f"{r['tflops']:.0f} |")
+    totals = {}
+    for r in rows:
+        totals[(r["method"], r["chunk"])] = totals.get((r["method"], r["chunk"]), 0.0) + r["ms"]
+    lines += ["", "| method | chunk | all shapes, ms |", "|---|---|---|"]
+    lines += [f"| {m} | {ch} | {ms:.2f} |" for (m, ch), ms in totals.items()]
+    if cuda:
+        (r, c), k = next(iter(shapes.items()))
+        m, n = min(r, c), max(r, c)
+        lines += ["", f"Single products at {k} blocks, m = {m}, n = {n}:", "| product | ms | TFLOP/s |", "|---|---|---|"]
+        for name, ms, flop in product_times(k, m, n, device):
+            lines.append(f"| {name} | {ms:.3f} | {flop / ms / 1e9:.0f} |")
+    write_results(args.out, "newton_schulz", "\n".join(lines), env, rows)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
