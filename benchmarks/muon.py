@@ -8,10 +8,10 @@ Newton–Schulz on CUDA), fed random gradients. Per variant, after two warm-up
 steps: GPU time per step (CUDA events around back-to-back steps) and host time
 per step (the Python call alone: when it exceeds the GPU time the step is
 launch-bound). Variants: "fused" (kernels.muon's passes, the default: one
-launch per block shape for the momentum and for the update, and the
-Newton–Schulz normalisation on the Gram-side matrices), "torch passes"
+launch per block shape for the momentum and for the update, and each
+Newton–Schulz step's a I + b A + c A^2 as one Triton matmul), "torch passes"
 (the same step with the PyTorch reference passes: one or more kernels per
-parameter) and, on CUDA, "fused + NS graphs" (`optimizer.ns_cuda_graphs`:
+parameter, cuBLAS's baddbmm for the polynomial) and, on CUDA, "fused + NS graphs" (`optimizer.ns_cuda_graphs`:
 each block shape's Newton–Schulz replayed as a CUDA graph; its two warm-up
 steps are the eager warm-up and the capture). `--ns-chunk N ...` adds "fused + NS graphs, chunks of N"
 (`optimizer.ns_chunk`: each Newton–Schulz over N blocks at a time, so that a chunk's iterates stay in L2; on
@@ -34,14 +34,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import environment, sync, write_results  # noqa: E402
-from kernels.muon import decay_add_multi_, nesterov_momentum_multi_, ns_scale_  # noqa: E402
+from kernels.muon import decay_add_multi_, nesterov_momentum_multi_, ns_polynomial  # noqa: E402
 from titan_k3.models.k3.args import get_flavor  # noqa: E402
 from titan_k3.models.k3.impl import reference_impl  # noqa: E402
 from titan_k3.models.k3.model import K3Model  # noqa: E402
 from titan_k3.optim import ParamSpec, build_optimizers  # noqa: E402
 from titan_k3.optim import muon  # noqa: E402
 
-FUSED_PASSES = (nesterov_momentum_multi_, decay_add_multi_, ns_scale_)  # what "torch passes" swaps for PyTorch's
+FUSED_PASSES = (nesterov_momentum_multi_, decay_add_multi_, ns_polynomial)  # what "torch passes" swaps for PyTorch's
 
 
 def muon_optimizer(flavor: str, device: torch.device):

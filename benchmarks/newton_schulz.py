@@ -1,23 +1,24 @@
-"""Newton-Schulz on k3-mini's Muon blocks: the standard iteration against the Gram form, per block shape.
+"""Newton-Schulz on k3-mini's Muon blocks: each step's polynomial as one Triton matmul against cuBLAS's baddbmm.
 
     PYTHONPATH=. python benchmarks/newton_schulz.py --out OUTDIR [--flavor k3-mini --chunk 0 512]
 
 For every block shape of the flavor's Muon matrices (as Per-Head Muon batches them: one call per [r, c] with
 all its blocks), `titan_k3.optim.muon.newton_schulz` in bf16 with 5 steps and the Muon update scale, per
-method ("standard", "gram") and chunk (`optimizer.ns_chunk`; 0 = every block at once):
+polynomial path and chunk (`optimizer.ns_chunk`; 0 = every block at once):
+- "triton": `kernels.muon.ns_polynomial` (B' = a I + b A + c A^2 and the first step's normalisation in one
+  batched matmul's epilogue, upper tiles only), the default on CUDA;
+- "cublas": the reference path (scaling passes around `torch.baddbmm`), what the step ran before;
 - error: relative RMS against the float64 iteration (`kernels.muon.reference.newton_schulz`) on 16 blocks
-  whose singular values span 1 .. 1e-4 (a momentum's spectrum decays; small singular values are where the
-  Gram form loses precision first);
-- time: the call captured as a CUDA graph (as the trainer replays it), median of `triton.testing.do_bench`;
-- FLOP: the multiply-adds each method does (2 per MAC), and the rate they imply.
-A second table times the single products at the largest shape, to say where each method's time goes.
-Appends both to OUTDIR/newton_schulz.md. Without CUDA it checks the errors only (a smoke run).
+  whose singular values span 1 .. 1e-4;
+- time: the call captured as a CUDA graph (as the trainer replays it), median of `triton.testing.do_bench`.
+A second table times the single products at the largest shape (and the Triton polynomial's tile configs), to
+say where the time goes. Appends to OUTDIR/newton_schulz.md. Without CUDA it checks the errors only.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import functools
 import sys
 from pathlib import Path
 
@@ -27,12 +28,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import environment, median_ms, rel_rms, write_results  # noqa: E402
+from kernels.muon import ns_polynomial  # noqa: E402
+from kernels.muon.fused import _ns_poly_kernel  # noqa: E402
 from kernels.muon.reference import newton_schulz as newton_schulz_f64  # noqa: E402
 from titan_k3.models.k3.args import get_flavor  # noqa: E402
 from titan_k3.models.k3.impl import reference_impl  # noqa: E402
 from titan_k3.models.k3.model import K3Model  # noqa: E402
 from titan_k3.optim import ParamSpec  # noqa: E402
-from titan_k3.optim.muon import GRAM_RESTART, NS_METHODS, blocks_of, muon_scale, newton_schulz  # noqa: E402
+from titan_k3.optim import muon  # noqa: E402
+from titan_k3.optim.muon import NS_COEFFS, blocks_of, muon_scale, newton_schulz  # noqa: E402
 
 STEPS = 5
 
@@ -50,15 +54,13 @@ def block_shapes(flavor: str) -> dict[tuple[int, int], int]:
     return dict(sorted(shapes.items(), key=lambda kv: -kv[1] * kv[0][0] * kv[0][1]))
 
 
-def ns_flop(method: str, k: int, r: int, c: int, steps: int = STEPS) -> float:
-    """FLOP (2 per multiply-add) of `newton_schulz` on k blocks [r, c]."""
+PATHS = {"triton": functools.partial(ns_polynomial, triton_=None), "cublas": functools.partial(ns_polynomial, triton_=False)}
+
+
+def ns_flop(k: int, r: int, c: int, steps: int = STEPS) -> float:
+    """FLOP (2 per multiply-add) of `newton_schulz` on k blocks [r, c]: per step X X^T, A^2 and B' X."""
     m, n = min(r, c), max(r, c)
-    if method == "standard":
-        macs = steps * (2 * m * m * n + m ** 3)
-    else:  # per run of s steps: two [m, n] products, s A^2, s - 1 chains of B Q, 2 (s - 1) for the next A
-        runs = [min(GRAM_RESTART, steps), steps - min(GRAM_RESTART, steps)]
-        macs = sum(2 * m * m * n + (s + (s - 1) + 2 * (s - 1)) * m ** 3 for s in runs if s)
-    return 2.0 * k * macs
+    return 2.0 * k * steps * (2 * m * m * n + m ** 3)
 
 
 def decaying(k: int, r: int, c: int, device: torch.device, seed: int = 0) -> torch.Tensor:
@@ -82,26 +84,31 @@ def graph_ms(fn) -> float:
 
 
 def product_times(k: int, m: int, n: int, device: torch.device) -> list[tuple[str, float, float]]:
-    """(product, ms, FLOP) of each single product the two methods make at k blocks [m, n] (m <= n)."""
+    """(product, ms, FLOP) of each single product of a step at k blocks [m, n] (m <= n), and of the Triton
+    polynomial per tile config (block, BLOCK_K, warps, stages)."""
     X = torch.randn(k, m, n, device=device, dtype=torch.bfloat16)
-    A = torch.randn(k, m, m, device=device, dtype=torch.bfloat16) / m
-    H = A.half()
+    A = X @ X.mT / n
+    a, b, c = NS_COEFFS
     sq, rect = 2.0 * k * m ** 3, 2.0 * k * m * m * n
     cases = [
-        ("X X^T -> bf16 [m, m]", lambda: X @ X.mT, rect),
-        ("X X^T -> float32 [m, m] (out_dtype)", lambda: torch.bmm(X, X.mT, out_dtype=torch.float32), rect),
-        ("baddbmm A A + A, bf16 [m, m]", lambda: torch.baddbmm(A, A, A, beta=-4.775, alpha=2.0315), sq),
-        ("baddbmm A A + A, float16 [m, m]", lambda: torch.baddbmm(H, H, H, beta=-4.775, alpha=2.0315), sq),
-        ("bmm B Q, float16 [m, m]", lambda: torch.bmm(H, H), sq),
-        ("bmm B X, bf16 [m, n]", lambda: torch.bmm(A, X), rect),
+        ("X X^T (cuBLAS bmm)", lambda: X @ X.mT, rect),
+        ("A^2 (cuBLAS bmm, no epilogue)", lambda: torch.bmm(A, A), sq),
+        ("a I + b A + c A^2 (cuBLAS baddbmm + diagonal)", lambda: PATHS["cublas"](A, NS_COEFFS), sq),
+        ("a I + b A + c A^2 (Triton ns_polynomial)", lambda: PATHS["triton"](A, NS_COEFFS), sq),
+        ("B' X (cuBLAS bmm)", lambda: torch.bmm(A, X), rect),
     ]
-    out = []
-    for name, fn, flop in cases:
-        try:
-            out.append((name, median_ms(fn), flop))
-        except RuntimeError as e:  # a product this torch lacks (out_dtype) is a row, not a failed run
-            out.append((f"{name}: {str(e).splitlines()[0][:80]}", float("nan"), flop))
-    return out
+    out = torch.empty_like(A)
+    for block, block_k, warps, stages in ((128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 8, 4), (128, 128, 8, 2),
+                                          (64, 64, 4, 3), (64, 64, 4, 4)):
+        n_tiles = -(-m // block)
+
+        def launch(block=block, block_k=block_k, warps=warps, stages=stages, n_tiles=n_tiles):
+            _ns_poly_kernel[(k, n_tiles * (n_tiles + 1) // 2)](
+                A, out, A, m, n_tiles, a, b, c, 1.0, 1e-7, HAS_SUMSQ=False, IEEE=False, BLOCK_M=block,
+                BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+
+        cases.append((f"Triton polynomial, tile {block} BLOCK_K {block_k} warps {warps} stages {stages}", launch, sq))
+    return [(name, median_ms(fn), flop) for name, fn, flop in cases]
 
 
 def main(argv=None) -> int:
@@ -120,28 +127,31 @@ def main(argv=None) -> int:
         G64 = decaying(min(k, 16), r, c, device)
         ref = newton_schulz_f64(G64, STEPS, dtype=torch.float64, scale=muon_scale(r, c))
         G = torch.randn(k, r, c, device=device, dtype=torch.bfloat16) * 1e-3
-        for method in NS_METHODS:
-            err = rel_rms(newton_schulz(G64.bfloat16(), STEPS, dtype=torch.bfloat16, scale=muon_scale(r, c),
-                                        method=method), ref)
-            for chunk in args.chunk if cuda else [0]:
-                ms = graph_ms(lambda: newton_schulz(G, STEPS, dtype=torch.bfloat16, scale=muon_scale(r, c),
-                                                    chunk=chunk, method=method)) if cuda else float("nan")
-                flop = ns_flop(method, k, r, c)
-                rows.append(dict(env, shape=f"{k}x{r}x{c}", method=method, chunk=chunk, rel_err=err, ms=ms,
-                                 gflop=flop / 1e9, tflops=flop / ms / 1e9 if cuda else float("nan")))
-                print(rows[-1], flush=True)
+        for path, poly in PATHS.items():
+            muon.ns_polynomial = poly
+            try:
+                err = rel_rms(newton_schulz(G64.bfloat16(), STEPS, dtype=torch.bfloat16, scale=muon_scale(r, c)), ref)
+                for chunk in args.chunk if cuda else [0]:
+                    ms = graph_ms(lambda: newton_schulz(G, STEPS, dtype=torch.bfloat16, scale=muon_scale(r, c),
+                                                        chunk=chunk)) if cuda else float("nan")
+                    flop = ns_flop(k, r, c)
+                    rows.append(dict(env, shape=f"{k}x{r}x{c}", path=path, chunk=chunk, rel_err=err, ms=ms,
+                                     gflop=flop / 1e9, tflops=flop / ms / 1e9 if cuda else float("nan")))
+                    print(rows[-1], flush=True)
+            finally:
+                muon.ns_polynomial = ns_polynomial
     lines = [f"\n### Newton-Schulz, {args.flavor}'s Muon blocks, 5 steps, bf16 ({device.type}; CUDA-graph replays)",
-             "| date | commit | GPU | torch | triton | blocks | method | chunk | rel err vs float64 | ms | GFLOP | TFLOP/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| date | commit | GPU | torch | triton | blocks | polynomial | chunk | rel err vs float64 | ms | GFLOP | "
+             "TFLOP/s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['date']} | {r['commit']} | {r['gpu']} | {r['torch']} | {r['triton']} | {r['shape']} | "
-                     f"{r['method']} | {r['chunk']} | {r['rel_err']:.2e} | {r['ms']:.3f} | {r['gflop']:.0f} | "
+                     f"{r['path']} | {r['chunk']} | {r['rel_err']:.2e} | {r['ms']:.3f} | {r['gflop']:.0f} | "
                      f"{r['tflops']:.0f} |")
-    totals = {}
+    totals: dict = {}
     for r in rows:
-        totals[(r["method"], r["chunk"])] = totals.get((r["method"], r["chunk"]), 0.0) + r["ms"]
-    lines += ["", "| method | chunk | all shapes, ms |", "|---|---|---|"]
-    lines += [f"| {m} | {ch} | {ms:.2f} |" for (m, ch), ms in totals.items()]
+        totals[(r["path"], r["chunk"])] = totals.get((r["path"], r["chunk"]), 0.0) + r["ms"]
+    lines += ["", "| polynomial | chunk | all shapes, ms |", "|---|---|---|"]
+    lines += [f"| {path} | {ch} | {ms:.2f} |" for (path, ch), ms in totals.items()]
     if cuda:
         (r, c), k = next(iter(shapes.items()))
         m, n = min(r, c), max(r, c)

@@ -4,7 +4,8 @@
 `decay_add_multi_(params, update, decay, alpha)` run one Triton pass each on
 CUDA over a list of tensors, in one launch (and can skip the update on a
 device flag, `skip_if`). `ns_scale_` applies Newton–Schulz's
-per-matrix normalisation to the small Gram-side matrices. `triton_=True` runs
+per-matrix normalisation to the small Gram-side matrices and `ns_polynomial`
+computes a step's a I + b A + c A^2 in one batched matmul. `triton_=True` runs
 a pass in Triton's CPU interpreter, for tests; `reference` holds the PyTorch
 versions, which are also the CPU path.
 """
@@ -16,6 +17,7 @@ from kernels.muon.fused import (
     decay_add_table,
     momentum_table,
     nesterov_momentum_multi_,
+    ns_polynomial,
     ns_scale_,
     send_tables,
 )
@@ -26,6 +28,7 @@ __all__ = [
     "decay_add_table",
     "momentum_table",
     "nesterov_momentum_multi_",
+    "ns_polynomial",
     "ns_scale_",
     "reference",
     "send_tables",

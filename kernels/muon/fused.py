@@ -22,7 +22,9 @@ never by the host, so a trainer can skip a non-finite update without a sync.
 
 `ns_scale_` puts Newton-Schulz's per-matrix normalisation on the first
 step's small [B, m, m] matrices (see `titan_k3.optim.muon.newton_schulz`),
-one vectorised pass each.
+one vectorised pass each. `ns_polynomial` computes a step's
+B' = a I + b A + c A^2 (normalisation included) as one batched matmul with
+the rest in its epilogue.
 """
 
 from __future__ import annotations
@@ -306,3 +308,86 @@ def ns_scale_(
             x, sumsq.contiguous(), m * m, m + 1, float(eps), float(diag), SQUARE=bool(square), HAS_DIAG=diag != 0.0,
             BLOCK=BLOCK, num_warps=NUM_WARPS)
     return x
+
+
+# NOTE: A^2 of k3-mini's [256, 256] Gram matrices: cuBLAS's baddbmm ran at 211 TFLOP/s on an H200 against 472 for a
+# plain bmm of the same shape (benchmarks/results/muon.md): beta != 0 costs a copy of A into the output and a
+# read of it in the epilogue. Here the epilogue reads A's tile once, and A^2 being symmetric, only the tiles on
+# and above the diagonal are computed (each written twice).
+POLY_BLOCK_K = 64
+
+
+@triton.jit
+def _ns_poly_kernel(a_ptr, out_ptr, sumsq_ptr, m, n_tiles, ca, cb, cc, scale, eps, HAS_SUMSQ: tl.constexpr,
+                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    bid = tl.program_id(0).to(tl.int64)
+    # program 1's id walks the upper triangle of tiles row by row: (0, 0), (0, 1), .., (1, 1), ..
+    p = tl.program_id(1)
+    ti = p * 0
+    left = n_tiles
+    while p >= left:
+        p -= left
+        ti += 1
+        left -= 1
+    tj = ti + p
+    base = bid * m * m
+    rows = ti * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tj * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < m
+    col_ok = cols < m
+    acc = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, m, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < m
+        x = tl.load(a_ptr + base + rows[:, None] * m + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        y = tl.load(a_ptr + base + ks[:, None] * m + cols[None, :], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(x, y, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, y, acc)
+    tile = rows[:, None] * m + cols[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
+    av = tl.load(a_ptr + base + tile, mask=ok, other=0.0).to(tl.float32)
+    t = 1.0
+    if HAS_SUMSQ:
+        t = 1.0 / (tl.sqrt(tl.load(sumsq_ptr + bid).to(tl.float32)) + eps)
+    t2 = t * t
+    val = cc * t2 * t2 * acc + cb * t2 * av
+    val = tl.where(rows[:, None] == cols[None, :], val + ca, val) * (scale * t)
+    if HAS_SUMSQ:
+        val = tl.where(t == 0.0, 0.0, val)  # an overflowed norm zeroes the matrix (0 * inf would be nan)
+    val = val.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + base + tile, val, mask=ok)
+    if tj > ti:
+        # the mirror tile: element (r, c) of this tile is (c, r) of the result
+        tl.store(out_ptr + base + cols[None, :] * m + rows[:, None], val, mask=ok)
+
+
+def ns_polynomial(
+    A: torch.Tensor, coeffs: tuple[float, float, float], *, scale: float = 1.0, sumsq: torch.Tensor | None = None,
+    eps: float = 1e-7, triton_: bool | None = None,
+) -> torch.Tensor:
+    """A Newton-Schulz step's B' = scale * t * (a I + b t^2 A + c t^4 A^2) for each symmetric A [B, m, m] -> new [B, m, m].
+
+    t = 1 / (sqrt(sumsq[b]) + eps) with sumsq [B] (the squared norm of the step's raw input, for the first step),
+    else 1. One launch: A^2 on the tensor cores (float32 accumulation), the rest in its epilogue, only the upper
+    triangle of tiles computed (A^2 of a symmetric A is symmetric). A is read only here; the reference (CPU)
+    scales it in place.
+    """
+    if A.ndim != 3 or A.shape[1] != A.shape[2] or not A.is_contiguous():
+        raise ValueError(f"ns_polynomial: A must be contiguous [B, m, m]; got {tuple(A.shape)} (strides {A.stride()})")
+    if sumsq is not None and sumsq.shape != A.shape[:1]:
+        raise ValueError(f"ns_polynomial: sumsq must be [B] = [{A.shape[0]}]; got {tuple(sumsq.shape)}")
+    if not _use_triton(A, triton_):
+        return reference.ns_polynomial(A, coeffs, scale=scale, sumsq=sumsq, eps=eps)
+    B, m = A.shape[0], A.shape[1]
+    out = torch.empty_like(A)
+    if B and m:
+        block = 128 if m > 64 else max(16, triton.next_power_of_2(m))
+        n_tiles = triton.cdiv(m, block)
+        a, b, c = coeffs
+        _ns_poly_kernel[(B, n_tiles * (n_tiles + 1) // 2)](
+            A, out, sumsq.contiguous() if sumsq is not None else A, m, n_tiles, float(a), float(b), float(c),
+            float(scale), float(eps), HAS_SUMSQ=sumsq is not None, IEEE=A.dtype == torch.float32, BLOCK_M=block,
+            BLOCK_K=POLY_BLOCK_K if m >= POLY_BLOCK_K else 16, num_warps=8, num_stages=3)
+    return out

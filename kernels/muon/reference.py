@@ -66,6 +66,23 @@ def ns_scale_(x: torch.Tensor, sumsq: torch.Tensor, *, square: bool, diag: float
     return x.mul_(s).masked_fill_(s == 0, 0.0)  # an overflowed norm zeroes the matrix, as dividing G by it did
 
 
+def ns_polynomial(A: torch.Tensor, coeffs: tuple[float, float, float], *, scale: float = 1.0,
+                  sumsq: torch.Tensor | None = None, eps: float = 1e-7) -> torch.Tensor:
+    """One Newton-Schulz step's B' = scale * t * (a I + b t^2 A + c t^4 A^2) for each matrix of A [B, m, m].
+
+    t = 1 / (sqrt(sumsq[b]) + eps) when sumsq [B] is given (the first step, whose A = G G^T is of the raw G),
+    else 1. A is scratch here (scaled in place when sumsq is given). An overflowed norm (t = 0) gives zeros.
+    """
+    a, b, c = coeffs
+    if sumsq is None:
+        B = torch.baddbmm(A, A, A, beta=b * scale, alpha=c * scale)
+        B.diagonal(dim1=-2, dim2=-1).add_(a * scale)
+        return B
+    ns_scale_(A, sumsq, square=True, eps=eps)
+    B = torch.baddbmm(A, A, A, beta=b * scale, alpha=c * scale)
+    return ns_scale_(B, sumsq, square=False, diag=a * scale, eps=eps)
+
+
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 

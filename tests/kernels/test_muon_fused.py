@@ -10,8 +10,8 @@ import functools
 import pytest
 import torch
 
-from kernels.muon import (decay_add_multi_, decay_add_table, momentum_table, nesterov_momentum_multi_, ns_scale_,
-                          reference, send_tables)
+from kernels.muon import (decay_add_multi_, decay_add_table, momentum_table, nesterov_momentum_multi_, ns_polynomial,
+                          ns_scale_, reference, send_tables)
 from kernels.muon.fused import BLOCK
 from titan_k3.optim import muon
 from titan_k3.optim.muon import PerHeadMuon, newton_schulz
@@ -249,11 +249,13 @@ def test_newton_schulz_equals_the_normalise_first_formula(shape, steps, dtype, t
         assert ((O - ref).norm() / ref.norm()).item() < tol, (seed, magnitude)
 
 
-def test_newton_schulz_through_the_triton_scaling_equals_the_torch_scaling(monkeypatch):
+def test_newton_schulz_through_the_triton_polynomial_equals_the_torch_path(monkeypatch):
     G = _rand((3, 40, 24), seed=14)
     torch_path = newton_schulz(G, 5, dtype=torch.float32, scale=1.3)
-    monkeypatch.setattr(muon, "ns_scale_", functools.partial(ns_scale_, triton_=True))
+    monkeypatch.setattr(muon, "ns_polynomial", functools.partial(ns_polynomial, triton_=True))
     torch.testing.assert_close(newton_schulz(G, 5, dtype=torch.float32, scale=1.3), torch_path, rtol=1e-5, atol=1e-6)
+    huge = newton_schulz(torch.full((2, 6, 4), 1e30, device=DEVICE))  # an overflowed norm: zero, not nan
+    assert torch.equal(huge, torch.zeros_like(huge))
 
 
 def test_newton_schulz_in_bf16_is_as_close_as_before():
@@ -336,3 +338,53 @@ def test_grad_scale_multiplies_each_gradient_as_it_is_read(triton_):
     assert all(torch.equal(g, b) for g, b in zip(grads, before)), "the gradients are read, never written"
     with pytest.raises(ValueError, match="grad_scale must be a one-element tensor"):
         nesterov_momentum_multi_(grads, bufs, out, 0.9, True, grad_scale=torch.ones(2, device=DEVICE), triton_=triton_)
+
+
+def _poly_formula(A: torch.Tensor, scale: float, sumsq: torch.Tensor | None) -> torch.Tensor:
+    """scale * t * (a I + b t^2 A + c t^4 A^2) in float64, t = 1 / (sqrt(sumsq) + 1e-7) or 1."""
+    a, b, c = muon.NS_COEFFS
+    A = A.double()
+    t = torch.ones(A.shape[0], dtype=torch.float64) if sumsq is None else 1 / (sumsq.double().sqrt() + 1e-7)
+    t = t.to(A.device)[:, None, None]
+    eye = torch.eye(A.shape[-1], dtype=torch.float64, device=A.device)
+    return scale * t * (a * eye + b * t ** 2 * A + c * t ** 4 * (A @ A))
+
+
+# m: one tile below the 64 switch, ragged single and multiple tiles (130 = 128 + 2), exact tiles
+@pytest.mark.parametrize("m", [4, 40, 130, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("first_step", [False, True])
+def test_ns_polynomial_matches_the_formula_and_is_symmetric(m, dtype, first_step):
+    """The Triton step (interpreted on CPU) and the reference against the formula in float64, on A = X X^T of a
+    raw X (first step: normalised through sumsq) or of a normalised one."""
+    X = _rand((2, m, m + 17), torch.float64, seed=m)
+    A = X @ X.mT
+    sumsq = A.diagonal(dim1=-2, dim2=-1).sum(-1) if first_step else None
+    if not first_step:
+        A = A / A.diagonal(dim1=-2, dim2=-1).sum(-1)[:, None, None]
+    scale = 2.5 if first_step else 1.0
+    want = _poly_formula(A, scale, sumsq)
+    got = ns_polynomial(A.to(dtype), muon.NS_COEFFS, scale=scale, sumsq=None if sumsq is None else sumsq.float(),
+                        triton_=True)
+    ref = ns_polynomial(A.to(dtype).clone(), muon.NS_COEFFS, scale=scale,
+                        sumsq=None if sumsq is None else sumsq.float(), triton_=False)
+    tol = 1e-3 if dtype == torch.float16 else 1e-5
+    for out in (got, ref):
+        assert out.dtype == dtype and out.shape == A.shape
+        assert ((out.double() - want).norm() / want.norm()).item() < tol
+    assert torch.equal(got, got.mT)  # the mirrored tiles: exactly symmetric
+
+
+def test_ns_polynomial_zeroes_a_matrix_whose_norm_overflowed():
+    A = _rand((3, 70, 70)) @ _rand((3, 70, 70)).mT
+    sumsq = torch.tensor([1.0, float("inf"), 4.0], device=DEVICE)
+    for triton_ in (True, False):
+        out = ns_polynomial(A.clone(), muon.NS_COEFFS, sumsq=sumsq, triton_=triton_)
+        assert torch.isfinite(out).all() and not out[1].any() and out[0].any()
+
+
+def test_ns_polynomial_refuses_a_non_square_batch_or_a_wrong_sumsq():
+    with pytest.raises(ValueError, match=r"ns_polynomial: A must be contiguous \[B, m, m\]"):
+        ns_polynomial(torch.zeros(2, 3, 4), muon.NS_COEFFS)
+    with pytest.raises(ValueError, match=r"sumsq must be \[B\] = \[2\]"):
+        ns_polynomial(torch.zeros(2, 3, 3), muon.NS_COEFFS, sumsq=torch.ones(3))

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.profiler import record_function
 
-from kernels.muon import (decay_add_multi_, decay_add_table, momentum_table, nesterov_momentum_multi_, ns_scale_,
+from kernels.muon import (decay_add_multi_, decay_add_table, momentum_table, nesterov_momentum_multi_, ns_polynomial,
                           send_tables)
 from titan_k3.optim.spec import ParamSpec, check_spec
 
@@ -39,14 +39,9 @@ def default_ns_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-NS_METHODS = ("standard", "gram")
-# Gram Newton-Schulz forms the iterate from its input again after these many steps (see `_ns_gram`).
-GRAM_RESTART = 2
-
-
 def newton_schulz(
     G: torch.Tensor, steps: int = 5, *, dtype: torch.dtype | None = None, eps: float = 1e-7, scale: float = 1.0,
-    chunk: int = 0, overwrite: bool = False, method: str = "standard",
+    chunk: int = 0, overwrite: bool = False,
 ) -> torch.Tensor:
     """Approximately orthogonalise each matrix of G: O ~ scale * U V^T for G = U S V^T.
 
@@ -58,8 +53,6 @@ def newton_schulz(
     next, where the whole batch goes through memory every product, and the temporaries shrink to a chunk's.
     `overwrite`: G is scratch and the result may be written over it (when G is contiguous, already in `dtype`
     and steps > 1: no output allocation; the returned tensor is then G itself).
-    `method`: "standard" iterates on each [m, n] matrix; "gram" computes the same polynomial on its [m, m] Gram
-    matrix and forms the [m, n] iterate twice (`_ns_gram`: fewer FLOPs and passes over the large matrices).
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz: G must have at least 2 dims [..., m, n]; got shape {tuple(G.shape)}")
@@ -67,8 +60,6 @@ def newton_schulz(
         raise ValueError(f"newton_schulz: steps={steps}; must be >= 1")
     if chunk < 0:
         raise ValueError(f"newton_schulz: chunk={chunk}; must be >= 0 (0: all matrices at once)")
-    if method not in NS_METHODS:
-        raise ValueError(f"newton_schulz: method={method!r}; must be one of {NS_METHODS}")
     dtype = dtype or default_ns_dtype(G.device)
     if dtype not in (torch.bfloat16, torch.float32, torch.float64):
         # NOTE: the first Gram matrix is of the raw G (below); in float16 it overflows once a row's norm passes 256.
@@ -81,13 +72,12 @@ def newton_schulz(
     # the last product may write over it, chunk by chunk too (a chunk's rows of G are read only in its own steps).
     in_place = overwrite and steps > 1 and X is G and G.is_contiguous()
     out = G.view(-1, *G.shape[-2:]) if in_place else None
-    iterate = _ns_gram if method == "gram" else _ns_iterate
     if not 0 < chunk < X3.shape[0]:
-        return iterate(X3, steps, eps, scale, transposed, out=out).reshape(G.shape)
+        return _ns_iterate(X3, steps, eps, scale, transposed, out=out).reshape(G.shape)
     if out is None:
         out = torch.empty((X3.shape[0], *G.shape[-2:]), dtype=dtype, device=G.device)
     for first in range(0, X3.shape[0], chunk):
-        iterate(X3[first:first + chunk], steps, eps, scale, transposed, out=out[first:first + chunk])
+        _ns_iterate(X3[first:first + chunk], steps, eps, scale, transposed, out=out[first:first + chunk])
     return out.reshape(G.shape)
 
 
@@ -95,85 +85,25 @@ def _ns_iterate(X3: torch.Tensor, steps: int, eps: float, scale: float, transpos
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """`newton_schulz`'s steps on X3 [k, m, n] (m <= n, the NS dtype) -> [k, m, n], or [k, n, m] if `transposed`
     (the caller's orientation), into `out` when given."""
-    a, b, c = NS_COEFFS
     dtype = X3.dtype
     # NOTE: one step is X <- a X + b A X + c A^2 X = B' X with B' = a I + b A + c A^2 (A = X X^T): the
-    # small [m, m] B' takes every coefficient (baddbmm, then a I on its diagonal), so the big [m, n]
-    # product is a plain bmm (a baddbmm on X would first copy all of X into its output).
+    # small [m, m] B' takes every coefficient (`ns_polynomial`: A^2 with the rest in its epilogue), so the big
+    # [m, n] product is a plain bmm (a baddbmm on X would first copy all of X into its output).
     for step in range(steps):
         s = scale if step == steps - 1 else 1.0
         A = X3 @ X3.mT
+        sumsq = None
         if step == 0:
             # NOTE: normalising G would be a pass over all of it. With r = 1 / (||G||_F + eps) per matrix, the
             # first step is r (a I + b r^2 G G^T + c (r^2 G G^T)^2) G: the scalars go on the small A (r^2) and
             # B' (r), and ||G||_F^2 = trace(G G^T) comes off A's diagonal instead of a pass over G.
             sumsq = A.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.promote_types(dtype, torch.float32))
-            ns_scale_(A, sumsq, square=True, eps=eps)
-        B = torch.baddbmm(A, A, A, beta=b * s, alpha=c * s)
-        if step == 0:
-            ns_scale_(B, sumsq, square=False, diag=a * s, eps=eps)
-        else:
-            B.diagonal(dim1=-2, dim2=-1).add_(a * s)
+        B = ns_polynomial(A, NS_COEFFS, scale=s, sumsq=sumsq, eps=eps)
         if step < steps - 1:
             X3 = torch.bmm(B, X3)
     # NOTE: the last step writes the caller's orientation, (B' X)^T = X^T B' (B' is symmetric), so the result is
     # contiguous and the update pass reads it in order (a transposed view reads strided).
     return torch.bmm(X3.mT, B, out=out) if transposed else torch.bmm(B, X3, out=out)
-
-
-def _ns_gram(X3: torch.Tensor, steps: int, eps: float, scale: float, transposed: bool,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-    """`_ns_iterate`'s result computed on Gram matrices: X3 [k, m, n] (m <= n) -> the same [k, m, n] (or [k, n, m]).
-
-    Every step's B' = a I + b A + c A^2 is a polynomial in A = X X^T, so after steps j..l-1 from X_j the iterate
-    is X_l = Q X_j with Q = B'_{l-1} ... B'_j, and the next Gram matrix follows from the last without X:
-    A_{i+1} = B'_i A_i B'_i. A run of steps then costs two [m, n] products (A_j and Q X_j) and three [m, m]
-    products per step, against three products per step that each read or write an [m, n] matrix.
-    NOTE: precision. An error in A is an error in the *squared* singular values, so small ones drown sooner than
-    in the standard iteration: the [m, m] chain runs in float16 (10 mantissa bits; its entries stay below ~40)
-    where the NS dtype is bf16, each A_j leaves the product in float32, and the iterate is formed again from
-    the input after GRAM_RESTART steps. Against float64, on spectra spanning 1e0-1e-6 that is 0.5-8e-2
-    relative error where the standard bf16 iteration has 0.9-9e-2 (tests/unit/test_newton_schulz.py).
-    """
-    a, b, c = NS_COEFFS
-    dtype = X3.dtype
-    small = torch.float16 if dtype == torch.bfloat16 else dtype
-    first_run = min(GRAM_RESTART, steps)
-    for lo, hi in ((0, first_run), (first_run, steps)):
-        A = _gram_f32(X3)
-        if lo == 0:
-            # NOTE: the input is not normalised (a pass over it): A's diagonal gives ||G||_F^2 (see _ns_iterate),
-            # r^2 goes on A and r on Q.
-            sumsq = A.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.promote_types(A.dtype, torch.float32))
-            ns_scale_(A, sumsq, square=True, eps=eps)
-        A = A.to(small)
-        Q = None
-        for step in range(lo, hi):
-            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-            B.diagonal(dim1=-2, dim2=-1).add_(a)
-            Q = B if Q is None else torch.bmm(B, Q)
-            if step < hi - 1:
-                A = torch.bmm(torch.bmm(B, A), B)
-        # NOTE: r (up to 1 / ||G||_F) and the update scale go on Q in the NS dtype: float16 would overflow.
-        Q = Q.to(dtype)
-        if lo == 0:
-            ns_scale_(Q, sumsq, square=False, eps=eps)
-        if hi == steps:
-            # NOTE: Q is symmetric (a product of polynomials in one symmetric A): the transposed result is X^T Q.
-            Q = Q.mul_(scale)
-            return torch.bmm(X3.mT, Q, out=out) if transposed else torch.bmm(Q, X3, out=out)
-        X3 = torch.bmm(Q, X3)
-    raise AssertionError("unreachable: the last run ends at `steps`")
-
-
-def _gram_f32(X3: torch.Tensor) -> torch.Tensor:
-    """X3 X3^T [k, m, m], accumulated and returned in float32 (float64 stays float64)."""
-    if X3.dtype in (torch.float32, torch.float64):
-        return X3 @ X3.mT
-    if X3.is_cuda:
-        return torch.bmm(X3, X3.mT, out_dtype=torch.float32)
-    X = X3.float()  # CPU: no mixed-dtype product; the half-precision path is exercised in tests
-    return X @ X.mT
 
 
 def muon_scale(rows: int, cols: int) -> float:
