@@ -7,7 +7,8 @@ all its blocks), `titan_k3.optim.muon.newton_schulz` in bf16 with 5 steps and th
 polynomial path and chunk (`optimizer.ns_chunk`; 0 = every block at once):
 - "triton": `kernels.muon.ns_polynomial` (B' = a I + b A + c A^2 and the first step's normalisation in one
   batched matmul's epilogue, upper tiles only), the default on CUDA;
-- "cublas": the reference path (scaling passes around `torch.baddbmm`), what the step ran before;
+- "cublas": the reference path (PyTorch's scaling passes around cuBLAS's `torch.baddbmm`; before this kernel the
+  step ran the same baddbmm between two Triton scaling passes);
 - error: relative RMS against the float64 iteration (`kernels.muon.reference.newton_schulz`) on 16 blocks
   whose singular values span 1 .. 1e-4;
 - time: the call captured as a CUDA graph (as the trainer replays it), median of `triton.testing.do_bench`.
@@ -93,7 +94,7 @@ def product_times(k: int, m: int, n: int, device: torch.device) -> list[tuple[st
     cases = [
         ("X X^T (cuBLAS bmm)", lambda: X @ X.mT, rect),
         ("A^2 (cuBLAS bmm, no epilogue)", lambda: torch.bmm(A, A), sq),
-        ("a I + b A + c A^2 (cuBLAS baddbmm + diagonal)", lambda: PATHS["cublas"](A, NS_COEFFS), sq),
+        ("a I + b A + c A^2 (cuBLAS baddbmm, diagonal add)", lambda: PATHS["cublas"](A, NS_COEFFS), sq),
         ("a I + b A + c A^2 (Triton ns_polynomial)", lambda: PATHS["triton"](A, NS_COEFFS), sq),
         ("B' X (cuBLAS bmm)", lambda: torch.bmm(A, X), rect),
     ]
@@ -103,8 +104,8 @@ def product_times(k: int, m: int, n: int, device: torch.device) -> list[tuple[st
         n_tiles = -(-m // block)
 
         def launch(block=block, block_k=block_k, warps=warps, stages=stages, n_tiles=n_tiles):
-            _ns_poly_kernel[(k, n_tiles * (n_tiles + 1) // 2)](
-                A, out, A, m, n_tiles, a, b, c, 1.0, 1e-7, HAS_SUMSQ=False, IEEE=False, BLOCK_M=block,
+            _ns_poly_kernel[(n_tiles * (n_tiles + 1) // 2, k)](
+                A, out, A, 0, m, n_tiles, a, b, c, 1.0, 1e-7, HAS_SUMSQ=False, IEEE=False, BLOCK_M=block,
                 BLOCK_K=block_k, num_warps=warps, num_stages=stages)
 
         cases.append((f"Triton polynomial, tile {block} BLOCK_K {block_k} warps {warps} stages {stages}", launch, sq))

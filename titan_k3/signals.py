@@ -67,8 +67,15 @@ class StopSignals:
             self._previous.setdefault(s, previous)
 
     def hand_over(self, sink: Callable[[int], None]) -> None:
-        """From now on a (first) signal goes to `sink`: there is an update to save."""
+        """From now on a (first) signal goes to `sink`: there is an update to save.
+
+        A signal already received goes to `sink` now: its StopNow did not stop the process, because Python ran the
+        handler inside code that reports and drops exceptions (a `__del__` or weakref callback, e.g. while
+        torch.compile traces). The run then stops after this first update, with its save, instead of never.
+        """
         self._sink = sink
+        if self.signum is not None:
+            sink(self.signum)
 
     def _handle(self, signum: int, _frame) -> None:
         if self.signum is not None:

@@ -20,11 +20,10 @@ binary search over the first-program column.
 store of the parameters and momentum buffers, read by each program once and
 never by the host, so a trainer can skip a non-finite update without a sync.
 
-`ns_scale_` puts Newton-Schulz's per-matrix normalisation on the first
-step's small [B, m, m] matrices (see `titan_k3.optim.muon.newton_schulz`),
-one vectorised pass each. `ns_polynomial` computes a step's
-B' = a I + b A + c A^2 (normalisation included) as one batched matmul with
-the rest in its epilogue.
+`ns_polynomial` computes a Newton-Schulz step's B' = a I + b A + c A^2 on
+the small [B, m, m] Gram matrices (the first step's per-matrix
+normalisation included) as one batched matmul with the rest in its
+epilogue (see `titan_k3.optim.muon.newton_schulz`).
 """
 
 from __future__ import annotations
@@ -114,24 +113,6 @@ def _decay_add_multi_kernel(table, n_rows, u_ptr, p_ptr, skip_ptr, decay, alpha,
     p = tl.load(p_ptr + offs, mask=keep).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=keep).to(tl.float32)
     tl.store(p_ptr + offs, (decay * p + alpha * u).to(p_ptr.dtype.element_ty), mask=keep)
-
-
-@triton.jit
-def _ns_scale_kernel(x_ptr, sumsq_ptr, mm, m_plus_1, eps, diag, SQUARE: tl.constexpr, HAS_DIAG: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < mm
-    acc = sumsq_ptr.dtype.element_ty
-    s = 1.0 / (tl.sqrt(tl.load(sumsq_ptr + b)) + eps)
-    if SQUARE:
-        s = s * s
-    ptr = x_ptr + b * mm + offs
-    x = tl.load(ptr, mask=mask).to(acc)
-    if HAS_DIAG:
-        x = tl.where(offs % m_plus_1 == 0, x + diag, x)  # row-major [m, m]: the diagonal is every (m + 1)-th element
-    # NOTE: an overflowed norm (s = 0) zeroes the matrix, as dividing G by it did, rather than 0 * inf = nan.
-    tl.store(ptr, tl.where(s == 0.0, 0.0, x * s).to(x_ptr.dtype.element_ty), mask=mask)
 
 
 def _use_triton(t: torch.Tensor, triton_: bool | None) -> bool:
@@ -288,41 +269,24 @@ def decay_add_multi_(
         float(alpha), HAS_SKIP=skip_if is not None, ALIGNED=table.aligned, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
-def ns_scale_(
-    x: torch.Tensor, sumsq: torch.Tensor, *, square: bool, diag: float = 0.0, eps: float, triton_: bool | None = None
-) -> torch.Tensor:
-    """x[b] <- s_b^(2 if square else 1) * (x[b] + diag * I), in place, with s_b = 1 / (sqrt(sumsq[b]) + eps).
-
-    x [B, m, m] contiguous; sumsq [B] (float32 or float64: the arithmetic's dtype), the squared Frobenius norm
-    of each Newton-Schulz input matrix. One pass over x, rounded once (a broadcast multiply of a low-precision
-    x by a float32 scale runs well below bandwidth in PyTorch).
-    """
-    if x.ndim != 3 or x.shape[1] != x.shape[2] or not x.is_contiguous() or sumsq.shape != x.shape[:1]:
-        raise ValueError(f"ns_scale_: x must be contiguous [B, m, m] and sumsq [B]; got {tuple(x.shape)} "
-                         f"(strides {x.stride()}) and {tuple(sumsq.shape)}")
-    if not _use_triton(x, triton_):
-        return reference.ns_scale_(x, sumsq, square=square, diag=diag, eps=eps)
-    B, m = x.shape[0], x.shape[1]
-    if B and m:
-        _ns_scale_kernel[(B, triton.cdiv(m * m, BLOCK))](
-            x, sumsq.contiguous(), m * m, m + 1, float(eps), float(diag), SQUARE=bool(square), HAS_DIAG=diag != 0.0,
-            BLOCK=BLOCK, num_warps=NUM_WARPS)
-    return x
-
-
 # NOTE: A^2 of k3-mini's [256, 256] Gram matrices: cuBLAS's baddbmm ran at 211 TFLOP/s on an H200 against 472 for a
 # plain bmm of the same shape (benchmarks/results/muon.md): beta != 0 costs a copy of A into the output and a
 # read of it in the epilogue. Here the epilogue reads A's tile once, and A^2 being symmetric, only the tiles on
 # and above the diagonal are computed (each written twice).
+# NOTE: 128 x 128 tiles, BLOCK_K 64, 4 warps, 3 stages: the fastest of six configs at [3872, 256, 256] (0.50 ms
+# against 0.62-0.68 ms for 8 warps or other tiles; benchmarks/newton_schulz.py).
 POLY_BLOCK_K = 64
+MAX_GRID_Y = 65535
 
 
 @triton.jit
-def _ns_poly_kernel(a_ptr, out_ptr, sumsq_ptr, m, n_tiles, ca, cb, cc, scale, eps, HAS_SUMSQ: tl.constexpr,
+def _ns_poly_kernel(a_ptr, out_ptr, sumsq_ptr, first, m, n_tiles, ca, cb, cc, scale, eps, HAS_SUMSQ: tl.constexpr,
                     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    bid = tl.program_id(0).to(tl.int64)
-    # program 1's id walks the upper triangle of tiles row by row: (0, 0), (0, 1), .., (1, 1), ..
-    p = tl.program_id(1)
+    # NOTE: the tiles of one matrix are neighbours in launch order (axis 0), so its A is read from HBM once and
+    # from L2 by its other tiles.
+    bid = first + tl.program_id(1).to(tl.int64)
+    # axis 0 walks the upper triangle of tiles row by row: (0, 0), (0, 1), .., (1, 1), ..
+    p = tl.program_id(0)
     ti = p * 0
     left = n_tiles
     while p >= left:
@@ -371,23 +335,23 @@ def ns_polynomial(
 
     t = 1 / (sqrt(sumsq[b]) + eps) with sumsq [B] (the squared norm of the step's raw input, for the first step),
     else 1. One launch: A^2 on the tensor cores (float32 accumulation), the rest in its epilogue, only the upper
-    triangle of tiles computed (A^2 of a symmetric A is symmetric). A is read only here; the reference (CPU)
-    scales it in place.
+    triangle of tiles computed (A^2 of a symmetric A is symmetric). A is read only here; the reference (CPU, and
+    float64 anywhere) scales it in place.
     """
     if A.ndim != 3 or A.shape[1] != A.shape[2] or not A.is_contiguous():
         raise ValueError(f"ns_polynomial: A must be contiguous [B, m, m]; got {tuple(A.shape)} (strides {A.stride()})")
     if sumsq is not None and sumsq.shape != A.shape[:1]:
         raise ValueError(f"ns_polynomial: sumsq must be [B] = [{A.shape[0]}]; got {tuple(sumsq.shape)}")
-    if not _use_triton(A, triton_):
+    if A.dtype == torch.float64 or not _use_triton(A, triton_):
         return reference.ns_polynomial(A, coeffs, scale=scale, sumsq=sumsq, eps=eps)
     B, m = A.shape[0], A.shape[1]
     out = torch.empty_like(A)
-    if B and m:
-        block = 128 if m > 64 else max(16, triton.next_power_of_2(m))
-        n_tiles = triton.cdiv(m, block)
-        a, b, c = coeffs
-        _ns_poly_kernel[(B, n_tiles * (n_tiles + 1) // 2)](
-            A, out, sumsq.contiguous() if sumsq is not None else A, m, n_tiles, float(a), float(b), float(c),
+    block = 128 if m > 64 else max(16, triton.next_power_of_2(m))
+    n_tiles = triton.cdiv(m, block)
+    a, b, c = coeffs
+    for first in range(0, B if m else 0, MAX_GRID_Y):  # a launch's second grid axis holds at most 65,535
+        _ns_poly_kernel[(n_tiles * (n_tiles + 1) // 2, min(MAX_GRID_Y, B - first))](
+            A, out, sumsq.contiguous() if sumsq is not None else A, first, m, n_tiles, float(a), float(b), float(c),
             float(scale), float(eps), HAS_SUMSQ=sumsq is not None, IEEE=A.dtype == torch.float32, BLOCK_M=block,
-            BLOCK_K=POLY_BLOCK_K if m >= POLY_BLOCK_K else 16, num_warps=8, num_stages=3)
+            BLOCK_K=POLY_BLOCK_K if m >= POLY_BLOCK_K else 16, num_warps=4, num_stages=3)
     return out

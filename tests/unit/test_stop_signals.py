@@ -140,6 +140,24 @@ def test_the_first_signal_raises_before_the_hand_over_and_goes_to_the_sink_after
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_a_signal_whose_stop_was_swallowed_reaches_the_sink_at_the_hand_over():
+    """A StopNow raised inside code that drops exceptions (here a __del__) must not lose the stop."""
+    stop = StopSignals()
+    try:
+        class Finalised:
+            def __del__(self):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.5)  # the handler raises StopNow here; Python reports it and carries on
+
+        Finalised()
+        assert stop.signum == signal.SIGTERM  # received, but nothing stopped
+        got = []
+        stop.hand_over(got.append)
+        assert got == [signal.SIGTERM]
+    finally:
+        stop.restore()
+
+
 def test_only_rank_zero_echoes_events(tmp_path, capsys):
     """Every rank emits a stop; the trainer's logs echo on rank 0 only, so `[stopped]` prints once."""
     quiet, loud = EventLog(None, echo=False), EventLog(tmp_path / "events.jsonl", echo=True)
