@@ -125,6 +125,18 @@ def test_muon_benchmark_times_both_passes(tmp_path):
     assert "| fused |" in (tmp_path / "out" / "muon.md").read_text()
 
 
+def test_newton_schulz_benchmark_checks_both_polynomial_paths_on_every_block_shape(tmp_path):
+    _run("newton_schulz.py", tmp_path)
+    rows = json.loads((tmp_path / "out" / "newton_schulz.json").read_text())["rows"]
+    shapes = {r["shape"] for r in rows}
+    assert len(shapes) > 3 and {r["path"] for r in rows} == {"triton", "cublas"}
+    by_shape = {}
+    for r in rows:
+        by_shape.setdefault(r["shape"], {})[r["path"]] = r["rel_err"]
+    for errs in by_shape.values():  # on CPU both paths are the reference: bf16 rounding of the same math, equal
+        assert errs["triton"] == errs["cublas"] and 0 < errs["triton"] < 1
+
+
 def test_every_throughput_variant_is_a_valid_config():
     """A variant's overrides are checked here, not on the GPU after a minutes-long start."""
     sys.path.insert(0, str(REPO))
