@@ -115,6 +115,10 @@ VARIANTS = {
     # (ours-recipe-ce4096, -lean-memory, -lean-memory-ns512; train_throughput.md); both are in the recipe now.
     # The recipe with one of its memory levers turned back off (which one moves speed or the loss curve)
     "ours-recipe-ns-whole": [*RECIPE, "--optimizer.ns_chunk", "0"],
+    # The recipe with AdamW for every matrix in place of Per-Head Muon: the model's own speed, for the headline's
+    # "ours with AdamW" column (what Muon's step costs inside the update); Muon's graph settings go with Muon
+    "ours-recipe-adamw": [*RECIPE, "--optimizer.name", "adamw", "--optimizer.ns_cuda_graphs", "false",
+                          "--compile.cuda_graph_share_pool", "false"],
     "ours-recipe-ce-default": [*RECIPE, "--kernels.loss_chunk_rows", "0"],
     "ours-recipe-fixed-segments": [*RECIPE, "--training.expandable_segments", "false"],
     # FP8 on every block linear of k3-mini (the default min_dim 8192 converts none: none paid, fp8.md)
