@@ -66,16 +66,20 @@ class StopSignals:
             previous = signal.signal(s, self._handle)
             self._previous.setdefault(s, previous)
 
-    def hand_over(self, sink: Callable[[int], None]) -> None:
-        """From now on a (first) signal goes to `sink`: there is an update to save.
+    def check(self) -> None:
+        """Raise StopNow again for a signal received before the hand-over whose StopNow did not stop the process.
 
-        A signal already received goes to `sink` now: its StopNow did not stop the process, because Python ran the
-        handler inside code that reports and drops exceptions (a `__del__` or weakref callback, e.g. while
-        torch.compile traces). The run then stops after this first update, with its save, instead of never.
+        NOTE: Python runs a handler between two bytecodes of the main thread, wherever it is; when that is code that
+        reports and drops exceptions (a `__del__` or weakref callback, many of which run while torch.compile
+        traces), the StopNow is printed and lost. The trainer calls this once its first update returns, before
+        anything of it is kept, so that such a stop still ends the run without a save.
         """
+        if self.signum is not None and self._sink is None:
+            raise StopNow(self.signum)
+
+    def hand_over(self, sink: Callable[[int], None]) -> None:
+        """From now on a (first) signal goes to `sink`: there is an update to save."""
         self._sink = sink
-        if self.signum is not None:
-            sink(self.signum)
 
     def _handle(self, signum: int, _frame) -> None:
         if self.signum is not None:

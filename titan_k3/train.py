@@ -486,6 +486,8 @@ class Trainer:
                     if self.device.type == "cuda":
                         torch.cuda.synchronize()
                     self._settle()
+            if not results and self.stop_signals is not None:
+                self.stop_signals.check()  # a stop during the first update whose StopNow library code swallowed
             self.step += 1
             if not results:
                 if self.stop_signals is not None:

@@ -140,10 +140,12 @@ def test_the_first_signal_raises_before_the_hand_over_and_goes_to_the_sink_after
     assert signal.getsignal(signal.SIGTERM) is before
 
 
-def test_a_signal_whose_stop_was_swallowed_reaches_the_sink_at_the_hand_over():
+def test_a_stop_swallowed_before_the_hand_over_is_raised_again_by_check():
     """A StopNow raised inside code that drops exceptions (here a __del__) must not lose the stop."""
     stop = StopSignals()
     try:
+        stop.check()  # nothing received: nothing raised
+
         class Finalised:
             def __del__(self):
                 os.kill(os.getpid(), signal.SIGTERM)
@@ -151,9 +153,13 @@ def test_a_signal_whose_stop_was_swallowed_reaches_the_sink_at_the_hand_over():
 
         Finalised()
         assert stop.signum == signal.SIGTERM  # received, but nothing stopped
+        with pytest.raises(StopNow) as e:
+            stop.check()
+        assert e.value.signum == signal.SIGTERM
         got = []
         stop.hand_over(got.append)
-        assert got == [signal.SIGTERM]
+        stop.check()  # after the hand-over the sink owns the stop: no raise
+        assert got == []
     finally:
         stop.restore()
 
