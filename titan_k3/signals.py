@@ -6,7 +6,9 @@ this session's first update has finished there is nothing new to save (the state
 is the checkpoint the run resumed from, or the seeded start), so a signal then
 stops the process at once with `StopNow`: a first update that compiles for
 minutes would otherwise hold the request past the grace period of whoever sent
-it (torchrun, Slurm and Kubernetes kill after one). NOTE: this early stop is
+it (torchrun, Slurm and Kubernetes kill after one). Where library code swallows
+that StopNow, the trainer raises it again when the first update returns
+(`StopSignals.check`), still without a save. NOTE: this early stop is
 not agreed between ranks (the ranks may not reach a collective); it relies on
 every rank receiving the signal, as torchrun, Slurm, the control service and a
 terminal deliver it. After the first update the ranks agree (after_step).
