@@ -40,8 +40,10 @@ from titan_k3.models.k3.impl import reference_impl  # noqa: E402
 from titan_k3.models.k3.model import K3Model  # noqa: E402
 from titan_k3.optim import ParamSpec, build_optimizers  # noqa: E402
 from titan_k3.optim import muon  # noqa: E402
+from titan_k3.optim import orthogonalise as ns_module  # noqa: E402
 
-FUSED_PASSES = (nesterov_momentum_multi_, decay_add_multi_, ns_polynomial)  # what "torch passes" swaps for PyTorch's
+# what "torch passes" swaps for PyTorch's, in the module that calls each
+FUSED_PASSES = ((muon, nesterov_momentum_multi_), (muon, decay_add_multi_), (ns_module, ns_polynomial))
 
 
 def muon_optimizer(flavor: str, device: torch.device):
@@ -96,14 +98,14 @@ def main(argv=None) -> int:
     for variant, with_graphs, chunk in variants:
         opt.ns_chunk = chunk
         if variant == "torch passes":
-            for fn in FUSED_PASSES:
-                setattr(muon, fn.__name__, functools.partial(fn, triton_=False))
+            for module, fn in FUSED_PASSES:
+                setattr(module, fn.__name__, functools.partial(fn, triton_=False))
         opt.ns_graphs = muon.NewtonSchulzGraphs() if with_graphs else None
         try:
             gpu_ms, host_ms = time_steps(opt, args.steps, device.type == "cuda")
         finally:
-            for fn in FUSED_PASSES:
-                setattr(muon, fn.__name__, fn)
+            for module, fn in FUSED_PASSES:
+                setattr(module, fn.__name__, fn)
             opt.ns_graphs, opt.ns_chunk = None, 0
         rows.append(dict(env, variant=variant, flavor=args.flavor, numel=numel, gpu_ms=gpu_ms, host_ms=host_ms))
         print(rows[-1], flush=True)

@@ -36,8 +36,8 @@ from titan_k3.models.k3.args import get_flavor  # noqa: E402
 from titan_k3.models.k3.impl import reference_impl  # noqa: E402
 from titan_k3.models.k3.model import K3Model  # noqa: E402
 from titan_k3.optim import ParamSpec  # noqa: E402
-from titan_k3.optim import muon  # noqa: E402
-from titan_k3.optim.muon import NS_COEFFS, blocks_of, muon_scale, newton_schulz  # noqa: E402
+from titan_k3.optim import orthogonalise as ns_module  # noqa: E402
+from titan_k3.optim.orthogonalise import NS_COEFFS, blocks_of, muon_scale, newton_schulz  # noqa: E402
 
 STEPS = 5
 
@@ -55,7 +55,8 @@ def block_shapes(flavor: str) -> dict[tuple[int, int], int]:
     return dict(sorted(shapes.items(), key=lambda kv: -kv[1] * kv[0][0] * kv[0][1]))
 
 
-PATHS = {"triton": functools.partial(ns_polynomial, triton_=None), "cublas": functools.partial(ns_polynomial, triton_=False)}
+PATHS = {"triton": functools.partial(ns_polynomial, triton_=None),
+         "cublas": functools.partial(ns_polynomial, triton_=False)}
 
 
 def ns_flop(k: int, r: int, c: int, steps: int = STEPS) -> float:
@@ -129,7 +130,7 @@ def main(argv=None) -> int:
         ref = newton_schulz_f64(G64, STEPS, dtype=torch.float64, scale=muon_scale(r, c))
         G = torch.randn(k, r, c, device=device, dtype=torch.bfloat16) * 1e-3
         for path, poly in PATHS.items():
-            muon.ns_polynomial = poly
+            ns_module.ns_polynomial = poly
             try:
                 err = rel_rms(newton_schulz(G64.bfloat16(), STEPS, dtype=torch.bfloat16, scale=muon_scale(r, c)), ref)
                 for chunk in args.chunk if cuda else [0]:
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
                                      gflop=flop / 1e9, tflops=flop / ms / 1e9 if cuda else float("nan")))
                     print(rows[-1], flush=True)
             finally:
-                muon.ns_polynomial = ns_polynomial
+                ns_module.ns_polynomial = ns_polynomial
     lines = [f"\n### Newton-Schulz, {args.flavor}'s Muon blocks, 5 steps, bf16 ({device.type}; CUDA-graph replays)",
              "| date | commit | GPU | torch | triton | blocks | polynomial | chunk | rel err vs float64 | ms | GFLOP | "
              "TFLOP/s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -156,7 +157,8 @@ def main(argv=None) -> int:
     if cuda:
         (r, c), k = next(iter(shapes.items()))
         m, n = min(r, c), max(r, c)
-        lines += ["", f"Single products at {k} blocks, m = {m}, n = {n}:", "| product | ms | TFLOP/s |", "|---|---|---|"]
+        lines += ["", f"Single products at {k} blocks, m = {m}, n = {n}:", "| product | ms | TFLOP/s |",
+                  "|---|---|---|"]
         for name, ms, flop in product_times(k, m, n, device):
             lines.append(f"| {name} | {ms:.3f} | {flop / ms / 1e9:.0f} |")
     write_results(args.out, "newton_schulz", "\n".join(lines), env, rows)

@@ -23,7 +23,7 @@ never by the host, so a trainer can skip a non-finite update without a sync.
 `ns_polynomial` computes a Newton-Schulz step's B' = a I + b A + c A^2 on
 the small [B, m, m] Gram matrices (the first step's per-matrix
 normalisation included) as one batched matmul with the rest in its
-epilogue (see `titan_k3.optim.muon.newton_schulz`).
+epilogue (see `titan_k3.optim.orthogonalise.newton_schulz`).
 """
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ def ns_polynomial(
     A: torch.Tensor, coeffs: tuple[float, float, float], *, scale: float = 1.0, sumsq: torch.Tensor | None = None,
     eps: float = 1e-7, triton_: bool | None = None,
 ) -> torch.Tensor:
-    """A Newton-Schulz step's B' = scale * t * (a I + b t^2 A + c t^4 A^2) for each symmetric A [B, m, m] -> new [B, m, m].
+    """A Newton-Schulz step's B' = scale * t * (a I + b t^2 A + c t^4 A^2), A [B, m, m] symmetric -> new [B, m, m].
 
     t = 1 / (sqrt(sumsq[b]) + eps) with sumsq [B] (the squared norm of the step's raw input, for the first step),
     else 1. One launch: A^2 on the tensor cores (float32 accumulation), the rest in its epilogue, only the upper

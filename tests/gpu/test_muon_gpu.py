@@ -8,7 +8,9 @@ import torch
 
 from kernels.muon import decay_add_multi_, nesterov_momentum_multi_, ns_polynomial, reference
 from titan_k3.optim import muon
-from titan_k3.optim.muon import PerHeadMuon, newton_schulz
+from titan_k3.optim import orthogonalise as ns_module
+from titan_k3.optim.muon import PerHeadMuon
+from titan_k3.optim.orthogonalise import NS_COEFFS, newton_schulz
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -48,8 +50,8 @@ def test_fused_step_equals_the_torch_step(monkeypatch, momentum_dtype):
     Newton–Schulz inputs differ by one unit in the last place: the updates agree to bf16 noise.
     """
     before, fused = _two_steps(momentum_dtype)
-    for fn in (nesterov_momentum_multi_, decay_add_multi_, ns_polynomial):
-        monkeypatch.setattr(muon, fn.__name__, functools.partial(fn, triton_=False))
+    for module, fn in ((muon, nesterov_momentum_multi_), (muon, decay_add_multi_), (ns_module, ns_polynomial)):
+        monkeypatch.setattr(module, fn.__name__, functools.partial(fn, triton_=False))
     _, plain = _two_steps(momentum_dtype)
     update, update_ref = fused - before, plain - before
     assert ((update - update_ref).norm() / update_ref.norm()).item() < 1e-2
@@ -83,7 +85,7 @@ def test_bf16_ns_polynomial_tracks_float64(m, first_step):
     sumsq = A.diagonal(dim1=-2, dim2=-1).sum(-1) if first_step else None
     if not first_step:
         A = A / A.diagonal(dim1=-2, dim2=-1).sum(-1)[:, None, None]
-    coeffs = muon.NS_COEFFS
+    coeffs = NS_COEFFS
     want = reference.ns_polynomial(A.clone(), coeffs, scale=1.7, sumsq=sumsq)
     got = ns_polynomial(A.bfloat16(), coeffs, scale=1.7, sumsq=None if sumsq is None else sumsq.float())
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-2

@@ -14,7 +14,9 @@ from kernels.muon import (decay_add_multi_, decay_add_table, momentum_table, nes
                           reference, send_tables)
 from kernels.muon.fused import BLOCK
 from titan_k3.optim import muon
-from titan_k3.optim.muon import PerHeadMuon, newton_schulz
+from titan_k3.optim import orthogonalise as ns_module
+from titan_k3.optim.muon import PerHeadMuon
+from titan_k3.optim.orthogonalise import NS_COEFFS, newton_schulz
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CPU, the real kernels on a GPU
@@ -236,7 +238,7 @@ def test_newton_schulz_equals_the_normalise_first_formula(shape, steps, dtype, t
 def test_newton_schulz_through_the_triton_polynomial_equals_the_torch_path(monkeypatch):
     G = _rand((3, 40, 24), seed=14)
     torch_path = newton_schulz(G, 5, dtype=torch.float32, scale=1.3)
-    monkeypatch.setattr(muon, "ns_polynomial", functools.partial(ns_polynomial, triton_=True))
+    monkeypatch.setattr(ns_module, "ns_polynomial", functools.partial(ns_polynomial, triton_=True))
     torch.testing.assert_close(newton_schulz(G, 5, dtype=torch.float32, scale=1.3), torch_path, rtol=1e-5, atol=1e-6)
     huge = newton_schulz(torch.full((2, 6, 4), 1e30, device=DEVICE))  # an overflowed norm: zero, not nan
     assert torch.equal(huge, torch.zeros_like(huge))
@@ -326,7 +328,7 @@ def test_grad_scale_multiplies_each_gradient_as_it_is_read(triton_):
 
 def _poly_formula(A: torch.Tensor, scale: float, sumsq: torch.Tensor | None) -> torch.Tensor:
     """scale * t * (a I + b t^2 A + c t^4 A^2) in float64, t = 1 / (sqrt(sumsq) + 1e-7) or 1."""
-    a, b, c = muon.NS_COEFFS
+    a, b, c = NS_COEFFS
     A = A.double()
     t = torch.ones(A.shape[0], dtype=torch.float64) if sumsq is None else 1 / (sumsq.double().sqrt() + 1e-7)
     t = t.to(A.device)[:, None, None]
@@ -348,9 +350,9 @@ def test_ns_polynomial_matches_the_formula_and_is_symmetric(m, dtype, first_step
         A = A / A.diagonal(dim1=-2, dim2=-1).sum(-1)[:, None, None]
     scale = 2.5 if first_step else 1.0
     want = _poly_formula(A, scale, sumsq)
-    got = ns_polynomial(A.to(dtype), muon.NS_COEFFS, scale=scale, sumsq=None if sumsq is None else sumsq.float(),
+    got = ns_polynomial(A.to(dtype), NS_COEFFS, scale=scale, sumsq=None if sumsq is None else sumsq.float(),
                         triton_=True)
-    ref = ns_polynomial(A.to(dtype).clone(), muon.NS_COEFFS, scale=scale,
+    ref = ns_polynomial(A.to(dtype).clone(), NS_COEFFS, scale=scale,
                         sumsq=None if sumsq is None else sumsq.float(), triton_=False)
     tol = 1e-3 if dtype == torch.float16 else 1e-5
     for out in (got, ref):
@@ -363,12 +365,12 @@ def test_ns_polynomial_zeroes_a_matrix_whose_norm_overflowed():
     A = _rand((3, 70, 70)) @ _rand((3, 70, 70)).mT
     sumsq = torch.tensor([1.0, float("inf"), 4.0], device=DEVICE)
     for triton_ in (True, False):
-        out = ns_polynomial(A.clone(), muon.NS_COEFFS, sumsq=sumsq, triton_=triton_)
+        out = ns_polynomial(A.clone(), NS_COEFFS, sumsq=sumsq, triton_=triton_)
         assert torch.isfinite(out).all() and not out[1].any() and out[0].any()
 
 
 def test_ns_polynomial_refuses_a_non_square_batch_or_a_wrong_sumsq():
     with pytest.raises(ValueError, match=r"ns_polynomial: A must be contiguous \[B, m, m\]"):
-        ns_polynomial(torch.zeros(2, 3, 4), muon.NS_COEFFS)
+        ns_polynomial(torch.zeros(2, 3, 4), NS_COEFFS)
     with pytest.raises(ValueError, match=r"sumsq must be \[B\] = \[2\]"):
-        ns_polynomial(torch.zeros(2, 3, 3), muon.NS_COEFFS, sumsq=torch.ones(3))
+        ns_polynomial(torch.zeros(2, 3, 3), NS_COEFFS, sumsq=torch.ones(3))

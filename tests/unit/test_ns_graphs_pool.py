@@ -97,7 +97,7 @@ def _group(seed):
 def _by_hand(grads, bufs, skip, scale):
     """The unfused path: the momentum pass into a stacked input, then the Newton-Schulz of the stack."""
     from kernels.muon import nesterov_momentum_multi_
-    from titan_k3.optim.muon import orthogonalise_stacked
+    from titan_k3.optim.orthogonalise import orthogonalise_stacked
 
     stacked = torch.empty(5, 8, 12)
     nesterov_momentum_multi_(grads, bufs, stacked, 0.95, True, skip_if=skip, grad_scale=scale)

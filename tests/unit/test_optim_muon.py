@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from titan_k3.optim import ParamSpec, PerHeadMuon, muon_update, newton_schulz
-from titan_k3.optim.muon import muon_scale
+from titan_k3.optim.orthogonalise import muon_scale
 
 # The quintic's fixed band: 5 steps leave singular values in about [0.68, 1.14].
 NS_BAND = (0.6, 1.25)

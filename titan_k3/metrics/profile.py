@@ -120,7 +120,8 @@ def profile_report(prof, wall_s: float, title: str = "") -> str:
         lines += ["Operators by self GPU time:"] + [
             f"{e.self_device_time_total / 1e3:10.2f} ms {100 * e.self_device_time_total / total:5.1f}%  "
             f"{e.count:6d} calls  {e.key}" for e in ops[:40]]
-    # The optimizer's named ranges (titan_k3/optim/muon.py): GPU time of the kernels each one launched.
+    # The optimizer's named ranges (titan_k3/optim/muon.py, orthogonalise.py): GPU time of the kernels each one
+    # launched.
     ranges = sorted((e for e in events if e.key.startswith(("muon.", "Optimizer.step"))),
                     key=lambda e: e.device_time_total, reverse=True)
     lines += ["", "Optimizer ranges (GPU time of their kernels, host time):"] + [

@@ -2,7 +2,8 @@
 
 from titan_k3.optim.builder import Optimizers, build_optimizers
 from titan_k3.optim.lr_schedule import LRSchedule, lr_factor
-from titan_k3.optim.muon import PerHeadMuon, muon_update, newton_schulz
+from titan_k3.optim.muon import PerHeadMuon, muon_update
+from titan_k3.optim.orthogonalise import newton_schulz
 from titan_k3.optim.qk_clip import qk_clip_
 from titan_k3.optim.spec import ParamSpec
 
