@@ -19,9 +19,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.profiler import record_function
 
 from kernels.muon import decay_add_multi_, decay_add_table, momentum_table, nesterov_momentum_multi_, send_tables
-from titan_k3.optim.orthogonalise import (_largest_first, blocks_of, by_block_shape, default_ns_dtype, orthogonalise,
+from titan_k3.optim.orthogonalise import (blocks_of, by_block_shape, default_ns_dtype, largest_first, orthogonalise,
                                           orthogonalise_batched, orthogonalise_stacked)
 from titan_k3.optim.spec import ParamSpec, check_spec
+
 
 def muon_update(
     grad: torch.Tensor,
@@ -204,7 +205,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         views = [blocks_of(p, spec) for p, spec in members]
         grads = [blocks_of(p.grad, spec) for p, spec in members]
         bufs = [blocks_of(self.state[p]["momentum_buffer"], spec) for p, spec in members]
-        shapes = _largest_first(by_block_shape(views), views)
+        shapes = largest_first(by_block_shape(views), views)
         graphs = self.ns_graphs if params[0].is_cuda else None
         # NOTE: joined to the update graph's pool (compile.cuda_graph_share_pool), each group's graph runs its
         # momentum pass too (`NewtonSchulzGraphs.momentum_orthogonalise`, with tables of its own).

@@ -138,7 +138,7 @@ def orthogonalise_batched(
     """
     blocks = [blocks_of(d, spec) for d, spec in zip(directions, specs)]
     out: list[torch.Tensor | None] = [None] * len(directions)
-    for (rows, cols), idx in _largest_first(by_block_shape(blocks), blocks):
+    for (rows, cols), idx in largest_first(by_block_shape(blocks), blocks):
         if graphs is not None:
             shape = (sum(blocks[i].shape[0] for i in idx), rows, cols)
             O = graphs.orthogonalise((key, rows, cols), [blocks[i] for i in idx], shape, ns_steps,
@@ -172,6 +172,6 @@ def orthogonalise_stacked(stacked: torch.Tensor, ns_steps: int, ns_dtype: torch.
                              overwrite=scratch and ns_chunk > 0)
 
 
-def _largest_first(groups: dict[tuple[int, int], list[int]], blocks: list[torch.Tensor]) -> list:
+def largest_first(groups: dict[tuple[int, int], list[int]], blocks: list[torch.Tensor]) -> list:
     """The (block shape, indices) groups ordered by total elements, largest first."""
     return sorted(groups.items(), key=lambda kv: -sum(blocks[i].numel() for i in kv[1]))
