@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 from torch.autograd import DeviceType
 
-from titan_k3.metrics.profile import _gpu_kernels, exposed_length, kernel_kind, timeline, union_length
+from titan_k3.metrics.profile import (_gpu_kernels, exposed_length, gpu_time_by_scope, kernel_kind, kernel_tables,
+                                      kernels_by_name, launch_scope, timeline, union_length)
 from titan_k3.train import main
 
 
@@ -51,6 +52,41 @@ def test_gpu_annotations_are_not_kernels():
     kernels = _gpu_kernels(prof)
     assert [k[0] for k in kernels] == ["nvjet_tst_a", "nvjet_tst_b"]
     assert timeline(kernels, wall=100)["busy"] == pytest.approx(0.20)
+
+
+def test_kernels_by_name_sum_calls_and_time():
+    kernels = [("add", 0, 2), ("gemm", 2, 12), ("add", 12, 15)]
+    assert kernels_by_name(kernels) == [("gemm", 1, 10.0), ("add", 2, 5.0)]
+
+
+def _op(name, parent=None, kernels=()):
+    return SimpleNamespace(name=name, cpu_parent=parent, device_type=DeviceType.CPU,
+                           kernels=[SimpleNamespace(name=k, duration=d) for k, d in kernels])
+
+
+def test_kernels_are_charged_to_the_innermost_scope_that_launched_them():
+    """An add inside a mix's backward node belongs to that node; inside a compiled graph to the graph (whatever its
+    hash); a bare top-level op to itself; a CUDA-graph replay's kernels to no op."""
+    node = _op("autograd::engine::evaluate_function: MixBackward")
+    add = _op("aten::add_", parent=node, kernels=[("add_kernel", 25.0)])
+    graph = _op("## Call CompiledFxGraph f2ha7e64vsipdu5", parent=_op("CompiledFunction"))
+    fused = _op("triton_poi_fused_0", parent=graph, kernels=[("triton_poi_fused_0", 10.0)])
+    ns = _op("aten::baddbmm", parent=_op("muon.orthogonalise", parent=_op("Optimizer.step#PerHeadMuon.step")),
+             kernels=[("nvjet", 7.0), ("nvjet", 3.0)])
+    top = _op("aten::copy_", kernels=[("copy_kernel", 1.0)])
+    idle = _op("aten::view", parent=node)
+    assert launch_scope(add) == "MixBackward" and launch_scope(fused) == "compiled graph"
+    assert launch_scope(ns) == "muon.orthogonalise" and launch_scope(top) == "aten::copy_"
+    device = SimpleNamespace(name="add_kernel", device_type=DeviceType.CUDA, kernels=[])
+    rows = gpu_time_by_scope([add, fused, ns, top, idle, device])
+    assert rows == [("MixBackward", "add_kernel", 1, 25.0), ("compiled graph", "triton_poi_fused_0", 1, 10.0),
+                    ("muon.orthogonalise", "nvjet", 2, 10.0), ("aten::copy_", "copy_kernel", 1, 1.0)]
+    # 50 us of kernels ran, 46 launched by an op: 4 us came from a graph replay.
+    lines = kernel_tables([("add_kernel", 0, 25), ("graph_kernel", 25, 29), ("triton_poi_fused_0", 29, 39),
+                           ("nvjet", 39, 49), ("copy_kernel", 49, 50)], [add, fused, ns, top], rows=2)
+    text = "\n".join(lines)
+    assert "5 names, the first 2" in text and "0.015 ms in the other 3 names" in text
+    assert "0.046 ms launched by an op, 0.004 ms from CUDA graph replays" in text
 
 
 @pytest.mark.parametrize("name, kind", [

@@ -10,7 +10,11 @@ The summary answers what a step-time question needs first:
     (host waits, launch gaps), compute, communication (NCCL kernels) and the
     communication no compute overlapped (exposed), as unions of kernel intervals;
   - GPU time by kind (matmul, communication, Triton, other kernels);
-  - kernels by GPU time, operators by self GPU time, the optimizer's named ranges.
+  - kernels by GPU time, operators by self GPU time, the optimizer's named ranges;
+  - every kernel by name (count, total, mean), and GPU time by the scope that
+    launched it (the autograd node, compiled graph or named range around the
+    launch): where an elementwise kernel's hundred calls come from. Kernels
+    replayed from a CUDA graph have no launching op and count as "(CUDA graph)".
 Without CUDA (CPU runs, tests) the timeline is absent and the tables hold host time.
 """
 
@@ -90,6 +94,73 @@ def _annotation(e) -> bool:
     return bool(getattr(e, "is_user_annotation", False))
 
 
+def kernels_by_name(kernels: list[tuple[str, float, float]]) -> list[tuple[str, int, float]]:
+    """(name, calls, total time) per kernel name, largest total first."""
+    totals: dict[str, list] = {}
+    for name, s, e in kernels:
+        row = totals.setdefault(name, [0, 0.0])
+        row[0] += 1
+        row[1] += e - s
+    return sorted(((n, c, t) for n, (c, t) in totals.items()), key=lambda r: -r[2])
+
+
+# Scopes a kernel's launch is charged to, innermost first: an autograd node, a compiled graph's call, a named
+# range of ours (titan_k3/optim/muon.py, orthogonalise.py).
+SCOPES = ("autograd::engine::evaluate_function: ", "## Call CompiledFxGraph", "muon.", "Optimizer.step#")
+
+
+def launch_scope(event) -> str:
+    """The scope a CPU event's kernels are charged to: its innermost ancestor (itself included) that is an
+    autograd node, a compiled graph's call or one of our named ranges, else its outermost ancestor (the top-level
+    op). Compiled graphs are named by their kind alone (their hash differs per graph)."""
+    outer, e = event, event
+    while e is not None:
+        name = e.name
+        for scope in SCOPES:
+            if name.startswith(scope):
+                if scope.startswith("## Call"):
+                    return "compiled graph"
+                return name.removeprefix("autograd::engine::evaluate_function: ")
+        outer, e = e, e.cpu_parent
+    return outer.name
+
+
+def gpu_time_by_scope(events) -> list[tuple[str, str, int, float]]:
+    """(scope, kernel name, launches, total GPU time) from profiler events whose `kernels` were launched by them,
+    largest first; `events` are FunctionEvents (a CPU op with its kernels, `cpu_parent` up to the top level)."""
+    totals: dict[tuple[str, str], list] = {}
+    for e in events:
+        kernels = getattr(e, "kernels", None)
+        if e.device_type != DeviceType.CPU or not kernels:
+            continue
+        scope = launch_scope(e)
+        for k in kernels:
+            row = totals.setdefault((scope, k.name), [0, 0.0])
+            row[0] += 1
+            row[1] += k.duration
+    return sorted(((s, n, c, t) for (s, n), (c, t) in totals.items()), key=lambda r: -r[3])
+
+
+def _short(name: str, width: int = 90) -> str:
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def kernel_tables(kernels: list[tuple[str, float, float]], events, rows: int = 80) -> list[str]:
+    """The report's two attribution tables, times in ms (profiler times are in us)."""
+    by_name = kernels_by_name(kernels)
+    total = sum(t for *_, t in by_name) or 1.0
+    lines = ["", f"Every kernel by GPU time ({len(by_name)} names, the first {rows}):"]
+    lines += [f"{t / 1e3:10.3f} ms {100 * t / total:5.1f}% {c:6d} calls {t / c:9.1f} us  {_short(n)}"
+              for n, c, t in by_name[:rows]]
+    lines.append(f"{sum(t for *_, t in by_name[rows:]) / 1e3:10.3f} ms in the other {max(0, len(by_name) - rows)} names")
+    scoped = gpu_time_by_scope(events)
+    launched = sum(t for *_, t in scoped)
+    lines += ["", f"GPU time by launching scope and kernel (the first {rows}; {launched / 1e3:.3f} ms launched by an op, "
+              f"{max(0.0, total - launched) / 1e3:.3f} ms from CUDA graph replays or without a launching op):"]
+    lines += [f"{t / 1e3:10.3f} ms {c:6d} calls  {_short(s, 50):50s}  {_short(n, 70)}" for s, n, c, t in scoped[:rows]]
+    return lines
+
+
 def profile_report(prof, wall_s: float, title: str = "") -> str:
     """The text summary of a finished torch.profiler run that covered `wall_s` seconds."""
     events = prof.key_averages()
@@ -120,6 +191,7 @@ def profile_report(prof, wall_s: float, title: str = "") -> str:
         lines += ["Operators by self GPU time:"] + [
             f"{e.self_device_time_total / 1e3:10.2f} ms {100 * e.self_device_time_total / total:5.1f}%  "
             f"{e.count:6d} calls  {e.key}" for e in ops[:40]]
+        lines += kernel_tables(kernels, prof.events())
     # The optimizer's named ranges (titan_k3/optim/muon.py, orthogonalise.py): GPU time of the kernels each one
     # launched.
     ranges = sorted((e for e in events if e.key.startswith(("muon.", "Optimizer.step"))),
