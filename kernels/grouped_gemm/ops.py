@@ -71,8 +71,12 @@ def _launch_mm(a, b, offsets, out, gather=None, a2=None, b2=None):
     return out
 
 
-def _launch_wgrad(a, b, offsets, out, gather=None, b2=None, out2=None):
-    """out[e] = a[g(rows_e)]^T @ b[rows_e] (and out2[e] with b2); b's rows define the groups."""
+def _launch_wgrad(a, b, offsets, out, gather=None, b2=None, out2=None, gather_b=None):
+    """out[e] = a[g(rows_e)]^T @ b[h(rows_e)] (and out2[e] with b2); `offsets` define the groups of rows.
+
+    g = `gather` (a's rows by index), h = `gather_b` (b's rows by index), at most one of them; else the rows.
+    """
+    assert gather is None or gather_b is None, "one operand's rows are gathered at a time"
     n_experts, red, n_cols = out.shape
     if out.numel() == 0:
         return
@@ -85,10 +89,11 @@ def _launch_wgrad(a, b, offsets, out, gather=None, b2=None, out2=None):
     kernel = grouped_wgrad_kernel if b2 is None else grouped_wgrad_dual_kernel
     kernel[grid](
         a, b, b if b2 is None else b2, out, out if out2 is None else out2, offsets,
-        offsets if gather is None else gather,
-        b.shape[0], red, n_cols,
+        next((g for g in (gather, gather_b) if g is not None), offsets),
+        b.shape[0] if gather_b is None else gather_b.shape[0], red, n_cols,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        N_EXPERTS=n_experts, GATHER=gather is not None, DUAL=b2 is not None, PRECISION=_precision(a.dtype),
+        N_EXPERTS=n_experts, GATHER=gather is not None, GATHER_B=gather_b is not None, DUAL=b2 is not None,
+        PRECISION=_precision(a.dtype),
     )
 
 
@@ -228,11 +233,12 @@ def _(x, w1, w3, w2, weight, order, token, inverse, offsets, save):
     return x.new_empty(x.shape), g, torch.empty_like(g)
 
 
-def _glu_backward(dout: torch.Tensor, w2: torch.Tensor, g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor,
-                  order: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(dg, du, hp [S, F], dweight float32 [S] by flat slot id) from dout [S, L], the unweighted dy row of each slot.
+def _glu_backward(dy: torch.Tensor, token: torch.Tensor, w2: torch.Tensor, g: torch.Tensor, u: torch.Tensor,
+                  weight: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(dg, du, hp [S, F], dweight float32 [S] by flat slot id) from dy [T, L]: slot s reads the unweighted row
+    dout[s] = dy[token[s]].
 
-    dh = dout @ w2[e]^T per expert, then one pointwise pass over whole rows: the SiTU-GLU backward scaled by
+    dh = dout @ w2[e]^T per expert (dy's rows gathered in the GEMM's loads), then one pointwise pass over whole rows: the SiTU-GLU backward scaled by
     each slot's routing weight, the weight's own gradient <dh, h>, and hp = p * h for the w2 weight gradient
     (`glu_bwd_pointwise_kernel`). NOTE: two kernels, not one with the GLU backward in the GEMM's epilogue: that
     fused kernel needed ~245 registers per thread (the accumulator next to g and u) and ran at a quarter of its
@@ -240,7 +246,8 @@ def _glu_backward(dout: torch.Tensor, w2: torch.Tensor, g: torch.Tensor, u: torc
     """
     n_slots, hidden = g.shape[0], w2.shape[1]
     assert g.is_contiguous() and u.is_contiguous(), "the pointwise pass walks g and u as [S, F] rows of stride F"
-    dg = _launch_mm(dout, w2.transpose(1, 2), offsets, torch.empty(n_slots, hidden, device=g.device, dtype=g.dtype))
+    dg = _launch_mm(dy, w2.transpose(1, 2), offsets, torch.empty(n_slots, hidden, device=g.device, dtype=g.dtype),
+                    gather=token)
     du, hp = torch.empty_like(dg), torch.empty_like(dg)
     # NOTE: zeros: slots past offsets[-1] (EP's other ranks) take no weight gradient here.
     dweight = torch.zeros(n_slots, device=g.device, dtype=torch.float32)
@@ -264,12 +271,14 @@ def _moe_bwd_op(
     n_slots = token.shape[0]
     top_k = weight.shape[1]
     new = dict(device=x.device, dtype=x.dtype)
-    # NOTE: each slot's unweighted dy row: the routing weight enters in the pointwise pass (dg, du, hp), which also
-    # gives the weight's gradient, so the backward needs no copy of the forward's slot outputs.
-    dout = dy.contiguous().index_select(0, token)
-    dg, du, hp, d_weight = _glu_backward(dout, w2, g, u, weight, order, offsets)
+    # NOTE: each slot's unweighted dy row, dy[token(s)], read by the two GEMMs that need it straight from dy
+    # (gathered loads; a copy of those rows was a 100 MB pass per k3-mini layer): the routing weight enters in
+    # the pointwise pass (dg, du, hp), which also gives the weight's gradient, so the backward needs no copy of
+    # the forward's slot outputs.
+    dy = dy.contiguous()
+    dg, du, hp, d_weight = _glu_backward(dy, token, w2, g, u, weight, order, offsets)
     dw2 = torch.empty(w2.shape, **new)
-    _launch_wgrad(hp, dout, offsets, dw2)
+    _launch_wgrad(hp, dy, offsets, dw2, gather_b=token)
     dw1 = torch.empty(w1.shape, **new)
     dw3 = torch.empty(w3.shape, **new)
     _launch_wgrad(x, dg, offsets, dw1, gather=token, b2=du, out2=dw3)

@@ -145,12 +145,13 @@ def _grouped_wgrad_kernel(
     a_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr, offsets_ptr, gather_ptr,
     n_rows, K, M,
     stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
-    N_EXPERTS: tl.constexpr, GATHER: tl.constexpr, DUAL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    N_EXPERTS: tl.constexpr, GATHER: tl.constexpr, GATHER_B: tl.constexpr, DUAL: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """C[e] = A[g(rows_e)]^T @ B[rows_e] (and C2[e] with B2) over the rows of group e.
+    """C[e] = A[g(rows_e)]^T @ B[h(rows_e)] (and C2[e] with B2) over the rows of group e.
 
-    One program per (expert, K tile, M tile); an empty group stores zeros.
+    g(r) = gather[r] when GATHER, h(r) = gather[r] when GATHER_B (token rows read straight from the token
+    tensor), else r. One program per (expert, K tile, M tile); an empty group stores zeros.
     B2/C2 share B/C's strides.
     """
     pid = tl.program_id(0)
@@ -168,13 +169,15 @@ def _grouped_wgrad_kernel(
     for r0 in range(start, end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         row_mask = rows < end
+        a_rows = rows.to(tl.int64)
+        b_rows = rows.to(tl.int64)
         if GATHER:
             a_rows = tl.load(gather_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-        else:
-            a_rows = rows.to(tl.int64)
+        if GATHER_B:
+            b_rows = tl.load(gather_ptr + rows, mask=row_mask, other=0).to(tl.int64)
         a = tl.load(a_ptr + a_rows[None, :] * stride_am + ks[:, None] * stride_ak,
                     mask=k_mask[:, None] & row_mask[None, :], other=0.0)
-        b_off = rows.to(tl.int64)[:, None] * stride_bm + ns[None, :] * stride_bn
+        b_off = b_rows[:, None] * stride_bm + ns[None, :] * stride_bn
         bn_mask = row_mask[:, None] & n_mask[None, :]
         acc = tl.dot(a, tl.load(b_ptr + b_off, mask=bn_mask, other=0.0), acc, input_precision=PRECISION)
         if DUAL:
@@ -197,5 +200,6 @@ def tuned_autotune(kernel: str, configs, key=_KEY):
 
 grouped_mm_kernel = tuned_autotune("mm", mm_configs())(_grouped_mm_kernel)
 grouped_mm_dual_kernel = tuned_autotune("mm_dual", epilogue_configs())(_grouped_mm_kernel)
-grouped_wgrad_kernel = tuned_autotune("wgrad", wgrad_configs(dual=False))(_grouped_wgrad_kernel)
-grouped_wgrad_dual_kernel = tuned_autotune("wgrad_dual", wgrad_configs(dual=True))(_grouped_wgrad_kernel)
+_WGRAD_KEY = [*_KEY, "GATHER_B"]
+grouped_wgrad_kernel = tuned_autotune("wgrad", wgrad_configs(dual=False), _WGRAD_KEY)(_grouped_wgrad_kernel)
+grouped_wgrad_dual_kernel = tuned_autotune("wgrad_dual", wgrad_configs(dual=True), _WGRAD_KEY)(_grouped_wgrad_kernel)

@@ -16,8 +16,8 @@ TUNED: dict[tuple, int] = {
     ("mm", (9, 0), torch.bfloat16, (544, 256, 176, False, False)): 3,  # the w2 GEMM
     ("mm", (9, 0), torch.bfloat16, (256, 544, 176, False, False)): 0,  # the GLU backward's dh GEMM
     ("mm_dual", (9, 0), torch.bfloat16, (544, 256, 176, False, True)): 3,
-    ("wgrad", (9, 0), torch.bfloat16, (544, 256, 176, False, False)): 3,
-    ("wgrad_dual", (9, 0), torch.bfloat16, (256, 544, 176, True, True)): 3,
+    ("wgrad", (9, 0), torch.bfloat16, (544, 256, 176, False, False, False)): 3,
+    ("wgrad_dual", (9, 0), torch.bfloat16, (256, 544, 176, True, True, False)): 3,
     ("glu_up", (9, 0), torch.bfloat16, (256, 544, 176, True)): 2,
 }
 
