@@ -46,7 +46,8 @@ class PseudoQueryMix(nn.Module):
 
 
 class ResidualBlocks:
-    """The block-sum residual stream of one forward pass."""
+    """The block-sum residual stream of one forward pass: the completed blocks, and the open block's sum so far
+    (`partial`, which each layer replaces with its own sum: `K3Block.forward`)."""
 
     def __init__(self, embedding: torch.Tensor, block_size: int):
         self.block_size = block_size
@@ -55,9 +56,6 @@ class ResidualBlocks:
 
     def sources(self) -> list[torch.Tensor]:
         return self.completed + ([self.partial] if self.partial is not None else [])
-
-    def add(self, out: torch.Tensor) -> None:
-        self.partial = out if self.partial is None else self.partial + out
 
     def end_layer(self, layer: int) -> None:
         """Close the current block after every `block_size` layers."""

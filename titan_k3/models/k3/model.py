@@ -35,13 +35,18 @@ class K3Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn = LatentMoE(args, impl.experts, qb_eta) if self.is_moe else SituGluFFN(args.dim, args.dense_hidden)
 
-    def forward(self, sources: list[torch.Tensor], partial: torch.Tensor | None, docs: Documents) -> tuple[torch.Tensor, torch.Tensor]:
-        """sources: completed blocks [B, T, D] each; returns (attention output, FFN output)."""
+    def forward(self, sources: list[torch.Tensor], partial: torch.Tensor | None, docs: Documents) -> torch.Tensor:
+        """sources: completed blocks [B, T, D] each; partial: the open block's sum so far (None: it opens here).
+
+        Returns the open block's sum after this layer, partial + attention output + FFN output [B, T, D].
+        NOTE: the sum after the attention sublayer is the FFN mix's source and the next partial sum's first term
+        both: one add, so one node whose gradient autograd adds up (computing it twice cost an add in the
+        forward and two gradient adds in the backward per layer, ~25 us each at k3-mini's B8 T4096).
+        """
         with_partial = sources + ([partial] if partial is not None else [])
         attn_out = self.attn_sublayer(self.attn_mix(with_partial), docs)
         partial = attn_out if partial is None else partial + attn_out
-        ffn_out = self.ffn_sublayer(self.ffn_mix(sources + [partial]))
-        return attn_out, ffn_out
+        return partial + self.ffn_sublayer(self.ffn_mix(sources + [partial]))
 
     # NOTE: the sublayers, not the block, are the units `torch.compile` sees: a
     # block's mixes read a number of residual sources that differs from layer to
@@ -98,9 +103,7 @@ class K3Model(nn.Module):
             docs.block_mask()  # here, eagerly: the compiled MLA sublayers then take it as an input
         stream = ResidualBlocks(self.tok_embeddings(input_ids_BT), self.args.attn_res_block_size)
         for i, block in enumerate(self.layers.values()):
-            attn_out, ffn_out = block(stream.completed, stream.partial, docs)
-            stream.add(attn_out)
-            stream.add(ffn_out)
+            stream.partial = block(stream.completed, stream.partial, docs)
             stream.end_layer(i)
         return self.norm(self.final_mix(stream.sources()))
 
