@@ -87,7 +87,7 @@ def probe_gradients(model: nn.Module, batch, *, build_copy: Callable[[], nn.Modu
             target.copy_(_full(source[name]).to(target.dtype))
     for router in copy.moe_routers().values():
         router.update_enabled, router.dp_group = False, None
-    copy.loss_dtype = model.loss_dtype
+    copy.compute_dtype = model.compute_dtype
     copy.train()
     with autocast():
         out = copy(ids.to(device), labels.to(device), OnHost.wrap(cu_seqlens))

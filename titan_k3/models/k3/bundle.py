@@ -66,7 +66,7 @@ class K3StepHooks:
             router.dp_group = dp_group
             router.defer_update = True
         if device.type == "cuda" and cfg.training.compute_dtype == "bfloat16":
-            model.loss_dtype = torch.bfloat16  # the fused head + loss runs outside autocast
+            model.compute_dtype = torch.bfloat16  # the embedding and the fused head + loss run outside autocast
         self.qk_clip_max_logits: dict[int, torch.Tensor] = {}
         """MLA layer -> its per-head max logit of the last update (float32 [H], max over the data-parallel ranks)."""
 

@@ -78,8 +78,9 @@ class K3Model(nn.Module):
         self.final_mix = PseudoQueryMix(args.dim, impl.attn_res, args.norm_eps)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.loss_dtype: torch.dtype | None = None
-        """Dtype of the head + loss inputs (bf16 training casts here: the fused loss is outside autocast)."""
+        self.compute_dtype: torch.dtype | None = None
+        """bf16 training's compute dtype (None: as the parameters are) for what autocast leaves alone: the
+        embedding, block 0 of the residual stream, and the fused head + loss inputs."""
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -101,7 +102,12 @@ class K3Model(nn.Module):
         docs = Documents.build(B, T, cu_seqlens, input_ids_BT.device)
         if FLEX in (self.impl.sdpa_backends or []):
             docs.block_mask()  # here, eagerly: the compiled MLA sublayers then take it as an input
-        stream = ResidualBlocks(self.tok_embeddings(input_ids_BT), self.args.attn_res_block_size)
+        embedding = self.tok_embeddings(input_ids_BT)
+        if self.compute_dtype is not None:
+            # NOTE: as FSDP2's mixed precision hands it over. A float32 block 0 made every mix read and write float32
+            # (a mix's output takes its first source's dtype) and its gradient add up in float32 over every mix.
+            embedding = embedding.to(self.compute_dtype)
+        stream = ResidualBlocks(embedding, self.args.attn_res_block_size)
         for i, block in enumerate(self.layers.values()):
             stream.partial = block(stream.completed, stream.partial, docs)
             stream.end_layer(i)
@@ -116,8 +122,8 @@ class K3Model(nn.Module):
         if labels_BT is None:
             return self.output(h_BTD)
         h_ND, w_VD = h_BTD.flatten(0, 1), self.output.weight
-        if self.loss_dtype is not None:
-            h_ND, w_VD = h_ND.to(self.loss_dtype), w_VD.to(self.loss_dtype)
+        if self.compute_dtype is not None:
+            h_ND, w_VD = h_ND.to(self.compute_dtype), w_VD.to(self.compute_dtype)
         loss_sum, n_valid = self.impl.loss(h_ND, w_VD, labels_BT.flatten())
         return LossOutput(loss_sum, n_valid)
 

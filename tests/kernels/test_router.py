@@ -1,0 +1,93 @@
+"""kernels.router: the Triton top-k (Triton's interpreter on CPU) against the reference.
+
+Exact equality: the kernel and the reference pick by comparisons alone, so values and ids must match
+bit for bit, with ragged token blocks, expert counts that are not powers of two, ties, a strided view,
+NaN rows, input validation and torch.compile tracing.
+"""
+
+import os
+
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from kernels.router import top_k_rows, top_k_rows_reference
+from kernels.router import kernel as router_kernel
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("n_rows, n_cols, k", [(1, 8, 1), (37, 176, 7), (300, 176, 7), (65, 5, 5), (33, 100, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_matches_the_reference_exactly(n_rows, n_cols, k, dtype):
+    x = torch.randn(n_rows, n_cols, generator=torch.Generator().manual_seed(n_rows * n_cols + k)).to(DEVICE, dtype)
+    values, ids = top_k_rows(x, k)
+    ref_values, ref_ids = top_k_rows_reference(x, k)
+    assert values.dtype == dtype and ids.dtype == torch.int64 and values.shape == ids.shape == (n_rows, k)
+    assert torch.equal(ids, ref_ids) and torch.equal(values, ref_values)
+    if dtype == torch.float32:  # no ties in random float32 rows: then it is torch.topk
+        assert torch.equal(ids, torch.topk(x, k, dim=-1).indices)
+
+
+def test_ties_go_to_the_lowest_id_and_the_row_tile_holds_several_rows(monkeypatch):
+    """Quantised scores tie often; a tile of several rows (monkeypatched small) keeps rows apart."""
+    monkeypatch.setattr(router_kernel, "TILE_ELEMENTS", 64)  # 2 rows of 32 padded columns per program
+    x = (torch.randint(0, 4, (9, 20), generator=torch.Generator().manual_seed(1)).float() / 4).to(DEVICE)
+    values, ids = top_k_rows(x, 6)
+    ref_values, ref_ids = top_k_rows_reference(x, 6)
+    assert torch.equal(ids, ref_ids) and torch.equal(values, ref_values)
+    tied = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0], [2.0, 2.0, 2.0, 2.0, 2.0]], device=DEVICE)
+    values, ids = top_k_rows(tied, 3)
+    assert ids.tolist() == [[1, 2, 4], [0, 1, 2]] and values.tolist() == [[3.0] * 3, [2.0] * 3]
+
+
+def test_a_strided_view_and_a_nan_row():
+    base = torch.randn(16, 64, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    view = base[:, :40]  # row stride 64
+    assert torch.equal(top_k_rows(view, 4)[1], top_k_rows_reference(view, 4)[1])
+    cols = base[:, ::2]  # column stride 2: made contiguous first
+    assert torch.equal(top_k_rows(cols, 4)[1], top_k_rows_reference(cols, 4)[1])
+    nan = base[:, :40].clone()
+    nan[3, 5] = float("nan")
+    ids = top_k_rows(nan, 4)[1]
+    assert ids.min() >= 0 and ids.max() < 40  # a NaN row still names experts that exist
+    others = [r for r in range(16) if r != 3]
+    assert torch.equal(ids[others], top_k_rows_reference(nan, 4)[1][others])
+
+
+def test_empty_and_bad_inputs():
+    values, ids = top_k_rows(torch.empty(0, 8, device=DEVICE), 2)
+    assert values.shape == ids.shape == (0, 2)
+    with pytest.raises(ValueError, match=r"k = 9 must be an int in \[1, E = 8\]"):
+        top_k_rows(torch.zeros(4, 8, device=DEVICE), 9)
+    with pytest.raises(ValueError, match=r"x must be a floating tensor \[T, E\]"):
+        top_k_rows(torch.zeros(4, 8, 2, device=DEVICE), 2)
+    with pytest.raises(ValueError, match="float64 runs in kernels.router.top_k_rows_reference"):
+        top_k_rows(torch.zeros(4, 8, dtype=torch.float64, device=DEVICE), 2)
+
+
+def test_needs_triton_somewhere(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if DEVICE == "cuda":
+        pytest.skip("on a GPU the kernel runs")
+    with pytest.raises(ValueError, match="needs CUDA tensors, got device cpu"):
+        top_k_rows(torch.zeros(4, 8), 2)
+
+
+def test_compiles_without_graph_break():
+    """Inside torch.compile(fullgraph=True) the op traces as one opaque call and gives eager's values."""
+    counters.clear()
+
+    def route(logits, bias):
+        with torch.no_grad():
+            return top_k_rows(torch.sigmoid(logits) + bias, 3)
+
+    logits = torch.randn(40, 12, generator=torch.Generator().manual_seed(3)).to(DEVICE).requires_grad_(True)
+    bias = torch.zeros(12, device=DEVICE)
+    compiled = torch.compile(route, backend="inductor" if DEVICE == "cuda" else "aot_eager", fullgraph=True)
+    for got, want in zip(compiled(logits, bias), route(logits, bias)):
+        assert torch.equal(got, want)
+    assert not counters["graph_break"], dict(counters["graph_break"])
