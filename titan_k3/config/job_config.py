@@ -54,6 +54,8 @@ class Kernels:
     """Head + cross-entropy: fused triton kernel, chunked torch reference, or auto."""
     attn_res: Literal["auto", "triton", "torch"] = "auto"
     """Block Attention Residuals' pseudo-query mixes: fused triton kernel, torch reference, or auto (triton on CUDA)."""
+    router: Literal["auto", "triton", "torch"] = "auto"
+    """The MoE routers' top-k selection: our Triton kernel (a block of tokens' scores in registers, k rounds of max), the torch reference (k rounds of max and mask, fused by torch.compile when compile.enable), or auto (triton on CUDA)."""
     max_logit: Literal["auto", "triton", "torch"] = "auto"
     """QK-Clip's per-head max logit of MLA: one Triton pass over the allowed key blocks, the chunked torch reference, or auto."""
     conv: Literal["auto", "triton", "torch"] = "auto"

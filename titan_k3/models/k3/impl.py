@@ -22,6 +22,7 @@ from kernels.fused_ce import reference as ce_reference
 from kernels.grouped_gemm import reference as gg_reference
 from kernels.kda import reference as kda_reference
 from kernels.max_logit.reference import max_logit_per_head_reference
+from kernels.router.reference import top_k_rows_reference
 from kernels.short_conv.reference import causal_conv_silu_reference
 from titan_k3.models.k3.mla import FLEX, VARLEN
 
@@ -48,6 +49,8 @@ class Impl:
     flash attention's variable-length kernel (GatedMLA._attend)."""
     attn_res: Callable = pseudo_query_mix_reference
     """Block Attention Residuals' pseudo-query mix(sources, query, eps)."""
+    router: Callable = top_k_rows_reference
+    """The MoE routers' selection top_k_rows(x [T, E], k) -> (values, ids) [T, k] (moe.QuantileBalancedRouter)."""
     max_logit: Callable = max_logit_per_head_reference
     """QK-Clip's per-head max logit of MLA's masked attention (q, k, scale, pos) -> [H]."""
     conv: Callable = causal_conv_silu_reference
@@ -72,6 +75,7 @@ def reference_impl() -> Impl:
             KernelChoice("experts", "torch", "torch", False),
             KernelChoice("loss", "torch", "torch", False),
             KernelChoice("attn_res", "torch", "torch", False),
+            KernelChoice("router", "torch", "torch", False),
             KernelChoice("max_logit", "torch", "torch", False),
             KernelChoice("conv", "torch", "torch", False),
             KernelChoice("attention", "math", "sdpa-default", False),
@@ -182,13 +186,15 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
         if kernels_cfg.attn_res == "triton":
             raise ValueError(f"config key 'kernels.attn_res' = 'triton': {why}")
         attn_res, c_res = pseudo_query_mix_reference, KernelChoice("attn_res", "auto", "torch", True, why)
+    router, c_router = _pick("router", kernels_cfg.router, on_cuda, ("kernels.router", "top_k_rows", "triton"),
+                             top_k_rows_reference)
     max_logit, c_max = _pick("max_logit", kernels_cfg.max_logit, on_cuda,
                              ("kernels.max_logit", "max_logit_per_head", "triton"), max_logit_per_head_reference)
     conv, c_conv = _pick("conv", kernels_cfg.conv, on_cuda, ("kernels.short_conv", "causal_conv_silu", "triton"),
                          causal_conv_silu_reference)
     backends, c_attn = _attention_backends(kernels_cfg.attention, on_cuda)
-    return Impl(kda, experts, loss, backends, attn_res=attn_res, max_logit=max_logit, conv=conv,
-                choices=[c_kda, c_exp, c_loss, c_res, c_max, c_conv, c_attn])
+    return Impl(kda, experts, loss, backends, attn_res=attn_res, router=router, max_logit=max_logit, conv=conv,
+                choices=[c_kda, c_exp, c_loss, c_res, c_router, c_max, c_conv, c_attn])
 
 
 def _attention_backends(requested: str, on_cuda: bool) -> tuple[list | None, KernelChoice]:

@@ -26,27 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels.router.reference import top_k_rows_reference
 from titan_k3.models.k3.args import K3Args
 from titan_k3.models.k3.layers import RMSNorm, SituGluFFN, init_linear, upcast
 
 QB_BINS = 1024
-
-
-def top_k_rows(x_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest values of each row and their indices, largest first ([T, k] each); ties: the lowest index.
-
-    NOTE: k rounds of (row max, mask the winner) instead of torch.topk: for k3-mini's [32768, 176] scores and
-    k = 7, topk's per-row radix select and gather took 0.68 ms per MoE layer on an H200 (7.2 ms of a 184 ms
-    step), while each round here is one pass over the row that inductor fuses with the previous mask.
-    """
-    cols = torch.arange(x_TE.shape[-1], device=x_TE.device)
-    values, indices = [], []
-    for _ in range(k):
-        v_T, i_T = x_TE.max(dim=-1)
-        values.append(v_T)
-        indices.append(i_T)
-        x_TE = torch.where(cols == i_T[:, None], float("-inf"), x_TE)
-    return torch.stack(values, dim=-1), torch.stack(indices, dim=-1)
 
 
 def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
@@ -129,9 +113,11 @@ def in_routing_recompute() -> bool:
 class QuantileBalancedRouter(nn.Module):
     """Sigmoid router, top-k selection on s + b, renormalised weights, and the QB update."""
 
-    def __init__(self, dim: int, n_experts: int, top_k: int, eta: float = 1.0):
+    def __init__(self, dim: int, n_experts: int, top_k: int, eta: float = 1.0,
+                 top_k_rows: Callable = top_k_rows_reference):
         super().__init__()
         self.n_experts, self.top_k, self.eta = n_experts, top_k, eta
+        self.top_k_rows = top_k_rows  # (x [T, E], k) -> (values, ids) [T, k]: `kernels.router` or its reference
         self.update_enabled = True
         # NOTE: a trainer sets defer_update and calls `apply_deferred_updates` after each micro-batch's
         # backward: the forward then keeps its local histogram (no all-reduce inside the forward, which made
@@ -163,7 +149,7 @@ class QuantileBalancedRouter(nn.Module):
         else:
             bias = self.qb_bias.clone()
         with torch.no_grad():
-            top_vals, top_idx = top_k_rows(s_TE + bias, self.top_k + 1)
+            top_vals, top_idx = self.top_k_rows(s_TE + bias, self.top_k + 1)
         experts_TK = top_idx[:, : self.top_k]
         s_sel = s_TE.gather(1, experts_TK)
         weights_TK = s_sel / s_sel.sum(dim=-1, keepdim=True)
@@ -220,11 +206,12 @@ def apply_deferred_updates(routers: list[QuantileBalancedRouter], group: dist.Pr
 class LatentMoE(nn.Module):
     """y = Shared(x) + W_up RMSNorm_L(sum_e p_e Expert_e(W_down x))."""
 
-    def __init__(self, args: K3Args, experts_fn: Callable, qb_eta: float = 1.0):
+    def __init__(self, args: K3Args, experts_fn: Callable, qb_eta: float = 1.0,
+                 top_k_rows: Callable = top_k_rows_reference):
         super().__init__()
         D, L, F, E = args.dim, args.latent_dim, args.expert_hidden, args.n_experts
         self.experts_fn = experts_fn
-        self.router = QuantileBalancedRouter(D, E, args.top_k, qb_eta)
+        self.router = QuantileBalancedRouter(D, E, args.top_k, qb_eta, top_k_rows)
         self.w_down = nn.Linear(D, L, bias=False)
         self.latent_norm = RMSNorm(L, args.norm_eps)
         self.w_up = nn.Linear(L, D, bias=False)
