@@ -308,7 +308,7 @@ def test_every_known_winner_names_a_candidate_of_its_kernel(monkeypatch):
         ("mm", 544): ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, 8, 3),
         ("mm", 256): ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3),
         ("mm_dual", 544): ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3),
-        ("wgrad", 544): ({"BLOCK_K": 128, "BLOCK_N": 256, "BLOCK_R": 64}, 8, 3),
+        ("wgrad", 544): ({"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_R": 64}, 8, 3),
         ("wgrad_dual", 256): ({"BLOCK_K": 128, "BLOCK_N": 64, "BLOCK_R": 64}, 4, 4),
         ("glu_up", 256): ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 3),
     }
