@@ -76,6 +76,8 @@ def _fused_linear_ce(
         return loss_N.sum(), grad_h32, grad_w32
     write_grad = need_grad_h or need_grad_w
     logits_buf = torch.empty(min(chunk_rows, n_rows), vocab, dtype=h.dtype, device=h.device)
+    # NOTE: a float32 (master) weight runs the products in h's dtype; its gradient stays float32 (grad_w32).
+    weight = weight.to(h.dtype)
     weight_t = weight.t()
     for start in range(0, n_rows, chunk_rows):
         end = min(start + chunk_rows, n_rows)
@@ -138,7 +140,9 @@ def linear_cross_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of `h @ weight.T` against `targets`, fused and chunked.
 
-    h [N, D], weight [V, D] (nn.Linear layout), targets [N] int64
+    h [N, D], weight [V, D] (nn.Linear layout; h's dtype, or float32 with bf16 /
+    float16 h: the products then run in h's dtype and the weight's gradient comes
+    back in float32, never rounded to bf16), targets [N] int64
     -> (loss_sum float32 [], n_valid int64 []): the loss summed over rows whose
     target is not `ignore_index`, and the count of such rows.
     Differentiable in `h` and `weight`. `chunk_rows` (default: 3 GiB of logits)

@@ -39,8 +39,10 @@ def check_inputs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -
         raise ValueError(f"targets must be 1-D of length N={h.shape[0]}, got shape {tuple(targets.shape)}")
     if targets.dtype != torch.int64:
         raise ValueError(f"targets must be torch.int64, got {targets.dtype}")
-    if not h.is_floating_point() or h.dtype != weight.dtype:
-        raise ValueError(f"h and weight must share one floating dtype, got h {h.dtype} and weight {weight.dtype}")
+    master = weight.dtype == torch.float32 and h.dtype in (torch.bfloat16, torch.float16)
+    if not h.is_floating_point() or (h.dtype != weight.dtype and not master):
+        raise ValueError(f"h and weight must share one floating dtype (or weight be float32 with bfloat16 / float16 h), "
+                         f"got h {h.dtype} and weight {weight.dtype}")
     if not (h.device == weight.device == targets.device):
         raise ValueError(
             f"h, weight and targets must be on one device, got {h.device}, {weight.device}, {targets.device}"
@@ -75,7 +77,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Row-chunked linear cross-entropy; the backward recomputes each chunk's logits.
 
     Softmax and accumulation run in float32 (float64 for float64 inputs); the
-    matmuls run in the inputs' dtype, as `nn.Linear` would.
+    matmuls run in h's dtype, as `nn.Linear` would (a float32 weight with bf16 h is
+    rounded to bf16 for them; its gradient comes back in float32).
     """
 
     @staticmethod
@@ -86,7 +89,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         loss_sum = torch.zeros((), dtype=acc, device=h.device)
         for start in range(0, n_rows, chunk_rows):
             end = min(start + chunk_rows, n_rows)
-            logits_CV = (h[start:end] @ weight.t()).to(acc)
+            logits_CV = (h[start:end] @ weight.t().to(h.dtype)).to(acc)
             lse_C = torch.logsumexp(logits_CV, dim=-1)
             lse_N[start:end] = lse_C
             tgt_C = targets[start:end]
@@ -96,6 +99,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(h, weight, targets, lse_N)
         ctx.ignore_index = ignore_index
         ctx.chunk_rows = chunk_rows
+        ctx.weight_dtype = weight.dtype
         return loss_sum.float()
 
     @staticmethod
@@ -106,6 +110,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         acc = lse_N.dtype
         grad_w32 = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         g = grad_loss.to(acc)
+        weight = weight.to(h.dtype)  # the products' dtype; grad_w keeps the weight's own (below)
         for start in range(0, h.shape[0], ctx.chunk_rows):
             end = min(start + ctx.chunk_rows, h.shape[0])
             h_CD = h[start:end]
@@ -122,7 +127,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_h[start:end] = dlogits_CV @ weight
             if need_w:
                 grad_w32 += (dlogits_CV.t() @ h_CD).to(acc)
-        grad_w = grad_w32.to(weight.dtype) if need_w else None
+        grad_w = grad_w32.to(ctx.weight_dtype) if need_w else None
         return grad_h, grad_w, None, None, None
 
 
@@ -136,8 +141,8 @@ def linear_cross_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of `h @ weight.T` against `targets`, chunked over rows.
 
-    h [N, D], weight [V, D], targets [N] int64 -> (loss_sum float32 [], n_valid int64 []).
-    Differentiable in `h` and `weight`. `chunk_rows` (default: 256 MiB of float32
+    h [N, D], weight [V, D] (h's dtype, or float32 with bf16 / float16 h), targets [N] int64
+    -> (loss_sum float32 [], n_valid int64 []). Differentiable in `h` and `weight`. `chunk_rows` (default: 256 MiB of float32
     logits) bounds the rows whose logits exist at one time.
     """
     check_inputs(h, weight, targets)

@@ -127,6 +127,21 @@ def test_fused_matches_float64_ground_truth(small_block, n, d, v, chunk_rows, dt
     assert got[2].dtype == dtype and got[3].dtype == dtype
 
 
+@pytest.mark.parametrize("fn", [reference.linear_cross_entropy, linear_cross_entropy], ids=["chunked", "fused"])
+def test_a_float32_weight_with_half_h_gets_its_gradient_in_float32(small_block, fn):
+    """The model's bf16 training hands the float32 head weight over as it is: the products run in h's dtype, exactly
+    as with the weight rounded first, and the weight's gradient is that one before its rounding."""
+    h, weight, targets = _inputs(48, 16, 96, dtype=torch.float16, ignore_every=5)
+    master = weight.float()
+    loss16, n16, gh16, gw16 = _loss_and_grads(fn, h, weight, targets, chunk_rows=17)
+    loss32, n32, gh32, gw32 = _loss_and_grads(fn, h, master, targets, chunk_rows=17)
+    assert gw32.dtype == torch.float32 and gh32.dtype == torch.float16
+    assert torch.equal(loss32, loss16) and torch.equal(gh32, gh16) and n32 == n16
+    assert torch.equal(gw32.to(torch.float16), gw16) and not torch.equal(gw32, gw16.float())
+    truth = _ground_truth(h, weight, targets)[3]
+    assert _rel_rms(gw32, truth) < _rel_rms(gw16, truth)
+
+
 def test_row_kernel_matches_float64_softmax_grad(small_block):
     """The row kernel alone: per-row loss, and the gradient written in place only when asked."""
     gen = torch.Generator().manual_seed(3)

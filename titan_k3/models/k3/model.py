@@ -123,7 +123,9 @@ class K3Model(nn.Module):
             return self.output(h_BTD)
         h_ND, w_VD = h_BTD.flatten(0, 1), self.output.weight
         if self.compute_dtype is not None:
-            h_ND, w_VD = h_ND.to(self.compute_dtype), w_VD.to(self.compute_dtype)
+            # NOTE: the weight goes in as it is: the loss runs its products in h's dtype and hands a float32
+            # weight its gradient in float32 (a cast here cost two passes over [V, D] and a bf16 rounding).
+            h_ND = h_ND.to(self.compute_dtype)
         loss_sum, n_valid = self.impl.loss(h_ND, w_VD, labels_BT.flatten())
         return LossOutput(loss_sum, n_valid)
 
