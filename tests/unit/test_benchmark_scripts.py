@@ -359,3 +359,47 @@ def test_a_variant_that_needs_an_allocator_setting_runs_only_in_its_own_process(
     assert row["error"] == "child process exited 3"
     train_throughput.run_isolated("ours-recipe", 64, 2, args, 60.0, "none")
     assert "PYTORCH_CUDA_ALLOC_CONF" not in seen["env"]
+
+
+def test_ab_commits_times_each_prepared_tree_in_alternating_rounds(tmp_path):
+    """prepare writes HEAD's tree once (named twice) without the results; run times it with its own code, round after
+    round, and names the commit in every row and in the summary."""
+    if not (REPO / ".git").exists():
+        pytest.skip("needs the repository's git history")
+    script, trees = str(REPO / "benchmarks" / "ab_commits.py"), tmp_path / "ab"
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    prep = subprocess.run([sys.executable, script, "prepare", "--dir", str(trees), "HEAD", head], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert prep.returncode == 0, prep.stderr[-2000:]
+    manifest = json.loads((trees / "trees.json").read_text())
+    assert [t["commit"] for t in manifest] == [head]
+    assert (trees / head / "benchmarks" / "train_throughput.py").is_file() and not (trees / head / "benchmarks" / "results").exists()
+    bad = subprocess.run([sys.executable, script, "prepare", "--dir", str(trees), "no-such-rev"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "'no-such-rev' names no commit" in bad.stderr
+    go = subprocess.run([sys.executable, script, "run", "--dir", str(trees), "--out", str(tmp_path / "out"), "--rounds", "2",
+                         "--", "--flavor", "debug", "--seq", "64", "--batch", "2", "--variants", "ours", "--warmup", "1",
+                         "--steps", "1", "--profile", "none"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                        env={**os.environ, "BENCH_RUNS": str(tmp_path / "runs")})
+    assert go.returncode == 0, go.stderr[-2000:]
+    rows = json.loads((tmp_path / "out" / "ab_commits.json").read_text())["rows"]
+    assert [(r["commit"], r["round"], r["variant"]) for r in rows] == [(head, 1, "ours"), (head, 2, "ours")], rows
+    assert all(r["ms_per_step"] > 0 for r in rows)
+    row = json.loads((tmp_path / "out" / head / "round1" / "train_throughput.json").read_text())["env"]
+    assert row["commit"] == head  # BENCH_COMMIT, not whatever repository the run finds
+    assert f"| {head} | ours | B2 T64 | 2 |" in (tmp_path / "out" / "ab_commits.md").read_text()
+
+
+def test_ab_commits_summary_compares_medians_with_the_first_commit():
+    sys.path.insert(0, str(REPO))
+    from benchmarks.ab_commits import summary
+
+    def row(commit, ms, variant="ours-recipe"):
+        return {"commit": commit, "round": 1, "variant": variant, "seq": 4096, "batch": 8, "ms_per_step": ms}
+
+    rows = [row("aaa", 157.4), row("aaa", 157.8), row("bbb", 154.6), row("bbb", 155.0), row("bbb", 154.2),
+            {"commit": "ccc", "round": 1, "error": "exit 1, no rows"}]
+    table = summary(rows, ["aaa", "bbb", "ccc"])
+    assert "| aaa | ours-recipe | B8 T4096 | 2 | 157.6 | 157.4 | 157.8 | — |" in table
+    assert "| bbb | ours-recipe | B8 T4096 | 3 | 154.6 | 154.2 | 155.0 | -3.0 ms |" in table
+    assert "- ccc round 1: run failed: exit 1, no rows" in table
