@@ -115,9 +115,10 @@ VARIANTS = {
     # (ours-recipe-ce4096, -lean-memory, -lean-memory-ns512; train_throughput.md); both are in the recipe now.
     # The recipe with one of its memory levers turned back off (which one moves speed or the loss curve)
     "ours-recipe-ns-whole": [*RECIPE, "--optimizer.ns_chunk", "0"],
-    # The recipe with the routers' top-k on inductor's fusion of the torch reference instead of our Triton kernel
-    # (kernels.router; the fused reference took 91 us per MoE layer, the kernel 40)
-    "ours-recipe-router-torch": [*RECIPE, "--kernels.router", "torch"],
+    # The recipe with the routers' top-k as our Triton kernel instead of inductor's fusion of the torch reference
+    # (kernels.router; the fused reference took 91 us per MoE layer, the kernel 40; the step 153.7 -> 154.6 ms with
+    # it in session 19's one comparison, so auto keeps the reference until this variant measures faster)
+    "ours-recipe-router-triton": [*RECIPE, "--kernels.router", "triton"],
     # The recipe with AdamW for every matrix in place of Per-Head Muon: the model's own speed, for the headline's
     # "ours with AdamW" column (what Muon's step costs inside the update); Muon's graph settings go with Muon
     "ours-recipe-adamw": [*RECIPE, "--optimizer.name", "adamw", "--optimizer.ns_cuda_graphs", "false",

@@ -186,8 +186,13 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
         if kernels_cfg.attn_res == "triton":
             raise ValueError(f"config key 'kernels.attn_res' = 'triton': {why}")
         attn_res, c_res = pseudo_query_mix_reference, KernelChoice("attn_res", "auto", "torch", True, why)
-    router, c_router = _pick("router", kernels_cfg.router, on_cuda, ("kernels.router", "top_k_rows", "triton"),
-                             top_k_rows_reference)
+    # NOTE: auto takes the reference on purpose (the config key's help says why), so it is no fallback.
+    if kernels_cfg.router == "auto":
+        router, c_router = top_k_rows_reference, KernelChoice("router", "auto", "torch", False,
+                                                              "the Triton top-k has not measured faster in a step yet")
+    else:
+        router, c_router = _pick("router", kernels_cfg.router, on_cuda, ("kernels.router", "top_k_rows", "triton"),
+                                 top_k_rows_reference)
     max_logit, c_max = _pick("max_logit", kernels_cfg.max_logit, on_cuda,
                              ("kernels.max_logit", "max_logit_per_head", "triton"), max_logit_per_head_reference)
     conv, c_conv = _pick("conv", kernels_cfg.conv, on_cuda, ("kernels.short_conv", "causal_conv_silu", "triton"),
