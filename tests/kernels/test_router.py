@@ -93,3 +93,24 @@ def test_compiles_without_graph_break():
     for got, want in zip(compiled(scores, bias), route(scores, bias)):
         assert torch.equal(got, want)
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_the_config_key_reaches_every_router():
+    """kernels.router: auto keeps the reference (on purpose, no fallback), triton hands the kernel to every MoE
+    router of the model."""
+    from titan_k3.config import load_job_config
+    from titan_k3.models.k3.args import get_flavor
+    from titan_k3.models.k3.impl import resolve_impl
+    from titan_k3.models.k3.model import K3Model
+
+    device = torch.device(DEVICE)
+    auto = resolve_impl(load_job_config([]).kernels, device)
+    [choice] = [c for c in auto.choices if c.op == "router"]
+    assert auto.router is top_k_rows_reference and (choice.chosen, choice.fallback) == ("torch", False)
+    asked = resolve_impl(load_job_config(["--kernels.router", "triton"]).kernels, device)
+    [choice] = [c for c in asked.choices if c.op == "router"]
+    assert asked.router is top_k_rows and (choice.chosen, choice.fallback) == ("triton", False)
+    with torch.device("meta"):
+        model = K3Model(get_flavor("debug"), asked)
+    routers = model.moe_routers().values()
+    assert routers and all(r.top_k_rows is top_k_rows for r in routers)
