@@ -41,8 +41,8 @@ def check_inputs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -
         raise ValueError(f"targets must be torch.int64, got {targets.dtype}")
     master = weight.dtype == torch.float32 and h.dtype in (torch.bfloat16, torch.float16)
     if not h.is_floating_point() or (h.dtype != weight.dtype and not master):
-        raise ValueError(f"h and weight must share one floating dtype (or weight be float32 with bfloat16 / float16 h), "
-                         f"got h {h.dtype} and weight {weight.dtype}")
+        raise ValueError("h and weight must share one floating dtype (or weight be float32 with bfloat16 / "
+                         f"float16 h), got h {h.dtype} and weight {weight.dtype}")
     if not (h.device == weight.device == targets.device):
         raise ValueError(
             f"h, weight and targets must be on one device, got {h.device}, {weight.device}, {targets.device}"
@@ -142,8 +142,8 @@ def linear_cross_entropy(
     """Summed cross-entropy of `h @ weight.T` against `targets`, chunked over rows.
 
     h [N, D], weight [V, D] (h's dtype, or float32 with bf16 / float16 h), targets [N] int64
-    -> (loss_sum float32 [], n_valid int64 []). Differentiable in `h` and `weight`. `chunk_rows` (default: 256 MiB of float32
-    logits) bounds the rows whose logits exist at one time.
+    -> (loss_sum float32 [], n_valid int64 []). Differentiable in `h` and `weight`.
+    `chunk_rows` (default: 256 MiB of float32 logits) bounds the rows whose logits exist at one time.
     """
     check_inputs(h, weight, targets)
     check_target_values(targets, weight.shape[0], ignore_index)

@@ -238,9 +238,9 @@ def _glu_backward(dy: torch.Tensor, token: torch.Tensor, w2: torch.Tensor, g: to
     """(dg, du, hp [S, F], dweight float32 [S] by flat slot id) from dy [T, L]: slot s reads the unweighted row
     dout[s] = dy[token[s]].
 
-    dh = dout @ w2[e]^T per expert (dy's rows gathered in the GEMM's loads), then one pointwise pass over whole rows: the SiTU-GLU backward scaled by
-    each slot's routing weight, the weight's own gradient <dh, h>, and hp = p * h for the w2 weight gradient
-    (`glu_bwd_pointwise_kernel`). NOTE: two kernels, not one with the GLU backward in the GEMM's epilogue: that
+    dh = dout @ w2[e]^T per expert (dy's rows gathered in the GEMM's loads), then one pointwise pass over whole
+    rows: the SiTU-GLU backward scaled by each slot's routing weight, the weight's own gradient <dh, h>, and
+    hp = p * h for the w2 weight gradient (`glu_bwd_pointwise_kernel`). NOTE: two kernels, not one with the GLU backward in the GEMM's epilogue: that
     fused kernel needed ~245 registers per thread (the accumulator next to g and u) and ran at a quarter of its
     memory floor (benchmarks/results/moe.md). A plain GEMM and a pointwise pass each run near their own.
     """

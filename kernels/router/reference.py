@@ -21,7 +21,7 @@ def top_k_rows_reference(x_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
 
     NOTE: k rounds of (row max, mask the winner) instead of torch.topk: for k3-mini's [32768, 176] scores and
     k = 7, topk's per-row radix select and gather took 0.68 ms per MoE layer on an H200 (7.2 ms of a 184 ms
-    step), while inductor fuses these rounds into one kernel (91 us per layer; the Triton op, ~10x less).
+    step), while inductor fuses these rounds into one kernel (91 us per layer; the Triton op 40 us).
     """
     check_inputs(x_TE, k)
     cols = torch.arange(x_TE.shape[-1], device=x_TE.device)

@@ -367,20 +367,22 @@ def test_ab_commits_times_each_prepared_tree_in_alternating_rounds(tmp_path):
     if not (REPO / ".git").exists():
         pytest.skip("needs the repository's git history")
     script, trees = str(REPO / "benchmarks" / "ab_commits.py"), tmp_path / "ab"
-    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
     prep = subprocess.run([sys.executable, script, "prepare", "--dir", str(trees), "HEAD", head], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert prep.returncode == 0, prep.stderr[-2000:]
     manifest = json.loads((trees / "trees.json").read_text())
     assert [t["commit"] for t in manifest] == [head]
-    assert (trees / head / "benchmarks" / "train_throughput.py").is_file() and not (trees / head / "benchmarks" / "results").exists()
+    tree = trees / head / "benchmarks"
+    assert (tree / "train_throughput.py").is_file() and not (tree / "results").exists()
     bad = subprocess.run([sys.executable, script, "prepare", "--dir", str(trees), "no-such-rev"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "'no-such-rev' names no commit" in bad.stderr
-    go = subprocess.run([sys.executable, script, "run", "--dir", str(trees), "--out", str(tmp_path / "out"), "--rounds", "2",
-                         "--", "--flavor", "debug", "--seq", "64", "--batch", "2", "--variants", "ours", "--warmup", "1",
-                         "--steps", "1", "--profile", "none"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                        env={**os.environ, "BENCH_RUNS": str(tmp_path / "runs")})
+    go = subprocess.run([sys.executable, script, "run", "--dir", str(trees), "--out", str(tmp_path / "out"),
+                         "--rounds", "2", "--", "--flavor", "debug", "--seq", "64", "--batch", "2", "--variants", "ours",
+                         "--warmup", "1", "--steps", "1", "--profile", "none"], cwd=tmp_path, capture_output=True,
+                        text=True, timeout=600, env={**os.environ, "BENCH_RUNS": str(tmp_path / "runs")})
     assert go.returncode == 0, go.stderr[-2000:]
     rows = json.loads((tmp_path / "out" / "ab_commits.json").read_text())["rows"]
     assert [(r["commit"], r["round"], r["variant"]) for r in rows] == [(head, 1, "ours"), (head, 2, "ours")], rows

@@ -152,11 +152,12 @@ def kernel_tables(kernels: list[tuple[str, float, float]], events, rows: int = 8
     lines = ["", f"Every kernel by GPU time ({len(by_name)} names, the first {rows}):"]
     lines += [f"{t / 1e3:10.3f} ms {100 * t / total:5.1f}% {c:6d} calls {t / c:9.1f} us  {_short(n)}"
               for n, c, t in by_name[:rows]]
-    lines.append(f"{sum(t for *_, t in by_name[rows:]) / 1e3:10.3f} ms in the other {max(0, len(by_name) - rows)} names")
+    rest = sum(t for *_, t in by_name[rows:])
+    lines.append(f"{rest / 1e3:10.3f} ms in the other {max(0, len(by_name) - rows)} names")
     scoped = gpu_time_by_scope(events)
     launched = sum(t for *_, t in scoped)
-    lines += ["", f"GPU time by launching scope and kernel (the first {rows}; {launched / 1e3:.3f} ms launched by an op, "
-              f"{max(0.0, total - launched) / 1e3:.3f} ms from CUDA graph replays or without a launching op):"]
+    lines += ["", f"GPU time by launching scope and kernel (the first {rows}; {launched / 1e3:.3f} ms launched by an "
+              f"op, {max(0.0, total - launched) / 1e3:.3f} ms from CUDA graph replays or without a launching op):"]
     lines += [f"{t / 1e3:10.3f} ms {c:6d} calls  {_short(s, 50):50s}  {_short(n, 70)}" for s, n, c, t in scoped[:rows]]
     return lines
 
