@@ -87,9 +87,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(h.dtype, torch.float32)
         lse_N = torch.empty(n_rows, dtype=acc, device=h.device)
         loss_sum = torch.zeros((), dtype=acc, device=h.device)
+        weight_t = weight.t().to(h.dtype)  # the products' dtype (a float32 weight with bf16 h: rounded once)
         for start in range(0, n_rows, chunk_rows):
             end = min(start + chunk_rows, n_rows)
-            logits_CV = (h[start:end] @ weight.t().to(h.dtype)).to(acc)
+            logits_CV = (h[start:end] @ weight_t).to(acc)
             lse_C = torch.logsumexp(logits_CV, dim=-1)
             lse_N[start:end] = lse_C
             tgt_C = targets[start:end]

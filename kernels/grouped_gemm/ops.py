@@ -240,9 +240,9 @@ def _glu_backward(dy: torch.Tensor, token: torch.Tensor, w2: torch.Tensor, g: to
 
     dh = dout @ w2[e]^T per expert (dy's rows gathered in the GEMM's loads), then one pointwise pass over whole
     rows: the SiTU-GLU backward scaled by each slot's routing weight, the weight's own gradient <dh, h>, and
-    hp = p * h for the w2 weight gradient (`glu_bwd_pointwise_kernel`). NOTE: two kernels, not one with the GLU backward in the GEMM's epilogue: that
-    fused kernel needed ~245 registers per thread (the accumulator next to g and u) and ran at a quarter of its
-    memory floor (benchmarks/results/moe.md). A plain GEMM and a pointwise pass each run near their own.
+    hp = p * h for the w2 weight gradient (`glu_bwd_pointwise_kernel`). NOTE: two kernels, not one with the GLU
+    backward in the GEMM's epilogue: that fused kernel needed ~245 registers per thread (the accumulator next to g
+    and u) and ran at a quarter of its memory floor (benchmarks/results/moe.md). A plain GEMM and a pointwise pass each run near their own.
     """
     n_slots, hidden = g.shape[0], w2.shape[1]
     assert g.is_contiguous() and u.is_contiguous(), "the pointwise pass walks g and u as [S, F] rows of stride F"

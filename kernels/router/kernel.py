@@ -3,6 +3,7 @@
 Legend: T tokens (rows), E experts (columns), k selected per row.
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -33,8 +34,6 @@ def _top_k_kernel(x_ptr, values_ptr, indices_ptr, n_rows, n_cols, stride_x,
 
 def top_k_forward(x_TE, k: int):
     """(values [T, k] in x's dtype, indices int64 [T, k]) of x [T, E] with unit column stride."""
-    import torch
-
     n_rows, n_cols = x_TE.shape
     values = torch.empty(n_rows, k, device=x_TE.device, dtype=x_TE.dtype)
     indices = torch.empty(n_rows, k, device=x_TE.device, dtype=torch.int64)
