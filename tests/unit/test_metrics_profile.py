@@ -11,8 +11,9 @@ from types import SimpleNamespace
 
 from torch.autograd import DeviceType
 
-from titan_k3.metrics.profile import (_gpu_kernels, exposed_length, gpu_time_by_scope, kernel_kind, kernel_tables,
-                                      kernels_by_name, launch_scope, timeline, union_length)
+from titan_k3.metrics.profile import (NO_HOST, _gpu_kernels, exposed_length, gap_buckets, gap_report, gpu_time_by_scope,
+                                      host_context, idle_gaps, kernel_kind, kernel_tables, kernels_by_name,
+                                      largest_gaps, launch_scope, profile_report, timeline, union_length)
 from titan_k3.train import main
 
 
@@ -87,6 +88,94 @@ def test_kernels_are_charged_to_the_innermost_scope_that_launched_them():
     text = "\n".join(lines)
     assert "5 names, the first 2" in text and "0.015 ms in the other 3 names" in text
     assert "0.046 ms launched by an op, 0.004 ms from CUDA graph replays" in text
+
+
+def test_overlapping_kernels_on_two_streams_leave_no_gap():
+    """A long kernel on one stream covers the short ones and the spaces between them on another."""
+    assert idle_gaps([("long", 0, 100), ("a", 10, 20), ("b", 30, 40), ("c", 90, 110)]) == []
+    assert idle_gaps([("a", 0, 10), ("b", 10, 20)]) == []  # back to back: no gap
+    assert idle_gaps([]) == [] and idle_gaps([("a", 0, 10)]) == []
+
+
+def test_gaps_are_the_complement_of_the_kernels_union():
+    """The kernel before a gap is the one whose end opens it, even when another stream's kernel started later."""
+    kernels = [("c", 50, 60), ("long", 0, 30), ("short", 5, 10), ("b", 32.5, 40), ("d", 60, 70), ("e", 71, 72)]
+    assert idle_gaps(kernels) == [(30, 32.5, "long", "b"), (40, 50, "b", "c"), (70, 71, "d", "e")]
+    gaps = idle_gaps(kernels)
+    assert sum(e - s for s, e, *_ in gaps) == pytest.approx(72 - union_length([(s, e) for _, s, e in kernels]))
+
+
+def test_gap_buckets_split_at_5_20_100_us_and_1_ms():
+    lengths = [0.5, 4.999, 5, 19.9, 20, 99.9, 100, 999, 1000, 2500]
+    gaps = [(0, x, "a", "b") for x in lengths]
+    assert gap_buckets(gaps) == [("< 5 us", 2, pytest.approx(5.499)), ("5-20 us", 2, pytest.approx(24.9)),
+                                 ("20-100 us", 2, pytest.approx(119.9)), ("100 us-1 ms", 2, pytest.approx(1099)),
+                                 (">= 1 ms", 2, pytest.approx(3500))]
+    assert [c for _, c, _ in gap_buckets([])] == [0] * 5
+
+
+def test_largest_gaps_come_first_and_are_limited_to_n():
+    gaps = [(0, 3, "a", "b"), (10, 30, "b", "c"), (40, 41, "c", "d"), (50, 70, "d", "e"), (80, 90, "e", "f")]
+    assert largest_gaps(gaps, n=3) == [(10, 30, "b", "c"), (50, 70, "d", "e"), (80, 90, "e", "f")]
+    assert len(largest_gaps(gaps * 10)) == 15
+
+
+def test_host_context_is_the_innermost_host_event_over_the_gap():
+    """The op launching inside an optimizer range names the gap, not the range; a gap no host event covers says so;
+    a short event on another thread beats the main thread's long wait."""
+    host = [("Optimizer.step#PerHeadMuon.step", 0, 100), ("aten::copy_", 20, 40), ("cudaMemcpyAsync", 25, 35),
+            ("torch::autograd::backward", 200, 400), ("cudaLaunchKernel", 290, 310),
+            ("cudaDeviceSynchronize", 500, 520)]
+    gaps = [(28, 32, "a", "b"), (50, 60, "b", "c"), (150, 160, "c", "d"), (295, 305, "d", "e"), (510, 511, "e", "f")]
+    assert host_context(gaps, host) == ["cudaMemcpyAsync", "Optimizer.step#PerHeadMuon.step", NO_HOST,
+                                        "cudaLaunchKernel", "cudaDeviceSynchronize"]
+    assert host_context(gaps[:1], []) == [NO_HOST]
+
+
+def _gap_trace():
+    """Kernels (us): 0-10, 12-20 and 520-600 on one stream, 15-30 on another (busy 108 of a 600 us span); host
+    events around them."""
+    kernels = [("nvjet_tst_a", 0, 10), ("triton_poi_fused_0", 12, 20), ("ncclDevKernel_AllGather", 15, 30),
+               ("void at::native::vectorized_elementwise_kernel<4>", 520, 600)]
+    host = [("ProfilerStep", -300, 700), ("aten::mm", -100, 5), ("cudaDeviceSynchronize", 100, 650)]
+    return kernels, host
+
+
+def test_gap_report_lists_sizes_and_the_largest_gaps():
+    kernels, host = _gap_trace()
+    text = "\n".join(gap_report(kernels, host, wall=1000, largest=1))
+    assert ("GPU idle gaps: 0.892 ms idle of 1.000 ms wall: 0.492 ms in 2 gaps between kernels, 0.400 ms before the "
+            "first kernel and after the last together (host events begin 0.300 ms before the first kernel, end "
+            "0.100 ms after the last)") in text
+    assert "  < 5 us             1      0.002" in text and "  100 us-1 ms        1      0.490" in text
+    assert "The 1 largest gaps" in text and "triton_poi_fused_0" not in text.split("largest gaps")[1]
+    assert "      0.030 ms     490.0 us  ncclDevKernel_AllGather" in text
+    assert "-> void at::native::vectorized_elementwise_kernel<4>" in text and "host: cudaDeviceSynchronize" in text
+    assert gap_report([], host, wall=1000) == ["", "GPU idle gaps: no kernels"]
+
+
+def test_profile_report_has_the_idle_gaps_section(monkeypatch):
+    """The report on a (faked) GPU run: kernels and host events from the profiler's events, wall time in seconds."""
+    import titan_k3.metrics.profile as profile
+
+    class Averages(list):
+        def table(self, **_kwargs):
+            return "(table)"
+
+    def event(name, start, end, device):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=False, kernels=[], cpu_parent=None,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    kernels, host = _gap_trace()
+    events = [event(*k, DeviceType.CUDA) for k in kernels] + [event(*h, DeviceType.CPU) for h in host]
+    averages = Averages([SimpleNamespace(key="aten::mm", count=1, self_device_time_total=10.0, device_time_total=10.0,
+                                         cpu_time_total=105.0)])
+    prof = SimpleNamespace(events=lambda: events, key_averages=lambda: averages)
+    monkeypatch.setattr(profile.torch.cuda, "is_available", lambda: True)
+    text = profile_report(prof, wall_s=1e-3, title="faked")
+    assert "GPU timeline over 1.0 ms of wall time: busy 10.8%, idle 89.2%" in text
+    assert "GPU idle gaps: 0.892 ms idle of 1.000 ms wall: 0.492 ms in 2 gaps" in text
+    assert "The 2 largest gaps" in text and "host: cudaDeviceSynchronize" in text and "host: ProfilerStep" in text
 
 
 @pytest.mark.parametrize("name, kind", [

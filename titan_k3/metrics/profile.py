@@ -10,6 +10,8 @@ The summary answers what a step-time question needs first:
     (host waits, launch gaps), compute, communication (NCCL kernels) and the
     communication no compute overlapped (exposed), as unions of kernel intervals;
   - GPU time by kind (matmul, communication, Triton, other kernels);
+  - where the GPU sits idle: the gaps between kernels by size, and the largest with
+    the kernels either side and the host event running over each (`gap_report`);
   - kernels by GPU time, operators by self GPU time, the optimizer's named ranges;
   - every kernel by name (count, total, mean), and GPU time by the scope that
     launched it (the autograd node, compiled graph or named range around the
@@ -20,6 +22,7 @@ Without CUDA (CPU runs, tests) the timeline is absent and the tables hold host t
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import shutil
 import time
@@ -94,6 +97,13 @@ def _annotation(e) -> bool:
     return bool(getattr(e, "is_user_annotation", False))
 
 
+def _host_events(prof) -> list[tuple[str, float, float]]:
+    """(name, start_us, end_us) of every host event with a duration: ops, `record_function` ranges and CUDA
+    runtime calls (cudaLaunchKernel, cudaDeviceSynchronize...), on every thread."""
+    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == DeviceType.CPU and e.time_range.end > e.time_range.start]
+
+
 def kernels_by_name(kernels: list[tuple[str, float, float]]) -> list[tuple[str, int, float]]:
     """(name, calls, total time) per kernel name, largest total first."""
     totals: dict[str, list] = {}
@@ -162,6 +172,94 @@ def kernel_tables(kernels: list[tuple[str, float, float]], events, rows: int = 8
     return lines
 
 
+def idle_gaps(kernels: list[tuple[str, float, float]]) -> list[tuple[float, float, str, str]]:
+    """(start, end, kernel before, kernel after) of each stretch between the first kernel's start and the last
+    kernel's end that no kernel covers, in time order: the complement of the union of the (name, start, end)
+    intervals, on all streams. The kernel before is the one whose end opens the gap, the one after the one whose
+    start closes it."""
+    gaps = []
+    end, before = float("-inf"), None
+    for name, s, e in sorted(kernels, key=lambda k: (k[1], k[2])):
+        if before is not None and s > end:
+            gaps.append((end, s, before, name))
+        if e > end:
+            end, before = e, name
+    return gaps
+
+
+# Gap sizes in us: the exclusive upper bounds of all but the last bucket, and every bucket's label.
+GAP_BOUNDS = (5.0, 20.0, 100.0, 1e3)
+GAP_LABELS = ("< 5 us", "5-20 us", "20-100 us", "100 us-1 ms", ">= 1 ms")
+
+
+def gap_buckets(gaps: list[tuple[float, float, str, str]]) -> list[tuple[str, int, float]]:
+    """(label, gaps, total idle us) per size bucket of GAP_LABELS, smallest first; gap times in us."""
+    rows = [[label, 0, 0.0] for label in GAP_LABELS]
+    for s, e, *_ in gaps:
+        row = rows[bisect.bisect_right(GAP_BOUNDS, e - s)]
+        row[1] += 1
+        row[2] += e - s
+    return [tuple(r) for r in rows]
+
+
+def largest_gaps(gaps: list[tuple[float, float, str, str]], n: int = 15) -> list[tuple[float, float, str, str]]:
+    """The `n` longest gaps, longest first (the earlier first among equals)."""
+    return sorted(gaps, key=lambda g: (-(g[1] - g[0]), g[0]))[:n]
+
+
+NO_HOST = "(no host event)"
+
+
+def host_context(gaps: list[tuple[float, float, str, str]], host_events: list[tuple[str, float, float]]) -> list[str]:
+    """Per gap, the name of the innermost (name, start, end) host event that covers the gap's midpoint, else
+    NO_HOST; one time unit throughout. Scans every event per gap: meant for the largest few gaps.
+
+    NOTE: innermost is the shortest (the later start among equals). Within a thread nested ranges shrink inward;
+    across threads (autograd runs CUDA backward ops on its own thread while the main thread waits in `backward`)
+    the shortest covering event is the most specific thing the host was doing: launching, synchronising, Python.
+    """
+    names = []
+    for s, e, *_ in gaps:
+        mid = (s + e) / 2
+        covering = [(end - start, -start, name) for name, start, end in host_events if start <= mid <= end]
+        names.append(min(covering)[2] if covering else NO_HOST)
+    return names
+
+
+def gap_report(kernels: list[tuple[str, float, float]], host_events: list[tuple[str, float, float]], wall: float,
+               largest: int = 15) -> list[str]:
+    """The report's "GPU idle gaps" section from (name, start_us, end_us) kernels and host events and the profiled
+    wall time in us.
+
+    NOTE: as in `timeline`, the wall window is a length: where it starts on the trace's clock is unknown, so the idle
+    time before the first kernel and after the last is given together (wall minus the kernels' span). The host
+    events' own span around the kernels splits it roughly: the host's lead before its first launch runs, its tail
+    (the closing synchronise) after the last kernel.
+    """
+    if not kernels:
+        return ["", "GPU idle gaps: no kernels"]
+    gaps = idle_gaps(kernels)
+    first, last = min(s for _, s, _ in kernels), max(e for *_, e in kernels)
+    between = sum(e - s for s, e, *_ in gaps)
+    outside = wall - (last - first)
+    lines = ["", f"GPU idle gaps: {(between + outside) / 1e3:.3f} ms idle of {wall / 1e3:.3f} ms wall: "
+             f"{between / 1e3:.3f} ms in {len(gaps)} gaps between kernels, {outside / 1e3:.3f} ms before the first "
+             f"kernel and after the last together"]
+    if host_events:
+        lead = first - min(s for _, s, _ in host_events)
+        tail = max(e for *_, e in host_events) - last
+        lines[-1] += (f" (host events begin {lead / 1e3:.3f} ms before the first kernel, end {tail / 1e3:.3f} ms "
+                      "after the last)")
+    lines += [f"  {'gap size':12s} {'gaps':>7s} {'idle ms':>10s}"]
+    lines += [f"  {label:12s} {count:7d} {total / 1e3:10.3f}" for label, count, total in gap_buckets(gaps)]
+    top = largest_gaps(gaps, largest)
+    lines += [f"The {len(top)} largest gaps: start (ms after the first kernel's start), length, the kernels before and "
+              "after, the innermost host event over the gap's middle:"]
+    lines += [f"  {(s - first) / 1e3:9.3f} ms {e - s:9.1f} us  {_short(before, 60):60s} -> {_short(after, 60):60s}  "
+              f"host: {_short(host, 60)}" for (s, e, before, after), host in zip(top, host_context(top, host_events))]
+    return lines
+
+
 def profile_report(prof, wall_s: float, title: str = "") -> str:
     """The text summary of a finished torch.profiler run that covered `wall_s` seconds."""
     events = prof.key_averages()
@@ -180,6 +278,7 @@ def profile_report(prof, wall_s: float, title: str = "") -> str:
         total = sum(by_kind.values()) or 1.0
         lines.append("GPU time by kind: " + ", ".join(
             f"{k} {v / 1e3:.1f} ms ({100 * v / total:.1f}%)" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])))
+        lines += gap_report(kernels, _host_events(prof), wall_s * 1e6)
     else:
         lines.append(f"no GPU activity recorded: host time only, over {wall_s * 1e3:.1f} ms of wall time")
     lines += ["", events.table(sort_by=sort, row_limit=30, max_name_column_width=70)]
