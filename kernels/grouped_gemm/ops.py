@@ -198,8 +198,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 def _moe_fwd_op(
     x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, weight: torch.Tensor,
     order: torch.Tensor, token: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, save: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, g, u); g and u are empty unless save (they are all the backward keeps of the experts' work).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, g, u, w1c, w3c, w2c); g and u are empty unless save (they are all the backward keeps of the experts'
+    work); w1c, w3c, w2c are the weights in x's dtype when they come in another (`_compute_weights`), else empty.
 
     NOTE: h = SiTU-GLU(g, u) and the slots' outputs h @ w2 live only until the combine: the backward's
     pointwise pass rebuilds h from g and u, which it reads anyway, and takes the routing weights' gradient
@@ -210,6 +211,9 @@ def _moe_fwd_op(
     n_experts, _, hidden = w1.shape
     n_slots = token.shape[0]
     new = dict(device=x.device, dtype=x.dtype)
+    casts = _compute_weights(x, w1, w3, w2)
+    if casts:
+        w1, w3, w2 = casts
     h = torch.empty(n_slots, hidden, **new)
     g = torch.empty(n_slots if save else 0, hidden, **new)
     u = torch.empty_like(g)
@@ -223,14 +227,31 @@ def _moe_fwd_op(
         )
     out = _launch_mm(h, w2, offsets, torch.empty(n_slots, latent, **new))
     y = _launch_combine(out, inverse, weight, torch.empty(n_tokens, latent, **new), weight.shape[1])
-    return y, g, u
+    return y, g, u, *(casts if casts and save else _no_casts(x))
+
+
+def _compute_weights(x: torch.Tensor, *weights: torch.Tensor) -> list[torch.Tensor]:
+    """The expert weights in x's dtype when they come in another (float32 masters under bf16 compute), else [].
+
+    NOTE: the cast is inside the op, not in the caller: the op then owns the weights' gradients and writes them
+    in the weights' own dtype straight from the float32 accumulators. A cast outside had its backward read the
+    bf16 gradient and write a float32 copy, a pass over 3 x [E, L, F] per layer (66 kernels, 2.3 ms of a k3-mini
+    step), and rounded the gradient to bf16 on the way.
+    """
+    return [w.to(x.dtype) for w in weights] if weights[0].dtype != x.dtype else []
+
+
+def _no_casts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(x.new_empty(0) for _ in range(3))
 
 
 @_moe_fwd_op.register_fake
 def _(x, w1, w3, w2, weight, order, token, inverse, offsets, save):
     n_slots, hidden = token.shape[0], w1.shape[2]
     g = x.new_empty(n_slots if save else 0, hidden)
-    return x.new_empty(x.shape), g, torch.empty_like(g)
+    casts = (tuple(x.new_empty(w.shape) for w in (w1, w3, w2)) if save and w1.dtype != x.dtype
+             else _no_casts(x))
+    return x.new_empty(x.shape), g, torch.empty_like(g), *casts
 
 
 def _glu_backward(dy: torch.Tensor, token: torch.Tensor, w2: torch.Tensor, g: torch.Tensor, u: torch.Tensor,
@@ -264,23 +285,24 @@ def _glu_backward(dy: torch.Tensor, token: torch.Tensor, w2: torch.Tensor, g: to
 def _moe_bwd_op(
     dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
     weight: torch.Tensor, order: torch.Tensor, token: torch.Tensor, inverse: torch.Tensor,
-    offsets: torch.Tensor, g: torch.Tensor, u: torch.Tensor,
+    offsets: torch.Tensor, g: torch.Tensor, u: torch.Tensor, grad_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dw1, dw3, dw2, dweight)."""
+    """(dx, dw1, dw3, dw2, dweight); w1, w3, w2 in x's dtype, their gradients in `grad_dtype` (the weights' own)."""
     n_tokens, latent = x.shape
     n_slots = token.shape[0]
     top_k = weight.shape[1]
     new = dict(device=x.device, dtype=x.dtype)
+    grads = dict(device=x.device, dtype=grad_dtype)
     # NOTE: each slot's unweighted dy row, dy[token(s)], read by the two GEMMs that need it straight from dy
     # (gathered loads; a copy of those rows was a 100 MB pass per k3-mini layer): the routing weight enters in
     # the pointwise pass (dg, du, hp), which also gives the weight's gradient, so the backward needs no copy of
     # the forward's slot outputs.
     dy = dy.contiguous()
     dg, du, hp, d_weight = _glu_backward(dy, token, w2, g, u, weight, order, offsets)
-    dw2 = torch.empty(w2.shape, **new)
+    dw2 = torch.empty(w2.shape, **grads)
     _launch_wgrad(hp, dy, offsets, dw2, gather_b=token)
-    dw1 = torch.empty(w1.shape, **new)
-    dw3 = torch.empty(w3.shape, **new)
+    dw1 = torch.empty(w1.shape, **grads)
+    dw3 = torch.empty(w3.shape, **grads)
     _launch_wgrad(x, dg, offsets, dw1, gather=token, b2=du, out2=dw3)
     dx_slots = _launch_mm(dg, w1.transpose(1, 2), offsets, torch.empty(n_slots, latent, **new),
                           a2=du, b2=w3.transpose(1, 2))
@@ -289,23 +311,26 @@ def _moe_bwd_op(
 
 
 @_moe_bwd_op.register_fake
-def _(dy, x, w1, w3, w2, weight, order, token, inverse, offsets, g, u):
-    return (torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w3), torch.empty_like(w2),
+def _(dy, x, w1, w3, w2, weight, order, token, inverse, offsets, g, u, grad_dtype):
+    return (torch.empty_like(x), *(torch.empty_like(w, dtype=grad_dtype) for w in (w1, w3, w2)),
             torch.empty_like(weight))
 
 
 def _moe_setup(ctx, inputs, output):
     x, w1, w3, w2, weight, order, token, inverse, offsets, _ = inputs
-    _, g, u = output
-    ctx.mark_non_differentiable(g, u)
+    _, g, u, *casts = output
+    ctx.mark_non_differentiable(g, u, *casts)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x, w1, w3, w2, weight, order, token, inverse, offsets, g, u)
+    ctx.grad_dtype = w1.dtype
+    # NOTE: the backward's GEMMs read the weights in x's dtype: the forward's casts when there were some.
+    weights = casts if w1.dtype != x.dtype else (w1, w3, w2)
+    ctx.save_for_backward(x, *weights, weight, order, token, inverse, offsets, g, u)
 
 
 def _moe_backward(ctx, dy, *_):
     if dy is None:
         return (None,) * 10
-    dx, dw1, dw3, dw2, d_weight = _moe_bwd_op(dy, *ctx.saved_tensors)
+    dx, dw1, dw3, dw2, d_weight = _moe_bwd_op(dy, *ctx.saved_tensors, ctx.grad_dtype)
     return dx, dw1, dw3, dw2, d_weight, None, None, None, None, None
 
 
@@ -334,8 +359,13 @@ def _check_moe(x_TL, w1_ELF, w3_ELF, w2_EFL, topk_idx_TK, topk_weight_TK) -> Non
             f"topk_weight_TK is {topk_weight_TK.dtype} of shape {tuple(topk_weight_TK.shape)}; "
             f"expected floating [T, k] = {tuple(topk_idx_TK.shape)}"
         )
-    for name, w in (("w1_ELF", w1_ELF), ("w3_ELF", w3_ELF), ("w2_EFL", w2_EFL)):
-        _check_dtype(name, w, x_TL.dtype)
+    # NOTE: float32 weights with bf16 / float16 x are master weights: cast inside the op, their gradients float32.
+    weight_dtypes = {w1_ELF.dtype, w3_ELF.dtype, w2_EFL.dtype}
+    if len(weight_dtypes) > 1 or not weight_dtypes <= {x_TL.dtype, torch.float32}:
+        raise ValueError(
+            f"w1_ELF, w3_ELF, w2_EFL have dtypes {w1_ELF.dtype}, {w3_ELF.dtype}, {w2_EFL.dtype}; "
+            f"they must be one dtype, x's ({x_TL.dtype}) or float32"
+        )
     for name, t in (("x_TL", x_TL), ("w1_ELF", w1_ELF), ("w3_ELF", w3_ELF), ("w2_EFL", w2_EFL),
                     ("topk_idx_TK", topk_idx_TK), ("topk_weight_TK", topk_weight_TK)):
         _check_device(name, t)
@@ -352,7 +382,8 @@ def moe_experts(
     """The routed-expert block: y[t] = sum_j p[t, j] * Expert_{idx[t, j]}(x[t]).
 
     Expert_e(z) = SiTU-GLU(z @ w1[e], z @ w3[e]) @ w2[e]. x_TL [T, L];
-    w1_ELF, w3_ELF [E, L, F] and w2_EFL [E, F, L] in x's dtype; topk_idx_TK
+    w1_ELF, w3_ELF [E, L, F] and w2_EFL [E, F, L] in x's dtype, or float32 master weights (the products run
+    in x's dtype; their gradients come back float32 from the float32 accumulators); topk_idx_TK
     int64 [T, k] with values in [0, E] (not checked: that would sync); the id E marks a slot no expert here
     takes (expert parallelism's other ranks): it adds nothing and costs no GEMM work;
     topk_weight_TK [T, k]. The permutation is computed on the device (no host

@@ -18,7 +18,7 @@ def _column_major(w: torch.Tensor) -> torch.Tensor:
 
 
 def moe_experts_torch_grouped_mm(x_TL, w1_ELF, w3_ELF, w2_EFL, topk_idx_TK, topk_weight_TK):
-    """y[t] = sum_j p[t, j] Expert_{idx[t, j]}(x[t]); x, w bf16 on CUDA. Differentiable."""
+    """y[t] = sum_j p[t, j] Expert_{idx[t, j]}(x[t]); x bf16 on CUDA, w bf16 or float32. Differentiable."""
     if not (x_TL.is_cuda and x_TL.dtype == torch.bfloat16):
         raise ValueError(f"moe_experts_torch_grouped_mm: needs bf16 CUDA tensors, got {x_TL.dtype} on {x_TL.device}")
     n_tokens, top_k = topk_idx_TK.shape
@@ -26,6 +26,7 @@ def moe_experts_torch_grouped_mm(x_TL, w1_ELF, w3_ELF, w2_EFL, topk_idx_TK, topk
     inverse_S = torch.empty_like(order_S)
     inverse_S[order_S] = torch.arange(order_S.numel(), device=order_S.device)
     x_SL = x_TL[order_S // top_k]
+    w1_ELF, w3_ELF, w2_EFL = (w.to(x_TL.dtype) for w in (w1_ELF, w3_ELF, w2_EFL))  # float32 masters: bf16 products
     g = torch._grouped_mm(x_SL, _column_major(w1_ELF), offs=offsets_E)
     u = torch._grouped_mm(x_SL, _column_major(w3_ELF), offs=offsets_E)
     out_SL = torch._grouped_mm(situ_glu(g, u).to(x_TL.dtype), _column_major(w2_EFL), offs=offsets_E)

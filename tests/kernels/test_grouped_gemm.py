@@ -191,6 +191,35 @@ def test_moe_experts_matches_float64_reference(skew):
     assert torch.equal(moe_experts(*inputs, idx, prob), y)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_moe_experts_float32_master_weights(compiled):
+    """float32 weights with float16 x: the products run on the float16 weights, and each weight's gradient is the
+    float32 accumulator itself: rounded to float16 it is bit for bit the gradient of weights cast outside."""
+    x, w1, w3, w2, idx, prob = make_moe(37, 8, 3, 40, 72, torch.float32, seed=16)
+    masters = [t.detach().to(DEVICE).requires_grad_() for t in (w1, w3, w2)]
+    x16 = x.detach().to(DEVICE, torch.float16).requires_grad_()
+    prob16 = prob.detach().to(DEVICE, torch.float16).requires_grad_()
+    idx = idx.to(DEVICE)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(17)).to(DEVICE, torch.float16)
+
+    def block(a, b, c, d, p):
+        return moe_experts(a, b, c, d, idx, p)
+
+    torch._dynamo.reset()
+    run = torch.compile(block, fullgraph=True, backend="aot_eager") if compiled else block
+    y = run(x16, *masters, prob16)
+    got = torch.autograd.grad(y, (x16, *masters, prob16), dy)
+    cast = [m.detach().half().requires_grad_() for m in masters]
+    y_cast = block(x16, *cast, prob16)
+    want = torch.autograd.grad(y_cast, (x16, *cast, prob16), dy)
+    assert torch.equal(y, y_cast)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[4], want[4])  # dx, d(prob)
+    for name, g, w, m in zip(("w1", "w3", "w2"), got[1:4], want[1:4], masters):
+        assert g.dtype == torch.float32 and g.shape == m.shape, name
+        assert torch.equal(g.half(), w), name
+        assert not torch.equal(g, w.float()), name  # not a float16 gradient widened: the bits below it are kept
+
+
 @pytest.mark.parametrize("fn", [moe_experts, reference.moe_experts], ids=["triton", "reference"])
 def test_moe_experts_sentinel_slots_contribute_nothing(fn, monkeypatch):
     """Slots with the id E (the EP all_gather dispatch's "another rank's expert") equal slots that are not there.

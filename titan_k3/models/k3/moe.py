@@ -240,8 +240,9 @@ class LatentMoE(nn.Module):
         # it meanwhile; any other goes first, so the shared expert overlaps the collective that brings y home.
         waits = getattr(self.experts_fn, "waits_on_host", False)
         shared_BTD = self.shared(x_BTD) if self.shared is not None and waits else None
-        w = [p.to(z_TL.dtype) for p in (self.w1, self.w3, self.w2)]
-        y_TL = self.experts_fn(z_TL, *w, experts_TK, weights_TK.to(z_TL.dtype))
+        # NOTE: the weights go in as they are: an experts function runs its products in z's dtype and hands
+        # float32 weights their gradients in float32 (kernels.grouped_gemm.moe_experts: no cast pass either way).
+        y_TL = self.experts_fn(z_TL, self.w1, self.w3, self.w2, experts_TK, weights_TK.to(z_TL.dtype))
         if self.shared is not None and not waits:
             shared_BTD = self.shared(x_BTD)
         # NOTE: the sum below makes a fresh tensor; FSDP2 warns about (and may mishandle) a block output that is a view.
