@@ -35,15 +35,17 @@ def top_k_rows_reference(x_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
     return torch.stack(values, dim=-1), torch.stack(indices, dim=-1)
 
 
-def check_histogram_inputs(s_TE, bias_E, alpha_T, half_range, n_bins) -> None:
+def check_histogram_inputs(s_TE, bias_E, alpha_T, half_range, n_bins, dtypes=(torch.float32,)) -> None:
     """Raise ValueError (one line naming the argument) unless s [T, E], bias [E], alpha [T] and the 0-dim
-    half_range are float32 tensors on one device and n_bins is an int >= 1."""
-    if not isinstance(s_TE, torch.Tensor) or s_TE.dim() != 2 or s_TE.dtype != torch.float32:
-        raise ValueError(f"expert_margin_histogram: s must be a float32 tensor [T, E], got {_described(s_TE)}")
+    half_range are tensors of `dtypes` on one device and n_bins is an int >= 1 (the kernel: float32 only; the
+    reference also float64, as a float64 model routes)."""
+    kinds = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+    if not isinstance(s_TE, torch.Tensor) or s_TE.dim() != 2 or s_TE.dtype not in dtypes:
+        raise ValueError(f"expert_margin_histogram: s must be a {kinds} tensor [T, E], got {_described(s_TE)}")
     T, E = s_TE.shape
     for name, x, shape in (("bias", bias_E, (E,)), ("alpha", alpha_T, (T,)), ("half_range", half_range, ())):
-        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != torch.float32:
-            raise ValueError(f"expert_margin_histogram: {name} must be a float32 tensor {list(shape)} "
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype not in dtypes:
+            raise ValueError(f"expert_margin_histogram: {name} must be a {kinds} tensor {list(shape)} "
                              f"(s is [{T}, {E}]), got {_described(x)}")
         if x.device != s_TE.device:
             raise ValueError(f"expert_margin_histogram: {name} is on {x.device}, s on {s_TE.device}")
@@ -86,10 +88,11 @@ def expert_margin_histogram_reference(s_TE: torch.Tensor, bias_E: torch.Tensor, 
     in n_bins equal bins, those outside counted in the end bins.
 
     s float32 [T, E], bias float32 [E], alpha float32 [T], half_range a float32 0-dim tensor (never read on
-    the host). moe.margin_histogram's formula on moe.QuantileBalancedRouter's margins, in float32:
+    the host); float64 too (a float64 model's router), promoted as torch promotes. moe.margin_histogram's formula
+    on moe.QuantileBalancedRouter's margins, in float32:
     `margin_histogram(s + bias - alpha[:, None], half_range)` is this with n_bins = QB_BINS, as float64.
     """
-    check_histogram_inputs(s_TE, bias_E, alpha_T, half_range, n_bins)
+    check_histogram_inputs(s_TE, bias_E, alpha_T, half_range, n_bins, (torch.float32, torch.float64))
     E = s_TE.shape[1]
     margins_TE = s_TE + bias_E - alpha_T[:, None]
     lo, width = -half_range, 2 * half_range / n_bins

@@ -171,8 +171,8 @@ def test_bad_inputs_raise_one_line_value_errors():
         expert_counts(ids.float(), 3)
     with pytest.raises(ValueError, match=r"n = 0 must be an int >= 1"):
         expert_counts(ids, 0)
-    with pytest.raises(ValueError, match=r"s must be a float32 tensor"):  # the reference checks the same
-        margin_reference(s.half(), bias, alpha, half, 8)
+    with pytest.raises(ValueError, match=r"s must be a float32 or float64 tensor"):  # the reference also routes
+        margin_reference(s.half(), bias, alpha, half, 8)                                # a float64 model
 
 
 def test_needs_triton_somewhere(monkeypatch):
@@ -200,3 +200,40 @@ def test_compiles_without_graph_break(small_tiles):
     for got, want in zip(compiled(s, bias, alpha, experts), histograms(s, bias, alpha, experts)):
         assert torch.equal(got, want)
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_the_config_key_reaches_every_router():
+    """kernels.qb_histograms: triton hands both kernels to every MoE router, torch both references; a model built
+    with the kernels counts the same integers as one with the references (a training forward of the debug flavor,
+    float32)."""
+    from titan_k3.config import load_job_config
+    from titan_k3.models.k3.args import get_flavor
+    from titan_k3.models.k3.impl import reference_impl, resolve_impl
+    from titan_k3.models.k3.model import K3Model
+
+    device = torch.device(DEVICE)
+    asked = resolve_impl(load_job_config(["--kernels.qb_histograms", "triton"]).kernels, device)
+    torch_ = resolve_impl(load_job_config(["--kernels.qb_histograms", "torch"]).kernels, device)
+    chosen = {c.op: (c.chosen, c.fallback) for c in asked.choices}
+    assert chosen["qb_counts"] == chosen["qb_margin_histogram"] == ("triton", False)
+    assert (asked.expert_counts, asked.margin_histogram) == (expert_counts, expert_margin_histogram)
+    assert (torch_.expert_counts, torch_.margin_histogram) == (expert_counts_reference, margin_reference)
+
+    kernels_impl = reference_impl()
+    kernels_impl.expert_counts, kernels_impl.margin_histogram = asked.expert_counts, asked.margin_histogram
+    ids = torch.randint(0, get_flavor("debug").vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+    counts = []
+    for impl in (kernels_impl, reference_impl()):
+        model = K3Model(get_flavor("debug"), impl)
+        model.init_weights(seed=0)
+        model.to(device).train()
+        routers = list(model.moe_routers().values())
+        assert routers and all((r.counts, r.margin_histogram) == (impl.expert_counts, impl.margin_histogram)
+                               for r in routers)
+        for r in routers:
+            r.defer_update = True  # keep each router's histogram pending, to compare
+        model(ids.to(device))
+        counts.append([(r.load_counts.clone(), r._pending[0].clone()) for r in routers])
+    for (load_k, hist_k), (load_r, hist_r) in zip(*counts):
+        assert torch.equal(load_k, load_r) and load_k.sum() > 0
+        assert torch.equal(hist_k, hist_r) and hist_k.sum() > 0
