@@ -124,7 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     if not (args.dir / MANIFEST).is_file():
         raise SystemExit(f"ab_commits run: {args.dir / MANIFEST} is missing; run 'ab_commits.py prepare' first")
     extra = args.throughput_args[1:] if args.throughput_args[:1] == ["--"] else args.throughput_args
-    run(args.dir, args.out, args.rounds, extra)
+    # NOTE: absolute: each tree runs with its own folder as the working directory (a relative --dir named its
+    # script twice over, build/ab/X/build/ab/X/..., and every run failed).
+    run(args.dir.resolve(), args.out.resolve(), args.rounds, extra)
 
 
 if __name__ == "__main__":

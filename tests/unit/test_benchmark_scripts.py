@@ -394,7 +394,8 @@ def test_ab_commits_times_each_prepared_tree_in_alternating_rounds(tmp_path):
     bad = subprocess.run([sys.executable, script, "prepare", "--dir", str(trees), "no-such-rev"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "'no-such-rev' names no commit" in bad.stderr
-    go = subprocess.run([sys.executable, script, "run", "--dir", str(trees), "--out", str(tmp_path / "out"),
+    # relative folders, as a GPU machine's command line gives them
+    go = subprocess.run([sys.executable, script, "run", "--dir", "ab", "--out", "out",
                          "--rounds", "2", "--", "--flavor", "debug", "--seq", "64", "--batch", "2", "--variants", "ours",
                          "--warmup", "1", "--steps", "1", "--profile", "none"], cwd=tmp_path, capture_output=True,
                         text=True, timeout=600, env={**os.environ, "BENCH_RUNS": str(tmp_path / "runs")})
