@@ -119,10 +119,6 @@ VARIANTS = {
     # (kernels.router; the fused reference took 91 us per MoE layer, the kernel 40; the step 153.7 -> 154.6 ms with
     # it in session 19's one comparison, so auto keeps the reference until this variant measures faster)
     "ours-recipe-router-triton": [*RECIPE, "--kernels.router", "triton"],
-    # The recipe with QB's two counts per MoE layer as the compiled index_add reference (kernels.qb_histograms =
-    # torch) instead of the privately-counting Triton kernels (the reference took ~95 + ~45 us per layer, bound by
-    # atomics on the busy bins; predicted -1.0 to -1.3 ms per update for the kernels)
-    "ours-recipe-qb-torch": [*RECIPE, "--kernels.qb_histograms", "torch"],
     # The recipe with AdamW for every matrix in place of Per-Head Muon: the model's own speed, for the headline's
     # "ours with AdamW" column (what Muon's step costs inside the update); Muon's graph settings go with Muon
     "ours-recipe-adamw": [*RECIPE, "--optimizer.name", "adamw", "--optimizer.ns_cuda_graphs", "false",

@@ -111,6 +111,25 @@ def test_count_ids_equals_bincount_without_reading_a_maximum():
     assert counts[37:].eq(0).all() and int(counts.sum()) == ids.numel()
 
 
+@pytest.mark.parametrize("replicas", [1, 3, 16, 200])
+def test_counts_into_replicas_are_the_same_integers(replicas):
+    """Spreading the atomics over copies of a count (COUNT_REPLICAS) changes no count: the load counts equal
+    bincount, and the margin histogram equals a float64 per-expert count of each bin's [edge, next edge)."""
+    from titan_k3.models.k3.moe import QB_BINS, count_ids, margin_histogram
+
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 9, (150, 4), generator=gen)
+    ids[:100, 0] = 3  # a hot expert
+    assert torch.equal(count_ids(ids, 11, replicas), torch.bincount(ids.flatten(), minlength=11))
+    margins = torch.randn(150, 7, generator=gen) * 0.6
+    margins[:50, 2] = 0.0  # a hot bin
+    margins[0, 0], margins[1, 0] = 5.0, -5.0  # outside the range: the end bins
+    hist = margin_histogram(margins, torch.tensor(1.0), replicas)
+    bins = ((margins.double() + 1.0) / (2.0 / QB_BINS)).floor().clamp(0, QB_BINS - 1).long()
+    want = torch.stack([torch.bincount(bins[:, e], minlength=QB_BINS) for e in range(7)]).double()
+    assert hist.dtype == torch.float64 and torch.equal(hist, want)
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU backend needs a C++ compiler")
 def test_count_ids_compiles_to_an_atomic_add_not_a_sort_fallback():
     """An int64 index_add makes inductor fall back to a sort-based aten kernel (17 ms of a k3-mini step)."""

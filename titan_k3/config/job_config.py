@@ -56,8 +56,6 @@ class Kernels:
     """Block Attention Residuals' pseudo-query mixes: fused triton kernel, torch reference, or auto (triton on CUDA)."""
     router: Literal["auto", "triton", "torch"] = "auto"
     """The MoE routers' top-k selection: our Triton kernel (a block of tokens' scores in registers, k rounds of max), the torch reference (k rounds of max and mask, fused by torch.compile when compile.enable), or auto: the reference for now. On the H200 the kernel took 40 us per k3-mini layer against 91 us for the compiled reference, but the compiled step was not faster with it (154.6 against 153.7 ms, one comparison; benchmarks/results/train_throughput.md, session 19): it becomes auto's choice once a step measures it faster."""
-    qb_histograms: Literal["auto", "triton", "torch"] = "auto"
-    """The MoE routers' two counts per training forward (each expert's load, and Quantile Balancing's histogram of each expert's margins): our Triton kernels (each program counts its slice privately and adds it once), the torch reference (index_add with one global atomic per count, fused by torch.compile when compile.enable), or auto (triton on CUDA). Both give the same integers."""
     max_logit: Literal["auto", "triton", "torch"] = "auto"
     """QK-Clip's per-head max logit of MLA: one Triton pass over the allowed key blocks, the chunked torch reference, or auto."""
     conv: Literal["auto", "triton", "torch"] = "auto"

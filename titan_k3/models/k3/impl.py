@@ -22,7 +22,7 @@ from kernels.fused_ce import reference as ce_reference
 from kernels.grouped_gemm import reference as gg_reference
 from kernels.kda import reference as kda_reference
 from kernels.max_logit.reference import max_logit_per_head_reference
-from kernels.router.reference import expert_counts_reference, expert_margin_histogram_reference, top_k_rows_reference
+from kernels.router.reference import top_k_rows_reference
 from kernels.short_conv.reference import causal_conv_silu_reference
 from titan_k3.models.k3.mla import FLEX, VARLEN
 
@@ -51,10 +51,6 @@ class Impl:
     """Block Attention Residuals' pseudo-query mix(sources, query, eps)."""
     router: Callable = top_k_rows_reference
     """The MoE routers' selection top_k_rows(x [T, E], k) -> (values, ids) [T, k] (moe.QuantileBalancedRouter)."""
-    expert_counts: Callable = expert_counts_reference
-    """The routers' load counts expert_counts(ids, n) -> int64 [n]."""
-    margin_histogram: Callable = expert_margin_histogram_reference
-    """Quantile Balancing's margin histogram (s [T, E], bias [E], alpha [T], half_range, n_bins) -> int32 [E, n_bins]."""
     max_logit: Callable = max_logit_per_head_reference
     """QK-Clip's per-head max logit of MLA's masked attention (q, k, scale, pos) -> [H]."""
     conv: Callable = causal_conv_silu_reference
@@ -80,8 +76,6 @@ def reference_impl() -> Impl:
             KernelChoice("loss", "torch", "torch", False),
             KernelChoice("attn_res", "torch", "torch", False),
             KernelChoice("router", "torch", "torch", False),
-            KernelChoice("qb_counts", "torch", "torch", False),
-            KernelChoice("qb_margin_histogram", "torch", "torch", False),
             KernelChoice("max_logit", "torch", "torch", False),
             KernelChoice("conv", "torch", "torch", False),
             KernelChoice("attention", "math", "sdpa-default", False),
@@ -100,12 +94,11 @@ def _triton_fn(module: str, name: str) -> tuple[Callable | None, str]:
 
 
 def _pick(op: str, requested: str, on_cuda: bool, fast: tuple[str, str, str], reference: Callable,
-          auto_keeps_reference: str = "", key: str = "") -> tuple[Callable, KernelChoice]:
+          auto_keeps_reference: str = "") -> tuple[Callable, KernelChoice]:
     """requested in (auto, triton, torch): the Triton function or the reference, with the reason.
 
     auto_keeps_reference: why `auto` takes the reference for this op on purpose (then it is no fallback);
-    empty: `auto` takes the Triton kernel where it can run. key: the config key under [kernels] that asked
-    (default: op; one key may choose several ops).
+    empty: `auto` takes the Triton kernel where it can run.
     """
     if requested == "torch":
         return reference, KernelChoice(op, requested, "torch", False, "asked for")
@@ -116,7 +109,7 @@ def _pick(op: str, requested: str, on_cuda: bool, fast: tuple[str, str, str], re
         return reference, KernelChoice(op, requested, "torch", True, "no CUDA device: the Triton kernel needs a GPU")
     if not on_cuda and not triton_runs_on("cpu"):
         # NOTE: refuse now rather than fail at the first forward, after the run directory exists.
-        raise ValueError(f"config key 'kernels.{key or op}' = '{requested}': the Triton kernel needs a CUDA device "
+        raise ValueError(f"config key 'kernels.{op}' = '{requested}': the Triton kernel needs a CUDA device "
                          "(or TRITON_INTERPRET=1 for Triton's CPU interpreter)")
     if fn is None:
         return reference, KernelChoice(op, requested, "torch", True, why)
@@ -203,19 +196,13 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
     router, c_router = _pick("router", kernels_cfg.router, on_cuda, ("kernels.router", "top_k_rows", "triton"),
                              top_k_rows_reference, auto_keeps_reference="the Triton top-k has not measured faster "
                              "in a step yet (the config key's help)")
-    counts, c_counts = _pick("qb_counts", kernels_cfg.qb_histograms, on_cuda,
-                             ("kernels.router", "expert_counts", "triton"), expert_counts_reference, key="qb_histograms")
-    margin_hist, c_hist = _pick("qb_margin_histogram", kernels_cfg.qb_histograms, on_cuda,
-                                ("kernels.router", "expert_margin_histogram", "triton"),
-                                expert_margin_histogram_reference, key="qb_histograms")
     max_logit, c_max = _pick("max_logit", kernels_cfg.max_logit, on_cuda,
                              ("kernels.max_logit", "max_logit_per_head", "triton"), max_logit_per_head_reference)
     conv, c_conv = _pick("conv", kernels_cfg.conv, on_cuda, ("kernels.short_conv", "causal_conv_silu", "triton"),
                          causal_conv_silu_reference)
     backends, c_attn = _attention_backends(kernels_cfg.attention, on_cuda)
-    return Impl(kda, experts, loss, backends, attn_res=attn_res, router=router, expert_counts=counts,
-                margin_histogram=margin_hist, max_logit=max_logit, conv=conv,
-                choices=[c_kda, c_exp, c_loss, c_res, c_router, c_counts, c_hist, c_max, c_conv, c_attn])
+    return Impl(kda, experts, loss, backends, attn_res=attn_res, router=router, max_logit=max_logit, conv=conv,
+                choices=[c_kda, c_exp, c_loss, c_res, c_router, c_max, c_conv, c_attn])
 
 
 def _attention_backends(requested: str, on_cuda: bool) -> tuple[list | None, KernelChoice]:

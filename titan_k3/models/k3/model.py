@@ -33,8 +33,7 @@ class K3Block(nn.Module):
                      else KimiDeltaAttention(args, impl.kda, impl.conv))
         self.ffn_mix = PseudoQueryMix(args.dim, impl.attn_res, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn = (LatentMoE(args, impl.experts, qb_eta, impl.router, impl.expert_counts, impl.margin_histogram)
-                    if self.is_moe
+        self.ffn = (LatentMoE(args, impl.experts, qb_eta, impl.router) if self.is_moe
                     else SituGluFFN(args.dim, args.dense_hidden))
 
     def forward(self, sources: list[torch.Tensor], partial: torch.Tensor | None, docs: Documents) -> torch.Tensor:

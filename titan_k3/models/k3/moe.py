@@ -26,20 +26,52 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels.router.reference import expert_counts_reference as count_ids
-from kernels.router.reference import expert_margin_histogram_reference, top_k_rows_reference
+from kernels.router.reference import top_k_rows_reference
 from titan_k3.models.k3.args import K3Args
 from titan_k3.models.k3.layers import RMSNorm, SituGluFFN, init_linear, upcast
 
 QB_BINS = 1024
 
 
-def margin_histogram(margins_TE: torch.Tensor, half_range: torch.Tensor) -> torch.Tensor:
+# NOTE: copies of a count that the atomics of one call spread over (token t adds into copy t % COUNT_REPLICAS; the
+# copies are summed after). One copy was bound by atomics on the busy bins: per k3-mini MoE layer on an H200
+# (benchmarks/results/qb_histogram.md) the compiled margin histogram took 0.130 ms and the load counts 0.085 ms
+# with one copy, 0.132 / 0.075 with 4, 0.077 / 0.039 with 16; privately-counting Triton kernels took 0.155 / 0.167.
+COUNT_REPLICAS = 16
+
+
+def count_ids(ids: torch.Tensor, n: int, replicas: int = COUNT_REPLICAS) -> torch.Tensor:
+    """int64 [n]: how often each id in [0, n) occurs in `ids` (any shape; its last dim is a row, e.g. [T, k]).
+
+    NOTE: not torch.bincount: on CUDA it reads the maximum back to the host
+    to size its output, a device sync per call (two per MoE layer and
+    micro-batch). Integer adds make the result exact in any order. The
+    counts accumulate in int32 because inductor has no int64 atomic add: an
+    int64 index_add falls back to a sort-based kernel (~0.8 ms per call at
+    the k3-mini shape, 17 ms of a 240 ms step). A count never nears 2**31.
+    Row r counts into copy r % replicas (COUNT_REPLICAS).
+    """
+    rows_RC = ids.reshape(-1, ids.shape[-1]) if ids.dim() > 0 else ids.reshape(1, 1)
+    return _replicated_counts(rows_RC, n, replicas)
+
+
+def margin_histogram(margins_TE: torch.Tensor, half_range: torch.Tensor,
+                     replicas: int = COUNT_REPLICAS) -> torch.Tensor:
     """Per-expert histogram of the margins over [-half_range, half_range], QB_BINS bins: float64 [E, NB] counts."""
     T, E = margins_TE.shape
-    zero = margins_TE.new_zeros(())
-    return expert_margin_histogram_reference(margins_TE, zero.expand(E), zero.expand(T), half_range,
-                                             QB_BINS).to(torch.float64)
+    lo, width = -half_range, 2 * half_range / QB_BINS
+    bins_TE = ((margins_TE - lo) / width).floor().clamp_(0, QB_BINS - 1).long()
+    ids_TE = bins_TE + torch.arange(E, device=bins_TE.device) * QB_BINS
+    return _replicated_counts(ids_TE, E * QB_BINS, replicas).view(E, QB_BINS).to(torch.float64)
+
+
+def _replicated_counts(ids_RC: torch.Tensor, n: int, replicas: int) -> torch.Tensor:
+    """int64 [n] counts of the ids [R, C] in [0, n), row r adding into copy r % replicas (one index_add)."""
+    copy_R1 = (torch.arange(ids_RC.shape[0], device=ids_RC.device) % replicas)[:, None]
+    flat = (ids_RC + copy_R1 * n).flatten()
+    ones = torch.ones_like(flat, dtype=torch.int32)
+    counts = torch.zeros(replicas * n, dtype=torch.int32, device=flat.device).index_add_(0, flat, ones)
+    return counts.view(replicas, n).sum(0, dtype=torch.int64)
 
 
 def histogram_quantiles(hist_XB: torch.Tensor, quantile: float, half_range_X1: torch.Tensor) -> torch.Tensor:
@@ -99,13 +131,10 @@ class QuantileBalancedRouter(nn.Module):
     """Sigmoid router, top-k selection on s + b, renormalised weights, and the QB update."""
 
     def __init__(self, dim: int, n_experts: int, top_k: int, eta: float = 1.0,
-                 top_k_rows: Callable = top_k_rows_reference, counts: Callable = count_ids,
-                 margin_histogram: Callable = expert_margin_histogram_reference):
+                 top_k_rows: Callable = top_k_rows_reference):
         super().__init__()
         self.n_experts, self.top_k, self.eta = n_experts, top_k, eta
-        # `kernels.router` or its references: top_k_rows (x [T, E], k) -> (values, ids) [T, k]; counts (ids, n)
-        # -> int64 [n]; margin_histogram (s [T, E], bias [E], alpha [T], half_range, n_bins) -> int32 [E, n_bins].
-        self.top_k_rows, self.counts, self.margin_histogram = top_k_rows, counts, margin_histogram
+        self.top_k_rows = top_k_rows  # (x [T, E], k) -> (values, ids) [T, k]: `kernels.router` or its reference
         self.update_enabled = True
         # NOTE: a trainer sets defer_update and calls `apply_deferred_updates` after each micro-batch's
         # backward: the forward then keeps its local histogram (no all-reduce inside the forward, which made
@@ -144,7 +173,7 @@ class QuantileBalancedRouter(nn.Module):
         if self.training and not recompute:
             self._bias_for_recompute = bias
             with torch.no_grad():
-                self.load_counts += self.counts(experts_TK, self.n_experts).to(torch.float64)
+                self.load_counts += count_ids(experts_TK, self.n_experts).to(torch.float64)
                 if self.update_enabled and self.defer_update:
                     self._pending = self._histogram(s_TE.detach(), bias, top_vals[:, self.top_k])
                 elif self.update_enabled:
@@ -154,9 +183,9 @@ class QuantileBalancedRouter(nn.Module):
     @torch.no_grad()
     def _histogram(self, s_TE: torch.Tensor, bias_E: torch.Tensor, alpha_T: torch.Tensor) -> tuple:
         """(local margin histogram [E, NB], its half range, the bias it was routed with)."""
+        margins_TE = s_TE + bias_E - alpha_T[:, None]
         half_range = 1.0 + (bias_E.max() - bias_E.min()).float()
-        hist_EB = self.margin_histogram(s_TE, bias_E, alpha_T, half_range, QB_BINS).to(torch.float64)
-        return hist_EB, half_range, bias_E
+        return margin_histogram(margins_TE, half_range), half_range, bias_E
 
     @torch.no_grad()
     def _update_bias(self, s_TE: torch.Tensor, bias_E: torch.Tensor, alpha_T: torch.Tensor) -> None:
@@ -195,12 +224,11 @@ class LatentMoE(nn.Module):
     """y = Shared(x) + W_up RMSNorm_L(sum_e p_e Expert_e(W_down x))."""
 
     def __init__(self, args: K3Args, experts_fn: Callable, qb_eta: float = 1.0,
-                 top_k_rows: Callable = top_k_rows_reference, counts: Callable = count_ids,
-                 margin_histogram: Callable = expert_margin_histogram_reference):
+                 top_k_rows: Callable = top_k_rows_reference):
         super().__init__()
         D, L, F, E = args.dim, args.latent_dim, args.expert_hidden, args.n_experts
         self.experts_fn = experts_fn
-        self.router = QuantileBalancedRouter(D, E, args.top_k, qb_eta, top_k_rows, counts, margin_histogram)
+        self.router = QuantileBalancedRouter(D, E, args.top_k, qb_eta, top_k_rows)
         self.w_down = nn.Linear(D, L, bias=False)
         self.latent_norm = RMSNorm(L, args.norm_eps)
         self.w_up = nn.Linear(L, D, bias=False)
