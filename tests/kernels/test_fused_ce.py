@@ -1,4 +1,5 @@
-"""kernels.fused_ce on CPU: the chunked reference and the Triton path (interpreter) vs float64 ground truth."""
+"""kernels.fused_ce: the chunked reference and the Triton path vs float64 ground truth, on the GPU where there is one,
+else on the CPU (Triton's interpreter)."""
 
 import os
 
@@ -12,16 +13,18 @@ import kernels.fused_ce.ce_rows as ce_rows_module
 from kernels.fused_ce import linear_cross_entropy, reference
 
 IGNORE = -100
+# NOTE: on a GPU machine the fused path refuses CPU tensors (the interpreter is off there), so the inputs live on the GPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _inputs(n, d, v, dtype=torch.float32, ignore_every=0, seed=0):
+def _inputs(n, d, v, dtype=torch.float32, ignore_every=0, seed=0, device=DEVICE):
     gen = torch.Generator().manual_seed(seed)
     h = torch.randn(n, d, generator=gen, dtype=torch.float64).to(dtype)
     weight = (torch.randn(v, d, generator=gen, dtype=torch.float64) / d**0.5).to(dtype)
     targets = torch.randint(0, v, (n,), generator=gen)
     if ignore_every:
         targets[::ignore_every] = IGNORE
-    return h, weight, targets
+    return h.to(device), weight.to(device), targets.to(device)
 
 
 def _loss_and_grads(fn, h, weight, targets, ignore_index=IGNORE, **kwargs):
@@ -145,18 +148,18 @@ def test_a_float32_weight_with_half_h_gets_its_gradient_in_float32(small_block, 
 def test_row_kernel_matches_float64_softmax_grad(small_block):
     """The row kernel alone: per-row loss, and the gradient written in place only when asked."""
     gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(11, 77, generator=gen) * 4
-    targets = torch.randint(0, 77, (11,), generator=gen)
+    logits = (torch.randn(11, 77, generator=gen) * 4).to(DEVICE)
+    targets = torch.randint(0, 77, (11,), generator=gen).to(DEVICE)
     targets[[1, 6]] = IGNORE
     x64 = logits.double().requires_grad_(True)
     torch.nn.functional.cross_entropy(x64, targets, ignore_index=IGNORE, reduction="sum").backward()
     ref_loss = torch.nn.functional.cross_entropy(logits.double(), targets, ignore_index=IGNORE, reduction="none")
-    loss = torch.full((11,), float("nan"))
+    loss = torch.full((11,), float("nan"), device=DEVICE)
     grad = logits.clone()
     ce_rows_module.ce_rows(grad, targets, loss, IGNORE, write_grad=True)
     assert torch.allclose(loss.double(), ref_loss, rtol=1e-5, atol=1e-5)
     assert torch.allclose(grad.double(), x64.grad, rtol=1e-5, atol=1e-6)
-    loss_only = torch.full((11,), float("nan"))
+    loss_only = torch.full((11,), float("nan"), device=DEVICE)
     untouched = logits.clone()
     ce_rows_module.ce_rows(untouched, targets, loss_only, IGNORE, write_grad=False)
     assert torch.equal(untouched, logits) and torch.equal(loss_only, loss)
@@ -253,7 +256,7 @@ def test_unchecked_target_out_of_range_gives_nan_not_a_wrong_number():
 
 
 def test_fused_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
-    h, weight, targets = _inputs(6, 4, 11)
+    h, weight, targets = _inputs(6, 4, 11, device="cpu")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         linear_cross_entropy(h, weight, targets, IGNORE)
