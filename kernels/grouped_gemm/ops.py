@@ -234,9 +234,10 @@ def _compute_weights(x: torch.Tensor, *weights: torch.Tensor) -> list[torch.Tens
     """The expert weights in x's dtype when they come in another (float32 masters under bf16 compute), else [].
 
     NOTE: the cast is inside the op, not in the caller: the op then owns the weights' gradients and writes them
-    in the weights' own dtype straight from the float32 accumulators. A cast outside had its backward read the
-    bf16 gradient and write a float32 copy, a pass over 3 x [E, L, F] per layer (66 kernels, 2.3 ms of a k3-mini
-    step), and rounded the gradient to bf16 on the way.
+    in the weights' own dtype straight from the float32 accumulators. A cast outside had autograd write each
+    gradient in bf16 and then a float32 copy of it (33 passes over [E, L, F] per k3-mini step, ~1.1 ms of kernel
+    time), rounding it to bf16 on the way. The k3-mini step did not measure faster for it (153.8 -> 153.9 ms,
+    benchmarks/results/train_throughput.md, session 20); the gradients are the accumulators' now.
     """
     return [w.to(x.dtype) for w in weights] if weights[0].dtype != x.dtype else []
 
