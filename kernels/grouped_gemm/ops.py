@@ -25,7 +25,7 @@ from kernels.grouped_gemm.triton_gemm import (
 from kernels.grouped_gemm.triton_moe import (
     combine_block_sizes,
     combine_kernel,
-    glu_bwd_block_sizes,
+    glu_bwd_launch,
     glu_bwd_pointwise_kernel,
     glu_up_kernel,
 )
@@ -94,6 +94,33 @@ def _launch_wgrad(a, b, offsets, out, gather=None, b2=None, out2=None, gather_b=
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
         N_EXPERTS=n_experts, GATHER=gather is not None, GATHER_B=gather_b is not None, DUAL=b2 is not None,
         PRECISION=_precision(a.dtype),
+    )
+
+
+def _launch_glu_up(x, w1, w3, offsets, token, h, g=None, u=None):
+    """h[s] = SiTU-GLU(x[token[s]] @ w1[e], x[token[s]] @ w3[e]) for slots s of expert e; g and u, the two
+    products, too when given (what the backward keeps)."""
+    (n_experts, latent, hidden), n_slots = w1.shape, h.shape[0]
+    if n_slots == 0 or hidden == 0:
+        return
+    glu_up_kernel[_mm_grid(n_slots, n_experts, hidden)](
+        x, w1, w3, h, h if g is None else g, h if u is None else u, offsets, token,
+        n_slots, latent, hidden,
+        x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), h.stride(0),
+        N_EXPERTS=n_experts, E_POW2=triton.next_power_of_2(n_experts), STORE_GU=g is not None,
+        PRECISION=_precision(x.dtype),
+    )
+
+
+def _launch_glu_bwd_pointwise(dg, g, u, du, hp, weight, order, dweight, offsets):
+    """The GLU backward's pointwise pass over the slot rows (`glu_bwd_pointwise_kernel`); dg holds dh on entry."""
+    n_slots, hidden = g.shape
+    if dg.numel() == 0:
+        return
+    block_s, block_f, warps = glu_bwd_launch(hidden)
+    glu_bwd_pointwise_kernel[(triton.cdiv(n_slots, block_s),)](
+        dg, g, u, du, hp, weight, order, dweight, offsets, n_slots, hidden,
+        N_EXPERTS=offsets.shape[0], BLOCK_S=block_s, BLOCK_F=block_f, num_warps=warps,
     )
 
 
@@ -217,14 +244,7 @@ def _moe_fwd_op(
     h = torch.empty(n_slots, hidden, **new)
     g = torch.empty(n_slots if save else 0, hidden, **new)
     u = torch.empty_like(g)
-    if n_slots > 0 and hidden > 0:
-        glu_up_kernel[_mm_grid(n_slots, n_experts, hidden)](
-            x, w1, w3, h, g if save else h, u if save else h, offsets, token,
-            n_slots, latent, hidden,
-            x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), h.stride(0),
-            N_EXPERTS=n_experts, E_POW2=triton.next_power_of_2(n_experts), STORE_GU=save,
-            PRECISION=_precision(x.dtype),
-        )
+    _launch_glu_up(x, w1, w3, offsets, token, h, g if save else None, u if save else None)
     out = _launch_mm(h, w2, offsets, torch.empty(n_slots, latent, **new))
     y = _launch_combine(out, inverse, weight, torch.empty(n_tokens, latent, **new), weight.shape[1])
     return y, g, u, *(casts if casts and save else _no_casts(x))
@@ -273,12 +293,7 @@ def _glu_backward(dy: torch.Tensor, token: torch.Tensor, w2: torch.Tensor, g: to
     du, hp = torch.empty_like(dg), torch.empty_like(dg)
     # NOTE: zeros: slots past offsets[-1] (EP's other ranks) take no weight gradient here.
     dweight = torch.zeros(n_slots, device=g.device, dtype=torch.float32)
-    if dg.numel() > 0:
-        block_s, block_f = glu_bwd_block_sizes(hidden)
-        glu_bwd_pointwise_kernel[(triton.cdiv(n_slots, block_s),)](
-            dg, g, u, du, hp, weight, order, dweight, offsets, n_slots, hidden,
-            N_EXPERTS=w2.shape[0], BLOCK_S=block_s, BLOCK_F=block_f, num_warps=8,
-        )
+    _launch_glu_bwd_pointwise(dg, g, u, du, hp, weight, order, dweight, offsets)
     return dg, du, hp, dweight
 
 

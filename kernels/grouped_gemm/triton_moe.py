@@ -88,15 +88,18 @@ def glu_up_kernel(
         tl.store(u_ptr + base + s_off, acc_u.to(u_ptr.dtype.element_ty), mask=s_mask)
 
 
-def glu_bwd_block_sizes(hidden: int) -> tuple[int, int]:
-    """(BLOCK_S, BLOCK_F) for the GLU backward's pointwise pass: 32 rows x 64 columns per step along F.
+GLU_BWD_LAUNCH = dict(rows=32, cols=64, num_warps=8)
+"""The GLU backward's pointwise pass: 32 rows x 64 columns per step along F, 8 warps.
+NOTE: a step of the whole row would mask 47% of its lanes at k3-mini's F = 544 (the next power of two is 1024);
+64-wide steps mask 6% (nine steps), and each row's weight gradient adds up across them."""
 
-    NOTE: a step of the whole row would mask 47% of its lanes at k3-mini's F = 544 (the next power of two is
-    1024); 64-wide steps mask 6% (nine steps), and each row's weight gradient adds up across them.
-    """
+
+def glu_bwd_launch(hidden: int) -> tuple[int, int, int]:
+    """(BLOCK_S, BLOCK_F, num_warps) of the GLU backward's pointwise pass at hidden width F (GLU_BWD_LAUNCH)."""
     if INTERPRET:
-        return 4, 16
-    return 32, min(64, triton.next_power_of_2(hidden))
+        return 4, 16, 4
+    return (GLU_BWD_LAUNCH["rows"], min(GLU_BWD_LAUNCH["cols"], triton.next_power_of_2(hidden)),
+            GLU_BWD_LAUNCH["num_warps"])
 
 
 @triton.jit

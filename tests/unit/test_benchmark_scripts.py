@@ -170,6 +170,35 @@ def test_qb_histogram_smoke_checks_every_variant_and_times_none(tmp_path):
     assert "| T64 E8 k2 NB1024 | counts | 16 (trainer) | — | — | 0 |" in table and "nothing timed" in table
 
 
+def test_expert_tiles_smoke_pins_another_setting_and_checks_its_outputs(tmp_path):
+    """A tiny shape on the CPU: every use runs the trainer's setting and one other, pinned through the trainer's own
+    launchers, and the other's outputs agree; a pinned setting that computed something else would be a row's error."""
+    from benchmarks import expert_tiles
+
+    assert expert_tiles.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "expert_tiles.json").read_text())["rows"]
+    assert [r["use"] for r in rows] == [u for u in expert_tiles.USES for _ in range(2)]
+    assert all("error" not in r and r["rel_rms"] < 1e-5 and "ms" not in r for r in rows), rows
+    assert {r["setting"] for r in rows[1::2]}.isdisjoint({"trainer's", "32x32x32 w4 s1"})  # really another setting
+    # another tile order of the same sums: the w2 GEMM's K (F = 48) is cut differently, so not bit-equal
+    assert next(r for r in rows if r["use"] == "w2" and r["setting"] != "trainer's")["rel_rms"] > 0
+
+
+def test_expert_tiles_pins_the_setting_and_restores_the_kernel():
+    from benchmarks import expert_tiles
+    from kernels.grouped_gemm import ops, triton_moe
+
+    config = expert_tiles.EXTRA["mm"][0]
+    before = ops.grouped_mm_kernel
+    with expert_tiles.pinned("grouped_mm_kernel", config):
+        assert ops.grouped_mm_kernel.kwargs["BLOCK_K"] == config.kwargs["BLOCK_K"]
+        assert ops.grouped_mm_kernel.kwargs["num_stages"] == config.num_stages
+    assert ops.grouped_mm_kernel is before
+    with expert_tiles.pinned(None, (16, 128, 4)):
+        assert triton_moe.GLU_BWD_LAUNCH == dict(rows=16, cols=128, num_warps=4)
+    assert triton_moe.GLU_BWD_LAUNCH == dict(rows=32, cols=64, num_warps=8)
+
+
 def test_startup_breakdown_buckets_the_threads_a_first_update_waits_on(tmp_path):
     """A synthetic py-spy raw recording: each stack lands in its first matching bucket, per critical thread."""
     sys.path.insert(0, str(REPO))
