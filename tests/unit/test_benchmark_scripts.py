@@ -194,9 +194,9 @@ def test_expert_tiles_pins_the_setting_and_restores_the_kernel():
         assert ops.grouped_mm_kernel.kwargs["BLOCK_K"] == config.kwargs["BLOCK_K"]
         assert ops.grouped_mm_kernel.kwargs["num_stages"] == config.num_stages
     assert ops.grouped_mm_kernel is before
-    with expert_tiles.pinned(None, (16, 128, 4)):
-        assert triton_moe.GLU_BWD_LAUNCH == dict(rows=16, cols=128, num_warps=4)
-    assert triton_moe.GLU_BWD_LAUNCH == dict(rows=32, cols=64, num_warps=8)
+    with expert_tiles.pinned(None, (64, 32, 4)):
+        assert triton_moe.GLU_BWD_LAUNCH == dict(rows=64, cols=32, num_warps=4)
+    assert triton_moe.GLU_BWD_LAUNCH == dict(rows=16, cols=128, num_warps=8)
 
 
 def test_startup_breakdown_buckets_the_threads_a_first_update_waits_on(tmp_path):
