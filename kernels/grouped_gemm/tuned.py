@@ -17,12 +17,9 @@ TUNED: dict[tuple, int] = {
     # the GLU backward's dh GEMM, dy rows gathered (2026-12-03 autotune: 0.227 ms against 0.292 / 0.297 / 0.306)
     ("mm", (9, 0), torch.bfloat16, (256, 544, 176, True, False)): 0,
     ("mm_dual", (9, 0), torch.bfloat16, (544, 256, 176, False, True)): 3,
-    # the w2 weight gradient, dy rows gathered: 256 x 64 tiles of [F, L] (benchmarks/results/expert_tiles.md,
-    # 2026-12-03: 0.210 ms against the former pick's 0.229)
-    ("wgrad", (9, 0), torch.bfloat16, (544, 256, 176, False, False, True)): 4,
-    # the w1 and w3 weight gradients, x rows gathered: 64 x 64 tiles, 32 rows a step, 5 stages (expert_tiles.md:
-    # 0.345 ms against the former pick's 0.416)
-    ("wgrad_dual", (9, 0), torch.bfloat16, (256, 544, 176, True, True, False)): 4,
+    # the w2 weight gradient, dy rows gathered (2026-12-03 autotune: 0.191 ms against 0.200 / 0.207 / 0.245)
+    ("wgrad", (9, 0), torch.bfloat16, (544, 256, 176, False, False, True)): 0,
+    ("wgrad_dual", (9, 0), torch.bfloat16, (256, 544, 176, True, True, False)): 3,
     ("glu_up", (9, 0), torch.bfloat16, (256, 544, 176, True)): 2,
 }
 

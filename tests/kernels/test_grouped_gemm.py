@@ -323,8 +323,7 @@ def test_a_measured_key_compiles_its_winner_alone(monkeypatch):
 
 def test_every_known_winner_names_a_candidate_of_its_kernel(monkeypatch):
     """The GPU candidate lists (not the interpreter's single config) hold every tuned index, with the tile the
-    results name (benchmarks/results/grouped_gemm.md: session 8, the broader sweep of session 14; the weight
-    gradients' from benchmarks/results/expert_tiles.md)."""
+    results name (benchmarks/results/grouped_gemm.md: session 8, and the broader sweep of session 14)."""
     from kernels.grouped_gemm import triton_gemm, tuned
 
     monkeypatch.setattr(triton_gemm, "INTERPRET", False)
@@ -338,7 +337,7 @@ def test_every_known_winner_names_a_candidate_of_its_kernel(monkeypatch):
         ("mm", 544): ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, 8, 3),
         ("mm", 256): ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3),
         ("mm_dual", 544): ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3),
-        ("wgrad", 544): ({"BLOCK_K": 256, "BLOCK_N": 64, "BLOCK_R": 64}, 8, 3),
-        ("wgrad_dual", 256): ({"BLOCK_K": 64, "BLOCK_N": 64, "BLOCK_R": 32}, 4, 5),
+        ("wgrad", 544): ({"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_R": 64}, 8, 3),
+        ("wgrad_dual", 256): ({"BLOCK_K": 128, "BLOCK_N": 64, "BLOCK_R": 64}, 4, 4),
         ("glu_up", 256): ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 3),
     }

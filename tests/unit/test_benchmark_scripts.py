@@ -179,7 +179,9 @@ def test_expert_tiles_smoke_pins_another_setting_and_checks_its_outputs(tmp_path
     rows = json.loads((tmp_path / "expert_tiles.json").read_text())["rows"]
     assert [r["use"] for r in rows] == [u for u in expert_tiles.USES for _ in range(2)]
     assert all("error" not in r and r["rel_rms"] < 1e-5 and "ms" not in r for r in rows), rows
-    assert {r["setting"] for r in rows[1::2]}.isdisjoint({"trainer's", "32x32x32 w4 s1"})  # really another setting
+    # really another setting: not the trainer's, nor the interpreter's one candidate
+    assert {r["setting"] for r in rows[1::2]}.isdisjoint({"trainer's", "M32 N32 K32 w4 s1", "K32 N32 R32 w4 s1"})
+    assert "K64 N64 R32 w4 s5" in {r["setting"] for r in rows}  # each block named: the weight gradients' K, N, R
     # another tile order of the same sums: the w2 GEMM's K (F = 48) is cut differently, so not bit-equal
     assert next(r for r in rows if r["use"] == "w2" and r["setting"] != "trainer's")["rel_rms"] > 0
 
@@ -194,9 +196,9 @@ def test_expert_tiles_pins_the_setting_and_restores_the_kernel():
         assert ops.grouped_mm_kernel.kwargs["BLOCK_K"] == config.kwargs["BLOCK_K"]
         assert ops.grouped_mm_kernel.kwargs["num_stages"] == config.num_stages
     assert ops.grouped_mm_kernel is before
-    with expert_tiles.pinned(None, (64, 32, 4)):
-        assert triton_moe.GLU_BWD_LAUNCH == dict(rows=64, cols=32, num_warps=4)
-    assert triton_moe.GLU_BWD_LAUNCH == dict(rows=16, cols=128, num_warps=8)
+    with expert_tiles.pinned(None, (16, 128, 4)):
+        assert triton_moe.GLU_BWD_LAUNCH == dict(rows=16, cols=128, num_warps=4)
+    assert triton_moe.GLU_BWD_LAUNCH == dict(rows=32, cols=64, num_warps=8)
 
 
 def test_startup_breakdown_buckets_the_threads_a_first_update_waits_on(tmp_path):
