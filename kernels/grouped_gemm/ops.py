@@ -235,7 +235,7 @@ def _moe_fwd_op(
     three plus the [S, L] outputs.
     """
     n_tokens, latent = x.shape
-    n_experts, _, hidden = w1.shape
+    hidden = w1.shape[2]
     n_slots = token.shape[0]
     new = dict(device=x.device, dtype=x.dtype)
     casts = _compute_weights(x, w1, w3, w2)
