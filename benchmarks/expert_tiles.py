@@ -11,11 +11,14 @@ the shape (k3-mini: T 32768 tokens, top-6 of E 176 experts, L 256, F 544, bf16, 
   glu_bwd      the SiTU-GLU backward and the routing weights' gradient glu_bwd_pointwise_kernel (backward)
 Each candidate setting runs through the trainer's own launcher (kernels/grouped_gemm/ops.py) with the kernel pinned
 to that setting; its outputs are checked against the trainer's setting (relative RMS) before it is timed
-(triton.testing.do_bench, median). The trainer's setting is what the autotune (and kernels/grouped_gemm/tuned.py)
-picks today; the table gives each candidate's time against it.
-NOTE: each kernel is timed alone with L2 flushed; in the training step several read what the kernel before them just
-wrote. Settings this sweep ranked faster (2026-12-03) made the k3-mini step 1.1 ms slower: a setting goes into
-kernels/grouped_gemm/tuned.py only after `benchmarks/ab_commits.py` confirms it in the step.
+(triton.testing.do_bench, median), twice: the kernel alone, and the whole layer (`moe_experts` forward and
+backward, float32 master weights as the trainer passes them) with that kernel pinned (in every use of it: w2
+and dh share one kernel). The trainer's setting is what
+the autotune (and kernels/grouped_gemm/tuned.py) picks today; the table gives each candidate's times against it.
+NOTE: do_bench flushes L2 before each run: alone, a kernel reads cold inputs that in the layer the kernel before it
+has just written. Settings that ranked faster alone (2026-12-03) made the k3-mini step 1.1 ms slower; the layer
+column is the one to rank by, and a setting goes into kernels/grouped_gemm/tuned.py only after
+`benchmarks/ab_commits.py` confirms it in the training step.
 
     PYTHONPATH=. python benchmarks/expert_tiles.py [--uses glu_up,w2] [--out OUTDIR]
     python benchmarks/expert_tiles.py --smoke --out OUTDIR   # CPU interpreter: a tiny shape, outputs checked, no times
@@ -131,13 +134,18 @@ def make_inputs(shape, device: str, dtype: torch.dtype) -> dict:
     top, idx = scores.topk(top_k, dim=1)
     order, offsets = route_permutation(idx, n_experts)
     n_slots = n_tokens * top_k
+    weight_TK = (top / top.sum(1, keepdim=True)).to(dtype)
     return dict(
+        idx=idx, weight_TK=weight_TK.requires_grad_(), x_leaf=rand(n_tokens, latent).requires_grad_(),
+        w1m=torch.randn(n_experts, latent, hidden, generator=gen, device=device).mul_(latent**-0.5).requires_grad_(),
+        w3m=torch.randn(n_experts, latent, hidden, generator=gen, device=device).mul_(8 * latent**-0.5).requires_grad_(),
+        w2m=torch.randn(n_experts, hidden, latent, generator=gen, device=device).mul_(hidden**-0.5).requires_grad_(),
         x=rand(n_tokens, latent), dy=rand(n_tokens, latent),
         w1=rand(n_experts, latent, hidden, scale=latent**-0.5), w3=rand(n_experts, latent, hidden, scale=8 * latent**-0.5),
         w2=rand(n_experts, hidden, latent, scale=hidden**-0.5),
         h=rand(n_slots, hidden), g=rand(n_slots, hidden), u=rand(n_slots, hidden, scale=8.0),
         dg=rand(n_slots, hidden), du=rand(n_slots, hidden),
-        weight=(top / top.sum(1, keepdim=True)).to(dtype).reshape(-1), order=order, token=order // top_k,
+        weight=weight_TK.detach().reshape(-1), order=order, token=(order // top_k).to(torch.int32),
         offsets=offsets,
     )
 
@@ -174,6 +182,20 @@ def run_use(use: str, t: dict) -> list[torch.Tensor]:
     dweight = torch.zeros(n_slots, device=rows["device"], dtype=torch.float32)
     ops._launch_glu_bwd_pointwise(dg, t["g"], t["u"], du, hp, t["weight"], t["order"], dweight, t["offsets"])
     return [dg, du, hp, dweight]
+
+
+LEAVES = ("x_leaf", "w1m", "w3m", "w2m", "weight_TK")
+
+
+def run_layer(t: dict) -> list[torch.Tensor]:
+    """The whole routed-expert layer as the trainer runs it (forward and backward): y and the leaves' gradients."""
+    from kernels.grouped_gemm import moe_experts
+
+    for name in LEAVES:
+        t[name].grad = None
+    y = moe_experts(t["x_leaf"], t["w1m"], t["w3m"], t["w2m"], t["idx"], t["weight_TK"])
+    y.backward(t["dy"])
+    return [y.detach(), *(t[name].grad for name in LEAVES)]
 
 
 def candidates(use: str) -> list:
@@ -222,7 +244,8 @@ def main(argv=None) -> int:
             others = settings[1:] if USES[use][1] is None else settings[2:]
             settings = [None, min(others, key=lambda c: c if isinstance(c, tuple) else tuple(c.kwargs.values()))]
         want = [o.float() for o in run_use(use, t)]
-        base_ms = None
+        want_layer = [o.float() for o in run_layer(t)]
+        base_ms = base_layer_ms = None
         for config in settings:
             if time.perf_counter() - t0 > args.deadline_s:
                 break
@@ -231,28 +254,35 @@ def main(argv=None) -> int:
                 with pinned(kernel_name, config):
                     got = run_use(use, t)
                     row["rel_rms"] = max(rel_rms(g.float(), w) for g, w in zip(got, want))
-                    if row["rel_rms"] > 1e-2:
-                        row["error"] = f"outputs differ from the trainer's setting: rel RMS {row['rel_rms']:.1e}"
+                    row["layer_rel_rms"] = max(rel_rms(g.float(), w) for g, w in zip(run_layer(t), want_layer))
+                    if max(row["rel_rms"], row["layer_rel_rms"]) > 1e-2:
+                        row["error"] = (f"outputs differ from the trainer's setting: rel RMS {row['rel_rms']:.1e} "
+                                        f"(the kernel), {row['layer_rel_rms']:.1e} (the layer)")
                     elif device == "cuda":
                         row["ms"] = triton.testing.do_bench(lambda: run_use(use, t), return_mode="median")
+                        row["layer_ms"] = triton.testing.do_bench(lambda: run_layer(t), return_mode="median")
             except Exception as e:  # a setting the compiler or the GPU refuses is a row, not the end of the run
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
             if "ms" in row:
                 base_ms = base_ms or row["ms"]
                 row["vs_trainer"] = base_ms / row["ms"]
+                base_layer_ms = base_layer_ms or row["layer_ms"]
+                row["layer_vs_trainer"] = base_layer_ms / row["layer_ms"]
                 if flop_factor:
                     row["tflops"] = flop_factor * n_slots * latent * hidden / row["ms"] / 1e9
             rows.append(row)
             print(row, flush=True)
     header = (f"\n## {env['date']}, commit {env['commit']}, {env['gpu']}, torch {env['torch']}, triton {env['triton']}; "
               f"shape T {shape[0]} k {shape[1]} E {shape[2]} L {latent} F {hidden}, {str(dtype).split('.')[1]}\n\n"
-              "| use | setting | ms | TFLOP/s | speed vs the trainer's setting (x) | rel RMS vs the trainer's | note |\n"
-              "|---|---|---|---|---|---|---|\n")
+              "| use | setting | ms alone | TFLOP/s alone | speed alone vs the trainer's setting (x) | layer fwd+bwd ms | "
+              "layer speed vs the trainer's setting (x) | rel RMS vs the trainer's | note |\n"
+              "|---|---|---|---|---|---|---|---|---|\n")
     def cell(r, key, fmt):
         return format(r[key], fmt) if key in r else "—"
 
     lines = [f"| {r['use']} | {r['setting']} | {cell(r, 'ms', '.4f')} | {cell(r, 'tflops', '.0f')} | "
-             f"{cell(r, 'vs_trainer', '.2f')} | {cell(r, 'rel_rms', '.1e')} | {r.get('error', '')} |" for r in rows]
+             f"{cell(r, 'vs_trainer', '.2f')} | {cell(r, 'layer_ms', '.3f')} | {cell(r, 'layer_vs_trainer', '.3f')} | "
+             f"{cell(r, 'rel_rms', '.1e')} | {r.get('error', '')} |" for r in rows]
     write_results(args.out, "expert_tiles", header + "\n".join(lines) + "\n", env, rows)
     return 0
 
