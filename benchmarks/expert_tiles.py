@@ -45,12 +45,9 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from benchmarks.common import environment, rel_rms, write_results  # noqa: E402
+from kernels.grouped_gemm.triton_gemm import _cfg  # noqa: E402
 
 SHAPES = {"k3-mini": (32768, 6, 176, 256, 544), "smoke": (48, 2, 4, 32, 48)}  # T, k, E, L, F
-
-
-def _cfg(m, n, k, warps, stages, names=("BLOCK_M", "BLOCK_N", "BLOCK_K")):
-    return triton.Config(dict(zip(names, (m, n, k))), num_warps=warps, num_stages=stages)
 
 
 def _wg(k, n, r, warps, stages):
@@ -135,14 +132,15 @@ def make_inputs(shape, device: str, dtype: torch.dtype) -> dict:
     order, offsets = route_permutation(idx, n_experts)
     n_slots = n_tokens * top_k
     weight_TK = (top / top.sum(1, keepdim=True)).to(dtype)
+    # float32 masters (what the trainer passes the layer), and their casts for the single kernels
+    masters = dict(w1m=torch.randn(n_experts, latent, hidden, generator=gen, device=device) * latent**-0.5,
+                   w3m=torch.randn(n_experts, latent, hidden, generator=gen, device=device) * 8 * latent**-0.5,
+                   w2m=torch.randn(n_experts, hidden, latent, generator=gen, device=device) * hidden**-0.5)
+    x = rand(n_tokens, latent)
     return dict(
-        idx=idx, weight_TK=weight_TK.requires_grad_(), x_leaf=rand(n_tokens, latent).requires_grad_(),
-        w1m=torch.randn(n_experts, latent, hidden, generator=gen, device=device).mul_(latent**-0.5).requires_grad_(),
-        w3m=torch.randn(n_experts, latent, hidden, generator=gen, device=device).mul_(8 * latent**-0.5).requires_grad_(),
-        w2m=torch.randn(n_experts, hidden, latent, generator=gen, device=device).mul_(hidden**-0.5).requires_grad_(),
-        x=rand(n_tokens, latent), dy=rand(n_tokens, latent),
-        w1=rand(n_experts, latent, hidden, scale=latent**-0.5), w3=rand(n_experts, latent, hidden, scale=8 * latent**-0.5),
-        w2=rand(n_experts, hidden, latent, scale=hidden**-0.5),
+        idx=idx, weight_TK=weight_TK.requires_grad_(), x=x, x_leaf=x.clone().requires_grad_(), dy=rand(n_tokens, latent),
+        **{name: w.to(dtype) for name, w in zip(("w1", "w3", "w2"), masters.values())},
+        **{name: w.requires_grad_() for name, w in masters.items()},
         h=rand(n_slots, hidden), g=rand(n_slots, hidden), u=rand(n_slots, hidden, scale=8.0),
         dg=rand(n_slots, hidden), du=rand(n_slots, hidden),
         weight=weight_TK.detach().reshape(-1), order=order, token=(order // top_k).to(torch.int32),
@@ -237,6 +235,7 @@ def main(argv=None) -> int:
     t = make_inputs(shape, device, dtype)
     n_slots, latent, hidden = shape[0] * shape[1], shape[3], shape[4]
     env, rows, t0 = environment(), [], time.perf_counter()
+    want_layer = [o.float() for o in run_layer(t)]
     for use in args.uses.split(","):
         kernel_name, _, flop_factor = USES[use]
         settings = candidates(use)
@@ -244,7 +243,6 @@ def main(argv=None) -> int:
             others = settings[1:] if USES[use][1] is None else settings[2:]
             settings = [None, min(others, key=lambda c: c if isinstance(c, tuple) else tuple(c.kwargs.values()))]
         want = [o.float() for o in run_use(use, t)]
-        want_layer = [o.float() for o in run_layer(t)]
         base_ms = base_layer_ms = None
         for config in settings:
             if time.perf_counter() - t0 > args.deadline_s:
@@ -277,6 +275,7 @@ def main(argv=None) -> int:
               "| use | setting | ms alone | TFLOP/s alone | speed alone vs the trainer's setting (x) | layer fwd+bwd ms | "
               "layer speed vs the trainer's setting (x) | rel RMS vs the trainer's | note |\n"
               "|---|---|---|---|---|---|---|---|---|\n")
+
     def cell(r, key, fmt):
         return format(r[key], fmt) if key in r else "—"
 
