@@ -7,11 +7,16 @@ packed documents with lengths drawn from 1 .. 2 * doc_len - 1):
   fla        flash-linear-attention's causal_conv1d (Triton, SiLU fused; what `benchmarks/peer_compiled.py`'s
              ShortConvolution runs), the batch as one packed sequence with cu_seqlens; skipped, and said so, where
              fla does not import or run (the CPU smoke run)
-  ours       kernels.short_conv.causal_conv_silu (Triton forward; backward in two passes)
+  ours       kernels.short_conv.causal_conv_silu (Triton forward; backward in one pass)
 The ratio is against the faster of fla and the compiled reference. Each is checked against the float32 reference (y, dx, dw, relative RMS) before it is timed. A KDA layer
 runs three of these (q, k, v) per micro-batch.
 
     PYTHONPATH=. python benchmarks/short_conv.py [--flavor k3-mini --batch 8 --seq 4096 --doc-len 1000] [--out OUTDIR]
+        [--sweep]
+
+--sweep also times our backward alone under each launch setting of SWEEP (tile rows and channels, row tiles per
+program, warps), pinned in `kernels.short_conv.triton_conv.BWD_LAUNCH`, each checked against the default's
+gradients first, and appends that table too.
 
 Prints a table last and appends it to OUTDIR/short_conv.md (OUTDIR/short_conv.json: the rows).
 Without a GPU it runs on Triton's CPU interpreter in float32, the reference uncompiled (a smoke run; the
@@ -34,10 +39,14 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks.common import add_packed_shape_args, environment, median_ms, packed_pos, rel_rms, write_results  # noqa: E402
-from kernels.short_conv import causal_conv_silu, causal_conv_silu_reference  # noqa: E402
+from kernels.short_conv import causal_conv_silu, causal_conv_silu_reference, triton_conv  # noqa: E402
+from kernels.short_conv.ops import _conv_backward_op  # noqa: E402
 from titan_k3.models.k3.args import FLAVORS  # noqa: E402
 
 TAPS = 4
+SWEEP = [dict(BLOCK_T=t, BLOCK_C=c, TILES=n, num_warps=w) for t, c, n, w in (
+    (16, 128, 16, 8), (16, 128, 8, 8), (16, 128, 32, 8), (16, 128, 16, 4), (8, 128, 32, 4), (32, 128, 8, 8),
+    (16, 64, 16, 4), (8, 256, 16, 8))]
 
 
 def fwd_bwd(fn, x, w, pos, dy):
@@ -72,6 +81,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_packed_shape_args(p)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--sweep", action="store_true", help="also time the backward under each launch setting of SWEEP")
     args = p.parse_args()
     on_cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if on_cuda else ("cpu", torch.float32)  # the interpreter has no bf16
@@ -117,8 +127,40 @@ def main() -> int:
             f"| {row['layout']} | {timed['compiled']:.3f} | {fla_ms} | {timed['ours']:.3f} "
             f"| {timed[best] / timed['ours']:.2f}x ({best}) | {forward['compiled']:.3f} | {forward['ours']:.3f} "
             f"| {moved / timed['ours'] / 1e6:.0f} | {' / '.join(f'{e:.1e}' for e in errors['ours'])} |")
-    write_results(args.out, "short_conv", header + "\n" + line, env, [row])
+    table, rows = header + "\n" + line, [row]
+    if args.sweep:
+        sweep_table, sweep_rows = sweep_backward(x.detach(), w.detach(), pos, dy, env, row["shape"])
+        table, rows = table + "\n\n" + sweep_table, rows + sweep_rows
+    write_results(args.out, "short_conv", table, env, rows)
     return 0
+
+
+def sweep_backward(x, w, pos, dy, env, shape: str) -> tuple[str, list[dict]]:
+    """(table, rows): our backward alone under each SWEEP setting (pinned in BWD_LAUNCH, restored after), each
+    checked against the default setting's gradients first."""
+    default = dict(triton_conv.BWD_LAUNCH)
+    want = _conv_backward_op(dy, x, w, pos)
+    lines = ["| date | commit | GPU | shape | BLOCK_T | BLOCK_C | TILES | warps | bwd ms | vs default | rel-RMS dx / dw vs default |",
+             "|" + "---|" * 11]
+    base, rows = None, []
+    try:
+        for setting in [default] + [s for s in SWEEP if s != default]:
+            triton_conv.BWD_LAUNCH.clear()
+            triton_conv.BWD_LAUNCH.update(setting)
+            got = _conv_backward_op(dy, x, w, pos)
+            errs = [rel_rms(a, b) for a, b in zip(got, want)]
+            assert max(errs) < 1e-2, (setting, errs)
+            ms = median_ms(lambda: _conv_backward_op(dy, x, w, pos))
+            base = base or ms
+            rows.append({**setting, "bwd_ms": ms, "rel_rms_vs_default": errs})
+            lines.append(f"| {env['date']} | {env['commit']} | {env['gpu']} | {shape} | {setting['BLOCK_T']} "
+                         f"| {setting['BLOCK_C']} | {setting['TILES']} | {setting['num_warps']} | {ms:.4f} "
+                         f"| {base / ms:.2f}x | {errs[0]:.1e} / {errs[1]:.1e} |")
+            print(lines[-1], flush=True)
+    finally:
+        triton_conv.BWD_LAUNCH.clear()
+        triton_conv.BWD_LAUNCH.update(default)
+    return "\n".join(lines), rows
 
 
 if __name__ == "__main__":
