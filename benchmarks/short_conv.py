@@ -7,16 +7,16 @@ packed documents with lengths drawn from 1 .. 2 * doc_len - 1):
   fla        flash-linear-attention's causal_conv1d (Triton, SiLU fused; what `benchmarks/peer_compiled.py`'s
              ShortConvolution runs), the batch as one packed sequence with cu_seqlens; skipped, and said so, where
              fla does not import or run (the CPU smoke run)
-  ours       kernels.short_conv.causal_conv_silu (Triton forward; backward in one pass)
+  ours       kernels.short_conv.causal_conv_silu (Triton forward; backward in two passes)
 The ratio is against the faster of fla and the compiled reference. Each is checked against the float32 reference (y, dx, dw, relative RMS) before it is timed. A KDA layer
 runs three of these (q, k, v) per micro-batch.
 
     PYTHONPATH=. python benchmarks/short_conv.py [--flavor k3-mini --batch 8 --seq 4096 --doc-len 1000] [--out OUTDIR]
         [--sweep]
 
---sweep also times our backward alone under each launch setting of SWEEP (tile rows and channels, row tiles per
-program, warps), pinned in `kernels.short_conv.triton_conv.BWD_LAUNCH`, each checked against the default's
-gradients first, and appends that table too.
+--sweep also times our backward alone under each launch setting of SWEEP for its dz pass (tile rows and channels,
+row tiles per program, warps), pinned in `kernels.short_conv.triton_conv.DZ_LAUNCH`, each checked against the
+default's gradients first, and appends that table too.
 
 Prints a table last and appends it to OUTDIR/short_conv.md (OUTDIR/short_conv.json: the rows).
 Without a GPU it runs on Triton's CPU interpreter in float32, the reference uncompiled (a smoke run; the
@@ -45,8 +45,8 @@ from titan_k3.models.k3.args import FLAVORS  # noqa: E402
 
 TAPS = 4
 SWEEP = [dict(BLOCK_T=t, BLOCK_C=c, TILES=n, num_warps=w) for t, c, n, w in (
-    (16, 128, 16, 8), (16, 128, 8, 8), (16, 128, 32, 8), (16, 128, 16, 4), (8, 128, 32, 4), (32, 128, 8, 8),
-    (16, 64, 16, 4), (8, 256, 16, 8))]
+    (8, 128, 16, 4), (8, 128, 8, 4), (8, 128, 32, 4), (4, 128, 32, 4), (8, 64, 16, 4), (16, 128, 8, 4),
+    (8, 256, 16, 8), (4, 256, 32, 4))]
 
 
 def fwd_bwd(fn, x, w, pos, dy):
@@ -136,17 +136,17 @@ def main() -> int:
 
 
 def sweep_backward(x, w, pos, dy, env, shape: str) -> tuple[str, list[dict]]:
-    """(table, rows): our backward alone under each SWEEP setting (pinned in BWD_LAUNCH, restored after), each
-    checked against the default setting's gradients first."""
-    default = dict(triton_conv.BWD_LAUNCH)
+    """(table, rows): our backward alone under each SWEEP setting of its dz pass (pinned in DZ_LAUNCH, restored
+    after), each checked against the default setting's gradients first."""
+    default = dict(triton_conv.DZ_LAUNCH)
     want = _conv_backward_op(dy, x, w, pos)
-    lines = ["| date | commit | GPU | shape | BLOCK_T | BLOCK_C | TILES | warps | bwd ms | vs default | rel-RMS dx / dw vs default |",
+    lines = ["| date | commit | GPU | shape | dz BLOCK_T | dz BLOCK_C | dz TILES | dz warps | bwd ms | vs default | rel-RMS dx / dw vs default |",
              "|" + "---|" * 11]
     base, rows = None, []
     try:
         for setting in [default] + [s for s in SWEEP if s != default]:
-            triton_conv.BWD_LAUNCH.clear()
-            triton_conv.BWD_LAUNCH.update(setting)
+            triton_conv.DZ_LAUNCH.clear()
+            triton_conv.DZ_LAUNCH.update(setting)
             got = _conv_backward_op(dy, x, w, pos)
             errs = [rel_rms(a, b) for a, b in zip(got, want)]
             assert max(errs) < 1e-2, (setting, errs)
@@ -158,8 +158,8 @@ def sweep_backward(x, w, pos, dy, env, shape: str) -> tuple[str, list[dict]]:
                          f"| {base / ms:.2f}x | {errs[0]:.1e} / {errs[1]:.1e} |")
             print(lines[-1], flush=True)
     finally:
-        triton_conv.BWD_LAUNCH.clear()
-        triton_conv.BWD_LAUNCH.update(default)
+        triton_conv.DZ_LAUNCH.clear()
+        triton_conv.DZ_LAUNCH.update(default)
     return "\n".join(lines), rows
 
 

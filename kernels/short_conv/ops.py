@@ -11,7 +11,15 @@ import triton
 
 from kernels.device import triton_runs_on
 from kernels.short_conv.reference import check_inputs
-from kernels.short_conv.triton_conv import BLOCK_C, BLOCK_T, BWD_LAUNCH, NUM_WARPS, conv_silu_bwd_kernel, conv_silu_fwd_kernel
+from kernels.short_conv.triton_conv import (
+    BLOCK_C,
+    BLOCK_T,
+    DZ_LAUNCH,
+    NUM_WARPS,
+    conv_silu_bwd_dx_kernel,
+    conv_silu_bwd_dz_kernel,
+    conv_silu_fwd_kernel,
+)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -45,12 +53,15 @@ def _conv_backward_op(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     dx = torch.empty_like(x)
     if x.numel() == 0:
         return dx, torch.zeros_like(w)
-    rows_per_program = BWD_LAUNCH["BLOCK_T"] * BWD_LAUNCH["TILES"]
-    grid = (triton.cdiv(B * T, rows_per_program), triton.cdiv(C, BWD_LAUNCH["BLOCK_C"]))
+    dz = torch.empty(B, T, C, device=x.device, dtype=torch.float32)
+    rows_per_program = DZ_LAUNCH["BLOCK_T"] * DZ_LAUNCH["TILES"]
+    dz_grid = (triton.cdiv(B * T, rows_per_program), triton.cdiv(C, DZ_LAUNCH["BLOCK_C"]))
     # NOTE: one partial weight gradient per program (TILES row tiles), summed here: deterministic, no atomics.
-    dw_part = torch.empty(grid[0], C, width, device=x.device, dtype=torch.float32)
-    conv_silu_bwd_kernel[grid](x, w, pos, dy.contiguous(), dx, dw_part, B * T, C, W=width,
-                               TAPS=triton.next_power_of_2(width), **BWD_LAUNCH)
+    dw_part = torch.empty(dz_grid[0], C, width, device=x.device, dtype=torch.float32)
+    conv_silu_bwd_dz_kernel[dz_grid](x, w, pos, dy.contiguous(), dz, dw_part, B * T, C, W=width,
+                                     TAPS=triton.next_power_of_2(width), **DZ_LAUNCH)
+    conv_silu_bwd_dx_kernel[_grid(B * T, C)](dz, w, pos, dx, B * T, C, W=width, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
+                                             num_warps=NUM_WARPS)
     return dx, dw_part.sum(0).unsqueeze(1).to(w.dtype)
 
 

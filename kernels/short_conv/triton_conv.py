@@ -5,11 +5,14 @@ x, y, dy, dx are [N, C] with contiguous rows; w is [C, W] (tap W-1 is the curren
 pos [N] is each token's position inside its document: tap j reads row t - j iff pos[t] >= j.
 Products and sums in float32; w is rounded to x's dtype first, as the reference does.
 
-The backward is one pass: each program walks TILES row tiles of one channel block, recomputes
-dz = dy * silu'(z) for every row its dx reads (the current row and the W-1 after it, from x
-and dy, which the shifted tiles read again from cache), writes dx, and adds the weight
-gradient's products up elementwise; it sums them over rows once, into one partial per program.
-So dz never goes through memory, and the partials are few (summed by the caller).
+The backward runs in two passes: the first recomputes the pre-activation z, writes
+dz = dy * silu'(z) (float32) and, walking TILES row tiles of one channel block, adds the
+weight gradient's products dz[t] * x[t-i] up elementwise, summing them over rows once per
+program (one partial per program); the second gathers dx[t] = sum_j w[j] dz[t + j] from
+the rows that read t. A tile never needs a neighbour's registers.
+NOTE: a one-pass backward that recomputes dz for the W shifted rows from cache instead of
+storing it measured slower (0.19-1.35 ms against 0.14 ms for these two passes at k3-mini's
+B8 T4096 C512 on an H200: benchmarks/results/short_conv.md).
 """
 
 import os
@@ -18,13 +21,15 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# NOTE: forward: 32 rows x 128 channels, 4 warps: one 16-byte bf16 load per thread per tap.
+# NOTE: forward and dx pass: 32 rows x 128 channels, 4 warps: one 16-byte bf16 load per thread per tap.
 BLOCK_T = 16 if INTERPRET else 32
 BLOCK_C = 32 if INTERPRET else 128
 NUM_WARPS = 4
-# The backward's tile and the row tiles one program walks (TILES * BLOCK_T rows: one weight-gradient partial each).
-BWD_LAUNCH = (dict(BLOCK_T=4, BLOCK_C=32, TILES=2, num_warps=4) if INTERPRET
-              else dict(BLOCK_T=16, BLOCK_C=128, TILES=16, num_warps=8))
+# The dz pass's tile and the row tiles one program walks (one weight-gradient partial per TILES * BLOCK_T rows):
+# 8 x 128, 16 tiles, 4 warps ran 0.142 ms for the whole backward against 0.177 ms with a partial per 32-row tile
+# (k3-mini's B8 T4096 C512, H200; `benchmarks/short_conv.py --sweep`).
+DZ_LAUNCH = (dict(BLOCK_T=4, BLOCK_C=32, TILES=3, num_warps=4) if INTERPRET
+             else dict(BLOCK_T=8, BLOCK_C=128, TILES=16, num_warps=4))
 
 
 @triton.jit
@@ -61,46 +66,93 @@ def conv_silu_fwd_kernel(x_ptr, w_ptr, pos_ptr, y_ptr, N, C,
 
 
 @triton.jit
-def conv_silu_bwd_kernel(x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dw_part_ptr, N, C,
-                         W: tl.constexpr, TAPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                         TILES: tl.constexpr):
-    """dx for TILES consecutive row tiles of one channel block, and their weight gradient's partial dw_part[pid_t].
+def _tap(x_ptr, w_ptr, rows, row_mask, pos, cols, col_mask, C, W: tl.constexpr, i: tl.constexpr):
+    """(x[t-i] where pos[t] >= i, else 0; w[c, W-1-i] rounded to x's dtype), both float32."""
+    m = (row_mask & (pos >= i) & (rows - i >= 0))[:, None] & col_mask[None, :]
+    xv = tl.load(x_ptr + (rows - i)[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    wv = tl.load(w_ptr + cols * W + (W - 1 - i), mask=col_mask, other=0.0)
+    return xv, wv.to(x_ptr.dtype.element_ty).to(tl.float32)
 
-    dx[t] = sum over taps j of w[c, W-1-j] * dz[t+j] where pos[t+j] >= j, and dz[s] = dy[s] * silu'(z[s]) is
-    recomputed for each shifted row s = t + j from x (TAPS >= W rows per tile, [TAPS, BLOCK_T, BLOCK_C]), so dz
-    never goes through memory. The weight gradient dz[t] * x[t-i] adds up elementwise over the tiles and is
-    summed over rows once, at the end (dw_part [programs, C, W], summed by the caller).
+
+@triton.jit
+def conv_silu_bwd_dz_kernel(x_ptr, w_ptr, pos_ptr, dy_ptr, dz_ptr, dw_part_ptr, N, C,
+                            W: tl.constexpr, TAPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                            TILES: tl.constexpr):
+    """dz = dy * silu'(z) (float32, [N, C]) for TILES row tiles, and their weight gradient dw_part[pid_t] [C, W].
+
+    NOTE: taps 0..3 keep their products dz * x in [BLOCK_T, BLOCK_C] accumulators, summed over rows once at
+    the end; a row sum per tile and tap (what taps past 3 do, into a [TAPS, BLOCK_C] accumulator) made the
+    pass slower than its loads.
     """
     pid_t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
-    taps = tl.arange(0, TAPS)  # tap i of row s reads row s - i with weight w[c, W-1-i]
-    tap_ok = taps < W
-    w_mask = tap_ok[:, None] & col_mask[None, :]
-    wv = tl.load(w_ptr + cols[None, :] * W + (W - 1 - taps)[:, None], mask=w_mask, other=0.0)
-    wv = wv.to(x_ptr.dtype.element_ty).to(tl.float32)
-    dw = tl.zeros((TAPS, BLOCK_T, BLOCK_C), dtype=tl.float32)
+    taps = tl.arange(0, TAPS)
+    a0 = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    a1 = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    a2 = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    a3 = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    more = tl.zeros((TAPS, BLOCK_C), dtype=tl.float32)
     for tile in range(TILES):
         rows = (pid_t * TILES + tile).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-        dx = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-        for j in tl.static_range(W):
-            s = rows + j
-            s_ok = s < N
-            pos = tl.load(pos_ptr + s, mask=s_ok, other=0)
-            src = s[None, :] - taps[:, None]
-            reads = tap_ok[:, None] & s_ok[None, :] & (pos[None, :] >= taps[:, None]) & (src >= 0)
-            xv = tl.load(x_ptr + src[:, :, None] * C + cols[None, None, :],
-                         mask=reads[:, :, None] & col_mask[None, None, :], other=0.0).to(tl.float32)
-            z = tl.sum(xv * wv[:, None, :], axis=0)
-            dy = tl.load(dy_ptr + s[:, None] * C + cols[None, :], mask=s_ok[:, None] & col_mask[None, :],
-                         other=0.0).to(tl.float32)
-            sig = tl.sigmoid(z)
-            dz = dy * sig * (1.0 + z * (1.0 - sig))  # zero on rows past N (dy is)
-            if j == 0:
-                dw += dz[None, :, :] * xv
-            wj = tl.load(w_ptr + cols * W + (W - 1 - j), mask=col_mask, other=0.0)
-            dx += tl.where((pos >= j)[:, None], dz, 0.0) * wj.to(x_ptr.dtype.element_ty).to(tl.float32)[None, :]
-        mask = (rows < N)[:, None] & col_mask[None, :]
-        tl.store(dx_ptr + rows[:, None] * C + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
-    part = dw_part_ptr + pid_t.to(tl.int64) * C * W
-    tl.store(part + cols[None, :] * W + (W - 1 - taps)[:, None], tl.sum(dw, axis=1), mask=w_mask)
+        row_mask = rows < N
+        pos = tl.load(pos_ptr + rows, mask=row_mask, other=0)
+        x0, w0 = _tap(x_ptr, w_ptr, rows, row_mask, pos, cols, col_mask, C, W, 0)
+        z = x0 * w0[None, :]
+        if W > 1:
+            x1, w1 = _tap(x_ptr, w_ptr, rows, row_mask, pos, cols, col_mask, C, W, 1)
+            z += x1 * w1[None, :]
+        if W > 2:
+            x2, w2 = _tap(x_ptr, w_ptr, rows, row_mask, pos, cols, col_mask, C, W, 2)
+            z += x2 * w2[None, :]
+        if W > 3:
+            x3, w3 = _tap(x_ptr, w_ptr, rows, row_mask, pos, cols, col_mask, C, W, 3)
+            z += x3 * w3[None, :]
+        for i in tl.static_range(4, W):
+            xi, wi = _tap(x_ptr, w_ptr, rows, row_mask, pos, cols, col_mask, C, W, i)
+            z += xi * wi[None, :]
+        mask = row_mask[:, None] & col_mask[None, :]
+        offs = rows[:, None] * C + cols[None, :]
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(z)
+        dz = dy * s * (1.0 + z * (1.0 - s))
+        tl.store(dz_ptr + offs, dz, mask=mask)
+        a0 += dz * x0
+        if W > 1:
+            a1 += dz * x1
+        if W > 2:
+            a2 += dz * x2
+        if W > 3:
+            a3 += dz * x3
+        for i in tl.static_range(4, W):
+            xi, wi = _tap(x_ptr, w_ptr, rows, row_mask, pos, cols, col_mask, C, W, i)
+            more += tl.where(taps[:, None] == i, tl.sum(dz * xi, axis=0)[None, :], 0.0)
+    part = dw_part_ptr + pid_t.to(tl.int64) * C * W + cols * W
+    tl.store(part + (W - 1), tl.sum(a0, axis=0), mask=col_mask)
+    if W > 1:
+        tl.store(part + (W - 2), tl.sum(a1, axis=0), mask=col_mask)
+    if W > 2:
+        tl.store(part + (W - 3), tl.sum(a2, axis=0), mask=col_mask)
+    if W > 3:
+        tl.store(part + (W - 4), tl.sum(a3, axis=0), mask=col_mask)
+    if W > 4:
+        tl.store(part[None, :] + (W - 1 - taps)[:, None], more, mask=(taps >= 4)[:, None] & (taps < W)[:, None]
+                 & col_mask[None, :])
+
+
+@triton.jit
+def conv_silu_bwd_dx_kernel(dz_ptr, w_ptr, pos_ptr, dx_ptr, N, C,
+                            W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dx[t] = sum over taps j of w[c, W-1-j] * dz[t+j, c] where pos[t+j] >= j (the rows whose tap j read t)."""
+    rows, cols, row_mask, col_mask = _tile(tl.program_id(0), tl.program_id(1), N, C, BLOCK_T, BLOCK_C)
+    dx = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for j in tl.static_range(W):
+        dst = rows + j
+        dst_ok = row_mask & (dst < N)
+        pos = tl.load(pos_ptr + dst, mask=dst_ok, other=0)
+        m = (dst_ok & (pos >= j))[:, None] & col_mask[None, :]
+        dz = tl.load(dz_ptr + dst[:, None] * C + cols[None, :], mask=m, other=0.0)
+        wv = tl.load(w_ptr + cols * W + (W - 1 - j), mask=col_mask, other=0.0)
+        dx += dz * wv.to(dx_ptr.dtype.element_ty).to(tl.float32)[None, :]
+    mask = row_mask[:, None] & col_mask[None, :]
+    tl.store(dx_ptr + rows[:, None] * C + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)

@@ -55,6 +55,7 @@ def run_both(x64, w64, pos, dtype):
     (3, 19, 7, 2, [1]),                 # every token its own document: only the current tap reads
     (2, 33, 48, 1, [5, 9]),             # one tap: silu(w x)
     (1, 50, 32, 3, [50]),               # an odd tap count
+    (2, 29, 24, 6, [4, 11, 2]),         # taps past the four the weight-gradient pass keeps elementwise
 ])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 3e-3)])
 def test_matches_the_float64_reference(B, T, C, W, lengths, dtype, tol):

@@ -203,24 +203,24 @@ def test_expert_tiles_pins_the_setting_and_restores_the_kernel():
 
 
 def test_short_conv_sweep_launches_each_setting_and_restores_the_default(tmp_path, monkeypatch):
-    """The CPU interpreter at a tiny shape: the sweep's other setting really reaches the kernel's launch (its own
+    """The CPU interpreter at a tiny shape: the sweep's other setting really reaches the dz pass's launch (its own
     grid), computes the default's gradients, and the default launch is back afterwards."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from benchmarks import short_conv
     from kernels.short_conv import ops, triton_conv
 
-    default = dict(triton_conv.BWD_LAUNCH)
+    default = dict(triton_conv.DZ_LAUNCH)
     other = dict(BLOCK_T=2, BLOCK_C=16, TILES=3, num_warps=4)
     monkeypatch.setattr(short_conv, "SWEEP", [other])
     grids = []
-    kernel = ops.conv_silu_bwd_kernel
+    kernel = ops.conv_silu_bwd_dz_kernel
 
     class Spy:
         def __getitem__(self, grid):
             grids.append(grid)
             return kernel[grid]
 
-    monkeypatch.setattr(ops, "conv_silu_bwd_kernel", Spy())
+    monkeypatch.setattr(ops, "conv_silu_bwd_dz_kernel", Spy())
     monkeypatch.setattr(sys, "argv", ["short_conv.py", "--flavor", "debug", "--batch", "1", "--seq", "40",
                                       "--doc-len", "7", "--out", str(tmp_path), "--sweep"])
     assert short_conv.main() == 0
@@ -231,7 +231,7 @@ def test_short_conv_sweep_launches_each_setting_and_restores_the_default(tmp_pat
     debug = short_conv.FLAVORS["debug"]
     channels = debug.kda_heads * debug.kda_head_dim
     assert (math.ceil(40 / 6), math.ceil(channels / 16)) in grids  # the other setting's own grid was launched
-    assert triton_conv.BWD_LAUNCH == default
+    assert triton_conv.DZ_LAUNCH == default
 
 
 def test_startup_breakdown_buckets_the_threads_a_first_update_waits_on(tmp_path):
