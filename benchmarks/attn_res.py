@@ -64,11 +64,11 @@ def measure(name: str, fn, sources, query, dout) -> dict:
 
 def sweep_tiles(sources, query, dout) -> None:
     """Ours at each (tile, warps) of SWEEP, forward and backward kernels set alike; LAUNCH restored after."""
-    saved = {k: dict(v) for k, v in mix.LAUNCH.items()}
+    saved = {k: dict(v) for k, v in mix.LAUNCH.items()}  # the backward's row tiles per program stay as they are
     try:
         for tile, warps in SWEEP:
             for kernel in ("fwd", "bwd"):
-                mix.LAUNCH[kernel] = dict(tile=tile, num_warps=warps)
+                mix.LAUNCH[kernel].update(tile=tile, num_warps=warps)
             r = measure("ours", pseudo_query_mix, sources, query, dout)
             print(f"sweep tile {tile} warps {warps}: fwd {r['fwd_ms']:.3f} ms, "
                   f"bwd {r['fwd_bwd_ms'] - r['fwd_ms']:.3f} ms, fwd+bwd {r['fwd_bwd_ms']:.3f} ms", flush=True)

@@ -21,7 +21,7 @@ Backward, with g = dout:
     dw_n = <g, v_n>,   dbar = sum_k w_k dw_k
     ds_n = w_n (dw_n - dbar)
     dv_n = w_n g + ds_n rstd_n (q - rstd_n s_n v_n / D)
-    dq   = sum over rows and n of ds_n rstd_n v_n   (per-program partials [P, D], summed in torch)
+    dq   = sum over rows and n of ds_n rstd_n v_n   (per-program partials [D, P], summed in torch)
 dbar needs every source before any dv_n can be written, so the backward walks
 the sources twice; the second walk re-reads tiles the first has just read
 (from L2 on a GPU).
@@ -42,14 +42,15 @@ MAX_SOURCES = 12
 # `tile` elements in all; each program keeps two (forward) or three to four (backward) such float32 tiles live.
 # NOTE: k3-mini's D = 512 gives 4 rows per program. `benchmarks/attn_res.py --sweep` on an H200 (79cfdf1, N = 5):
 # tile 2048 / 4 warps 1.12 ms fwd+bwd, 4096 / 8 warps 1.31, 8192 / 16 warps 1.37 (benchmarks/results/attn_res.md).
+# The backward's program walks `tiles` consecutive row tiles, so it leaves one dq partial per tiles * BR rows.
 LAUNCH = {
     "fwd": dict(tile=2048, num_warps=4),
-    "bwd": dict(tile=2048, num_warps=4),
+    "bwd": dict(tile=2048, num_warps=4, tiles=8),
 }
 
 
 def tiles(name: str, D: int) -> tuple[int, int, int]:
-    """(BR, BD, num_warps) of kernel `name` at width D: whole rows, at least one per program."""
+    """(BR, BD, num_warps) of kernel `name` at width D: whole rows, at least one per tile."""
     opts = LAUNCH[name]
     block_d = max(16, triton.next_power_of_2(D))
     block_r = max(1, opts["tile"] // block_d)
@@ -125,39 +126,42 @@ def _mix_bwd_kernel(
     V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11,
     G0, G1, G2, G3, G4, G5, G6, G7, G8, G9, G10, G11,
     q_ptr, dout_ptr, score_ptr, rstd_ptr, smax_ptr, dq_part_ptr, R, D,
-    N: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+    N: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, TILES: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rows = pid * BR + tl.arange(0, BR).to(tl.int64)
     cols = tl.arange(0, BD)
-    row_ok = rows < R
-    mask = row_ok[:, None] & (cols < D)[None, :]
-    offs = rows[:, None] * D + cols[None, :]
     q = tl.load(q_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-    g = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(smax_ptr + rows, mask=row_ok, other=0.0)
-    e_sum = tl.zeros([BR], tl.float32)
-    e_dw = tl.zeros([BR], tl.float32)
-    for n in tl.static_range(N):
-        v = tl.load(_source(n, V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11) + offs, mask=mask, other=0.0)
-        e = tl.exp(tl.load(score_ptr + n * R + rows, mask=row_ok, other=0.0) - m)
-        e_sum += e
-        e_dw += e * tl.sum(g * v.to(tl.float32), axis=1)
-    dbar = e_dw / e_sum
     dq_acc = tl.zeros([BR, BD], tl.float32)
-    for n in tl.static_range(N):
-        v = tl.load(_source(n, V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11) + offs, mask=mask, other=0.0)
-        v = v.to(tl.float32)
-        s = tl.load(score_ptr + n * R + rows, mask=row_ok, other=0.0)
-        rstd = tl.load(rstd_ptr + n * R + rows, mask=row_ok, other=0.0)
-        w = tl.exp(s - m) / e_sum
-        ds = w * (tl.sum(g * v, axis=1) - dbar)
-        c = ds * rstd  # coefficient of q in dv_n, and of v_n in dq
-        dv = w[:, None] * g + c[:, None] * q[None, :] - (c * rstd * s / D)[:, None] * v
-        dv_ptr = _source(n, G0, G1, G2, G3, G4, G5, G6, G7, G8, G9, G10, G11)
-        tl.store(dv_ptr + offs, dv.to(dv_ptr.dtype.element_ty), mask=mask)
-        dq_acc += c[:, None] * v
-    tl.store(dq_part_ptr + pid * D + cols, tl.sum(dq_acc, axis=0), mask=cols < D)
+    for tile in range(TILES):
+        rows = (pid * TILES + tile).to(tl.int64) * BR + tl.arange(0, BR)
+        row_ok = rows < R
+        mask = row_ok[:, None] & (cols < D)[None, :]
+        offs = rows[:, None] * D + cols[None, :]
+        g = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(smax_ptr + rows, mask=row_ok, other=0.0)
+        e_sum = tl.zeros([BR], tl.float32)
+        e_dw = tl.zeros([BR], tl.float32)
+        for n in tl.static_range(N):
+            v = tl.load(_source(n, V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11) + offs, mask=mask, other=0.0)
+            e = tl.exp(tl.load(score_ptr + n * R + rows, mask=row_ok, other=0.0) - m)
+            e_sum += e
+            e_dw += e * tl.sum(g * v.to(tl.float32), axis=1)
+        dbar = e_dw / e_sum
+        for n in tl.static_range(N):
+            v = tl.load(_source(n, V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11) + offs, mask=mask, other=0.0)
+            v = v.to(tl.float32)
+            s = tl.load(score_ptr + n * R + rows, mask=row_ok, other=0.0)
+            rstd = tl.load(rstd_ptr + n * R + rows, mask=row_ok, other=0.0)
+            w = tl.exp(s - m) / e_sum
+            ds = w * (tl.sum(g * v, axis=1) - dbar)
+            c = ds * rstd  # coefficient of q in dv_n, and of v_n in dq
+            dv = w[:, None] * g + c[:, None] * q[None, :] - (c * rstd * s / D)[:, None] * v
+            dv_ptr = _source(n, G0, G1, G2, G3, G4, G5, G6, G7, G8, G9, G10, G11)
+            tl.store(dv_ptr + offs, dv.to(dv_ptr.dtype.element_ty), mask=mask)
+            dq_acc += c[:, None] * v
+    # NOTE: stored transposed ([D, P]): torch sums a [P, D] float32 partial over P ~2-3x slower than a [D, P]
+    # one over its last dimension at k3-mini's D = 512 (an H200, session 22).
+    tl.store(dq_part_ptr + cols * tl.num_programs(0) + pid, tl.sum(dq_acc, axis=0), mask=cols < D)
 
 
 def _pointers(tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -189,11 +193,12 @@ def mix_backward(
     R = smax.shape[0]
     dvs = [torch.empty_like(v) for v in sources]
     br, bd, warps = tiles("bwd", D)
-    programs = triton.cdiv(R, br)
-    dq_part = torch.empty(programs, D, dtype=torch.float32, device=dout.device)
+    n_tiles = LAUNCH["bwd"]["tiles"]
+    programs = triton.cdiv(triton.cdiv(R, br), n_tiles)
+    dq_part = torch.empty(D, programs, dtype=torch.float32, device=dout.device)
     if R > 0:
         _mix_bwd_kernel[(programs,)](
             *_pointers(sources), *_pointers(dvs), query, dout, score, rstd, smax, dq_part, R, D,
-            N=N, BR=br, BD=bd, num_warps=warps,
+            N=N, BR=br, BD=bd, TILES=n_tiles, num_warps=warps,
         )
-    return dvs + [dq_part.sum(0).to(query.dtype)]
+    return dvs + [dq_part.sum(1).to(query.dtype)]

@@ -295,7 +295,7 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, layout, gate, save
     NKD = triton.cdiv(K, plan["ddecay"]["BK"])
     dg = torch.empty_like(g)
     dA_part = torch.empty(NT, NKD, H, device=dev, dtype=torch.float32) if gate is not None else None
-    ddt_part = torch.empty(NT, H, K, device=dev, dtype=torch.float32) if dt_bias is not None else None
+    ddt_part = torch.empty(H, K, NT, device=dev, dtype=torch.float32) if dt_bias is not None else None
     bwd._ddecay_kernel[(NT, NKD, H)](
         db, g, A_log, dt_bias, dg, dA_part, ddt_part, chunk_indices, cu,
         0.0 if lower_bound is None else float(lower_bound),
@@ -303,7 +303,7 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, layout, gate, save
         USE_LOWER_BOUND=lower_bound is not None, **plan["ddecay"],
     )
     dA_log = dA_part.sum((0, 1)) if gate is not None else None
-    ddt_bias = ddt_part.sum(0) if dt_bias is not None else None
+    ddt_bias = ddt_part.sum(-1) if dt_bias is not None else None
     return dq_out, dk_out, dv, dg, dbeta, dh0, dA_log, ddt_bias
 
 

@@ -57,12 +57,12 @@ def _conv_backward_op(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     rows_per_program = DZ_LAUNCH["BLOCK_T"] * DZ_LAUNCH["TILES"]
     dz_grid = (triton.cdiv(B * T, rows_per_program), triton.cdiv(C, DZ_LAUNCH["BLOCK_C"]))
     # NOTE: one partial weight gradient per program (TILES row tiles), summed here: deterministic, no atomics.
-    dw_part = torch.empty(dz_grid[0], C, width, device=x.device, dtype=torch.float32)
+    dw_part = torch.empty(C, width, dz_grid[0], device=x.device, dtype=torch.float32)
     conv_silu_bwd_dz_kernel[dz_grid](x, w, pos, dy.contiguous(), dz, dw_part, B * T, C, W=width,
                                      TAPS=triton.next_power_of_2(width), **DZ_LAUNCH)
     conv_silu_bwd_dx_kernel[_grid(B * T, C)](dz, w, pos, dx, B * T, C, W=width, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
                                              num_warps=NUM_WARPS)
-    return dx, dw_part.sum(0).unsqueeze(1).to(w.dtype)
+    return dx, dw_part.sum(-1).unsqueeze(1).to(w.dtype)
 
 
 @_conv_backward_op.register_fake
