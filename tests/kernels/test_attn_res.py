@@ -22,7 +22,7 @@ EPS = 1e-5
 
 
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.double(), b.double().to(a.device)  # a CPU reference against a GPU result
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
 
 
@@ -81,7 +81,7 @@ def test_backward_closed_form_matches_autograd_in_float64():
     rstd = (v.pow(2).mean(-1) + EPS).rsqrt()
     s = rstd * (v @ q)
     w = torch.softmax(s, dim=0)
-    ds = w * ((g * v).sum(-1) - (g * out.detach()).sum(-1))  # sum_m w_m <g, v_m> = <g, out>
+    ds = w * ((g * v).sum(-1) - (g * out.detach().cpu()).sum(-1))  # sum_m w_m <g, v_m> = <g, out>
     dv = w[..., None] * g + (ds * rstd)[..., None] * (q - (rstd * s)[..., None] * v / D)
     dq = ((ds * rstd)[..., None] * v).sum((0, 1, 2))
     for n in range(4):
