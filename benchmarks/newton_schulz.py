@@ -14,6 +14,10 @@ polynomial path and chunk (`optimizer.ns_chunk`; 0 = every block at once):
 - time: the call captured as a CUDA graph (as the trainer replays it), median of `triton.testing.do_bench`.
 A second table times the single products at the largest shape (and the Triton polynomial's tile configs), to
 say where the time goes. Appends to OUTDIR/newton_schulz.md. Without CUDA it checks the errors only.
+
+--gram also times Gram Newton-Schulz (`gram_newton_schulz`: the same polynomial iterated on the small Gram
+matrix R = X X^T and the accumulated left factor Q, with X = Q X0 formed only at restarts and at the end) at the
+flavor's two largest block shapes, against ours in the same run, with its error against float64.
 """
 
 from __future__ import annotations
@@ -85,6 +89,63 @@ def graph_ms(fn) -> float:
     return median_ms(graph.replay)
 
 
+GRAM = {  # name: (restart before these steps, NS dtype)
+    "gram bf16, restart at step 3": ((2,), torch.bfloat16),
+    "gram bf16, restart at step 4": ((3,), torch.bfloat16),
+    "gram bf16, no restart": ((), torch.bfloat16),
+    "gram fp16, restart at step 3": ((2,), torch.float16),
+}
+
+
+def gram_newton_schulz(G: torch.Tensor, steps: int, restarts: tuple[int, ...], dtype: torch.dtype,
+                       scale: float = 1.0, eps: float = 1e-7) -> torch.Tensor:
+    """`newton_schulz`'s polynomial on G [k, r, c], iterated on R = X X^T [k, m, m] and Q (X_t = Q_t X_0):
+    B'_t = a I + b R_t + c R_t^2, Q_{t+1} = B'_t Q_t, R_{t+1} = B'_t R_t B'_t; before each step in `restarts`,
+    X = Q X and R = X X^T are formed again (half precision drifts otherwise). Equal to `newton_schulz` in exact
+    arithmetic; measured here as an alternative, never used by the trainer."""
+    transposed = G.shape[-2] > G.shape[-1]
+    X = G.mT if transposed else G
+    sumsq = None
+    if dtype == torch.float16:  # float16's range: normalise before the cast, not on the first Gram matrix
+        X = X.float() / (X.float().square().sum((-2, -1), keepdim=True).sqrt() + eps)
+    X = X.to(dtype).contiguous()
+    R = X @ X.mT
+    if dtype != torch.float16:
+        sumsq = R.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.float32)
+    Q = None
+    for t in range(steps):
+        if t in restarts and Q is not None:
+            X, Q = torch.bmm(Q, X), None
+            R = X @ X.mT
+        # NOTE: the CPU polynomial scales its input in place; R is read again below.
+        B = ns_polynomial(R if R.is_cuda else R.clone(), NS_COEFFS, scale=scale if t == steps - 1 else 1.0,
+                          sumsq=sumsq if t == 0 else None, eps=eps)
+        Q = B if Q is None else torch.bmm(B, Q)
+        if t < steps - 1 and t + 1 not in restarts:
+            R = torch.bmm(B, torch.bmm(R, B))
+    return torch.bmm(X.mT, Q) if transposed else torch.bmm(Q, X)
+
+
+def gram_rows(shapes: dict, device: torch.device, env: dict) -> list[dict]:
+    """Ours and each GRAM variant at the two largest block shapes: error against float64, ms (CUDA only)."""
+    rows = []
+    for (r, c), k in list(shapes.items())[:2]:
+        G64 = decaying(min(k, 16), r, c, device)
+        ref = newton_schulz_f64(G64, STEPS, dtype=torch.float64, scale=muon_scale(r, c))
+        G = torch.randn(k, r, c, device=device, dtype=torch.bfloat16) * 1e-3
+        variants = {"ours (standard, bf16)": lambda g: newton_schulz(g, STEPS, dtype=torch.bfloat16,
+                                                                      scale=muon_scale(r, c))}
+        for name, (restarts, dtype) in GRAM.items():
+            variants[name] = functools.partial(gram_newton_schulz, steps=STEPS, restarts=restarts, dtype=dtype,
+                                               scale=muon_scale(r, c))
+        for name, fn in variants.items():
+            err = rel_rms(fn(G64.float()), ref)
+            ms = graph_ms(lambda fn=fn: fn(G)) if device.type == "cuda" else float("nan")
+            rows.append(dict(env, shape=f"{k}x{r}x{c}", variant=name, rel_err=err, ms=ms))
+            print(rows[-1], flush=True)
+    return rows
+
+
 def product_times(k: int, m: int, n: int, device: torch.device) -> list[tuple[str, float, float]]:
     """(product, ms, FLOP) of each single product of a step at k blocks [m, n] (m <= n), and of the Triton
     polynomial per tile config (block, BLOCK_K, warps, stages)."""
@@ -120,6 +181,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--seq", type=int, default=0, help="unused (the benchmark scripts' common flags)")
     p.add_argument("--batch", type=int, default=0, help="unused (the benchmark scripts' common flags)")
+    p.add_argument("--gram", action="store_true", help="also time Gram Newton-Schulz against ours")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -161,6 +223,12 @@ def main(argv=None) -> int:
                   "|---|---|---|"]
         for name, ms, flop in product_times(k, m, n, device):
             lines.append(f"| {name} | {ms:.3f} | {flop / ms / 1e9:.0f} |")
+    if args.gram:
+        gram = gram_rows(shapes, device, env)
+        lines += ["", "Gram Newton-Schulz against ours (same run):", "| blocks | variant | rel err vs float64 | ms |",
+                  "|---|---|---|---|"]
+        lines += [f"| {g['shape']} | {g['variant']} | {g['rel_err']:.2e} | {g['ms']:.3f} |" for g in gram]
+        rows += gram
     write_results(args.out, "newton_schulz", "\n".join(lines), env, rows)
     print("\n".join(lines))
     return 0

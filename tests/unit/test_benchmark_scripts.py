@@ -137,6 +137,34 @@ def test_newton_schulz_benchmark_checks_both_polynomial_paths_on_every_block_sha
         assert errs["triton"] == errs["cublas"] and 0 < errs["triton"] < 1
 
 
+def test_gram_newton_schulz_is_the_same_polynomial_in_float32():
+    """In float32 the Gram iteration (any restarts, either orientation) gives what our Newton-Schulz gives: the same
+    polynomial of G; only half precision tells them apart."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks.newton_schulz import gram_newton_schulz
+    from titan_k3.optim.orthogonalise import newton_schulz
+
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((3, 24, 56), (2, 40, 17)):
+        G = torch.randn(*shape, generator=gen)
+        want = newton_schulz(G, 5, dtype=torch.float32, scale=1.7)
+        for restarts in ((), (2,), (3,), (1, 3)):
+            got = gram_newton_schulz(G, 5, restarts, torch.float32, scale=1.7)
+            assert got.shape == G.shape
+            assert ((got - want).norm() / want.norm()).item() < 1e-5, (shape, restarts)
+
+
+def test_newton_schulz_benchmark_gram_rows(tmp_path):
+    _run("newton_schulz.py", tmp_path, "--gram", "--chunk", "0")
+    rows = json.loads((tmp_path / "out" / "newton_schulz.json").read_text())["rows"]
+    gram = [r for r in rows if "variant" in r]
+    assert len({r["shape"] for r in gram}) == 2 and len(gram) == 2 * 5
+    assert all(0 < r["rel_err"] < 1 for r in gram if "no restart" not in r["variant"]), gram
+    assert "Gram Newton-Schulz against ours" in (tmp_path / "out" / "newton_schulz.md").read_text()
+
+
 def test_every_throughput_variant_is_a_valid_config():
     """A variant's overrides are checked here, not on the GPU after a minutes-long start."""
     sys.path.insert(0, str(REPO))
