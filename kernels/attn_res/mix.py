@@ -40,7 +40,7 @@ MAX_SOURCES = 12
 
 # Launch settings, fixed (no autotune pause). A tile holds BR rows of BD = next_pow2(D) columns with about
 # `tile` elements in all; each program keeps two (forward) or three to four (backward) such float32 tiles live.
-# NOTE: k3-mini's D = 512 gives 4 rows per program. `benchmarks/attn_res.py --sweep` on an H200 (79cfdf1, N = 5):
+# NOTE: k3-mini's D = 512 gives 4 rows per tile. `benchmarks/attn_res.py --sweep` on an H200 (79cfdf1, N = 5):
 # tile 2048 / 4 warps 1.12 ms fwd+bwd, 4096 / 8 warps 1.31, 8192 / 16 warps 1.37 (benchmarks/results/attn_res.md).
 # The backward's program walks `tiles` consecutive row tiles, so it leaves one dq partial per tiles * BR rows.
 LAUNCH = {
