@@ -121,6 +121,10 @@ VARIANTS = {
     "ours-recipe-router-triton": [*RECIPE, "--kernels.router", "triton"],
     # The recipe with AdamW for every matrix in place of Per-Head Muon: the model's own speed, for the headline's
     # "ours with AdamW" column (what Muon's step costs inside the update); Muon's graph settings go with Muon
+    # The recipe run eagerly (no compile, no CUDA graphs): slower, but every kernel is launched by an op, so its
+    # profile names the ops and input shapes the step pays for (which sums, which adds).
+    "ours-recipe-eager": [*RECIPE, "--compile.enable", "false", "--compile.cuda_graph", "false",
+                          "--compile.cuda_graph_share_pool", "false"],
     "ours-recipe-adamw": [*RECIPE, "--optimizer.name", "adamw", "--optimizer.ns_cuda_graphs", "false",
                           "--compile.cuda_graph_share_pool", "false"],
     "ours-recipe-ce-default": [*RECIPE, "--kernels.loss_chunk_rows", "0"],
@@ -259,7 +263,9 @@ def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps
         from titan_k3.metrics.profile import profile_activities, profile_report
 
         sync()
-        with prof(activities=profile_activities()) as p:
+        # NOTE: with input shapes: an eager variant's report then says which calls of an op cost (the compiled
+        # step replays graphs, whose kernels have no launching op).
+        with prof(activities=profile_activities(), record_shapes=True) as p:
             t0 = time.perf_counter()
             step_fn()
             sync()

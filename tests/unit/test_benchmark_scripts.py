@@ -31,6 +31,8 @@ def test_train_throughput_times_a_variant_and_writes_its_row(tmp_path):
     assert "peak_reserved_gib" in rows[0] and "peak GiB allocated / reserved" in (tmp_path / "out" / "train_throughput.md").read_text()
     profile = (tmp_path / "out" / rows[0]["profile"]).read_text()
     assert profile.startswith("ours, seq 64, one step") and "aten::mm" in profile
+    shapes = profile.split("Operators by input shapes (self host time):")[1]  # the profiler recorded input shapes
+    assert "aten::mm" in shapes and "[[" in shapes
     report = (tmp_path / "out" / "train_throughput.md").read_text()
     assert "| ours | B2 T64 |" in report
     # the machine is named under the table: the strong peer's host-bound step moves with the host

@@ -178,6 +178,23 @@ def test_profile_report_has_the_idle_gaps_section(monkeypatch):
     assert "The 2 largest gaps" in text and "host: cudaDeviceSynchronize" in text and "host: ProfilerStep" in text
 
 
+def test_operators_by_shape_ranks_each_shape_of_an_op_apart():
+    """One op at two shapes is two rows, costliest first; ops without shapes or time, and annotations, are left out."""
+    from titan_k3.metrics.profile import operators_by_shape
+
+    def op(key, shapes, gpu_us, cpu_us=1.0):
+        return SimpleNamespace(key=key, input_shapes=shapes, count=3, self_device_time_total=gpu_us,
+                               self_cpu_time_total=cpu_us)
+
+    events = [op("aten::sum", [[8192, 512]], 57.0), op("aten::sum", [[512, 8192]], 24.0),
+              op("aten::add", [], 90.0), op("muon.orthogonalise", [[1]], 500.0), op("aten::mul", [[4]], 0.0)]
+    lines = operators_by_shape(events, on_gpu=True)
+    assert lines[1] == "Operators by input shapes (self GPU time):" and len(lines) == 4
+    assert "aten::sum  [[8192, 512]]" in lines[2] and lines[2].lstrip().startswith("0.057 ms")
+    assert "aten::sum  [[512, 8192]]" in lines[3]
+    assert operators_by_shape(events, on_gpu=False)[1].endswith("(self host time):")
+
+
 @pytest.mark.parametrize("name, kind", [
     ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "communication"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),

@@ -16,7 +16,11 @@ The summary answers what a step-time question needs first:
   - every kernel by name (count, total, mean), and GPU time by the scope that
     launched it (the autograd node, compiled graph or named range around the
     launch): where an elementwise kernel's hundred calls come from. Kernels
-    replayed from a CUDA graph have no launching op and count as "(CUDA graph)".
+    replayed from a CUDA graph have no launching op and count as "(CUDA graph)";
+  - where the profiler recorded input shapes (`record_shapes=True`), operators by
+    input shapes: which of an op's calls cost (e.g. a sum over a [P, D] partial
+    against one over [D, P]); most useful on an eager step, whose ops launch
+    their own kernels.
 Without CUDA (CPU runs, tests) the timeline is absent and the tables hold host time.
 """
 
@@ -292,6 +296,8 @@ def profile_report(prof, wall_s: float, title: str = "") -> str:
             f"{e.self_device_time_total / 1e3:10.2f} ms {100 * e.self_device_time_total / total:5.1f}%  "
             f"{e.count:6d} calls  {e.key}" for e in ops[:40]]
         lines += kernel_tables(kernels, prof.events())
+    if getattr(prof, "record_shapes", False):
+        lines += operators_by_shape(prof.key_averages(group_by_input_shape=True), on_gpu)
     # The optimizer's named ranges (titan_k3/optim/muon.py, orthogonalise.py): GPU time of the kernels each one
     # launched.
     ranges = sorted((e for e in events if e.key.startswith(("muon.", "Optimizer.step"))),
@@ -300,6 +306,15 @@ def profile_report(prof, wall_s: float, title: str = "") -> str:
         f"{e.device_time_total / 1e3:10.2f} ms GPU {e.cpu_time_total / 1e3:10.2f} ms host  {e.count:4d} calls  {e.key}"
         for e in ranges]
     return "\n".join(lines) + "\n"
+
+
+def operators_by_shape(events, on_gpu: bool, rows: int = 40) -> list[str]:
+    """The `rows` costliest (operator, input shapes) pairs by self GPU time (host time without a GPU)."""
+    cost = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
+    ops = sorted((e for e in events if "::" in e.key and e.input_shapes and cost(e) > 0), key=cost, reverse=True)
+    clock = "GPU" if on_gpu else "host"
+    return ["", f"Operators by input shapes (self {clock} time):"] + [
+        f"{cost(e) / 1e3:10.3f} ms {e.count:6d} calls  {e.key}  {_short(str(e.input_shapes), 120)}" for e in ops[:rows]]
 
 
 def profile_activities() -> list:
