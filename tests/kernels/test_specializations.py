@@ -59,6 +59,31 @@ def test_each_recorded_kernel_is_found_through_its_autotuner():
     assert run.returncode == 0, run.stderr[-2000:]
 
 
+def test_every_committed_specialization_matches_its_kernel_as_it_is_now():
+    """A manifest entry for a kernel since removed or re-signed compiles nothing useful: the first call compiles at
+    start-up again, silently slower. Each committed entry must name a kernel that exists, with the recorded
+    parameters in order; otherwise re-record (python -m titan_k3.tools.record_specializations --fresh, on the GPU)."""
+    code = (
+        "import json, pathlib\n"
+        "from kernels.specializations import DIRECTORY, jit_function\n"
+        "stale = []\n"
+        "for path in sorted(pathlib.Path(DIRECTORY).glob('*.json')):\n"
+        "    for k in json.loads(path.read_text())['kernels']:\n"
+        "        recorded = list(json.loads(k['specialization'])['signature'])\n"
+        "        try:\n"
+        "            now = list(jit_function(k['module'], k['qualname']).arg_names)\n"
+        "        except (ImportError, AttributeError, TypeError) as e:\n"
+        "            now = repr(e)\n"
+        "        if now != recorded:\n"
+        "            stale.append(f\"{path.name}: {k['module']}.{k['qualname']}: recorded {recorded}, now {now}\")\n"
+        "assert not stale, 'stale specializations:\\n' + '\\n'.join(stale)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 def test_a_first_call_waits_for_its_running_compile_and_compiles_a_queued_one_itself(tmp_path, monkeypatch):
     """One worker: kernel A compiles (until released), B and C queue. B's first call takes B over (no wait); A's
     waits for A; C's compile fails and is reported by name. Triton calls the same hook from inside A's compile: that
