@@ -15,6 +15,15 @@ REPO = Path(__file__).resolve().parents[2]
 H200 = {"backend": "cuda", "arch": 90, "warp_size": 32}
 
 
+def run_without_interpreter(code: str) -> None:
+    """Run `code` in a fresh Python without TRITON_INTERPRET (which turns `triton.jit` into plain functions);
+    building JIT functions needs no GPU. Its assertions fail the test with their message."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 def test_manifest_is_named_for_the_triton_version_and_gpu_and_keeps_each_entry_once(tmp_path):
     assert manifest_name(H200, "3.6.0") == "triton-3.6.0-cuda-90.json"
     entries = [("kernels.b", "k2", '{"key": 2}'), ("kernels.a", "k1", '{"key": 1}'), ("kernels.b", "k2", '{"key": 2}')]
@@ -53,10 +62,7 @@ def test_each_recorded_kernel_is_found_through_its_autotuner():
         "else:\n"
         "    raise AssertionError('a plain function passed as a kernel')\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run_without_interpreter(code)
 
 
 def test_every_committed_specialization_matches_its_kernel_as_it_is_now():
@@ -78,10 +84,7 @@ def test_every_committed_specialization_matches_its_kernel_as_it_is_now():
         "            stale.append(f\"{path.name}: {k['module']}.{k['qualname']}: recorded {recorded}, now {now}\")\n"
         "assert not stale, 'stale specializations:\\n' + '\\n'.join(stale)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_without_interpreter(code)
 
 
 def test_a_first_call_waits_for_its_running_compile_and_compiles_a_queued_one_itself(tmp_path, monkeypatch):
