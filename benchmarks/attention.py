@@ -18,7 +18,9 @@ documents: packed documents as the loader makes them (lengths uniform in
 last one cut at the row's end), masked the two ways the model can: SDPA on the
 dense [B, 1, T, T] mask (cuDNN and memory-efficient), flex_attention on the
 documents' BlockMask (`kernels.attention = flex`) and flash's variable-length
-kernel on the boundaries, values padded to 192 (`kernels.attention = varlen`); plain causal cuDNN on the same tensors for
+kernel on the boundaries, values padded to 192 (`kernels.attention = varlen`); cuDNN's ragged kernel on the same
+boundaries (`aten._cudnn_attention_forward` with cumulative sequence lengths, as nested tensors reach it: no
+padding, no dense mask; its backward comes from torch's autograd formula); plain causal cuDNN on the same tensors for
 reference, and the per-forward cost of building each mask. Each variant is
 checked against SDPA's float32 math path on its own mask before timing.
 Appends each table, with ratios to its first row, to OUTDIR/attention.md.
@@ -171,6 +173,14 @@ def documents_table(B: int, T: int, H: int, inputs: dict, env: dict) -> tuple[li
     def varlen(q, k, v):
         return document_varlen_attention(q, k, v, docs.cu_seqlens_i32, scale)
 
+    def cudnn_ragged(q, k, v):
+        def rows(t):  # [B, H, T, d] -> token-major [B*T, H, d]
+            return t.transpose(1, 2).reshape(B * T, H, t.shape[-1])
+
+        o = torch.ops.aten._cudnn_attention_forward(rows(q), rows(k), rows(v), None, docs.cu_seqlens_i32,
+                                                    docs.cu_seqlens_i32, T, T, True, 0.0, True, False, scale=scale)[0]
+        return o.view(B, T, H, -1).transpose(1, 2)
+
     references = {"documents": math_reference(mask), "causal": math_reference(None)}
     cudnn, efficient = (functools.partial(sdpa, backend=b, mask=mask)
                         for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION))
@@ -182,6 +192,7 @@ def documents_table(B: int, T: int, H: int, inputs: dict, env: dict) -> tuple[li
         "flex, BlockMask, model layout": (flex, "model", "documents"),
         "flash varlen, v padded": (varlen, "contiguous", "documents"),
         "flash varlen, v padded, model layout": (varlen, "model", "documents"),
+        "cudnn ragged": (cudnn_ragged, "contiguous", "documents"),
         "causal cudnn, no documents (reference)": (functools.partial(sdpa, backend=SDPBackend.CUDNN_ATTENTION, mask=None),
                                                    "contiguous", "causal"),
     }
