@@ -55,6 +55,10 @@ class PeerConfig:
     around each compiled region: what a user whose step is host-bound would try first."""
     lr: float = 3e-3
     seed: int = 0
+    head_grad_fp32: bool = True
+    """fla's linear cross-entropy adds the head's weight gradient up over its chunks in float32 (its default, the
+    precision ours keeps); False adds it up in the weights' bf16 (`accumulate_grad_in_fp32=False`): no float32
+    copies of each chunk's logits and inputs and a bf16 product instead of a TF32 one, a rounding per chunk."""
 
 
 def situ_glu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -291,7 +295,7 @@ class PeerBlock(nn.Module):
 
 
 class PeerModel(nn.Module):
-    def __init__(self, a: K3Args, parts: str):
+    def __init__(self, a: K3Args, parts: str, head_grad_fp32: bool = True):
         super().__init__()
         self.a = a
         self.embed = nn.Embedding(a.vocab_size, a.dim)
@@ -308,8 +312,9 @@ class PeerModel(nn.Module):
 
             # NOTE: fla accumulates the head's weight gradient in float32 by default; with float32 matmuls left at
             # full precision that ran as SIMT sgemm, 104 ms of a 273 ms step (first measurement). A user who
-            # profiles once turns on TF32 (PeerCompiledTrainer), which keeps the float32 accumulation.
-            self.loss = FusedLinearCrossEntropyLoss(reduction="mean")
+            # profiles once turns on TF32 (PeerCompiledTrainer), which keeps the float32 accumulation; one who
+            # profiles twice sees the float32 copies and products it costs (PeerConfig.head_grad_fp32).
+            self.loss = FusedLinearCrossEntropyLoss(reduction="mean", accumulate_grad_in_fp32=head_grad_fp32)
         else:
             self.loss = lambda h, t, w: F.cross_entropy((h @ w.t()).float().flatten(0, 1), t.flatten())
 
@@ -334,7 +339,7 @@ class PeerCompiledTrainer:
         self.device = torch.device("cuda" if cfg.parts == "fla" else "cpu")
         dtype = torch.bfloat16 if cfg.parts == "fla" else torch.float32
         args = get_flavor(cfg.flavor, cfg.vocab_size)
-        self.model = PeerModel(args, cfg.parts).to(self.device, dtype).train()
+        self.model = PeerModel(args, cfg.parts, cfg.head_grad_fp32).to(self.device, dtype).train()
         for block in self.model.layers:
             if isinstance(block.attn, PeerKDA):  # fla's gate reads A_log and dt_bias in float32
                 block.attn.A_log.data, block.attn.dt_bias.data = block.attn.A_log.float(), block.attn.dt_bias.float()

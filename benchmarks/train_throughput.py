@@ -10,9 +10,10 @@ tokens: warm-up steps, then timed steps run back to back as in training
 peak (989 TFLOP/s) with the FLOP count of `flops_per_token`, peak memory (allocated, and reserved: the footprint
 to compare where CUDA graphs keep pools),
 seconds from variant start to the end of its first step, the loss of every step (the peers must learn
-like ours on the same batches), and two ratios: to the strong peer (the faster of `peer-compiled`,
-benchmarks/peer_compiled.py: public parts, compiled per block, and `peer-compiled-graphs`, the same with
-`torch.compile`'s CUDA graphs, where both ran in the slot) and to the eager peer (`peer`,
+like ours on the same batches), and two ratios: to the strong peer (the fastest of `peer-compiled`,
+benchmarks/peer_compiled.py: public parts, compiled per block, `peer-compiled-graphs`, the same with
+`torch.compile`'s CUDA graphs, and `peer-compiled-graphs-bf16-head`, that one with the head's weight gradient added
+up in bf16 instead of float32, where they ran in the slot) and to the eager peer (`peer`,
 benchmarks/peer_eager.py). Prints a table last, the host under it, and appends dated rows to
 OUTDIR/train_throughput.md.
 `--isolate` runs each variant in a fresh process: in one process the peers' host-bound steps and every
@@ -186,8 +187,8 @@ VARIANT_ENV = {
 variant unless it is already set."""
 
 
-PEERS = ("peer", "peer-compiled", "peer-compiled-graphs", "peer-public-eager")
-STRONG_PEERS = ("peer-compiled", "peer-compiled-graphs")
+PEERS = ("peer", "peer-compiled", "peer-compiled-graphs", "peer-compiled-graphs-bf16-head", "peer-public-eager")
+STRONG_PEERS = ("peer-compiled", "peer-compiled-graphs", "peer-compiled-graphs-bf16-head")
 """A row's strong-peer ratio is to the faster of these in its slot: the strongest baseline a user could pick."""
 
 
@@ -214,7 +215,8 @@ def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps
             peer = PeerCompiledTrainer(PeerConfig(
                 flavor=flavor, vocab_size=tokenizer.vocab_size if cpu else 163840, parts="torch" if cpu else "fla",
                 compile=name in STRONG_PEERS and not cpu,
-                compile_mode="reduce-overhead" if name == "peer-compiled-graphs" else None))
+                compile_mode="reduce-overhead" if name.startswith("peer-compiled-graphs") else None,
+                head_grad_fp32=name != "peer-compiled-graphs-bf16-head"))
         loader = build_dataloader("embedded", tokenizer, seq, batch, 0, 1, 0)
         step_fn = lambda: peer.train_step(next(loader))  # noqa: E731
         holder = peer

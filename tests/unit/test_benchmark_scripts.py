@@ -394,6 +394,29 @@ def test_strong_peer_with_compile_graphs_compiles_each_block_so_and_marks_each_s
     assert modes[-len(plain.model.layers):] == [None] * len(plain.model.layers) and not plain.graphs
 
 
+def test_the_bf16_head_peer_is_the_graphs_peer_with_the_head_gradient_added_up_in_bf16(monkeypatch, tmp_path):
+    """peer-compiled-graphs-bf16-head: a strong peer (its ratio competes for the strongest), built as
+    peer-compiled-graphs with `head_grad_fp32=False` (fla's `accumulate_grad_in_fp32=False`); the others keep float32."""
+    import benchmarks.peer_compiled as peer_compiled
+    from benchmarks.train_throughput import STRONG_PEERS, run_variant
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(cfg):
+        seen[cfg.compile_mode, cfg.head_grad_fp32] = True
+        raise Stop
+
+    monkeypatch.setattr(peer_compiled, "PeerCompiledTrainer", capture)
+    assert "peer-compiled-graphs-bf16-head" in STRONG_PEERS
+    for name in ("peer-compiled-graphs", "peer-compiled-graphs-bf16-head", "peer-compiled"):
+        with pytest.raises(Stop):
+            run_variant(name, "k3-mini", 64, 2, 0, 1, tmp_path, False)
+    assert seen == {("reduce-overhead", True): True, ("reduce-overhead", False): True, (None, True): True}
+
+
 def test_the_headline_variant_is_the_pretraining_recipe():
     """ours-recipe (tomls/pretrain.toml, the headline) and ours-compile-step-graph-lean-memory (every flag spelled
     out) resolve to one step.
