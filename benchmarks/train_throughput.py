@@ -189,7 +189,7 @@ variant unless it is already set."""
 
 PEERS = ("peer", "peer-compiled", "peer-compiled-graphs", "peer-compiled-graphs-bf16-head", "peer-public-eager")
 STRONG_PEERS = ("peer-compiled", "peer-compiled-graphs", "peer-compiled-graphs-bf16-head")
-"""A row's strong-peer ratio is to the faster of these in its slot: the strongest baseline a user could pick."""
+"""A row's strong-peer ratio is to the fastest of these in its slot: the strongest baseline a user could pick."""
 
 
 def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps: int, out: Path, profile: bool) -> dict:
