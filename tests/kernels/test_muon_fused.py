@@ -345,6 +345,7 @@ def test_ns_polynomial_matches_the_formula_and_is_symmetric(m, dtype, first_step
     raw X (first step: normalised through sumsq) or of a normalised one."""
     X = _rand((2, m, m + 17), torch.float64, seed=m)
     A = X @ X.mT
+    A = (A + A.mT) / 2  # exactly symmetric, whatever the float64 product's rounding
     sumsq = A.diagonal(dim1=-2, dim2=-1).sum(-1) if first_step else None
     if not first_step:
         A = A / A.diagonal(dim1=-2, dim2=-1).sum(-1)[:, None, None]
@@ -358,7 +359,13 @@ def test_ns_polynomial_matches_the_formula_and_is_symmetric(m, dtype, first_step
     for out in (got, ref):
         assert out.dtype == dtype and out.shape == A.shape
         assert ((out.double() - want).norm() / want.norm()).item() < tol
-    assert torch.equal(got, got.mT)  # the mirrored tiles: exactly symmetric
+    # The kernel computes the upper triangle of 128 x 128 tiles (m > 64) and stores each off-diagonal tile's
+    # transpose: those pairs are exactly equal. A diagonal tile is symmetric up to the dot's rounding order,
+    # which the interpreter need not keep (Triton 3.9 sums in float32 through numpy, position by position).
+    tile = torch.arange(m) // (128 if m > 64 else m)
+    mirrored = tile[:, None] != tile[None, :]
+    assert torch.equal(got[:, mirrored], got.mT[:, mirrored])
+    assert ((got - got.mT).abs().max() <= 4 * torch.finfo(dtype).eps * got.abs().max()).item()
 
 
 def test_ns_polynomial_zeroes_a_matrix_whose_norm_overflowed():
