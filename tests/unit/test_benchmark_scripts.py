@@ -403,7 +403,7 @@ def test_the_bf16_head_peer_is_the_graphs_peer_with_the_head_gradient_added_up_i
     seen = set()
 
     class Stop(Exception):
-        pass
+        """Raised by the stub trainer once it has seen its config: nothing is built."""
 
     def capture(cfg):
         seen.add((cfg.compile_mode, cfg.head_grad_fp32))
