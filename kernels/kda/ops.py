@@ -39,7 +39,7 @@ from kernels.kda.reference import DEFAULT_GATE_LOWER_BOUND, check_kda_inputs, l2
 # (float32 against the float64 recurrence, random and pinned gates) while the exact and fused paths matched,
 # and the CPU interpreter passed all three. "safe.diag_dot=1;safe.fuse_bwd=1" as --candidates times the fused one.
 LAUNCH = {
-    "safe": dict(diag_dot=0, fuse_bwd=0),
+    "safe": dict(diag_dot=0, fuse_bwd=0, bounded_intra=1),
     "decay": dict(num_warps=4, num_stages=1),
     "scores": dict(BK=32, num_warps=4, num_stages=1),
     "solve": dict(num_warps=2, num_stages=1),
@@ -49,6 +49,7 @@ LAUNCH = {
     "dstate": dict(BV=64, fill_sms=True, num_warps=8, num_stages=2),
     "dchunk": dict(BK=64, BV=64, num_warps=8, num_stages=2),
     "dintra": dict(BK=32, num_warps=4, num_stages=1),
+    "dintra_bounded": dict(BK=32, SB=4, num_warps=4, num_stages=1),
     "dfused": dict(BK=64, BV=64, num_warps=8, num_stages=2),
     "ddecay": dict(num_warps=4, num_stages=1),
 }
@@ -65,6 +66,12 @@ def _bounded(gate) -> tuple[bool, bool]:
                          "backward gave wrong dq on an H200, tests/gpu/test_kda_gpu.py)")
     bounded = gate is not None and bounded_gate(gate[2]) and bool(LAUNCH["safe"]["diag_dot"])
     return bounded, bounded and bool(LAUNCH["safe"]["fuse_bwd"])
+
+
+def _bounded_intra(gate) -> bool:
+    """Whether an unfused backward takes `_dintra_bounded_kernel`: a fused safe gate whose bound fits every 16-row
+    block (`common.bounded_gate`) and LAUNCH["safe"]["bounded_intra"] (the forward's products are another switch)."""
+    return gate is not None and bounded_gate(gate[2]) and bool(LAUNCH["safe"]["bounded_intra"])
 
 
 def _launch(name: str, K: int, V: int) -> dict:
@@ -113,11 +120,11 @@ def launch_plan(K: int, V: int, dtype: torch.dtype, walks: int, sms: int, gate, 
     """
     bounded, fused = _bounded(gate)
     table = tuple((name, tuple(opts.items())) for name, opts in LAUNCH.items())
-    return _cached_plan(K, V, dtype, walks, sms, bounded, fused, limit, table)
+    return _cached_plan(K, V, dtype, walks, sms, bounded, fused, _bounded_intra(gate), limit, table)
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_plan(K, V, dtype, walks, sms, bounded, fused, limit, table) -> dict:
+def _cached_plan(K, V, dtype, walks, sms, bounded, fused, bounded_intra, limit, table) -> dict:
     """launch_plan's work; `table` (LAUNCH as tuples) is only the cache key: the helpers read LAUNCH itself.
 
     NOTE: cached because building a plan (a dozen bounds and fits) took ~0.1 ms of host time, three times per
@@ -138,7 +145,13 @@ def _cached_plan(K, V, dtype, walks, sms, bounded, fused, limit, table) -> dict:
         plan["dfused"] = _launch("dfused", K, V)
     else:
         plan["dchunk"] = _dchunk_launch(K, V, dtype)
-        plan["dintra"] = _split_launch("dintra", K, V, False)
+        if bounded_intra:
+            plan["dintra_bounded"] = _launch("dintra_bounded", K, V)
+            if (BT // BC) % plan["dintra_bounded"]["SB"]:
+                raise ValueError(f"kernels.kda LAUNCH['dintra_bounded']: SB={plan['dintra_bounded']['SB']} must "
+                                 f"divide the {BT // BC} 16-row blocks of a chunk")
+        else:
+            plan["dintra"] = _split_launch("dintra", K, V, False)
     if limit is not None:
         plan = {name: _fit(name, opts, K, V, dtype, limit) for name, opts in plan.items()}
     return plan
@@ -286,7 +299,13 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, layout, gate, save
         H=H, K=K, V=V, BT=BT, BC=BC, PREC=prec, FUSE_INTRA=fused, **dchunk,
     )
     dbeta = dbeta.sum(0)
-    if not fused:
+    if "dintra_bounded" in plan:
+        opts = plan["dintra_bounded"]
+        bwd._dintra_bounded_kernel[(NT * (BT // (BC * opts["SB"])), triton.cdiv(K, opts["BK"]), H)](
+            q, k, b, dM, dA, dq, dk, db, dq_out, dk_out, chunk_indices, cu, H=H, K=K, BT=BT, BC=BC, PREC=prec,
+            **opts,
+        )
+    elif not fused:
         bwd._dintra_kernel[(NT * (BT // BC), H)](
             q, k, b, dM, dA, dq, dk, db, dq_out, dk_out, chunk_indices, cu, H=H, K=K, BT=BT, BC=BC, PREC=prec,
             **plan["dintra"],

@@ -80,7 +80,7 @@ def shared_bytes(kernel: str, K: int, V: int, dtype: torch.dtype, opts: dict) ->
             # [BC, BT] and the chunk's decayed q, k [BT, BK]
             need = max(need, split * (4 * tile(BC, BT, f) + 3 * tile(BT, BK, f)))
         return need + scratch
-    if kernel == "dintra":
+    if kernel in ("dintra", "dintra_bounded"):
         # rows and columns of dM, dA [BC, BT]; decayed k (rows), q and k (columns) of the chunk [BT, BK]
         operands = split * (4 * tile(BC, BT, f) + 3 * tile(BT, BK, f))
         loads = tile(BC, BK, 2 * e + f) + tile(BT, BK, 2 * e + f)
