@@ -235,10 +235,12 @@ def main(argv=None) -> int:
     p.add_argument("--launch", default="", help='ops.LAUNCH overrides, "kernel.setting=value;..."')
     p.add_argument("--smoke", action="store_true", help="one small float32 case (runs on CPU too)")
     p.add_argument("--fla", action="store_true", help="fla's test_chunk / test_chunk_varlen cases in bf16 and fp16")
+    p.add_argument("--dtypes", default="bfloat16,float16", help="--fla: the dtypes to run on a GPU, comma-separated")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.fla:
-        return fla_main(args.out, device)
+        with launch_settings(parse_candidate(args.launch)):
+            return fla_main(args.out, device, args.dtypes.split(","), args.launch)
     if device == "cpu" and not args.smoke:
         print("kda_precision: needs CUDA (the defect it measures is a GPU one); --smoke checks the script on CPU")
         return 2
@@ -259,10 +261,11 @@ def main(argv=None) -> int:
     return 0
 
 
-def fla_main(out: Path, device: str) -> int:
-    """FLA_CASES in bfloat16 and float16 (float32 on CPU): a pass / fail table against fla's tolerances."""
+def fla_main(out: Path, device: str, dtypes: list[str] = ("bfloat16", "float16"), launch: str = "") -> int:
+    """FLA_CASES in `dtypes` (float32 on CPU) under the `launch` overrides: a pass / fail table against fla's
+    tolerances."""
     env, rows = environment(), []
-    dtypes = [torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32]
+    dtypes = [getattr(torch, d) for d in dtypes] if device == "cuda" else [torch.float32]
     names = ("o", "ht", "dq", "dk", "dv", "dg", "db", "dh0", "dbias", "dA")
     for case in FLA_CASES:
         for dtype in dtypes:
@@ -270,7 +273,7 @@ def fla_main(out: Path, device: str) -> int:
             failed = sorted(n for n, tol in case.tolerances.items() if not errors[n] < tol)
             rows.append(dict(env, case=case.name, dtype=str(dtype).split(".")[-1], failed=failed, **errors))
             print(rows[-1], flush=True)
-    lines = ["\n### fla's KDA test cases vs float64 (relative RMS error; fla's tolerances)",
+    lines = [f"\n### fla's KDA test cases vs float64 (relative RMS error; fla's tolerances; launch {launch or 'default'})",
              "| date | commit | GPU | case | dtype | result | " + " | ".join(names) + " |",
              "|" + "---|" * (6 + len(names))]
     for r in rows:

@@ -212,7 +212,8 @@ def _dchunk_kernel(
 
 @triton.jit
 def decayed_grads(dm_r, da_r, dm_c, da_c, b_s, q_t, k_t, b_t, b_row, b_col, m_j, m_i, m_sk, PREC: tl.constexpr):
-    """(dq_row, dk_row, dk_col) [BC, BK] of one 16-row block: its decayed-product gradients as rows and columns.
+    """(dq_row, dk_row, dk_col) [BC, BK] of one 16-row block: its decayed-product gradients as rows and columns,
+    the products in the intra-chunk precision PREC (`intra_dot`).
 
     dm_r, da_r [BC, BT] are the block's rows of dM, dA, dm_c, da_c [BC, BT] its columns (transposed); b_s [BC, BK]
     its decays; q_t, k_t, b_t [BT, BK] the chunk's. The row terms take the chunk's rows m_j [BT, BK] as columns j,
@@ -222,15 +223,16 @@ def decayed_grads(dm_r, da_r, dm_c, da_c, b_s, q_t, k_t, b_t, b_row, b_col, m_j,
     e_i = tl.exp(tl.where(m_i, b_t - b_col[None, :], float("-inf")))
     e_row = tl.exp(tl.where(m_sk, b_s - b_row[None, :], 0.0))
     e_col = tl.exp(tl.where(m_sk, b_col[None, :] - b_s, 0.0))
-    dq_row = e_row * exact_dot(dm_r, k_j, PREC)
-    dk_row = e_row * exact_dot(da_r, k_j, PREC)
-    dk_col = e_col * (exact_dot(dm_c, q_t * e_i, PREC) + exact_dot(da_c, k_t * e_i, PREC))
+    dq_row = e_row * intra_dot(dm_r, k_j, PREC)
+    dk_row = e_row * intra_dot(da_r, k_j, PREC)
+    dk_col = e_col * (intra_dot(dm_c, q_t * e_i, PREC) + intra_dot(da_c, k_t * e_i, PREC))
     return dq_row, dk_row, dk_col
 
 
 @triton.jit
-def exact_dot(a, b, PREC: tl.constexpr):
-    """a @ b of float32 tiles at float32's precision: "ieee" where PREC asks for it, else three TF32 passes.
+def intra_dot(a, b, PREC: tl.constexpr):
+    """a @ b of float32 tiles for the decayed-product gradients: "ieee" where PREC asks for it (float32 calls), three
+    TF32 passes for "tf32" (bfloat16 / float16 calls), or PREC itself ("bf16x3": `ops.intra_precision`).
 
     NOTE: db takes every pair of a block's rows once as a row term and once as a column term, and the gate's
     gradient is a chunk's reverse sum of db, so behind a steeply decaying token the pairs after it must cancel.
@@ -240,10 +242,10 @@ def exact_dot(a, b, PREC: tl.constexpr):
     in these products alone (TF32 everywhere else: 4.5e-4; TF32 here alone: 7.5e-3); in three passes the H200
     gave 2.5e-4 to 4.8e-4 (float16), 2.6e-3 to 3.2e-3 (bfloat16) on those cases (benchmarks/results/kda.md).
     """
-    if PREC == "ieee":
-        return tl.dot(a, b, input_precision="ieee")
-    else:
+    if PREC == "tf32":
         return tl.dot(a, b, input_precision="tf32x3")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit

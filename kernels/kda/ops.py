@@ -39,7 +39,7 @@ from kernels.kda.reference import DEFAULT_GATE_LOWER_BOUND, check_kda_inputs, l2
 # (float32 against the float64 recurrence, random and pinned gates) while the exact and fused paths matched,
 # and the CPU interpreter passed all three. "safe.diag_dot=1;safe.fuse_bwd=1" as --candidates times the fused one.
 LAUNCH = {
-    "safe": dict(diag_dot=0, fuse_bwd=0, bounded_intra=1),
+    "safe": dict(diag_dot=0, fuse_bwd=0, bounded_intra=0),
     "decay": dict(num_warps=4, num_stages=1),
     "scores": dict(BK=32, num_warps=4, num_stages=1),
     "solve": dict(num_warps=2, num_stages=1),
@@ -48,11 +48,24 @@ LAUNCH = {
     "output": dict(num_warps=4, num_stages=2),
     "dstate": dict(BV=64, fill_sms=True, num_warps=8, num_stages=2),
     "dchunk": dict(BK=64, BV=64, num_warps=8, num_stages=2),
-    "dintra": dict(BK=32, num_warps=4, num_stages=1),
-    "dintra_bounded": dict(BK=32, SB=4, num_warps=4, num_stages=1),
+    "dintra": dict(BK=32, num_warps=4, num_stages=1, split=0),
+    "dintra_bounded": dict(BK=32, SB=4, num_warps=4, num_stages=1, split=0),
     "dfused": dict(BK=64, BV=64, num_warps=8, num_stages=2),
     "ddecay": dict(num_warps=4, num_stages=1),
 }
+
+
+# The decayed-product gradients' input precision for bfloat16 / float16 calls (bwd.intra_dot), by the "split" of the
+# unfused kernel that forms them (dintra, dintra_bounded): 0 three TF32 passes ("tf32", which intra_dot splits), 1 three
+# bfloat16 passes. The fused backward (dfused) keeps three TF32 passes.
+INTRA_SPLITS = ("tf32", "bf16x3")
+
+
+def intra_precision(dtype: torch.dtype, opts: dict) -> tuple[dict, str]:
+    """(opts without "split", the decayed-product gradients' input precision): float32 calls keep "ieee"."""
+    opts = dict(opts)
+    split = opts.pop("split", 0)
+    return opts, "ieee" if dtype == torch.float32 else INTRA_SPLITS[split]
 
 
 # What the widths' limit is, in words (the shared-memory fit of `launch_plan` decides it on a GPU).
@@ -300,15 +313,16 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, layout, gate, save
     )
     dbeta = dbeta.sum(0)
     if "dintra_bounded" in plan:
-        opts = plan["dintra_bounded"]
+        opts, intra_prec = intra_precision(q.dtype, plan["dintra_bounded"])
         bwd._dintra_bounded_kernel[(NT * (BT // (BC * opts["SB"])), triton.cdiv(K, opts["BK"]), H)](
-            q, k, b, dM, dA, dq, dk, db, dq_out, dk_out, chunk_indices, cu, H=H, K=K, BT=BT, BC=BC, PREC=prec,
+            q, k, b, dM, dA, dq, dk, db, dq_out, dk_out, chunk_indices, cu, H=H, K=K, BT=BT, BC=BC, PREC=intra_prec,
             **opts,
         )
     elif not fused:
+        opts, intra_prec = intra_precision(q.dtype, plan["dintra"])
         bwd._dintra_kernel[(NT * (BT // BC), H)](
-            q, k, b, dM, dA, dq, dk, db, dq_out, dk_out, chunk_indices, cu, H=H, K=K, BT=BT, BC=BC, PREC=prec,
-            **plan["dintra"],
+            q, k, b, dM, dA, dq, dk, db, dq_out, dk_out, chunk_indices, cu, H=H, K=K, BT=BT, BC=BC, PREC=intra_prec,
+            **opts,
         )
     A_log, dt_bias, lower_bound = gate if gate is not None else (None, None, None)
     NKD = triton.cdiv(K, plan["ddecay"]["BK"])
