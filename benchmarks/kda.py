@@ -54,7 +54,7 @@ SWEEP = [
     ("dintra", dict(BK=64)), ("dintra", dict(num_warps=8)),
 ]
 # ops.LAUNCH entries that only the fused safe gate's bounded paths read
-SAFE_ONLY = {"safe", "dfused", "dintra_bounded"}
+SAFE_ONLY = {"safe", "dfused"}
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "kda.md")
 LOWER_BOUND = -5.0
 

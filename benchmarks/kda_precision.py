@@ -33,18 +33,13 @@ from benchmarks.common import environment, rel_rms, write_results  # noqa: E402
 from benchmarks.kda import launch_settings, parse_candidate  # noqa: E402
 from kernels.kda import chunk_kda, chunk_kda_reference, l2norm, ops, recurrent_kda  # noqa: E402
 
-PATHS = {
-    "exact": dict(diag_dot=0, fuse_bwd=0, bounded_intra=0),
-    "bounded-intra": dict(diag_dot=0, fuse_bwd=0, bounded_intra=1),
-    "bounded-fused": dict(diag_dot=1, fuse_bwd=1, bounded_intra=0),
-}
+PATHS = {"exact": dict(diag_dot=0, fuse_bwd=0), "bounded-fused": dict(diag_dot=1, fuse_bwd=1)}
 NAMES = ("o", "q", "k", "v", "g", "beta", "h0", "A_log", "dt_bias")
 # (path, B, T, H, K, dtype): the session-7 failure and the neighbours that isolate it.
 CASES = [
     ("exact", 2, 300, 2, 128, torch.float32), ("bounded-fused", 2, 300, 2, 128, torch.float32),
     ("exact", 2, 300, 2, 128, torch.bfloat16), ("exact", 2, 300, 2, 64, torch.float32),
     ("exact", 1, 16, 1, 128, torch.float32), ("exact", 2, 300, 8, 128, torch.float32),
-    ("bounded-intra", 2, 300, 2, 128, torch.float32), ("bounded-intra", 2, 300, 2, 128, torch.bfloat16),
 ]
 SMOKE = [("exact", 1, 20, 1, 16, torch.float32)]
 

@@ -22,8 +22,7 @@ Kernels: `_dstate_kernel` (sequential, last chunk first), `_dchunk_kernel`
 block, split at reference rows as in fwd.py), `_ddecay_kernel` (reverse cumsum
 and the fused gate's derivative). With a bounded safe gate (`common.bounded_gate`)
 `_dchunk_kernel` can add the decayed products itself (FUSE_INTRA) and
-`_dintra_kernel` is not launched; unfused, such a gate takes `_dintra_bounded_kernel`, the same products
-without the exact path's run-time check and column loop.
+`_dintra_kernel` is not launched.
 """
 
 import triton
@@ -330,65 +329,6 @@ def _dintra_kernel(
                     live = r0 + t < eos
                     e = tl.exp(tl.where((o_c <= t)[:, None] & m_sk & live, b_jt[None, :] - b_s, float("-inf")))
                     dk_col += (dm_it[:, None] * q_jt[None, :] + da_it[:, None] * k_jt[None, :]) * e
-            d_q = tl.load(dq + offs_s, mask=m_sk, other=0.0) + dq_row
-            d_k = tl.load(dk + offs_s, mask=m_sk, other=0.0) + dk_row + dk_col
-            tl.store(dq_out + offs_s, d_q.to(dq_out.dtype.element_ty), mask=m_sk)
-            tl.store(dk_out + offs_s, d_k.to(dk_out.dtype.element_ty), mask=m_sk)
-            d_b = q_s * dq_row + k_s * (dk_row - dk_col)
-            tl.store(db + offs_s, tl.load(db + offs_s, mask=m_sk, other=0.0) + d_b, mask=m_sk)
-
-
-@triton.jit
-def _dintra_bounded_kernel(
-    q, k, b, dM, dA, dq, dk, db, dq_out, dk_out, chunk_indices, cu_seqlens,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, SB: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    """`_dintra_kernel` for a bounded safe gate (`common.bounded_gate`): SB 16-row blocks of a chunk over one K tile.
-
-    Every block fits its middle row there, so the run-time check and the exact column loop go away, and one
-    program loads the chunk's q, k, b tile [BT, BK] once for its SB blocks (`_dintra_kernel` loads it per block).
-    Same inputs and results as `_dintra_kernel`; grid (NT * BT / (BC * SB), cdiv(K, BK), H).
-    """
-    i_cb, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    NB: tl.constexpr = BT // (BC * SB)
-    i_c, i_b = i_cb // NB, i_cb % NB
-    bos, eos, t0 = chunk_bounds(chunk_indices, cu_seqlens, i_c, BT)
-    if t0 + i_b * SB * BC < eos:  # else all of this program's rows are past the chunk's end (or a padding chunk)
-        o_c = tl.arange(0, BC)
-        o_t = tl.arange(0, BT)
-        rows_t = t0 + o_t
-        m_t = rows_t < eos
-        cols = i_k * BK + tl.arange(0, BK)
-        m_k = cols < K
-        m_tk = m_t[:, None] & m_k[None, :]
-        offs_t = rows_t[:, None] * (H * K) + i_h * K + cols[None, :]
-        b_t = tl.load(b + offs_t, mask=m_tk, other=0.0)
-        k_t = tl.load(k + offs_t, mask=m_tk, other=0.0).to(tl.float32)
-        q_t = tl.load(q + offs_t, mask=m_tk, other=0.0).to(tl.float32)
-        for j in tl.static_range(SB):
-            i_s = i_b * SB + j
-            r0 = t0 + i_s * BC
-            rows = r0 + o_c
-            m_rows = rows < eos
-            m_sk = m_rows[:, None] & m_k[None, :]
-            # This block's rows of dM and dA [BC, BT], and its columns [BT, BC] (transposed).
-            offs_r = rows[:, None] * (H * BT) + i_h * BT + o_t[None, :]
-            dm_r = tl.load(dM + offs_r, mask=m_rows[:, None], other=0.0)
-            da_r = tl.load(dA + offs_r, mask=m_rows[:, None], other=0.0)
-            offs_c = rows_t[:, None] * (H * BT) + i_h * BT + i_s * BC + o_c[None, :]
-            dm_c = tl.trans(tl.load(dM + offs_c, mask=m_t[:, None], other=0.0))
-            da_c = tl.trans(tl.load(dA + offs_c, mask=m_t[:, None], other=0.0))
-            b_mid = middle_reference(b, r0, eos, i_h, cols, m_k, H, K, BC)  # a row of the chunk even past eos
-            offs_s = rows[:, None] * (H * K) + i_h * K + cols[None, :]
-            b_s = tl.load(b + offs_s, mask=m_sk, other=0.0)
-            q_s = tl.load(q + offs_s, mask=m_sk, other=0.0).to(tl.float32)
-            k_s = tl.load(k + offs_s, mask=m_sk, other=0.0).to(tl.float32)
-            m_j = (rows_t < r0 + BC)[:, None] & m_tk
-            m_i = (rows_t >= r0)[:, None] & m_tk
-            dq_row, dk_row, dk_col = decayed_grads(
-                dm_r, da_r, dm_c, da_c, b_s, q_t, k_t, b_t, b_mid, b_mid, m_j, m_i, m_sk, PREC,
-            )
             d_q = tl.load(dq + offs_s, mask=m_sk, other=0.0) + dq_row
             d_k = tl.load(dk + offs_s, mask=m_sk, other=0.0) + dk_row + dk_col
             tl.store(dq_out + offs_s, d_q.to(dq_out.dtype.element_ty), mask=m_sk)

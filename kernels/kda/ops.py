@@ -39,7 +39,7 @@ from kernels.kda.reference import DEFAULT_GATE_LOWER_BOUND, check_kda_inputs, l2
 # (float32 against the float64 recurrence, random and pinned gates) while the exact and fused paths matched,
 # and the CPU interpreter passed all three. "safe.diag_dot=1;safe.fuse_bwd=1" as --candidates times the fused one.
 LAUNCH = {
-    "safe": dict(diag_dot=0, fuse_bwd=0, bounded_intra=0),
+    "safe": dict(diag_dot=0, fuse_bwd=0),
     "decay": dict(num_warps=4, num_stages=1),
     "scores": dict(BK=32, num_warps=4, num_stages=1),
     "solve": dict(num_warps=2, num_stages=1),
@@ -48,24 +48,34 @@ LAUNCH = {
     "output": dict(num_warps=4, num_stages=2),
     "dstate": dict(BV=64, fill_sms=True, num_warps=8, num_stages=2),
     "dchunk": dict(BK=64, BV=64, num_warps=8, num_stages=2),
-    "dintra": dict(BK=32, num_warps=4, num_stages=1, split=0),
-    "dintra_bounded": dict(BK=32, SB=4, num_warps=4, num_stages=1, split=0),
+    "dintra": dict(BK=32, num_warps=4, num_stages=1, split=1),
     "dfused": dict(BK=64, BV=64, num_warps=8, num_stages=2),
     "ddecay": dict(num_warps=4, num_stages=1),
 }
 
 
-# The decayed-product gradients' input precision for bfloat16 / float16 calls (bwd.intra_dot), by the "split" of the
-# unfused kernel that forms them (dintra, dintra_bounded): 0 three TF32 passes ("tf32", which intra_dot splits), 1 three
-# bfloat16 passes. The fused backward (dfused) keeps three TF32 passes.
+# The decayed-product gradients' input precision for bfloat16 / float16 calls (bwd.intra_dot), by the "split" of
+# `_dintra_kernel`: 0 three TF32 passes ("tf32", which intra_dot splits), 1 three bfloat16 passes (the fused backward,
+# dfused, keeps three TF32 passes). Both keep the float32 operands to ~16 bits or more, which the cancellation in
+# the gate's gradient needs (one TF32 pass does not: bwd.intra_dot).
+# NOTE: split=1 is the default: on an H200 (Triton 3.6, k3-mini shape B8 T4096 H4) it took KDA's forward + backward
+# from 2.37 to 2.01 ms (plain gate) and 2.40 to 2.04 ms (safe gate), bfloat16 tensor-core products running at
+# twice TF32's rate, with fla's float16 test cases as exact as in three TF32 passes (dt_bias 2.6e-4 to 4.9e-4
+# against 2.5e-4 to 4.8e-4; benchmarks/results/kda.md, session 24).
 INTRA_SPLITS = ("tf32", "bf16x3")
 
 
-def intra_precision(dtype: torch.dtype, opts: dict) -> tuple[dict, str]:
-    """(opts without "split", the decayed-product gradients' input precision): float32 calls keep "ieee"."""
+def intra_precision(dtype: torch.dtype, device: torch.device, opts: dict) -> tuple[dict, str]:
+    """(opts without "split", the decayed-product gradients' input precision): float32 calls keep "ieee".
+
+    NOTE: Triton's CPU interpreter refuses "bf16x3" (it multiplies float32 tiles in float32 whatever the setting),
+    so a call there takes three TF32 passes: the same precision class, and the GPU tests check bf16x3 itself.
+    """
     opts = dict(opts)
     split = opts.pop("split", 0)
-    return opts, "ieee" if dtype == torch.float32 else INTRA_SPLITS[split]
+    if dtype == torch.float32:
+        return opts, "ieee"
+    return opts, INTRA_SPLITS[split] if device.type == "cuda" else INTRA_SPLITS[0]
 
 
 # What the widths' limit is, in words (the shared-memory fit of `launch_plan` decides it on a GPU).
@@ -79,12 +89,6 @@ def _bounded(gate) -> tuple[bool, bool]:
                          "backward gave wrong dq on an H200, tests/gpu/test_kda_gpu.py)")
     bounded = gate is not None and bounded_gate(gate[2]) and bool(LAUNCH["safe"]["diag_dot"])
     return bounded, bounded and bool(LAUNCH["safe"]["fuse_bwd"])
-
-
-def _bounded_intra(gate) -> bool:
-    """Whether an unfused backward takes `_dintra_bounded_kernel`: a fused safe gate whose bound fits every 16-row
-    block (`common.bounded_gate`) and LAUNCH["safe"]["bounded_intra"] (the forward's products are another switch)."""
-    return gate is not None and bounded_gate(gate[2]) and bool(LAUNCH["safe"]["bounded_intra"])
 
 
 def _launch(name: str, K: int, V: int) -> dict:
@@ -133,11 +137,11 @@ def launch_plan(K: int, V: int, dtype: torch.dtype, walks: int, sms: int, gate, 
     """
     bounded, fused = _bounded(gate)
     table = tuple((name, tuple(opts.items())) for name, opts in LAUNCH.items())
-    return _cached_plan(K, V, dtype, walks, sms, bounded, fused, _bounded_intra(gate), limit, table)
+    return _cached_plan(K, V, dtype, walks, sms, bounded, fused, limit, table)
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_plan(K, V, dtype, walks, sms, bounded, fused, bounded_intra, limit, table) -> dict:
+def _cached_plan(K, V, dtype, walks, sms, bounded, fused, limit, table) -> dict:
     """launch_plan's work; `table` (LAUNCH as tuples) is only the cache key: the helpers read LAUNCH itself.
 
     NOTE: cached because building a plan (a dozen bounds and fits) took ~0.1 ms of host time, three times per
@@ -158,13 +162,7 @@ def _cached_plan(K, V, dtype, walks, sms, bounded, fused, bounded_intra, limit, 
         plan["dfused"] = _launch("dfused", K, V)
     else:
         plan["dchunk"] = _dchunk_launch(K, V, dtype)
-        if bounded_intra:
-            plan["dintra_bounded"] = _launch("dintra_bounded", K, V)
-            if (BT // BC) % plan["dintra_bounded"]["SB"]:
-                raise ValueError(f"kernels.kda LAUNCH['dintra_bounded']: SB={plan['dintra_bounded']['SB']} must "
-                                 f"divide the {BT // BC} 16-row blocks of a chunk")
-        else:
-            plan["dintra"] = _split_launch("dintra", K, V, False)
+        plan["dintra"] = _split_launch("dintra", K, V, False)
     if limit is not None:
         plan = {name: _fit(name, opts, K, V, dtype, limit) for name, opts in plan.items()}
     return plan
@@ -312,14 +310,8 @@ def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, layout, gate, save
         H=H, K=K, V=V, BT=BT, BC=BC, PREC=prec, FUSE_INTRA=fused, **dchunk,
     )
     dbeta = dbeta.sum(0)
-    if "dintra_bounded" in plan:
-        opts, intra_prec = intra_precision(q.dtype, plan["dintra_bounded"])
-        bwd._dintra_bounded_kernel[(NT * (BT // (BC * opts["SB"])), triton.cdiv(K, opts["BK"]), H)](
-            q, k, b, dM, dA, dq, dk, db, dq_out, dk_out, chunk_indices, cu, H=H, K=K, BT=BT, BC=BC, PREC=intra_prec,
-            **opts,
-        )
-    elif not fused:
-        opts, intra_prec = intra_precision(q.dtype, plan["dintra"])
+    if not fused:
+        opts, intra_prec = intra_precision(q.dtype, q.device, plan["dintra"])
         bwd._dintra_kernel[(NT * (BT // BC), H)](
             q, k, b, dM, dA, dq, dk, db, dq_out, dk_out, chunk_indices, cu, H=H, K=K, BT=BT, BC=BC, PREC=intra_prec,
             **opts,

@@ -39,7 +39,7 @@ def shared_bytes(kernel: str, K: int, V: int, dtype: torch.dtype, opts: dict) ->
     BV = opts.get("BV", 0)
     KF = max(16, triton.next_power_of_2(K))
     # The decayed-product gradients (dintra, dfused's own) multiply float32 tiles in three TF32 passes for
-    # bfloat16 / float16 calls (bwd.intra_dot), holding each operand as a high and a low TF32 part.
+    # bfloat16 / float16 calls (bwd.intra_dot), holding each operand as a high and a low part (TF32 or bfloat16).
     split = 1 if dtype == torch.float32 else 2
     if kernel in ("decay", "ddecay"):
         # no dot; the chunk's cumulative sum (forward or reverse) over a [BT, BK] float32 tile
@@ -80,7 +80,7 @@ def shared_bytes(kernel: str, K: int, V: int, dtype: torch.dtype, opts: dict) ->
             # [BC, BT] and the chunk's decayed q, k [BT, BK]
             need = max(need, split * (4 * tile(BC, BT, f) + 3 * tile(BT, BK, f)))
         return need + scratch
-    if kernel in ("dintra", "dintra_bounded"):
+    if kernel == "dintra":
         # rows and columns of dM, dA [BC, BT]; decayed k (rows), q and k (columns) of the chunk [BT, BK]
         operands = split * (4 * tile(BC, BT, f) + 3 * tile(BT, BK, f))
         loads = tile(BC, BK, 2 * e + f) + tile(BT, BK, 2 * e + f)

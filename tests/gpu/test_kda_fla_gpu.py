@@ -41,13 +41,8 @@ def test_fla_case(case, dtype):
 KERNELS = {
     fwd._decay_kernel: "decay", fwd._scores_kernel: "scores", fwd._solve_kernel: "solve", fwd._wy_kernel: "wy",
     fwd._state_kernel: "state", fwd._output_kernel: "output", bwd._dstate_kernel: "dstate",
-    bwd._dchunk_kernel: "dchunk", bwd._dintra_kernel: "dintra", bwd._dintra_bounded_kernel: "dintra_bounded",
-    bwd._ddecay_kernel: "ddecay",
+    bwd._dchunk_kernel: "dchunk", bwd._dintra_kernel: "dintra", bwd._ddecay_kernel: "ddecay",
 }
-
-
-# the safe gate's paths (kernels.kda.ops.LAUNCH["safe"]): exact, bounded intra-chunk gradients, bounded and fused
-SAFE_PATHS = [dict(diag_dot=d, fuse_bwd=d, bounded_intra=i) for d, i in ((0, 0), (0, 1), (1, 0))]
 
 
 @contextlib.contextmanager
@@ -77,7 +72,7 @@ def launches():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("KV", [64, 128, 256])
 def test_shared_memory_bound_covers_every_compiled_kernel(dtype, KV):
-    """fwd + bwd on packed documents with the precomputed, softplus and safe gates (SAFE_PATHS):
+    """fwd + bwd on packed documents with the precomputed, softplus and safe gates (exact and fused paths):
     every kernel's Triton allocation is within its bound (kernels/kda/smem.py) and the bound within the H200's;
     float32 at K = 256 stops before any kernel with one line."""
     from kernels.kda import ops
@@ -101,7 +96,7 @@ def test_shared_memory_bound_covers_every_compiled_kernel(dtype, KV):
         return
     with launches() as rows:
         for name, kw in calls.items():
-            for path in (SAFE_PATHS if name == "safe" else [None]):
+            for path in ([dict(diag_dot=0, fuse_bwd=0), dict(diag_dot=1, fuse_bwd=1)] if name == "safe" else [None]):
                 kept = ops.LAUNCH["safe"]
                 ops.LAUNCH["safe"] = path or kept
                 try:

@@ -99,13 +99,8 @@ def test_hard_resets_bf16_finite():
 
 
 # The fused safe gate's paths (kernels.kda.ops.LAUNCH["safe"]): bounded split products with the fused dense +
-# intra-chunk backward, the exact forward with the bounded intra-chunk gradient kernel (the default), and the exact
-# path of a precomputed g.
-SAFE_PATHS = {
-    "bounded-fused": dict(diag_dot=1, fuse_bwd=1, bounded_intra=0),
-    "bounded-intra": dict(diag_dot=0, fuse_bwd=0, bounded_intra=1),
-    "exact": dict(diag_dot=0, fuse_bwd=0, bounded_intra=0),
-}
+# intra-chunk backward (the default), the bounded kernels unfused, and the exact path of a precomputed g.
+SAFE_PATHS = {"bounded-fused": dict(diag_dot=1, fuse_bwd=1), "exact": dict(diag_dot=0, fuse_bwd=0)}
 
 
 @contextlib.contextmanager

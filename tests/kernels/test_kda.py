@@ -280,13 +280,9 @@ def test_chunk_kda_hard_resets():
     check_triton_against_recurrent(1, 130, 1, 32, 32, seed=9, g_edit=resets)
 
 
-# The fused safe gate's paths (ops.LAUNCH["safe"]): the bounded split products with the fused dense + intra-chunk
-# gradient kernel; the exact forward with the bounded intra-chunk gradient kernel (the default); the exact path.
-SAFE_PATHS = {
-    "bounded-fused": dict(diag_dot=1, fuse_bwd=1, bounded_intra=0),
-    "bounded-intra": dict(diag_dot=0, fuse_bwd=0, bounded_intra=1),
-    "exact": dict(diag_dot=0, fuse_bwd=0, bounded_intra=0),
-}
+# The fused safe gate's three backward/forward paths (ops.LAUNCH["safe"]): the bounded split products with the
+# fused dense + intra-chunk gradient kernel (the default), the bounded kernels unfused, and the exact path.
+SAFE_PATHS = {"bounded-fused": dict(diag_dot=1, fuse_bwd=1), "exact": dict(diag_dot=0, fuse_bwd=0)}
 
 
 def check_safe_gate_against_recurrent(
@@ -339,7 +335,7 @@ def check_safe_gate_against_recurrent(
 
 def test_safe_gate_paths_are_chosen_by_the_bound_and_the_launch_table():
     gate = lambda lb: (None, None, lb)  # noqa: E731
-    # the forward's default is the exact path (measured fastest on an H200 with Triton 3.6, benchmarks/results/kda.md)
+    # the default is the exact path (measured fastest on an H200 with Triton 3.6, benchmarks/results/kda.md)
     assert ops._bounded(gate(-5.0)) == (False, False)
     with launch_settings(safe=SAFE_PATHS["bounded-fused"]):
         assert ops._bounded(gate(-5.0)) == (True, True)
@@ -351,16 +347,6 @@ def test_safe_gate_paths_are_chosen_by_the_bound_and_the_launch_table():
         ops._bounded(gate(-5.0))  # the bounded unfused path: wrong dq on an H200
     with launch_settings(safe=dict(diag_dot=0, fuse_bwd=1)):
         assert ops._bounded(gate(-5.0)) == (False, False)  # the fused backward needs the bounded products
-    # the unfused backward's intra-chunk kernel: the bounded one wherever the bound fits, by default
-    assert ops._bounded_intra(gate(-5.0)) and ops._bounded_intra(gate(-7.5))
-    assert not ops._bounded_intra(gate(-7.6)) and not ops._bounded_intra(gate(None)) and not ops._bounded_intra(None)
-    with launch_settings(safe=dict(bounded_intra=0)):
-        assert not ops._bounded_intra(gate(-5.0))
-    plan = lambda g: ops.launch_plan(128, 128, torch.bfloat16, 32, 132, g, limit=None)  # noqa: E731
-    assert "dintra_bounded" in plan(gate(-5.0)) and "dintra" not in plan(gate(-5.0))
-    assert "dintra" in plan(gate(None)) and "dintra_bounded" not in plan(gate(None))
-    with launch_settings(dintra_bounded=dict(SB=3)), pytest.raises(ValueError, match="SB=3 must divide the 4"):
-        plan(gate(-5.0))
 
 
 @pytest.mark.parametrize("path", list(SAFE_PATHS))
@@ -374,7 +360,7 @@ def test_safe_gate_packed_documents(path):
     check_safe_gate_against_recurrent(1, 280, 1, 32, 32, lengths=[1, 15, 64, 200], seed=4, path=path)
 
 
-@pytest.mark.parametrize("path", list(SAFE_PATHS))
+@pytest.mark.parametrize("path", ["bounded-fused", "exact"])
 def test_safe_gate_wide_uneven_heads(path):
     """K = 96: two K tiles in the fused backward (the second forms dM, dA on its own), masked columns, V = 40;
     K = 256, the widest head: four K tiles, V tiles of 32."""
@@ -385,7 +371,7 @@ def test_safe_gate_wide_uneven_heads(path):
 # NOTE: at lb = -7.5 the products above the diagonal (exp(b_i - b_j), i < j, up to exp(15 * 7.5)) overflow in the
 # interpreter's float32 matmul; the kernel discards them, numpy warns.
 @pytest.mark.filterwarnings("ignore:overflow encountered in matmul", "ignore:invalid value encountered in matmul")
-@pytest.mark.parametrize("path", list(SAFE_PATHS))
+@pytest.mark.parametrize("path", ["bounded-fused", "exact"])
 @pytest.mark.parametrize(
     "lower_bound, pin", [(-5.0, "bound"), (-5.0, "near"), (-5.0, "mixed"), (-7.5, "bound"), (-7.5, "near")],
 )
@@ -449,3 +435,17 @@ def test_chunk_kda_compiles_without_graph_break():
     assert torch.allclose(l_c, l_e)
     for name, a, b in zip(GRAD_NAMES, grads_c, grads_e):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
+
+
+def test_intra_chunk_precision_by_dtype_device_and_split():
+    """The decayed-product gradients: float32 exact; bfloat16 / float16 in three bfloat16 passes on a GPU (split 1,
+    the default) or three TF32 passes (split 0, and always in the CPU interpreter, which refuses bf16x3)."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    opts = dict(ops.LAUNCH["dintra"])
+    assert opts["split"] == 1
+    for device in (cuda, cpu):
+        assert ops.intra_precision(torch.float32, device, opts) == ({k: v for k, v in opts.items() if k != "split"}, "ieee")
+    assert ops.intra_precision(torch.bfloat16, cuda, opts)[1] == "bf16x3"
+    assert ops.intra_precision(torch.float16, cuda, {**opts, "split": 0})[1] == "tf32"  # bwd.intra_dot: three passes
+    assert ops.intra_precision(torch.bfloat16, cpu, opts)[1] == "tf32"
+    assert "split" not in ops.intra_precision(torch.bfloat16, cuda, opts)[0]

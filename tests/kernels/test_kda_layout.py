@@ -88,13 +88,12 @@ def run(fn, x: dict, documents: int, *, dtype, device, with_h0: bool, lower_boun
     return {"o": o.detach(), "S": S.detach(), **{"d" + n: g for n, g in zip(names, grads)}}
 
 
-# (gate, lower bound, ops.LAUNCH["safe"], initial state): the plain log decay, the safe gate on the exact path, with
-# the bounded intra-chunk gradient kernel and on the bounded fused backward (FUSE_INTRA), the softplus gate.
+# (gate, lower bound, ops.LAUNCH["safe"], initial state): the plain log decay, the safe gate on the exact path and on
+# the bounded fused backward (FUSE_INTRA), the softplus gate.
 CASES = {
     "plain": (None, None, dict(diag_dot=0, fuse_bwd=0), True),
     "plain-no-h0": (None, None, dict(diag_dot=0, fuse_bwd=0), False),
-    "safe-exact": ("safe", -5.0, dict(diag_dot=0, fuse_bwd=0, bounded_intra=0), True),
-    "safe-bounded-intra": ("safe", -5.0, dict(diag_dot=0, fuse_bwd=0, bounded_intra=1), True),
+    "safe-exact": ("safe", -5.0, dict(diag_dot=0, fuse_bwd=0), True),
     "safe-fused": ("safe", -5.0, dict(diag_dot=1, fuse_bwd=1), True),
     "softplus": ("softplus", None, dict(diag_dot=0, fuse_bwd=0), True),
 }
