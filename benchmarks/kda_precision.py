@@ -1,6 +1,7 @@
 """KDA gradients against the float64 recurrence, per path, dtype and shape: where the Triton kernels go wrong.
 
-    PYTHONPATH=. python benchmarks/kda_precision.py [--out OUTDIR] [--launch "dchunk.num_stages=1;..."] [--fla]
+    PYTHONPATH=. python benchmarks/kda_precision.py [--out OUTDIR] [--launch "dchunk.num_stages=1;..."]
+                                                    [--fla [--dtypes bfloat16,float16]]
 
 Each case runs the safe gate (random raw gate, lower bound -5, the A_log / dt_bias initialisation of docs/k3.md §2.1)
 forward and backward through `kernels.kda.chunk_kda` under one launch path ("exact": the default unfused
@@ -9,8 +10,9 @@ reports the relative RMS error of the output and of every gradient. `--launch` o
 (e.g. "dchunk.BK=32") to check a launch setting's precision before it is timed.
 A correctness tool, not a timing: appends a table to OUTDIR/kda_precision.md. Without a GPU, `--smoke`
 runs one small float32 case on Triton's CPU interpreter (a check of the script, not of the GPU).
-`--fla` runs flash-linear-attention's own test cases (FLA_CASES below) in bf16 and fp16 and appends a pass / fail
-table to OUTDIR/kda_fla_cases.md (tests/gpu/test_kda_fla_gpu.py asserts the same).
+`--fla` runs flash-linear-attention's own test cases (FLA_CASES below) in bf16 and fp16 (`--dtypes`), under the
+`--launch` overrides, and appends a pass / fail table to OUTDIR/kda_fla_cases.md (tests/gpu/test_kda_fla_gpu.py
+asserts the same at the defaults).
 """
 
 from __future__ import annotations
