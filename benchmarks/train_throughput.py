@@ -120,15 +120,19 @@ VARIANTS = {
     # (kernels.router; the fused reference took 91 us per MoE layer, the kernel 40; the step 153.7 -> 154.6 ms with
     # it in session 19's one comparison, so auto keeps the reference until this variant measures faster)
     "ours-recipe-router-triton": [*RECIPE, "--kernels.router", "triton"],
-    # The recipe with AdamW for every matrix in place of Per-Head Muon: the model's own speed, for the headline's
-    # "ours with AdamW" column (what Muon's step costs inside the update); Muon's graph settings go with Muon
     # The recipe run eagerly (no compile, no CUDA graphs): slower, but every kernel is launched by an op, so its
     # profile names the ops and input shapes the step pays for (which sums, which adds).
     "ours-recipe-eager": [*RECIPE, "--compile.enable", "false", "--compile.cuda_graph", "false",
                           "--compile.cuda_graph_share_pool", "false"],
+    # The recipe with AdamW for every matrix in place of Per-Head Muon: the model's own speed, for the headline's
+    # "ours with AdamW" column (what Muon's step costs inside the update); Muon's graph settings go with Muon
     "ours-recipe-adamw": [*RECIPE, "--optimizer.name", "adamw", "--optimizer.ns_cuda_graphs", "false",
                           "--compile.cuda_graph_share_pool", "false"],
     "ours-recipe-ce-default": [*RECIPE, "--kernels.loss_chunk_rows", "0"],
+    # ... with the fused loss 2,048 rows at a time (the recipe: 4,096). Predicted: ~0.6 GiB less peak allocated
+    # (4,096 rows took 30.1 -> 28.9 GiB against the default in session 17, at the cost of noise), where the recipe
+    # is 0.2 GiB above the strongest peer's 27.8 (session 24); twice the loss's launches, ~0.3 ms.
+    "ours-recipe-ce2048": [*RECIPE, "--kernels.loss_chunk_rows", "2048"],
     "ours-recipe-fixed-segments": [*RECIPE, "--training.expandable_segments", "false"],
     # FP8 on every block linear of k3-mini (the default min_dim 8192 converts none: none paid, fp8.md)
     "ours-compile-fp8": ["--compile.enable", "true", "--float8.enable", "true", "--float8.min_dim", "256"],
