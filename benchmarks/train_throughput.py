@@ -131,7 +131,8 @@ VARIANTS = {
     "ours-recipe-ce-default": [*RECIPE, "--kernels.loss_chunk_rows", "0"],
     # ... with the fused loss 2,048 rows at a time (the recipe: 4,096). Predicted: ~0.6 GiB less peak allocated
     # (4,096 rows took 30.1 -> 28.9 GiB against the default in session 17, at the cost of noise), where the recipe
-    # is 0.2 GiB above the strongest peer's 27.8 (session 24); twice the loss's launches, ~0.3 ms.
+    # is 0.2 GiB above the strongest peer's 27.8 (session 24); twice the loss's launches, ~0.3 ms. Measured (session 25,
+    # two alternating rounds at each shape): 27.4-27.5 GiB, +1.3 to +1.5 ms; the recipe keeps 4,096.
     "ours-recipe-ce2048": [*RECIPE, "--kernels.loss_chunk_rows", "2048"],
     "ours-recipe-fixed-segments": [*RECIPE, "--training.expandable_segments", "false"],
     # FP8 on every block linear of k3-mini (the default min_dim 8192 converts none: none paid, fp8.md)
