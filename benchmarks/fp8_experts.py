@@ -1,0 +1,141 @@
+"""FP8 grouped GEMMs (torchao's rowwise recipe) against bf16 for k3-mini's routed experts, forward + backward.
+
+Each routed-expert product of k3-mini at 32,768 tokens (top-6: 196,608 routed rows over 176 experts) alone:
+  latent -> hidden   [rows, 256] x [E, 256, 544]  (the gate and the up projection are one each)
+  hidden -> latent   [rows, 544] x [E, 544, 256]
+timed forward + backward (the rows' and the weights' gradients) as
+  bf16 _grouped_mm   torch._grouped_mm (cuBLAS), the weights column-major (its fast layout)
+  bf16 ours          kernels.grouped_gemm.grouped_mm (Triton)
+  fp8 rowwise        torchao's `_to_fp8_rowwise_then_scaled_grouped_mm`: e4m3 with a scale per row of the
+                     rows and per column of each expert's weight, through torch._scaled_grouped_mm
+Every group holds a multiple of 16 rows, which torchao's FP8 path needs (a router would have to pad to it), so
+the FP8 column is its best case. Each output and gradient is checked against a float32 product first.
+This table says whether FP8 can pay for the experts at k3-mini's widths (benchmarks/results/fp8.md).
+
+    python benchmarks/fp8_experts.py [--tokens 32768]
+
+Prints a table and appends dated rows to benchmarks/results/fp8.md.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+import triton.testing
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import environment, rel_rms  # noqa: E402
+
+TOP_K, EXPERTS, LATENT, HIDDEN = 6, 176, 256, 544  # k3-mini (titan_k3/models/k3/args.py)
+PRODUCTS = {"latent -> hidden (gate, up)": (LATENT, HIDDEN), "hidden -> latent (down)": (HIDDEN, LATENT)}
+ALIGN = 16
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fp8.md")
+# NOTE: bf16 rounding alone reads ~4e-3 against float32; e4m3's 3 mantissa bits ~3e-2.
+TOLERANCE = {"bf16": 2e-2, "fp8": 1e-1}
+
+
+def group_ends(rows: int, experts: int, device) -> torch.Tensor:
+    """int32 [E] cumulative row ends: near-equal groups, each a multiple of ALIGN rows, summing to `rows`."""
+    if rows % ALIGN:
+        raise ValueError(f"rows={rows} must be a multiple of {ALIGN}")
+    units = rows // ALIGN
+    sizes = torch.full((experts,), units // experts, dtype=torch.int64)
+    sizes[: units % experts] += 1
+    return (sizes * ALIGN).cumsum(0).to(torch.int32).to(device)
+
+
+def column_major(w: torch.Tensor) -> torch.Tensor:
+    """Same values, stored [E, M, K] and viewed [E, K, M]: the layout torch._grouped_mm and torchao's FP8 path read."""
+    return w.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, dy: torch.Tensor):
+    """(y, dx, dw) in float32, one matmul per expert."""
+    y, dx, dw = torch.empty(x.shape[0], w.shape[2], device=x.device), torch.empty_like(x), torch.empty_like(w)
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        xs, dys = x[start:end], dy[start:end]
+        y[start:end] = xs @ w[e]
+        dx[start:end] = dys @ w[e].T
+        dw[e] = xs.T @ dys
+        start = end
+    return y, dx, dw
+
+
+def variants():
+    """name -> (precision, f(x, w, ends) -> y, the weight layout it takes)."""
+    from kernels.grouped_gemm import grouped_mm
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+    def fp8(x, w, ends):
+        return _to_fp8_rowwise_then_scaled_grouped_mm(x, w, ends, pad_token_groups_for_grouped_mm=False)
+
+    return {
+        "bf16 _grouped_mm": ("bf16", lambda x, w, ends: torch._grouped_mm(x, w, offs=ends), column_major),
+        "bf16 ours": ("bf16", grouped_mm, lambda w: w.contiguous()),
+        "fp8 rowwise (torchao)": ("fp8", fp8, column_major),
+    }
+
+
+def bench_product(rows: int, k: int, m: int) -> dict:
+    """{variant: (ms fwd+bwd, worst relative RMS error of y, dx, dw)} for one product shape."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x32 = torch.randn(rows, k, generator=gen, device="cuda")
+    w32 = torch.randn(EXPERTS, k, m, generator=gen, device="cuda") / k**0.5
+    dy32 = torch.randn(rows, m, generator=gen, device="cuda")
+    ends = group_ends(rows, EXPERTS, "cuda")
+    refs = reference(x32, w32, ends, dy32)
+    dy = dy32.bfloat16()
+    out = {}
+    for name, (precision, fn, layout) in variants().items():
+        x = x32.bfloat16().requires_grad_()
+        w = layout(w32.bfloat16()).requires_grad_()
+
+        def step():
+            y = fn(x, w, ends)
+            y.backward(dy)
+            return y
+
+        y = step()
+        err = max(rel_rms(got, ref) for got, ref in zip((y, x.grad, w.grad), refs))
+        if not err < TOLERANCE[precision]:
+            raise AssertionError(f"{name} [{rows}, {k}] x [{EXPERTS}, {k}, {m}]: relative RMS error {err:.3g} "
+                                 f"against float32 (allowed {TOLERANCE[precision]})")
+        out[name] = (triton.testing.do_bench(step, grad_to_none=[x, w], warmup=25, rep=200), err)
+        print(f"  {name:>24}: {out[name][0]:.3f} ms, error {err:.2e}", flush=True)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=32768)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("fp8_experts.py: needs CUDA (torch._scaled_grouped_mm and Triton kernels)", file=sys.stderr)
+        return 2
+    rows = args.tokens * TOP_K
+    env = environment()
+    lines = []
+    for label, (k, m) in PRODUCTS.items():
+        print(f"{label}: [{rows}, {k}] x [{EXPERTS}, {k}, {m}]", flush=True)
+        times = bench_product(rows, k, m)
+        best_bf16 = min(t for name, (t, _) in times.items() if name.startswith("bf16"))
+        flops = 6 * rows * k * m
+        for name, (t, err) in times.items():
+            lines.append(f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | "
+                         f"{label} | [{rows}, {k}] x [{EXPERTS}, {k}, {m}] | {name} | {t:.3f} | "
+                         f"{flops / t / 1e9:.0f} | {best_bf16 / t:.2f}x | {err:.1e} |")
+    table = ("| date | commit | GPU | torch | triton | product (k3-mini experts) | shape | variant | fwd+bwd ms "
+             "| TFLOP/s | vs the faster bf16 | worst rel. RMS vs float32 (y, dx, dw) |\n" + "|---" * 12 + "|\n"
+             + "\n".join(lines) + "\n")
+    print("\n" + table)
+    with open(RESULTS, "a") as f:
+        f.write(f"\n### Routed-expert grouped GEMMs, FP8 rowwise (torchao) vs bf16 (benchmarks/fp8_experts.py)\n\n"
+                f"Groups of near-equal size, each a multiple of {ALIGN} rows (FP8's best case).\n\n{table}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
