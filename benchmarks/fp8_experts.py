@@ -27,6 +27,7 @@ import triton.testing
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import environment, rel_rms  # noqa: E402
+from benchmarks.moe import column_major  # noqa: E402  (the layout torchao's FP8 path reads too)
 
 TOP_K, EXPERTS, LATENT, HIDDEN = 6, 176, 256, 544  # k3-mini (titan_k3/models/k3/args.py)
 PRODUCTS = {"latent -> hidden (gate, up)": (LATENT, HIDDEN), "hidden -> latent (down)": (HIDDEN, LATENT)}
@@ -44,11 +45,6 @@ def group_ends(rows: int, experts: int, device) -> torch.Tensor:
     sizes = torch.full((experts,), units // experts, dtype=torch.int64)
     sizes[: units % experts] += 1
     return (sizes * ALIGN).cumsum(0).to(torch.int32).to(device)
-
-
-def column_major(w: torch.Tensor) -> torch.Tensor:
-    """Same values, stored [E, M, K] and viewed [E, K, M]: the layout torch._grouped_mm and torchao's FP8 path read."""
-    return w.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, dy: torch.Tensor):
