@@ -10,7 +10,9 @@ timed forward + backward (the rows' and the weights' gradients) as
                      rows and per column of each expert's weight, through torch._scaled_grouped_mm
 Every group holds a multiple of 16 rows, which torchao's FP8 path needs (a router would have to pad to it), so
 the FP8 column is its best case. Each output and gradient is checked against a float32 product first.
-This table says whether FP8 can pay for the experts at k3-mini's widths (benchmarks/results/fp8.md).
+NOTE: `triton.testing.do_bench` times the calls from the host, and at these sizes a path of many launches from
+Python (ours' custom ops, torchao's casts) is host-bound (benchmarks/results/fp8.md, session 25): read its rows
+as wall time, and profile a variant for its kernel time.
 
     python benchmarks/fp8_experts.py [--tokens 32768]
 
