@@ -50,16 +50,13 @@ def group_ends(rows: int, experts: int, device) -> torch.Tensor:
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, dy: torch.Tensor):
-    """(y, dx, dw) in float32, one matmul per expert."""
-    y, dx, dw = torch.empty(x.shape[0], w.shape[2], device=x.device), torch.empty_like(x), torch.empty_like(w)
-    start = 0
-    for e, end in enumerate(ends.tolist()):
-        xs, dys = x[start:end], dy[start:end]
-        y[start:end] = xs @ w[e]
-        dx[start:end] = dys @ w[e].T
-        dw[e] = xs.T @ dys
-        start = end
-    return y, dx, dw
+    """(y, dx, dw) in float32: autograd through `kernels.grouped_gemm.reference.grouped_mm`'s per-expert loop."""
+    from kernels.grouped_gemm import reference as grouped_reference
+
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    y = grouped_reference.grouped_mm(x, w, ends)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    return y.detach(), dx, dw
 
 
 def variants():
