@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.testing
 
+from titan_k3.metrics.profile import gpu_kernels
 from titan_k3.metrics.profile import synchronize as sync  # noqa: F401 - the benchmarks' GPU wait
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,6 +165,20 @@ def host() -> str:
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:  # not Linux: the model stays unknown
         model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
     return f"{platform.node()} ({model}, {os.cpu_count()} cores)"
+
+
+def kernel_ms(fn, iters: int = 10) -> float:
+    """GPU kernel time of one fn() call in ms: its kernels' durations summed (torch.profiler) over `iters` calls after
+    three warm-up calls, divided by `iters`. Unlike do_bench's wall time, the host's launches do not count: the time
+    a CUDA graph replay of fn would take when its kernels run back to back."""
+    for _ in range(3):
+        fn()
+    sync()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        sync()
+    return sum(end - start for _, start, end in gpu_kernels(prof)) / iters / 1e3
 
 
 def print_cuda_profile(run, row_limit: int = 20) -> None:

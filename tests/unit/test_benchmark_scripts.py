@@ -297,7 +297,7 @@ def test_startup_breakdown_buckets_the_threads_a_first_update_waits_on(tmp_path)
     assert sites[(grad, "mix_backward @ kernels/attn_res/mix.py:195")] == 20
 
 
-@pytest.mark.parametrize("script", ["triton_compile_parallel.py", "host_syncs.py", "fp8_experts.py"])
+@pytest.mark.parametrize("script", ["triton_compile_parallel.py", "host_syncs.py", "fp8_experts.py", "fp8_head.py"])
 def test_gpu_only_diagnostics_refuse_in_one_line_without_cuda(script):
     import torch
 

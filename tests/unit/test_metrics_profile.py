@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 from torch.autograd import DeviceType
 
-from titan_k3.metrics.profile import (NO_HOST, _gpu_kernels, exposed_length, gap_buckets, gap_report, gpu_time_by_scope,
+from titan_k3.metrics.profile import (NO_HOST, gpu_kernels, exposed_length, gap_buckets, gap_report, gpu_time_by_scope,
                                       host_context, idle_gaps, kernel_kind, kernel_tables, kernels_by_name,
                                       largest_gaps, launch_scope, profile_report, timeline, union_length)
 from titan_k3.train import main
@@ -50,7 +50,7 @@ def test_gpu_annotations_are_not_kernels():
         event("muon.orthogonalise", 0, 100, annotation=True), event("nvjet_tst_a", 0, 10), event("nvjet_tst_b", 90, 100),
         event("aten::mm", 0, 5, device=DeviceType.CPU), event("empty", 7, 7),
     ])
-    kernels = _gpu_kernels(prof)
+    kernels = gpu_kernels(prof)
     assert [k[0] for k in kernels] == ["nvjet_tst_a", "nvjet_tst_b"]
     assert timeline(kernels, wall=100)["busy"] == pytest.approx(0.20)
 

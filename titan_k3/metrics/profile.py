@@ -86,7 +86,7 @@ def timeline(kernels: list[tuple[str, float, float]], wall: float) -> dict[str, 
     }
 
 
-def _gpu_kernels(prof) -> list[tuple[str, float, float]]:
+def gpu_kernels(prof) -> list[tuple[str, float, float]]:
     """(name, start_us, end_us) of every GPU kernel the profiler saw.
 
     NOTE: not the GPU mirrors of `record_function` ranges (user annotations):
@@ -271,7 +271,7 @@ def profile_report(prof, wall_s: float, title: str = "") -> str:
     sort = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
     lines = [title] if title else []
     if on_gpu:
-        kernels = _gpu_kernels(prof)
+        kernels = gpu_kernels(prof)
         shares = timeline(kernels, wall_s * 1e6)
         lines.append(f"GPU timeline over {wall_s * 1e3:.1f} ms of wall time: "
                      + ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items() if k != "wall"))
