@@ -167,16 +167,22 @@ def host() -> str:
     return f"{platform.node()} ({model}, {os.cpu_count()} cores)"
 
 
-def kernel_ms(fn, iters: int = 10) -> float:
+def kernel_ms(fn, iters: int = 10, grad_to_none: list[torch.Tensor] | None = None) -> float:
     """GPU kernel time of one fn() call in ms: its kernels' durations summed (torch.profiler) over `iters` calls after
     three warm-up calls, divided by `iters`. Unlike do_bench's wall time, the host's launches do not count: the time
-    a CUDA graph replay of fn would take when its kernels run back to back."""
-    for _ in range(3):
+    a CUDA graph replay of fn would take when its kernels run back to back. `grad_to_none`: tensors whose .grad is
+    reset before each call (as do_bench does), so that no call pays for adding into the last one's gradients."""
+    def call():
+        for t in grad_to_none or []:
+            t.grad = None
         fn()
+
+    for _ in range(3):
+        call()
     sync()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            fn()
+            call()
         sync()
     return sum(end - start for _, start, end in gpu_kernels(prof)) / iters / 1e3
 

@@ -38,7 +38,7 @@ def to_fp8(x: torch.Tensor, dtype: torch.dtype, dim: int | None) -> tuple[torch.
     maps to the format's largest value), or one for the whole tensor (dim None)."""
     amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
     scale = amax.float().clamp(min=1e-12) / torch.finfo(dtype).max
-    return (x.float() / scale).to(dtype), scale
+    return (x.float() / scale).to(dtype).contiguous(), scale  # row-major whatever x's layout
 
 
 def scaled_product(a: torch.Tensor, b: torch.Tensor, dtypes: tuple, rowwise: bool, out_dtype: torch.dtype):
