@@ -34,9 +34,11 @@ def _ce_rows_kernel(
     stride_row,
     targets_ptr,
     loss_ptr,
+    lse_ptr,
     n_cols,
     ignore_index,
     WRITE_GRAD: tl.constexpr,
+    STORE_LSE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -53,6 +55,8 @@ def _ce_rows_kernel(
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
         m = m_new
     lse = m + tl.log(s)
+    if STORE_LSE:
+        tl.store(lse_ptr + row, lse)
 
     target = tl.load(targets_ptr + row)
     valid = target != ignore_index
@@ -76,13 +80,16 @@ def _ce_rows_kernel(
             tl.store(row_ptr + cols, p.to(row_ptr.dtype.element_ty), mask=mask)
 
 
-def ce_rows(logits_CV, targets_C, loss_C, ignore_index: int, write_grad: bool) -> None:
+def ce_rows(logits_CV, targets_C, loss_C, ignore_index: int, write_grad: bool, lse_C=None) -> None:
     """Per-row loss of `logits_CV` into `loss_C`; if `write_grad`, logits become dloss/dlogits.
 
     logits_CV [C, V] (rows contiguous, float32/bf16/fp16), targets_C [C] int64
-    contiguous, loss_C [C] float32 contiguous (written).
+    contiguous, loss_C [C] float32 contiguous (written); lse_C [C] float32
+    contiguous, if given, receives each row's log-sum-exp (for a gradient pass
+    of its own, `kernels.fused_ce.grad_fp8`).
     """
     assert logits_CV.stride(1) == 1 and targets_C.is_contiguous() and loss_C.is_contiguous()
+    assert lse_C is None or (lse_C.is_contiguous() and lse_C.dtype == torch.float32)
     n_rows, n_cols = logits_CV.shape
     if n_rows == 0:
         return
@@ -91,9 +98,11 @@ def ce_rows(logits_CV, targets_C, loss_C, ignore_index: int, write_grad: bool) -
         logits_CV.stride(0),
         targets_C,
         loss_C,
+        loss_C if lse_C is None else lse_C,
         n_cols,
         ignore_index,
         WRITE_GRAD=write_grad,
+        STORE_LSE=lse_C is not None,
         BLOCK=BLOCK_V,
         num_warps=NUM_WARPS,
     )

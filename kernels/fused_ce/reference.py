@@ -171,3 +171,17 @@ def linear_cross_entropy_naive(
     loss_sum = F.cross_entropy(logits_NV, targets, ignore_index=ignore_index, reduction="sum")
     n_valid = (targets != ignore_index).sum()
     return loss_sum, n_valid
+
+
+def softmax_grad(logits_CV: torch.Tensor, lse_C: torch.Tensor, targets_C: torch.Tensor, ignore_index: int,
+                 scale: float, g_CV: torch.Tensor, gt_VC: torch.Tensor) -> None:
+    """`kernels.fused_ce.grad_fp8.softmax_grad` in torch: scale * (softmax - onehot(target)) in g's dtype (torch's
+    round-to-nearest cast), and its transpose; rows of ignored targets and past C (padding) are zero."""
+    rows = logits_CV.shape[0]
+    p_CV = torch.exp(logits_CV.float() - lse_C[:, None])
+    valid_C = targets_C != ignore_index
+    p_CV.scatter_add_(1, targets_C.clamp(min=0).unsqueeze(1), -torch.ones_like(lse_C[:, None]))
+    p_CV.mul_(torch.where(valid_C, scale, 0.0)[:, None])
+    g_CV.zero_()
+    g_CV[:rows] = p_CV
+    gt_VC.copy_(g_CV.t())

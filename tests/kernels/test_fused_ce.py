@@ -260,3 +260,71 @@ def test_fused_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         linear_cross_entropy(h, weight, targets, IGNORE)
+
+
+# ------------------------------------------------------------------ FP8 gradient products (kernels/fused_ce/grad_fp8.py)
+
+
+@pytest.fixture
+def small_grad_tiles(monkeypatch):
+    """Tiles of 8 rows x 16 columns, so that small chunks span several tiles and ragged edges."""
+    import kernels.fused_ce.grad_fp8 as grad_fp8
+
+    monkeypatch.setattr(grad_fp8, "BLOCK_ROWS", 8)
+    monkeypatch.setattr(grad_fp8, "BLOCK_COLS", 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_softmax_grad_writes_both_layouts_zero_padded(small_grad_tiles, dtype):
+    """The FP8 path's gradient pass alone, in a wide dtype: scale * (softmax - onehot), its transpose, zero rows for
+    ignored targets and for the padding up to 16 rows."""
+    from kernels.fused_ce import grad_fp8
+
+    gen = torch.Generator().manual_seed(5)
+    rows, vocab, padded = 21, 48, 32
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(DEVICE)
+    targets = torch.randint(0, vocab, (rows,), generator=gen).to(DEVICE)
+    targets[[2, 9]] = IGNORE
+    x64 = logits.double().requires_grad_(True)
+    torch.nn.functional.cross_entropy(x64, targets, ignore_index=IGNORE, reduction="sum").backward()
+    lse = torch.logsumexp(logits.double(), dim=1).float()
+    g = torch.full((padded, vocab), float("nan"), dtype=dtype, device=DEVICE)
+    gt = torch.full((vocab, padded), float("nan"), dtype=dtype, device=DEVICE)
+    grad_fp8.softmax_grad(logits, lse, targets, IGNORE, 4.0, g, gt)
+    expected = torch.zeros(padded, vocab, dtype=torch.float64, device=DEVICE)
+    expected[:rows] = 4.0 * x64.grad
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    assert torch.allclose(g.double(), expected, atol=tol, rtol=tol)
+    assert torch.equal(gt, g.t())
+    assert torch.equal(g[[2, 9]], torch.zeros_like(g[[2, 9]])) and torch.equal(g[rows:], torch.zeros_like(g[rows:]))
+    g_ref, gt_ref = torch.empty_like(g), torch.empty_like(gt)
+    reference.softmax_grad(logits, lse, targets, IGNORE, 4.0, g_ref, gt_ref)
+    assert torch.allclose(g_ref, g, atol=tol, rtol=tol) and torch.equal(gt_ref, g_ref.t())
+
+
+@pytest.mark.parametrize("n, chunk_rows", [(40, 16), (37, 12), (16, None)])
+def test_fp8_grads_track_float64_within_fp8_error(small_block, small_grad_tiles, monkeypatch, n, chunk_rows):
+    """Both gradients through the FP8 products against float64, over ragged chunks (padded to 16 rows): the loss is
+    exact (its logits stay in h's dtype), the gradients within FP8's error; a product left in float32 would fail the
+    last line. NOTE: on the CPU the gradient pass is the torch reference: Triton's interpreter casts to FP8 wrongly
+    (-0.95 * 2**15 comes out as -2**14), so the kernel's own FP8 stores are checked on the GPU
+    (tests/gpu/test_fused_ce_gpu.py) and in float32 / float16 above."""
+    from kernels.fused_ce import grad_fp8
+
+    if DEVICE == "cpu":
+        monkeypatch.setattr(grad_fp8, "softmax_grad", reference.softmax_grad)
+    h, weight, targets = _inputs(n, 32, 64, ignore_every=5)
+    truth = _ground_truth(h, weight, targets)
+    loss, n_valid, gh, gw = _loss_and_grads(linear_cross_entropy, h, weight, targets, chunk_rows=chunk_rows,
+                                            fp8_grads=True)
+    assert n_valid.item() == truth[1].item() and abs(loss.item() - truth[0].item()) <= 1e-5 * abs(truth[0].item())
+    assert gh.dtype == gw.dtype == torch.float32
+    errors = (_rel_rms(gh, truth[2]), _rel_rms(gw, truth[3]))
+    assert max(errors) < 0.06, errors
+    assert min(errors) > 1e-3, errors  # the FP8 products ran (float32 products err ~1e-7)
+
+
+def test_fp8_grads_refuse_widths_cublas_cannot_take():
+    h, weight, targets = _inputs(8, 24, 64)
+    with pytest.raises(ValueError, match=r"fp8_grads: .*\(24\) must be multiples of 16"):
+        linear_cross_entropy(h, weight, targets, IGNORE, fp8_grads=True)

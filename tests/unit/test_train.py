@@ -269,3 +269,27 @@ def test_loss_chunk_rows_reaches_the_loss_and_keeps_its_value(monkeypatch):
     assert seen == [None, 5]
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_loss_grad_fp8_is_refused_without_the_fused_loss_on_an_fp8_gpu(monkeypatch):
+    """kernels.loss_grad_fp8 names what it lacks before any work: the fused loss (a CPU run takes the torch
+    reference), a GPU with FP8 matmuls; granted, the fused loss is called with FP8 gradient products and the kernel
+    report says so."""
+    import kernels.fused_ce.grad_fp8 as grad_fp8
+    from titan_k3.models.k3 import impl as impl_module
+
+    cfg = load_job_config(["--kernels.loss_grad_fp8", "true"])
+    with pytest.raises(ValueError, match=r"'kernels.loss_grad_fp8' = true: needs the fused Triton loss.*reference"):
+        impl_module.resolve_impl(cfg.kernels, torch.device("cpu"))
+    cuda = torch.device("cuda")
+    fused = impl_module.KernelChoice("loss", "auto", "triton", False)
+    monkeypatch.setattr(grad_fp8, "fp8_supported", lambda device: False)
+    with pytest.raises(ValueError, match=r"'kernels.loss_grad_fp8' = true: needs a CUDA GPU with FP8 matmuls"):
+        impl_module._fp8_loss_grads(lambda *a, **k: None, fused, cuda)
+    monkeypatch.setattr(grad_fp8, "fp8_supported", lambda device: True)
+    calls = []
+    loss = impl_module._fp8_loss_grads(lambda *a, **k: calls.append(k), fused, cuda)
+    loss(1, 2, 3)
+    assert calls == [{"fp8_grads": True}]
+    plain = impl_module.resolve_impl(load_job_config([]).kernels, torch.device("cpu"))
+    assert [c.chosen for c in plain.choices if c.op == "loss_grads"] == ["torch"]

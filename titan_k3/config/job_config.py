@@ -65,6 +65,8 @@ class Kernels:
     flex (flex_attention on a BlockMask, CUDA only), an SDPA backend on a dense document mask, or auto."""
     loss_chunk_rows: int = 0
     """Rows of the fused head + cross-entropy whose logits exist at one time (0: as many as fit in 3 GiB of logits, 8,192 at k3's 163,840-wide vocabulary in bf16). Fewer rows hold less memory in the forward for a little more time per update (benchmarks/results/fused_ce.md: 4,096 rows 1.25 GiB less than 8,192 for ~0.6-0.8 ms more per 32K tokens). Both the Triton kernel and the torch reference take it."""
+    loss_grad_fp8: bool = False
+    """The fused head + cross-entropy's two gradient products (dH = G W, dW = G^T h) in FP8: the softmax gradient G in e5m2 with a fixed scale, the head and the rows in e4m3 with a scale per column (kernels/fused_ce/grad_fp8.py). The forward's logits, so the loss, stay in bf16. On the H200 the two products ran 1.8-2.0x their bf16 rate at k3-mini's head (benchmarks/results/fp8.md), with ~2.6e-2 relative error against bf16's ~2e-3; the loss is unchanged, the gradients noisier. Needs the fused loss on a GPU with FP8 matmuls (compute capability 8.9+), and holds two one-byte copies of each chunk's gradient (2 x loss_chunk_rows x vocabulary bytes)."""
     precompile_threads: int = 8
     """On CUDA: threads that compile our Triton kernels' recorded specializations (kernels/specializations/, one file per Triton version and GPU) in the background from the start of the run, instead of one after another at their first calls; 0 turns it off. Without a file for this Triton and GPU the kernels compile at first call, and the start-up report says so."""
 

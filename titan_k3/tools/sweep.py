@@ -8,7 +8,8 @@
     # compare finished runs at equal token budgets -> Markdown report
     python -m titan_k3.tools.sweep --compare runs/a runs/b runs/c --report sweep.md
 
-Knobs: optimizer.lr, training.local_batch_size, training.seq_len, lr_scheduler.warmup_steps.
+Knobs: optimizer.lr, training.local_batch_size, training.seq_len, lr_scheduler.warmup_steps,
+kernels.loss_grad_fp8.
 A batch or sequence-length knob changes the tokens per update, so generation
 sets training.steps to keep the token budget (steps x batch x seq_len x
 grad_accum) equal, and refuses a value for which no whole number of steps
@@ -46,7 +47,10 @@ import tomli_w
 from titan_k3.config import JobConfig, config_to_dict, load_job_config
 from titan_k3.metrics.run_dir import load_run_config, read_jsonl
 
-KNOBS = ("optimizer.lr", "training.local_batch_size", "training.seq_len", "lr_scheduler.warmup_steps")
+# NOTE: kernels.loss_grad_fp8 trades precision in the loss's gradients for speed: whether a run's loss notices is
+# a question for a paired sweep (benchmarks/results/fp8.md, session 26).
+KNOBS = ("optimizer.lr", "training.local_batch_size", "training.seq_len", "lr_scheduler.warmup_steps",
+         "kernels.loss_grad_fp8")
 TOKEN_KNOBS = ("training.local_batch_size", "training.seq_len")
 FREE_KEYS = frozenset({"job.name", "job.dump_folder", "job.description", "job.config_file"})
 SPIKE_FACTOR = 3.0

@@ -168,6 +168,9 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
     loss, c_loss = _pick("loss", kernels_cfg.loss, on_cuda, ("kernels.fused_ce", "linear_cross_entropy", "triton"), ce_reference.linear_cross_entropy)
     if kernels_cfg.loss_chunk_rows:
         loss = functools.partial(loss, chunk_rows=kernels_cfg.loss_chunk_rows)
+    c_grads = KernelChoice("loss_grads", "bf16", "bf16" if c_loss.chosen == "triton" else "torch", False)
+    if kernels_cfg.loss_grad_fp8:
+        loss, c_grads = _fp8_loss_grads(loss, c_loss, device), KernelChoice("loss_grads", "fp8", "fp8", False)
     if c_loss.chosen == "triton":
         # NOTE: the trainer checks token ids on the host before they reach the GPU, so the
         # kernel's own range check (a device sync per micro-batch) is skipped; a bad id
@@ -202,7 +205,22 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
                          causal_conv_silu_reference)
     backends, c_attn = _attention_backends(kernels_cfg.attention, on_cuda)
     return Impl(kda, experts, loss, backends, attn_res=attn_res, router=router, max_logit=max_logit, conv=conv,
-                choices=[c_kda, c_exp, c_loss, c_res, c_router, c_max, c_conv, c_attn])
+                choices=[c_kda, c_exp, c_loss, c_grads, c_res, c_router, c_max, c_conv, c_attn])
+
+
+def _fp8_loss_grads(loss: Callable, c_loss: KernelChoice, device: torch.device) -> Callable:
+    """The fused loss with its gradient products in FP8 (kernels.loss_grad_fp8), or a ValueError naming what is
+    missing, before any work: the fused Triton loss, on a GPU with FP8 matmuls."""
+    from kernels.fused_ce.grad_fp8 import fp8_supported
+
+    key = "config key 'kernels.loss_grad_fp8' = true"
+    if c_loss.chosen != "triton":
+        raise ValueError(f"{key}: needs the fused Triton loss, but this run's loss is the torch reference "
+                         f"(kernels.loss = '{c_loss.requested}'{': ' + c_loss.reason if c_loss.reason else ''})")
+    if device.type != "cuda" or not fp8_supported(device):
+        raise ValueError(f"{key}: needs a CUDA GPU with FP8 matmuls (compute capability 8.9 or newer), got {device}"
+                         + (f" of capability {torch.cuda.get_device_capability(device)}" if torch.cuda.is_available() else ""))
+    return functools.partial(loss, fp8_grads=True)
 
 
 def _attention_backends(requested: str, on_cuda: bool) -> tuple[list | None, KernelChoice]:

@@ -1,0 +1,99 @@
+"""The fused loss's two gradient products in FP8: dH = G W and dW = G^T h, with G = softmax - onehot.
+
+Legend: C rows in one chunk (C16: rounded up to a multiple of 16), V vocabulary, D model width.
+
+Of the fused head + loss's three products (each N x V x D), the forward's logits stay in h's dtype: a logit's
+error moves the loss itself. The two backward products take their operands in FP8 through cuBLAS's scaled
+matmul (`torch._scaled_mm`), about twice the bf16 rate on an H200 (benchmarks/results/fp8.md):
+  G   e5m2, one fixed scale: every entry of softmax - onehot lies in [-1, 1], so 2**15 maps the largest
+      possible entry under e5m2's largest value (57,344) with no amax pass, and e5m2's range keeps
+      probabilities down to ~1e-9 (e4m3 would flush every probability under ~4e-6 to zero, which is most of
+      a 163,840-wide row).
+  W, h  e4m3, one scale per column (per d, along the contraction), from each column's largest magnitude.
+cuBLAS's FP8 products read both operands contraction-contiguous, so G is written twice by one Triton pass
+(`softmax_grad`): [C16, V] for dH, and transposed, [V, C16], for dW; W and h are written transposed ([D, V],
+[D, C16]). cuBLAS also wants every dimension a multiple of 16: chunks are padded with zero rows.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+G_DTYPE = torch.float8_e5m2
+OPERAND_DTYPE = torch.float8_e4m3fn
+G_SCALE = 2.0**15
+ALIGN = 16  # cuBLAS's FP8 products: every dimension a multiple of 16
+
+# NOTE: tiles of 64 rows keep the transposed store's runs 64 bytes long (two 32-byte sectors) in e5m2.
+BLOCK_ROWS, BLOCK_COLS, NUM_WARPS = 64, 128, 4
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """cuBLAS FP8 products exist on CUDA GPUs of compute capability 8.9 and up (torch's CPU build has its own)."""
+    if device.type != "cuda":
+        return device.type == "cpu"
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def padded_rows(rows: int) -> int:
+    return -(-rows // ALIGN) * ALIGN
+
+
+@triton.jit
+def _softmax_grad_kernel(
+    logits_ptr, stride_row, lse_ptr, targets_ptr, g_ptr, gt_ptr,
+    n_rows, n_rows_padded, n_cols, ignore_index, scale,
+    BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """One [BLOCK_R, BLOCK_V] tile of scale * (softmax - onehot) into g [n_rows_padded, V] and gt [V, n_rows_padded];
+    rows past n_rows (padding) and ignored rows are zero."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    real = rows < n_rows
+    col_mask = cols < n_cols
+    x = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_row + cols[None, :],
+                mask=real[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + rows, mask=real, other=0.0)
+    target = tl.load(targets_ptr + rows, mask=real, other=ignore_index)
+    keep = tl.where(real & (target != ignore_index), scale, 0.0)
+    p = tl.exp(x - lse[:, None])
+    p = tl.where(cols[None, :] == target[:, None], p - 1.0, p) * keep[:, None]
+    q = p.to(g_ptr.dtype.element_ty)
+    store_mask = (rows < n_rows_padded)[:, None] & col_mask[None, :]
+    tl.store(g_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], q, mask=store_mask)
+    tl.store(gt_ptr + cols.to(tl.int64)[:, None] * n_rows_padded + rows[None, :], tl.trans(q),
+             mask=col_mask[:, None] & (rows < n_rows_padded)[None, :])
+
+
+def softmax_grad(logits_CV: torch.Tensor, lse_C: torch.Tensor, targets_C: torch.Tensor, ignore_index: int,
+                 scale: float, g_CV: torch.Tensor, gt_VC: torch.Tensor) -> None:
+    """g = scale * (softmax(logits) - onehot(target)) in g's dtype, and its transpose gt; zero for ignored rows.
+
+    logits_CV [C, V] (rows contiguous), lse_C [C] float32 (each row's log-sum-exp, `ce_rows`), targets_C [C] int64;
+    g_CV [C16, V] and gt_VC [V, C16] contiguous, C16 >= C: the rows past C are written as zeros (cuBLAS's padding).
+    """
+    n_rows, n_cols = logits_CV.shape
+    padded = g_CV.shape[0]
+    assert logits_CV.stride(1) == 1 and g_CV.shape == (padded, n_cols) and gt_VC.shape == (n_cols, padded)
+    assert g_CV.is_contiguous() and gt_VC.is_contiguous() and padded >= n_rows
+    grid = (triton.cdiv(padded, BLOCK_ROWS), triton.cdiv(n_cols, BLOCK_COLS))
+    _softmax_grad_kernel[grid](
+        logits_CV, logits_CV.stride(0), lse_C, targets_C, g_CV, gt_VC, n_rows, padded, n_cols, ignore_index, scale,
+        BLOCK_R=BLOCK_ROWS, BLOCK_V=BLOCK_COLS, num_warps=NUM_WARPS,
+    )
+
+
+def columns_to_fp8(x_RD: torch.Tensor, rows_padded: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x^T [D, R'] in e4m3, row-major, R' = rows_padded (zero columns past R) or R; scale [1, D] float32): one
+    scale per column of x, its largest magnitude over e4m3's largest value, so x ~ (x8^T)^T * scale."""
+    rows, dim = x_RD.shape
+    amax = x_RD.abs().amax(dim=0).float()
+    scale = (amax / torch.finfo(OPERAND_DTYPE).max).clamp(min=torch.finfo(torch.float32).tiny)
+    x8_DR = torch.zeros(dim, rows_padded or rows, dtype=OPERAND_DTYPE, device=x_RD.device)
+    x8_DR[:, :rows] = (x_RD.float() / scale).t()
+    return x8_DR, scale[None, :]
+
+
+def g_scales(rows: int, device: torch.device) -> torch.Tensor:
+    """[rows, 1] float32 of 1 / G_SCALE: the dequantisation scale of every row of G (or of G^T)."""
+    return torch.full((rows, 1), 1.0 / G_SCALE, dtype=torch.float32, device=device)
