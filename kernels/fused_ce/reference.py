@@ -185,3 +185,15 @@ def softmax_grad(logits_CV: torch.Tensor, lse_C: torch.Tensor, targets_C: torch.
     g_CV.zero_()
     g_CV[:rows] = p_CV
     gt_VC.copy_(g_CV.t())
+
+
+def columns_to_fp8(x_RD: torch.Tensor, rows_padded: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.fused_ce.grad_fp8.columns_to_fp8` in torch: (x^T [D, R'] in e4m3 with zero columns past R, scale
+    [1, D] float32, each column's largest magnitude over e4m3's largest value)."""
+    from kernels.fused_ce.grad_fp8 import OPERAND_DTYPE, column_scales
+
+    rows, dim = x_RD.shape
+    scale = column_scales(x_RD)
+    x8_DR = torch.zeros(dim, rows_padded or rows, dtype=OPERAND_DTYPE, device=x_RD.device)
+    x8_DR[:, :rows] = (x_RD.float() * (1.0 / scale)).t()
+    return x8_DR, scale[None, :]

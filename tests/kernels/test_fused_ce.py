@@ -307,12 +307,14 @@ def test_fp8_grads_track_float64_within_fp8_error(small_block, small_grad_tiles,
     """Both gradients through the FP8 products against float64, over ragged chunks (padded to 16 rows): the loss is
     exact (its logits stay in h's dtype), the gradients within FP8's error; a product left in float32 would fail the
     last line. NOTE: on the CPU the gradient pass is the torch reference: Triton's interpreter casts to FP8 wrongly
-    (-0.95 * 2**15 comes out as -2**14), so the kernel's own FP8 stores are checked on the GPU
-    (tests/gpu/test_fused_ce_gpu.py) and in float32 / float16 above."""
+    (-0.95 * 2**15 comes out as -2**14), so there the gradient pass and the e4m3 casts are the torch references; the
+    kernels' own FP8 stores are checked on the GPU (tests/gpu/test_fused_ce_gpu.py), the gradient pass in float32 /
+    float16 above."""
     from kernels.fused_ce import grad_fp8
 
     if DEVICE == "cpu":
         monkeypatch.setattr(grad_fp8, "softmax_grad", reference.softmax_grad)
+        monkeypatch.setattr(grad_fp8, "columns_to_fp8", reference.columns_to_fp8)
     h, weight, targets = _inputs(n, 32, 64, ignore_every=5)
     truth = _ground_truth(h, weight, targets)
     loss, n_valid, gh, gw = _loss_and_grads(linear_cross_entropy, h, weight, targets, chunk_rows=chunk_rows,
