@@ -146,6 +146,27 @@ def write_results(out: Path, name: str, table: str, env: dict, rows: list[dict])
     print(table)
 
 
+ENV_COLUMNS = ("date", "commit", "GPU", "torch", "triton")
+
+
+def env_cells(env: dict) -> str:
+    """The first five cells of a results row ('| date | commit | GPU | torch | triton | '), from `environment()`."""
+    return f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | "
+
+
+def markdown_table(columns: list[str], lines: list[str]) -> str:
+    """A results table: ENV_COLUMNS then `columns` as its header, over rows that start with `env_cells`."""
+    header = [*ENV_COLUMNS, *columns]
+    return "| " + " | ".join(header) + " |\n" + "|---" * len(header) + "|\n" + "\n".join(lines) + "\n"
+
+
+def append_section(path: str | Path, heading: str, intro: str, table: str) -> None:
+    """Append '### heading', an intro line and the table to a results file (and print the table)."""
+    print("\n" + table)
+    with open(path, "a") as f:
+        f.write(f"\n### {heading}\n\n{intro}\n\n{table}")
+
+
 def environment() -> dict:
     """date, commit, gpu, torch, triton: the columns every results row starts with; host: the machine (in the JSON)."""
     return {

@@ -29,7 +29,8 @@ import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import environment, kernel_ms, rel_rms  # noqa: E402
+from benchmarks.common import (append_section, env_cells, environment, kernel_ms,  # noqa: E402
+                               markdown_table, rel_rms)
 from benchmarks.moe import column_major  # noqa: E402  (the layout torchao's FP8 path reads too)
 
 TOP_K, EXPERTS, LATENT, HIDDEN = 6, 176, 256, 544  # k3-mini (titan_k3/models/k3/args.py)
@@ -122,17 +123,13 @@ def main() -> int:
         best_bf16 = min(kernel for name, (_, kernel, _) in times.items() if name.startswith("bf16"))
         flops = 6 * rows * k * m
         for name, (wall, kernel, err) in times.items():
-            lines.append(f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | "
-                         f"{label} | [{rows}, {k}] x [{EXPERTS}, {k}, {m}] | {name} | {wall:.3f} | {kernel:.3f} | "
-                         f"{flops / kernel / 1e9:.0f} | {best_bf16 / kernel:.2f}x | {err:.1e} |")
-    table = ("| date | commit | GPU | torch | triton | product (k3-mini experts) | shape | variant | fwd+bwd wall ms "
-             "| fwd+bwd kernel ms | TFLOP/s (kernel) | vs the faster bf16 (kernel) | worst rel. RMS vs float32 "
-             "(y, dx, dw) |\n" + "|---" * 13 + "|\n"
-             + "\n".join(lines) + "\n")
-    print("\n" + table)
-    with open(RESULTS, "a") as f:
-        f.write(f"\n### Routed-expert grouped GEMMs, FP8 rowwise (torchao) vs bf16 (benchmarks/fp8_experts.py)\n\n"
-                f"Groups of near-equal size, each a multiple of {ALIGN} rows (FP8's best case).\n\n{table}")
+            lines.append(f"{env_cells(env)}{label} | [{rows}, {k}] x [{EXPERTS}, {k}, {m}] | {name} | {wall:.3f} | "
+                         f"{kernel:.3f} | {flops / kernel / 1e9:.0f} | {best_bf16 / kernel:.2f}x | {err:.1e} |")
+    table = markdown_table(["product (k3-mini experts)", "shape", "variant", "fwd+bwd wall ms", "fwd+bwd kernel ms",
+                            "TFLOP/s (kernel)", "vs the faster bf16 (kernel)", "worst rel. RMS vs float32 (y, dx, dw)"],
+                           lines)
+    append_section(RESULTS, "Routed-expert grouped GEMMs, FP8 rowwise (torchao) vs bf16 (benchmarks/fp8_experts.py)",
+                   f"Groups of near-equal size, each a multiple of {ALIGN} rows (FP8's best case).", table)
     return 0
 
 

@@ -27,7 +27,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import environment, rel_rms  # noqa: E402
+from benchmarks.common import append_section, env_cells, environment, markdown_table, rel_rms  # noqa: E402
 
 DIM, VOCAB = 512, 163840  # k3-mini's head (titan_k3/models/k3/args.py)
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fp8.md")
@@ -105,23 +105,19 @@ def main() -> int:
                     got, run = scaled_product(a, b, dtypes, rowwise, out_dtype)
             except RuntimeError as e:  # a format pair or scaling cuBLAS does not take: a row that says so
                 print(f"  {label}, {name}: not run ({str(e).splitlines()[0]})", flush=True)
-                lines.append(f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | "
-                             f"{label} | [{m}, {k}] x [{k}, {b.shape[1]}] | {name} | not run: "
+                lines.append(f"{env_cells(env)}{label} | [{m}, {k}] x [{k}, {b.shape[1]}] | {name} | not run: "
                              f"{str(e).splitlines()[0][:80]} | | | |")
                 continue
             err = rel_rms(got.float(), ref)
             ms = triton.testing.do_bench(run, warmup=25, rep=200)
             bf16_ms = bf16_ms or ms
             print(f"  {label}, {name}: {ms:.3f} ms, error {err:.2e}", flush=True)
-            lines.append(f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | "
-                         f"{label} | [{m}, {k}] x [{k}, {b.shape[1]}] | {name} | {ms:.3f} | {flops / ms / 1e9:.0f} | "
-                         f"{bf16_ms / ms:.2f}x | {err:.1e} |")
-    table = ("| date | commit | GPU | torch | triton | product (one chunk) | shape | variant | ms | TFLOP/s | vs bf16 "
-             "| rel. RMS vs float32 |\n" + "|---" * 12 + "|\n" + "\n".join(lines) + "\n")
-    print("\n" + table)
-    with open(RESULTS, "a") as f:
-        f.write(f"\n### The fused head's three products, FP8 (torch._scaled_mm) vs bf16 (benchmarks/fp8_head.py)\n\n"
-                f"One chunk of {args.rows} rows; FP8 operands cast beforehand (the products' floor).\n\n{table}")
+            lines.append(f"{env_cells(env)}{label} | [{m}, {k}] x [{k}, {b.shape[1]}] | {name} | {ms:.3f} | "
+                         f"{flops / ms / 1e9:.0f} | {bf16_ms / ms:.2f}x | {err:.1e} |")
+    table = markdown_table(["product (one chunk)", "shape", "variant", "ms", "TFLOP/s", "vs bf16",
+                            "rel. RMS vs float32"], lines)
+    append_section(RESULTS, "The fused head's three products, FP8 (torch._scaled_mm) vs bf16 (benchmarks/fp8_head.py)",
+                   f"One chunk of {args.rows} rows; FP8 operands cast beforehand (the products' floor).", table)
     return 0
 
 

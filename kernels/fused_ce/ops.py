@@ -15,6 +15,10 @@ than four); the backward only scales the stored float32 gradients by the
 upstream scalar. The price is holding dH (N x D) and dW (V x D) in float32
 between forward and backward.
 
+With `fp8_grads`, the two gradient products run in FP8 instead (`grad_fp8.py`):
+the row kernel leaves each row's log-sum-exp, and a second pass writes the
+gradient in e5m2, in both layouts those products read.
+
 The op is registered with `torch.library` (fake kernel and autograd included)
 so that `torch.compile` traces through it without a graph break.
 """
@@ -132,12 +136,11 @@ class _Fp8Grads:
             h8_DC, h_scale = grad_fp8.columns_to_fp8(h_CD, padded)
             # NOTE: the first chunk writes the float32 gradient; later ones add a bf16 product (its rounding is
             # ~1/50 of FP8's) instead of holding a second float32 [V, D].
+            product = dict(scale_a=self.g_row_scale[:vocab], scale_b=h_scale)
             if first:
-                torch._scaled_mm(gt_VC, h8_DC.t(), scale_a=self.g_row_scale[:vocab], scale_b=h_scale,
-                                 out_dtype=torch.float32, out=grad_w_VD)
+                torch._scaled_mm(gt_VC, h8_DC.t(), **product, out_dtype=torch.float32, out=grad_w_VD)
             else:
-                grad_w_VD.add_(torch._scaled_mm(gt_VC, h8_DC.t(), scale_a=self.g_row_scale[:vocab], scale_b=h_scale,
-                                                out_dtype=torch.bfloat16))
+                grad_w_VD.add_(torch._scaled_mm(gt_VC, h8_DC.t(), **product, out_dtype=torch.bfloat16))
 
 
 @_fused_linear_ce.register_fake

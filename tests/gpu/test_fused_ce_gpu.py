@@ -133,7 +133,8 @@ def test_columns_to_fp8_kernel_matches_the_torch_cast(rows, padded):
     from kernels.fused_ce import grad_fp8
 
     gen = torch.Generator(device="cuda").manual_seed(4)
-    x = (torch.randn(rows, 512, device="cuda", generator=gen) * torch.rand(512, device="cuda", generator=gen)).bfloat16()
+    column_scale = torch.rand(512, device="cuda", generator=gen)
+    x = (torch.randn(rows, 512, device="cuda", generator=gen) * column_scale).bfloat16()
     got, got_scale = grad_fp8.columns_to_fp8(x, padded)
     want, want_scale = reference.columns_to_fp8(x, padded)
     assert got.shape == (512, padded) and torch.equal(got_scale, want_scale)

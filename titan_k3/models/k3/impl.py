@@ -218,8 +218,9 @@ def _fp8_loss_grads(loss: Callable, c_loss: KernelChoice, device: torch.device) 
         raise ValueError(f"{key}: needs the fused Triton loss, but this run's loss is the torch reference "
                          f"(kernels.loss = '{c_loss.requested}'{': ' + c_loss.reason if c_loss.reason else ''})")
     if device.type != "cuda" or not fp8_supported(device):
+        capability = f" of capability {torch.cuda.get_device_capability(device)}" if torch.cuda.is_available() else ""
         raise ValueError(f"{key}: needs a CUDA GPU with FP8 matmuls (compute capability 8.9 or newer), got {device}"
-                         + (f" of capability {torch.cuda.get_device_capability(device)}" if torch.cuda.is_available() else ""))
+                         f"{capability}")
     return functools.partial(loss, fp8_grads=True)
 
 
