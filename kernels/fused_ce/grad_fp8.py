@@ -10,9 +10,8 @@ matmul (`torch._scaled_mm`), about twice the bf16 rate on an H200 (benchmarks/re
       probabilities down to ~1e-9 (e4m3 would flush every probability under ~4e-6 to zero, which is most of
       a 163,840-wide row).
   W, h  e4m3, one scale per column (per d, along the contraction), from each column's largest magnitude.
-cuBLAS's FP8 products read both operands contraction-contiguous, so G is written twice by one Triton pass
-(`softmax_grad`): [C16, V] for dH, and transposed, [V, C16], for dW; W and h are written transposed ([D, V],
-[D, C16]). cuBLAS also wants every dimension a multiple of 16: chunks are padded with zero rows.
+cuBLAS's FP8 products read both operands contraction-contiguous, so G is written twice (`softmax_grad`):
+[C16, V] for dH, and transposed, [V, C16], for dW; W and h are written transposed ([D, V], [D, C16]). cuBLAS also wants every dimension a multiple of 16: chunks are padded with zero rows.
 """
 
 import torch
@@ -24,8 +23,10 @@ OPERAND_DTYPE = torch.float8_e4m3fn
 G_SCALE = 2.0**15
 ALIGN = 16  # cuBLAS's FP8 products: every dimension a multiple of 16
 
-# NOTE: tiles of 64 rows keep the transposed store's runs 64 bytes long (two 32-byte sectors) in e5m2.
-BLOCK_ROWS, BLOCK_COLS, NUM_WARPS = 64, 128, 4
+# NOTE: tile shapes from one H200 sweep at a 4,096-row chunk (session 26): the gradient pass 32 x 128 with 4 warps
+# (0.53 ms), the transpose 64 x 256 with 8 (0.34 ms).
+BLOCK_ROWS, BLOCK_COLS, NUM_WARPS = 32, 128, 4
+TRANSPOSE_BLOCK = (64, 256, 8)
 CAST_BLOCK_ROWS, CAST_BLOCK_COLS = 128, 64
 
 
@@ -42,12 +43,12 @@ def padded_rows(rows: int) -> int:
 
 @triton.jit
 def _softmax_grad_kernel(
-    logits_ptr, stride_row, lse_ptr, targets_ptr, g_ptr, gt_ptr,
+    logits_ptr, stride_row, lse_ptr, targets_ptr, g_ptr,
     n_rows, n_rows_padded, n_cols, ignore_index, scale,
     BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """One [BLOCK_R, BLOCK_V] tile of scale * (softmax - onehot) into g [n_rows_padded, V] and gt [V, n_rows_padded];
-    rows past n_rows (padding) and ignored rows are zero."""
+    """One [BLOCK_R, BLOCK_V] tile of scale * (softmax - onehot) into g [n_rows_padded, V]; rows past n_rows
+    (padding) and ignored rows are zero."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     real = rows < n_rows
@@ -59,11 +60,19 @@ def _softmax_grad_kernel(
     keep = tl.where(real & (target != ignore_index), scale, 0.0)
     p = tl.exp(x - lse[:, None])
     p = tl.where(cols[None, :] == target[:, None], p - 1.0, p) * keep[:, None]
-    q = p.to(g_ptr.dtype.element_ty)
-    store_mask = (rows < n_rows_padded)[:, None] & col_mask[None, :]
-    tl.store(g_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], q, mask=store_mask)
-    tl.store(gt_ptr + cols.to(tl.int64)[:, None] * n_rows_padded + rows[None, :], tl.trans(q),
-             mask=col_mask[:, None] & (rows < n_rows_padded)[None, :])
+    tl.store(g_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], p.to(g_ptr.dtype.element_ty),
+             mask=(rows < n_rows_padded)[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _transpose_kernel(src_ptr, dst_ptr, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dst [C, R] = src [R, C]^T, one [BLOCK_R, BLOCK_C] tile (values copied as they are)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    x = tl.load(src_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :],
+                mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :])
+    tl.store(dst_ptr + cols.to(tl.int64)[:, None] * n_rows + rows[None, :], tl.trans(x),
+             mask=(cols < n_cols)[:, None] & (rows < n_rows)[None, :])
 
 
 def softmax_grad(logits_CV: torch.Tensor, lse_C: torch.Tensor, targets_C: torch.Tensor, ignore_index: int,
@@ -72,15 +81,21 @@ def softmax_grad(logits_CV: torch.Tensor, lse_C: torch.Tensor, targets_C: torch.
 
     logits_CV [C, V] (rows contiguous), lse_C [C] float32 (each row's log-sum-exp, `ce_rows`), targets_C [C] int64;
     g_CV [C16, V] and gt_VC [V, C16] contiguous, C16 >= C: the rows past C are written as zeros (cuBLAS's padding).
+    NOTE: two passes, g from the logits and then gt from g: one pass storing both layouts took 1.10-1.13 ms per
+    4,096-row chunk at k3-mini's vocabulary on an H200 at every tile shape tried, these two 0.53 + 0.34
+    (benchmarks/results/fp8.md, session 26).
     """
     n_rows, n_cols = logits_CV.shape
     padded = g_CV.shape[0]
     assert logits_CV.stride(1) == 1 and g_CV.shape == (padded, n_cols) and gt_VC.shape == (n_cols, padded)
     assert g_CV.is_contiguous() and gt_VC.is_contiguous() and padded >= n_rows
-    grid = (triton.cdiv(padded, BLOCK_ROWS), triton.cdiv(n_cols, BLOCK_COLS))
-    _softmax_grad_kernel[grid](
-        logits_CV, logits_CV.stride(0), lse_C, targets_C, g_CV, gt_VC, n_rows, padded, n_cols, ignore_index, scale,
+    _softmax_grad_kernel[(triton.cdiv(padded, BLOCK_ROWS), triton.cdiv(n_cols, BLOCK_COLS))](
+        logits_CV, logits_CV.stride(0), lse_C, targets_C, g_CV, n_rows, padded, n_cols, ignore_index, scale,
         BLOCK_R=BLOCK_ROWS, BLOCK_V=BLOCK_COLS, num_warps=NUM_WARPS,
+    )
+    rows, cols, warps = TRANSPOSE_BLOCK
+    _transpose_kernel[(triton.cdiv(padded, rows), triton.cdiv(n_cols, cols))](
+        g_CV, gt_VC, padded, n_cols, BLOCK_R=rows, BLOCK_C=cols, num_warps=warps,
     )
 
 

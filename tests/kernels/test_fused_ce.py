@@ -267,11 +267,12 @@ def test_fused_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
 
 @pytest.fixture
 def small_grad_tiles(monkeypatch):
-    """Tiles of 8 rows x 16 columns, so that small chunks span several tiles and ragged edges."""
+    """Tiles of 8 rows x 16 columns (the transpose: 16 x 8), so that small chunks span several tiles and ragged edges."""
     import kernels.fused_ce.grad_fp8 as grad_fp8
 
     monkeypatch.setattr(grad_fp8, "BLOCK_ROWS", 8)
     monkeypatch.setattr(grad_fp8, "BLOCK_COLS", 16)
+    monkeypatch.setattr(grad_fp8, "TRANSPOSE_BLOCK", (16, 8, 4))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
