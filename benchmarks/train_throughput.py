@@ -138,7 +138,9 @@ VARIANTS = {
     # The recipe with the fused loss's two gradient products in FP8 (kernels.loss_grad_fp8): dH and dW ran 2.0x and
     # 1.8x their bf16 rate at a 4,096-row chunk (fp8.md, session 26); predicted ~-6 ms per update (8 chunks of
     # ~-0.9 ms, less the W and h casts), +1.3 GiB (two e5m2 copies of a chunk's gradient); with 2,048-row chunks,
-    # memory as the recipe's for ~1.5 ms of it back.
+    # memory as the recipe's for ~1.5 ms of it back. Measured (session 26, B32 T1024): -1.3 / -1.9 ms with one pass
+    # writing both layouts of G, 136.7 ms (~-5, across calls) with the transposed copy as a pass of its own, 29.5 GiB;
+    # 2,048-row chunks +4 ms over its own 4,096.
     "ours-recipe-loss-fp8": [*RECIPE, "--kernels.loss_grad_fp8", "true"],
     "ours-recipe-loss-fp8-ce2048": [*RECIPE, "--kernels.loss_grad_fp8", "true", "--kernels.loss_chunk_rows", "2048"],
     # FP8 on every block linear of k3-mini (the default min_dim 8192 converts none: none paid, fp8.md)
