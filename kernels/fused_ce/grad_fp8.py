@@ -11,7 +11,8 @@ matmul (`torch._scaled_mm`), about twice the bf16 rate on an H200 (benchmarks/re
       a 163,840-wide row).
   W, h  e4m3, one scale per column (per d, along the contraction), from each column's largest magnitude.
 cuBLAS's FP8 products read both operands contraction-contiguous, so G is written twice (`softmax_grad`):
-[C16, V] for dH, and transposed, [V, C16], for dW; W and h are written transposed ([D, V], [D, C16]). cuBLAS also wants every dimension a multiple of 16: chunks are padded with zero rows.
+[C16, V] for dH, and transposed, [V, C16], for dW; W and h are written transposed ([D, V], [D, C16]). cuBLAS
+also wants every dimension a multiple of 16: chunks are padded with zero rows.
 """
 
 import torch
@@ -38,6 +39,7 @@ def fp8_supported(device: torch.device) -> bool:
 
 
 def padded_rows(rows: int) -> int:
+    """Rows rounded up to a multiple of ALIGN (the zero-padded chunk cuBLAS's FP8 products take)."""
     return -(-rows // ALIGN) * ALIGN
 
 
