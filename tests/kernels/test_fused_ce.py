@@ -307,10 +307,9 @@ def test_softmax_grad_writes_both_layouts_zero_padded(small_grad_tiles, dtype):
 def test_fp8_grads_track_float64_within_fp8_error(small_block, small_grad_tiles, monkeypatch, n, chunk_rows):
     """Both gradients through the FP8 products against float64, over ragged chunks (padded to 16 rows): the loss is
     exact (its logits stay in h's dtype), the gradients within FP8's error; a product left in float32 would fail the
-    last line. NOTE: on the CPU the gradient pass is the torch reference: Triton's interpreter casts to FP8 wrongly
-    (-0.95 * 2**15 comes out as -2**14), so there the gradient pass and the e4m3 casts are the torch references; the
-    kernels' own FP8 stores are checked on the GPU (tests/gpu/test_fused_ce_gpu.py), the gradient pass in float32 /
-    float16 above."""
+    last line. NOTE: Triton's interpreter casts to FP8 wrongly (-0.95 * 2**15 comes out as -2**14), so on the CPU
+    the gradient pass and the e4m3 casts are their torch references; the kernels' own FP8 stores are checked on the
+    GPU (tests/gpu/test_fused_ce_gpu.py), the gradient pass in float32 / float16 above."""
     from kernels.fused_ce import grad_fp8
 
     if DEVICE == "cpu":

@@ -273,8 +273,8 @@ def test_loss_chunk_rows_reaches_the_loss_and_keeps_its_value(monkeypatch):
 
 def test_loss_grad_fp8_is_refused_without_the_fused_loss_on_an_fp8_gpu(monkeypatch):
     """kernels.loss_grad_fp8 names what it lacks before any work: the fused loss (a CPU run takes the torch
-    reference), a GPU with FP8 matmuls; granted, the fused loss is called with FP8 gradient products and the kernel
-    report says so."""
+    reference), a GPU with FP8 matmuls; granted, the fused loss is called with FP8 gradient products. Without the
+    key the kernel report's loss_grads entry names the loss's own precision path."""
     import kernels.fused_ce.grad_fp8 as grad_fp8
     from titan_k3.models.k3 import impl as impl_module
 
