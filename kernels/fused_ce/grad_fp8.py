@@ -67,14 +67,19 @@ def _softmax_grad_kernel(
 
 
 @triton.jit
-def _transpose_kernel(src_ptr, dst_ptr, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dst [C, R] = src [R, C]^T, one [BLOCK_R, BLOCK_C] tile (values copied as they are)."""
+def _transpose_kernel(src_ptr, stride_row, inv_scale_ptr, dst_ptr, n_rows, n_cols, n_rows_padded,
+                      SCALED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One [BLOCK_R, BLOCK_C] tile of src [R, C] stored transposed into dst [C, R'] (zero past n_rows): the values as
+    they are, or (SCALED) times each column's inverse scale and cast to dst's dtype."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    x = tl.load(src_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :],
-                mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :])
-    tl.store(dst_ptr + cols.to(tl.int64)[:, None] * n_rows + rows[None, :], tl.trans(x),
-             mask=(cols < n_cols)[:, None] & (rows < n_rows)[None, :])
+    col_ok = cols < n_cols
+    src = src_ptr + rows.to(tl.int64)[:, None] * stride_row + cols[None, :]
+    x = tl.load(src, mask=(rows < n_rows)[:, None] & col_ok[None, :], other=0.0)
+    if SCALED:
+        x = x.to(tl.float32) * tl.load(inv_scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    tl.store(dst_ptr + cols.to(tl.int64)[:, None] * n_rows_padded + rows[None, :],
+             tl.trans(x.to(dst_ptr.dtype.element_ty)), mask=col_ok[:, None] & (rows < n_rows_padded)[None, :])
 
 
 def softmax_grad(logits_CV: torch.Tensor, lse_C: torch.Tensor, targets_C: torch.Tensor, ignore_index: int,
@@ -97,23 +102,8 @@ def softmax_grad(logits_CV: torch.Tensor, lse_C: torch.Tensor, targets_C: torch.
     )
     rows, cols, warps = TRANSPOSE_BLOCK
     _transpose_kernel[(triton.cdiv(padded, rows), triton.cdiv(n_cols, cols))](
-        g_CV, gt_VC, padded, n_cols, BLOCK_R=rows, BLOCK_C=cols, num_warps=warps,
+        g_CV, n_cols, g_CV, gt_VC, padded, n_cols, padded, SCALED=False, BLOCK_R=rows, BLOCK_C=cols, num_warps=warps,
     )
-
-
-@triton.jit
-def _columns_to_fp8_kernel(x_ptr, stride_row, inv_scale_ptr, out_ptr, n_rows, n_cols, n_rows_padded,
-                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One [BLOCK_R, BLOCK_D] tile of x times each column's inverse scale, stored transposed into out [D, R']
-    (zero past n_rows)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_mask = cols < n_cols
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_row + cols[None, :],
-                mask=(rows < n_rows)[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-    q = (x * tl.load(inv_scale_ptr + cols, mask=col_mask, other=0.0)[None, :]).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + cols.to(tl.int64)[:, None] * n_rows_padded + rows[None, :], tl.trans(q),
-             mask=col_mask[:, None] & (rows < n_rows_padded)[None, :])
 
 
 def columns_to_fp8(x_RD: torch.Tensor, rows_padded: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,8 +116,8 @@ def columns_to_fp8(x_RD: torch.Tensor, rows_padded: int | None = None) -> tuple[
     scale = column_scales(x_RD)
     out = torch.empty(dim, rows_padded or rows, dtype=OPERAND_DTYPE, device=x_RD.device)
     grid = (triton.cdiv(out.shape[1], CAST_BLOCK_ROWS), triton.cdiv(dim, CAST_BLOCK_COLS))
-    _columns_to_fp8_kernel[grid](x_RD, x_RD.stride(0), 1.0 / scale, out, rows, dim, out.shape[1],
-                                 BLOCK_R=CAST_BLOCK_ROWS, BLOCK_D=CAST_BLOCK_COLS, num_warps=4)
+    _transpose_kernel[grid](x_RD, x_RD.stride(0), 1.0 / scale, out, rows, dim, out.shape[1], SCALED=True,
+                            BLOCK_R=CAST_BLOCK_ROWS, BLOCK_C=CAST_BLOCK_COLS, num_warps=4)
     return out, scale[None, :]
 
 

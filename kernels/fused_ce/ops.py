@@ -86,7 +86,7 @@ def _fused_linear_ce(
     # NOTE: a float32 (master) weight runs the products in h's dtype; its gradient stays float32 (grad_w32).
     weight = weight.to(h.dtype)
     weight_t = weight.t()
-    fp8 = _Fp8Grads(weight, min(chunk_rows, n_rows), need_grad_h) if fp8_grads and write_grad else None
+    fp8 = _Fp8Grads(weight, logits_buf, need_grad_h) if fp8_grads and write_grad else None
     for start in range(0, n_rows, chunk_rows):
         end = min(start + chunk_rows, n_rows)
         h_CD = h[start:end]
@@ -109,19 +109,29 @@ def _fused_linear_ce(
 class _Fp8Grads:
     """One call's FP8 gradient products (kernels/fused_ce/grad_fp8.py): the buffers its chunks reuse."""
 
-    def __init__(self, weight: torch.Tensor, chunk_rows: int, need_grad_h: bool):
-        vocab, device = weight.shape[0], weight.device
+    def __init__(self, weight: torch.Tensor, logits_buf: torch.Tensor, need_grad_h: bool):
+        vocab, dim, device = *weight.shape, weight.device
+        chunk_rows = logits_buf.shape[0]
         padded = grad_fp8.padded_rows(chunk_rows)
         self.lse = torch.empty(chunk_rows, dtype=torch.float32, device=device)
         self.g = torch.empty(padded * vocab, dtype=grad_fp8.G_DTYPE, device=device)
-        self.gt = torch.empty(padded * vocab, dtype=grad_fp8.G_DTYPE, device=device)
+        # NOTE: a chunk's logits are dead once G is written from them, so G's transpose and dW's bf16 product live in
+        # the logits buffer (k3-mini, 4,096-row chunks: 0.8 GiB less at the loss's peak); a buffer too small for
+        # both (chunks of a few rows) leaves them their own.
+        spare = logits_buf.view(-1).view(torch.uint8)
+        product_at = -(-padded * vocab // 256) * 256  # cuBLAS wants aligned operands
+        product_bytes = vocab * dim * torch.bfloat16.itemsize
+        if product_at + product_bytes > spare.numel():
+            spare = torch.empty(product_at + product_bytes, dtype=torch.uint8, device=device)
+        self.gt = spare[: padded * vocab].view(grad_fp8.G_DTYPE)
+        self.dw_product = spare[product_at: product_at + product_bytes].view(torch.bfloat16).view(vocab, dim)
         self.g_row_scale = grad_fp8.g_scales(max(padded, vocab), device)
         # NOTE: W in e4m3 once per call (every chunk's dH reads it), transposed: cuBLAS's layout for the right operand.
         self.w8_DV, self.w_scale = grad_fp8.columns_to_fp8(weight) if need_grad_h else (None, None)
 
     def backward(self, logits_CV, targets_C, ignore_index, h_CD, grad_h_CD, grad_w_VD, first: bool) -> None:
         """grad_h_CD = G W (float32, written) and grad_w_VD += G^T h (float32) for this chunk's G, from its logits
-        and the log-sum-exp `ce_rows` left in self.lse; None skips a product."""
+        and the log-sum-exp `ce_rows` left in self.lse; None skips a product. The logits are overwritten."""
         rows, vocab = logits_CV.shape
         padded = grad_fp8.padded_rows(rows)
         g_CV, gt_VC = self.g[: padded * vocab].view(padded, vocab), self.gt[: padded * vocab].view(vocab, padded)
@@ -140,7 +150,8 @@ class _Fp8Grads:
             if first:
                 torch._scaled_mm(gt_VC, h8_DC.t(), **product, out_dtype=torch.float32, out=grad_w_VD)
             else:
-                grad_w_VD.add_(torch._scaled_mm(gt_VC, h8_DC.t(), **product, out_dtype=torch.bfloat16))
+                torch._scaled_mm(gt_VC, h8_DC.t(), **product, out_dtype=torch.bfloat16, out=self.dw_product)
+                grad_w_VD.add_(self.dw_product)
 
 
 @_fused_linear_ce.register_fake

@@ -326,6 +326,22 @@ def test_fp8_grads_track_float64_within_fp8_error(small_block, small_grad_tiles,
     assert min(errors) > 1e-3, errors  # the FP8 products ran (float32 products err ~1e-7)
 
 
+@pytest.mark.parametrize("chunk_rows, shared", [(64, True), (16, False)])
+def test_fp8_grads_keep_g_transposed_in_the_logits_buffer_when_it_fits(chunk_rows, shared):
+    """G's transpose and dW's bf16 product take the dead logits' memory (no allocation of their own) when the chunk's
+    logits buffer holds both, and get their own memory when it does not."""
+    from kernels.fused_ce.ops import _Fp8Grads
+
+    weight = torch.randn(64, 32)
+    logits_buf = torch.empty(chunk_rows, 64, dtype=torch.bfloat16)
+    fp8 = _Fp8Grads(weight, logits_buf, need_grad_h=False)
+    inside = [t.untyped_storage().data_ptr() == logits_buf.untyped_storage().data_ptr() for t in (fp8.gt, fp8.dw_product)]
+    assert inside == [shared, shared]
+    assert fp8.gt.numel() == chunk_rows * 64 and fp8.dw_product.shape == (64, 32) and fp8.dw_product.dtype == torch.bfloat16
+    gt_end = fp8.gt.storage_offset() + fp8.gt.numel()
+    assert fp8.dw_product.storage_offset() * 2 >= gt_end  # the two do not overlap
+
+
 def test_fp8_grads_refuse_widths_cublas_cannot_take():
     h, weight, targets = _inputs(8, 24, 64)
     with pytest.raises(ValueError, match=r"fp8_grads: .*\(24\) must be multiples of 16"):
