@@ -17,7 +17,8 @@ between forward and backward.
 
 With `fp8_grads`, the two gradient products run in FP8 instead (`grad_fp8.py`):
 the row kernel leaves each row's log-sum-exp, and a second pass writes the
-gradient in e5m2, in both layouts those products read.
+gradient in e5m2, in both layouts those products read (the transposed one in
+the dead logits' buffer); dW then adds up in bf16.
 
 The op is registered with `torch.library` (fake kernel and autograd included)
 so that `torch.compile` traces through it without a graph break.
@@ -56,6 +57,13 @@ def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
 
 
+def grad_w_dtype(fp8_grads: bool) -> torch.dtype:
+    """The dtype the weight's gradient adds up in over the chunks: float32, or bf16 beside the FP8 products, whose
+    error is ~10x that of a bf16 sum over k3-mini's 8 chunks; a chunk's add of its product then moves 0.5 GB
+    instead of 0.84 (k3-mini's head)."""
+    return torch.bfloat16 if fp8_grads else torch.float32
+
+
 @torch.library.custom_op("fused_ce::linear_cross_entropy", mutates_args=())
 def _fused_linear_ce(
     h: torch.Tensor,
@@ -68,8 +76,9 @@ def _fused_linear_ce(
     check_targets: bool,
     fp8_grads: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss_sum [], grad_h32 [N, D] or [0], grad_w32 [V, D] or [0]) for unit upstream gradient; fp8_grads: the two
-    gradient products in FP8 (`kernels.fused_ce.grad_fp8`)."""
+    """(loss_sum [], grad_h32 [N, D] or [0], grad_w [V, D] or [0]) for unit upstream gradient; fp8_grads: the two
+    gradient products in FP8 (`kernels.fused_ce.grad_fp8`). grad_w is float32, or bf16 with fp8_grads
+    (`grad_w_dtype`)."""
     if check_targets:
         check_target_values(targets, weight.shape[0], ignore_index)
     n_rows, dim = h.shape
@@ -78,12 +87,13 @@ def _fused_linear_ce(
     targets = targets.contiguous()
     loss_N = torch.zeros(n_rows, **f32)
     grad_h32 = torch.empty(n_rows, dim, **f32) if need_grad_h else torch.empty(0, **f32)
-    grad_w32 = torch.zeros(vocab, dim, **f32) if need_grad_w else torch.empty(0, **f32)
+    grad_w = (torch.empty(vocab, dim, dtype=grad_w_dtype(fp8_grads), device=h.device) if need_grad_w
+              else torch.empty(0, **f32))
     if n_rows == 0:
-        return loss_N.sum(), grad_h32, grad_w32
+        return loss_N.sum(), grad_h32, grad_w.zero_()
     write_grad = need_grad_h or need_grad_w
     logits_buf = torch.empty(min(chunk_rows, n_rows), vocab, dtype=h.dtype, device=h.device)
-    # NOTE: a float32 (master) weight runs the products in h's dtype; its gradient stays float32 (grad_w32).
+    # NOTE: a float32 (master) weight runs the products in h's dtype; its gradient is grad_w's dtype.
     weight = weight.to(h.dtype)
     weight_t = weight.t()
     fp8 = _Fp8Grads(weight, logits_buf, need_grad_h) if fp8_grads and write_grad else None
@@ -95,15 +105,17 @@ def _fused_linear_ce(
         if fp8 is not None:
             ce_rows(logits_CV, targets[start:end], loss_N[start:end], ignore_index, False, lse_C=fp8.lse[: end - start])
             fp8.backward(logits_CV, targets[start:end], ignore_index, h_CD,
-                         grad_h32[start:end] if need_grad_h else None, grad_w32 if need_grad_w else None, start == 0)
+                         grad_h32[start:end] if need_grad_h else None, grad_w if need_grad_w else None, start == 0)
             continue
         ce_rows(logits_CV, targets[start:end], loss_N[start:end], ignore_index, write_grad)
         # logits_CV now holds dloss/dlogits.
         if need_grad_h:
             _mm_f32(logits_CV, weight, grad_h32[start:end])
-        if need_grad_w:
-            _addmm_f32(grad_w32, logits_CV.t(), h_CD)
-    return loss_N.sum(), grad_h32, grad_w32
+        if need_grad_w and start == 0:
+            _mm_f32(logits_CV.t(), h_CD, grad_w)
+        elif need_grad_w:
+            _addmm_f32(grad_w, logits_CV.t(), h_CD)
+    return loss_N.sum(), grad_h32, grad_w
 
 
 class _Fp8Grads:
@@ -120,18 +132,19 @@ class _Fp8Grads:
         # both (chunks of a few rows) leaves them their own.
         spare = logits_buf.view(-1).view(torch.uint8)
         product_at = -(-padded * vocab // 256) * 256  # cuBLAS wants aligned operands
-        product_bytes = vocab * dim * torch.bfloat16.itemsize
+        product_bytes = vocab * dim * grad_w_dtype(True).itemsize
         if product_at + product_bytes > spare.numel():
             spare = torch.empty(product_at + product_bytes, dtype=torch.uint8, device=device)
         self.gt = spare[: padded * vocab].view(grad_fp8.G_DTYPE)
-        self.dw_product = spare[product_at: product_at + product_bytes].view(torch.bfloat16).view(vocab, dim)
+        self.dw_product = spare[product_at: product_at + product_bytes].view(grad_w_dtype(True)).view(vocab, dim)
         self.g_row_scale = grad_fp8.g_scales(max(padded, vocab), device)
         # NOTE: W in e4m3 once per call (every chunk's dH reads it), transposed: cuBLAS's layout for the right operand.
         self.w8_DV, self.w_scale = grad_fp8.columns_to_fp8(weight) if need_grad_h else (None, None)
 
     def backward(self, logits_CV, targets_C, ignore_index, h_CD, grad_h_CD, grad_w_VD, first: bool) -> None:
-        """grad_h_CD = G W (float32, written) and grad_w_VD += G^T h (float32) for this chunk's G, from its logits
-        and the log-sum-exp `ce_rows` left in self.lse; None skips a product. The logits are overwritten."""
+        """grad_h_CD = G W (float32, written) and grad_w_VD += G^T h (bf16, `grad_w_dtype`; the first chunk writes
+        it) for this chunk's G, from its logits and the log-sum-exp `ce_rows` left in self.lse; None skips a
+        product. The logits are overwritten."""
         rows, vocab = logits_CV.shape
         padded = grad_fp8.padded_rows(rows)
         g_CV, gt_VC = self.g[: padded * vocab].view(padded, vocab), self.gt[: padded * vocab].view(vocab, padded)
@@ -144,13 +157,10 @@ class _Fp8Grads:
                 grad_h_CD.copy_(torch._scaled_mm(g_CV, self.w8_DV.t(), **product)[:rows])
         if grad_w_VD is not None:
             h8_DC, h_scale = grad_fp8.columns_to_fp8(h_CD, padded)
-            # NOTE: the first chunk writes the float32 gradient; later ones add a bf16 product (its rounding is
-            # ~1/50 of FP8's) instead of holding a second float32 [V, D].
-            product = dict(scale_a=self.g_row_scale[:vocab], scale_b=h_scale)
-            if first:
-                torch._scaled_mm(gt_VC, h8_DC.t(), **product, out_dtype=torch.float32, out=grad_w_VD)
-            else:
-                torch._scaled_mm(gt_VC, h8_DC.t(), **product, out_dtype=torch.bfloat16, out=self.dw_product)
+            # NOTE: cuBLAS's FP8 product cannot add to its output, so later chunks write theirs aside and add it.
+            product = dict(scale_a=self.g_row_scale[:vocab], scale_b=h_scale, out_dtype=grad_w_VD.dtype)
+            torch._scaled_mm(gt_VC, h8_DC.t(), **product, out=grad_w_VD if first else self.dw_product)
+            if not first:
                 grad_w_VD.add_(self.dw_product)
 
 
@@ -158,23 +168,24 @@ class _Fp8Grads:
 def _(h, weight, targets, ignore_index, chunk_rows, need_grad_h, need_grad_w, check_targets, fp8_grads=False):
     loss = h.new_empty((), dtype=torch.float32)
     grad_h32 = h.new_empty(h.shape if need_grad_h else (0,), dtype=torch.float32)
-    grad_w32 = weight.new_empty(weight.shape if need_grad_w else (0,), dtype=torch.float32)
-    return loss, grad_h32, grad_w32
+    grad_w = (weight.new_empty(weight.shape, dtype=grad_w_dtype(fp8_grads)) if need_grad_w
+              else weight.new_empty((0,), dtype=torch.float32))
+    return loss, grad_h32, grad_w
 
 
 def _setup_context(ctx, inputs, output):
     h, weight, _, _, _, need_grad_h, need_grad_w, _, *_ = inputs
-    _, grad_h32, grad_w32 = output
-    ctx.save_for_backward(grad_h32, grad_w32)
+    _, grad_h32, grad_w = output
+    ctx.save_for_backward(grad_h32, grad_w)
     ctx.dtypes = (h.dtype, weight.dtype)
     ctx.computed = (need_grad_h, need_grad_w)
 
 
-def _backward(ctx, grad_loss, _grad_h32, _grad_w32):
-    grad_h32, grad_w32 = ctx.saved_tensors
+def _backward(ctx, grad_loss, _grad_h32, _grad_w):
+    grad_h32, grad_w = ctx.saved_tensors
     h_dtype, w_dtype = ctx.dtypes
     grads = [None, None]
-    for i, (stored, dtype) in enumerate(((grad_h32, h_dtype), (grad_w32, w_dtype))):
+    for i, (stored, dtype) in enumerate(((grad_h32, h_dtype), (grad_w, w_dtype))):
         if ctx.needs_input_grad[i]:
             if not ctx.computed[i]:
                 raise RuntimeError(
