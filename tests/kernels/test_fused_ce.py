@@ -335,9 +335,10 @@ def test_fp8_grads_keep_g_transposed_in_the_logits_buffer_when_it_fits(chunk_row
     weight = torch.randn(64, 32)
     logits_buf = torch.empty(chunk_rows, 64, dtype=torch.bfloat16)
     fp8 = _Fp8Grads(weight, logits_buf, need_grad_h=False)
-    inside = [t.untyped_storage().data_ptr() == logits_buf.untyped_storage().data_ptr() for t in (fp8.gt, fp8.dw_product)]
-    assert inside == [shared, shared]
-    assert fp8.gt.numel() == chunk_rows * 64 and fp8.dw_product.shape == (64, 32) and fp8.dw_product.dtype == torch.bfloat16
+    buffer = logits_buf.untyped_storage().data_ptr()
+    assert [t.untyped_storage().data_ptr() == buffer for t in (fp8.gt, fp8.dw_product)] == [shared, shared]
+    assert fp8.gt.numel() == chunk_rows * 64
+    assert fp8.dw_product.shape == (64, 32) and fp8.dw_product.dtype == torch.bfloat16
     gt_end = fp8.gt.storage_offset() + fp8.gt.numel()
     assert fp8.dw_product.storage_offset() * 2 >= gt_end  # the two do not overlap
 
