@@ -15,6 +15,10 @@ polynomial path and chunk (`optimizer.ns_chunk`; 0 = every block at once):
 A second table times the single products at the largest shape (and the Triton polynomial's tile configs), to
 say where the time goes. Appends to OUTDIR/newton_schulz.md. Without CUDA it checks the errors only.
 
+--fused times `benchmarks/ns_one_kernel.py`'s `newton_schulz_blocks` (every step of a block in one persistent kernel, the
+block's iterate and Gram matrices kept in L2) against ours in the same run, at every block shape it takes, per
+tile and launch config, with its error against float64.
+
 --gram also times Gram Newton-Schulz (`gram_newton_schulz`: the same polynomial iterated on the small Gram
 matrix R = X X^T and the accumulated left factor Q, with X = Q X0 formed only at restarts and at the end) at the
 flavor's two largest block shapes, against ours in the same run, with its error against float64.
@@ -33,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import environment, median_ms, rel_rms, write_results  # noqa: E402
+from benchmarks.ns_one_kernel import MAX_M, newton_schulz_blocks  # noqa: E402
 from kernels.muon import ns_polynomial  # noqa: E402
 from kernels.muon.fused import _ns_poly_kernel  # noqa: E402
 from kernels.muon.reference import newton_schulz as newton_schulz_f64  # noqa: E402
@@ -146,6 +151,54 @@ def gram_rows(shapes: dict, device: torch.device, env: dict) -> list[dict]:
     return rows
 
 
+FUSED_CONFIGS = {  # name: (programs per SM, config)
+    "2/SM, N64 K64 w8 s2": (2, dict(BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=2)),
+    "1/SM, N64 K64 w8 s3": (1, dict(BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3)),
+    "2/SM, N32 K64 w8 s2": (2, dict(BLOCK_N=32, BLOCK_K=64, num_warps=8, num_stages=2)),
+    "2/SM, N64 K32 w8 s3": (2, dict(BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3)),
+    "3/SM, N64 K64 w4 s2": (3, dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=2)),
+    "2/SM, N128 K64 w8 s2": (2, dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=2)),
+    "1/SM, N128 K64 w16 s3": (1, dict(BLOCK_N=128, BLOCK_K=64, num_warps=16, num_stages=3)),
+    "1/SM, N128 K64 w8 s3": (1, dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
+    "1/SM, N64 K64 w16 s3": (1, dict(BLOCK_N=64, BLOCK_K=64, num_warps=16, num_stages=3)),
+}
+
+
+def fused_rows(shapes: dict, device: torch.device, env: dict, configs: list[str], largest: int) -> list[dict]:
+    """Ours and `newton_schulz_blocks` per config at each of the `largest` block shapes that it takes: error
+    against float64, ms."""
+    rows = []
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    for (r, c), k in list(shapes.items())[:largest]:
+        if min(r, c) > MAX_M:
+            continue
+        s = muon_scale(r, c)
+        G64 = decaying(min(k, 16), r, c, device)
+        ref = newton_schulz_f64(G64, STEPS, dtype=torch.float64, scale=s)
+        G = torch.randn(k, r, c, device=device, dtype=torch.bfloat16) * 1e-3
+        ours = newton_schulz(G, STEPS, dtype=torch.bfloat16, scale=s)
+        variants = {"ours (step by step)": lambda g: newton_schulz(g, STEPS, dtype=torch.bfloat16, scale=s)}
+        for name in configs:
+            per_sm, cfg = FUSED_CONFIGS[name]
+            variants[f"fused {name}"] = functools.partial(newton_schulz_blocks, steps=STEPS, coeffs=NS_COEFFS, scale=s,
+                                                          programs=per_sm * sms, config=cfg)
+        for name, fn in variants.items():
+            try:
+                err = rel_rms(fn(G64.bfloat16()), ref)
+                diff = rel_rms(fn(G), ours.double())
+                ms = graph_ms(lambda fn=fn: fn(G))
+            except Exception as e:  # a config that does not compile is a row, not the end of the run
+                rows.append(dict(env, shape=f"{k}x{r}x{c}", variant=name, rel_err=float("nan"), vs_ours=float("nan"),
+                                 ms=float("nan"), note=f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"))
+                print(rows[-1], flush=True)
+                continue
+            flop = ns_flop(k, r, c)
+            rows.append(dict(env, shape=f"{k}x{r}x{c}", variant=name, rel_err=err, vs_ours=diff, ms=ms,
+                             tflops=flop / ms / 1e9, note=""))
+            print(rows[-1], flush=True)
+    return rows
+
+
 def product_times(k: int, m: int, n: int, device: torch.device) -> list[tuple[str, float, float]]:
     """(product, ms, FLOP) of each single product of a step at k blocks [m, n] (m <= n), and of the Triton
     polynomial per tile config (block, BLOCK_K, warps, stages)."""
@@ -182,12 +235,16 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=0, help="unused (the benchmark scripts' common flags)")
     p.add_argument("--batch", type=int, default=0, help="unused (the benchmark scripts' common flags)")
     p.add_argument("--gram", action="store_true", help="also time Gram Newton-Schulz against ours")
+    p.add_argument("--fused", nargs="*", default=None, choices=sorted(FUSED_CONFIGS), metavar="CONFIG",
+                   help="also time the one-kernel iteration (newton_schulz_blocks) against ours; no names: all configs")
+    p.add_argument("--fused-shapes", type=int, default=1000, help="with --fused: only the N largest block shapes")
+    p.add_argument("--fused-only", action="store_true", help="skip the polynomial-path tables (with --fused)")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     env, rows = environment(), []
     shapes = block_shapes(args.flavor)
-    for (r, c), k in shapes.items():
+    for (r, c), k in ({} if args.fused_only else shapes).items():
         G64 = decaying(min(k, 16), r, c, device)
         ref = newton_schulz_f64(G64, STEPS, dtype=torch.float64, scale=muon_scale(r, c))
         G = torch.randn(k, r, c, device=device, dtype=torch.bfloat16) * 1e-3
@@ -216,7 +273,7 @@ def main(argv=None) -> int:
         totals[(r["path"], r["chunk"])] = totals.get((r["path"], r["chunk"]), 0.0) + r["ms"]
     lines += ["", "| polynomial | chunk | all shapes, ms |", "|---|---|---|"]
     lines += [f"| {path} | {ch} | {ms:.2f} |" for (path, ch), ms in totals.items()]
-    if cuda:
+    if cuda and not args.fused_only:
         (r, c), k = next(iter(shapes.items()))
         m, n = min(r, c), max(r, c)
         lines += ["", f"Single products at {k} blocks, m = {m}, n = {n}:", "| product | ms | TFLOP/s |",
@@ -229,6 +286,15 @@ def main(argv=None) -> int:
                   "|---|---|---|---|"]
         lines += [f"| {g['shape']} | {g['variant']} | {g['rel_err']:.2e} | {g['ms']:.3f} |" for g in gram]
         rows += gram
+    if args.fused is not None and cuda:
+        fused = fused_rows(shapes, device, env, args.fused or list(FUSED_CONFIGS), args.fused_shapes)
+        lines += ["", "The whole iteration in one kernel (`newton_schulz_blocks`) against ours (same run; rel diff = "
+                  "relative RMS against ours on the same bf16 input):",
+                  "| blocks | variant | rel err vs float64 | rel diff vs ours | ms | TFLOP/s | note |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {f['shape']} | {f['variant']} | {f['rel_err']:.2e} | {f['vs_ours']:.2e} | {f['ms']:.3f} | "
+                  f"{f.get('tflops', float('nan')):.0f} | {f['note']} |" for f in fused]
+        rows += fused
     write_results(args.out, "newton_schulz", "\n".join(lines), env, rows)
     print("\n".join(lines))
     return 0

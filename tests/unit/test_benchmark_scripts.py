@@ -158,6 +158,32 @@ def test_gram_newton_schulz_is_the_same_polynomial_in_float32():
             assert ((got - want).norm() / want.norm()).item() < 1e-5, (shape, restarts)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU check runs in Triton's interpreter")
+def test_one_kernel_newton_schulz_is_ours_in_float32_wide_tall_and_in_place():
+    """The one-kernel iteration (benchmarks/ns_one_kernel.py) gives our Newton-Schulz in float32 for blocks in both
+    orientations, over more blocks than programs (scratch reused), written over its input or into a new tensor."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks.ns_one_kernel import newton_schulz_blocks
+    from kernels.muon.reference import NS_COEFFS
+    from titan_k3.optim.orthogonalise import newton_schulz
+
+    gen = torch.Generator().manual_seed(0)
+    small = dict(M_PAD=32, BLOCK_T=16, BLOCK_K=16, BLOCK_N=16)
+    for shape, steps in (((5, 24, 40), 5), ((3, 40, 24), 5), ((2, 20, 45), 1)):
+        G = torch.randn(*shape, generator=gen)
+        want = newton_schulz(G, steps, dtype=torch.float32, scale=1.7)
+        got = newton_schulz_blocks(G, steps, NS_COEFFS, scale=1.7, programs=2, config=small)
+        assert ((got - want).norm() / want.norm()).item() < 1e-5, shape
+        scratch = G.mT.contiguous().mT  # the other memory layout, overwritten
+        assert newton_schulz_blocks(scratch, steps, NS_COEFFS, scale=1.7, out=scratch, programs=2,
+                                    config=small) is scratch
+        assert ((scratch - want).norm() / want.norm()).item() < 1e-5, shape
+    with pytest.raises(ValueError, match="wider than 256"):
+        newton_schulz_blocks(torch.zeros(1, 300, 300), 5, NS_COEFFS)
+
+
 def test_newton_schulz_benchmark_gram_rows(tmp_path):
     _run("newton_schulz.py", tmp_path, "--gram", "--chunk", "0")
     rows = json.loads((tmp_path / "out" / "newton_schulz.json").read_text())["rows"]
