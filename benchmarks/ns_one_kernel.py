@@ -44,6 +44,36 @@ def _ptrs(base, rows, cols, stride, T: tl.constexpr):
 
 
 @triton.jit
+def _dot(x, y, acc, IEEE: tl.constexpr):
+    """acc + x @ y, in full float32 precision for float32 operands (IEEE; tests) or on the tensor cores."""
+    if IEEE:
+        return tl.dot(x, y, acc, input_precision="ieee")
+    return tl.dot(x, y, acc)
+
+
+@triton.jit
+def _store_symmetric(base, rows, cols, m, val, MIRROR: tl.constexpr):
+    """Tile `val` at (rows, cols) of a row-major [m, m] matrix, and (MIRROR) its transpose at (cols, rows)."""
+    ok = (rows[:, None] < m) & (cols[None, :] < m)
+    tl.store(base + rows[:, None] * m + cols[None, :], val, mask=ok)
+    if MIRROR:
+        tl.store(base + cols[None, :] * m + rows[:, None], val, mask=ok)
+
+
+@triton.jit
+def _gram_tile(x, x_stride, rows, cols, m, n, X_T: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """X[rows, :] @ X[cols, :]^T [BLOCK_T, BLOCK_T] in float32, X a wide [m, n] matrix (stored as `_ptrs` says)."""
+    acc = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
+    for k0 in range(0, n, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        xi = tl.load(_ptrs(x, rows, ks, x_stride, X_T), mask=(rows[:, None] < m) & (ks[None, :] < n), other=0.0)
+        xj = tl.load(_ptrs(x, cols, ks, x_stride, X_T), mask=(cols[:, None] < m) & (ks[None, :] < n), other=0.0)
+        acc = _dot(xi, tl.trans(xj), acc, IEEE)
+    return acc
+
+
+@triton.jit
 def _gram(x, x_stride, a, m, n, X_T: tl.constexpr, IEEE: tl.constexpr, M_PAD: tl.constexpr,
           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
     """A = X X^T into scratch `a` (row-major [m, m], X's dtype); returns trace(A) in float32."""
@@ -52,21 +82,10 @@ def _gram(x, x_stride, a, m, n, X_T: tl.constexpr, IEEE: tl.constexpr, M_PAD: tl
         for tj in tl.static_range(ti, M_PAD // BLOCK_T):
             rows = ti * BLOCK_T + tl.arange(0, BLOCK_T)
             cols = tj * BLOCK_T + tl.arange(0, BLOCK_T)
-            acc = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
-            for k0 in range(0, n, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                xi = tl.load(_ptrs(x, rows, ks, x_stride, X_T), mask=(rows[:, None] < m) & (ks[None, :] < n), other=0.0)
-                xj = tl.load(_ptrs(x, cols, ks, x_stride, X_T), mask=(cols[:, None] < m) & (ks[None, :] < n), other=0.0)
-                if IEEE:
-                    acc = tl.dot(xi, tl.trans(xj), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(xi, tl.trans(xj), acc)
+            acc = _gram_tile(x, x_stride, rows, cols, m, n, X_T, IEEE, BLOCK_T, BLOCK_K)
             val = acc.to(a.dtype.element_ty)
-            ok = (rows[:, None] < m) & (cols[None, :] < m)
-            tl.store(a + rows[:, None] * m + cols[None, :], val, mask=ok)
-            if tj > ti:
-                tl.store(a + cols[None, :] * m + rows[:, None], val, mask=ok)
-            else:
+            _store_symmetric(a, rows, cols, m, val, tj > ti)
+            if tj == ti:
                 trace += tl.sum(tl.where(rows[:, None] == cols[None, :], val.to(tl.float32), 0.0))
     return trace
 
@@ -81,25 +100,15 @@ def _polynomial(a, b, m, t, s, ca, cb, cc, HAS_T: tl.constexpr, IEEE: tl.constex
         for tj in tl.static_range(ti, M_PAD // BLOCK_T):
             rows = ti * BLOCK_T + tl.arange(0, BLOCK_T)
             cols = tj * BLOCK_T + tl.arange(0, BLOCK_T)
-            acc = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
-            for k0 in range(0, m, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(a + rows[:, None] * m + ks[None, :], mask=(rows[:, None] < m) & (ks[None, :] < m), other=0.0)
-                y = tl.load(a + ks[:, None] * m + cols[None, :], mask=(ks[:, None] < m) & (cols[None, :] < m), other=0.0)
-                if IEEE:
-                    acc = tl.dot(x, y, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(x, y, acc)
+            # NOTE: A^2 = A A^T: A is symmetric, stored with both triangles.
+            acc = _gram_tile(a, m, rows, cols, m, m, False, IEEE, BLOCK_T, BLOCK_K)
             ok = (rows[:, None] < m) & (cols[None, :] < m)
             av = tl.load(a + rows[:, None] * m + cols[None, :], mask=ok, other=0.0).to(tl.float32)
             val = cc * t2 * t2 * acc + cb * t2 * av
             val = tl.where(rows[:, None] == cols[None, :], val + ca, val) * (s * t)
             if HAS_T:
                 val = tl.where(t == 0.0, 0.0, val)  # an overflowed norm zeroes the block (0 * inf would be nan)
-            val = val.to(b.dtype.element_ty)
-            tl.store(b + rows[:, None] * m + cols[None, :], val, mask=ok)
-            if tj > ti:
-                tl.store(b + cols[None, :] * m + rows[:, None], val, mask=ok)
+            _store_symmetric(b, rows, cols, m, val.to(b.dtype.element_ty), tj > ti)
 
 
 @triton.jit
@@ -114,10 +123,7 @@ def _apply(b, x, x_stride, y, y_stride, m, n, X_T: tl.constexpr, Y_T: tl.constex
             ks = k0 + tl.arange(0, BLOCK_K)
             bt = tl.load(b + rows[:, None] * m + ks[None, :], mask=(rows[:, None] < m) & (ks[None, :] < m), other=0.0)
             xt = tl.load(_ptrs(x, ks, cols, x_stride, X_T), mask=(ks[:, None] < m) & (cols[None, :] < n), other=0.0)
-            if IEEE:
-                acc = tl.dot(bt, xt, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(bt, xt, acc)
+            acc = _dot(bt, xt, acc, IEEE)
         tl.store(_ptrs(y, rows, cols, y_stride, Y_T), acc.to(y.dtype.element_ty),
                  mask=(rows[:, None] < m) & (cols[None, :] < n))
 
