@@ -15,9 +15,9 @@ polynomial path and chunk (`optimizer.ns_chunk`; 0 = every block at once):
 A second table times the single products at the largest shape (and the Triton polynomial's tile configs), to
 say where the time goes. Appends to OUTDIR/newton_schulz.md. Without CUDA it checks the errors only.
 
---fused times `benchmarks/ns_one_kernel.py`'s `newton_schulz_blocks` (every step of a block in one persistent kernel, the
-block's iterate and Gram matrices kept in L2) against ours in the same run, at every block shape it takes, per
-tile and launch config, with its error against float64.
+--fused times `benchmarks/ns_one_kernel.py`'s `newton_schulz_blocks` (every step of a block in one persistent
+kernel, the block's iterate and Gram matrices kept in L2) against ours in the same run, at every block shape it
+takes, per tile and launch config, with its error against float64 (CUDA only: without it, one line says so).
 
 --gram also times Gram Newton-Schulz (`gram_newton_schulz`: the same polynomial iterated on the small Gram
 matrix R = X X^T and the accumulated left factor Q, with X = Q X0 formed only at restarts and at the end) at the
@@ -286,7 +286,9 @@ def main(argv=None) -> int:
                   "|---|---|---|---|"]
         lines += [f"| {g['shape']} | {g['variant']} | {g['rel_err']:.2e} | {g['ms']:.3f} |" for g in gram]
         rows += gram
-    if args.fused is not None and cuda:
+    if args.fused is not None and not cuda:
+        print("--fused: the one-kernel iteration is timed on CUDA only; no rows without a GPU", flush=True)
+    elif args.fused is not None:
         fused = fused_rows(shapes, device, env, args.fused or list(FUSED_CONFIGS), args.fused_shapes)
         lines += ["", "The whole iteration in one kernel (`newton_schulz_blocks`) against ours (same run; rel diff = "
                   "relative RMS against ours on the same bf16 input):",
