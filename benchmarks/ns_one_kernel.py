@@ -160,8 +160,9 @@ def _ns_blocks_kernel(g_ptr, out_ptr, scratch_ptr, n_blocks, m, n, g_block_strid
             tl.debug_barrier()
 
 
-# NOTE: the iterate's column panels are [256, 64] float32 accumulators (64 registers a thread at 8 warps) and the
-# Gram tiles [128, 128]; blocks wider than MAX_M would need more of either than one program holds.
+# NOTE: the iterate's column panels are [256, BLOCK_N] float32 accumulators (64 registers a thread at 8 warps for
+# BLOCK_N = 64) and the Gram tiles [128, 128]; blocks wider than MAX_M would need more of either than one program
+# holds.
 MAX_M = 256
 
 
@@ -187,7 +188,7 @@ def newton_schulz_blocks(
     norm (+ eps), the quintic (a, b, c) = `coeffs` runs `steps` times on the wide orientation, and the last step's
     B' carries `scale`. `out` [B, r, c] (contiguous in either of its last two dims; may be G itself, then G is
     overwritten) receives the result; None: a new contiguous tensor. `programs`: how many blocks are in flight
-    (default two per SM). `config`: tile sizes (M_PAD, BLOCK_T, BLOCK_K, BLOCK_N) and launch settings (num_warps,
+    (default one per SM). `config`: tile sizes (M_PAD, BLOCK_T, BLOCK_K, BLOCK_N) and launch settings (num_warps,
     num_stages), for tests and tuning. Runs on CUDA, or on CPU in Triton's interpreter (float32 there).
     """
     if G.ndim != 3:
@@ -212,11 +213,12 @@ def newton_schulz_blocks(
     g_t, g_stride = _layout(G)
     out_t, out_stride = _layout(out)
     m_pad = max(16, triton.next_power_of_2(m))
-    cfg = dict(M_PAD=m_pad, BLOCK_T=min(m_pad, 128), BLOCK_K=64 if m_pad >= 64 else m_pad, BLOCK_N=64,
-               num_warps=8, num_stages=2)
+    # NOTE: the fastest settings measured (benchmarks/results/newton_schulz.md, session 28).
+    cfg = dict(M_PAD=m_pad, BLOCK_T=min(m_pad, 128), BLOCK_K=64 if m_pad >= 64 else m_pad, BLOCK_N=128,
+               num_warps=8, num_stages=3)
     cfg.update(config or {})
     if programs is None:
-        programs = 2 * torch.cuda.get_device_properties(G.device).multi_processor_count if G.is_cuda else 4
+        programs = torch.cuda.get_device_properties(G.device).multi_processor_count if G.is_cuda else 4
     programs = max(1, min(programs, k))
     scratch = torch.empty((programs, 2, m, m), dtype=G.dtype, device=G.device)
     a, b, cc = coeffs
