@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels.device import triton_runs_on
+from kernels.muon.fused import ns_poly_epilogue
 
 
 @triton.jit
@@ -95,7 +96,6 @@ def _polynomial(a, b, m, t, s, ca, cb, cc, HAS_T: tl.constexpr, IEEE: tl.constex
                 BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
     """B' = s t (a I + b t^2 A + c t^4 A^2) from scratch `a` into scratch `b` (both row-major [m, m]; t = 1
     unless HAS_T)."""
-    t2 = t * t
     for ti in tl.static_range(M_PAD // BLOCK_T):
         for tj in tl.static_range(ti, M_PAD // BLOCK_T):
             rows = ti * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -104,10 +104,7 @@ def _polynomial(a, b, m, t, s, ca, cb, cc, HAS_T: tl.constexpr, IEEE: tl.constex
             acc = _gram_tile(a, m, rows, cols, m, m, False, IEEE, BLOCK_T, BLOCK_K)
             ok = (rows[:, None] < m) & (cols[None, :] < m)
             av = tl.load(a + rows[:, None] * m + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-            val = cc * t2 * t2 * acc + cb * t2 * av
-            val = tl.where(rows[:, None] == cols[None, :], val + ca, val) * (s * t)
-            if HAS_T:
-                val = tl.where(t == 0.0, 0.0, val)  # an overflowed norm zeroes the block (0 * inf would be nan)
+            val = ns_poly_epilogue(acc, av, rows, cols, t, s, ca, cb, cc, HAS_T)
             _store_symmetric(b, rows, cols, m, val.to(b.dtype.element_ty), tj > ti)
 
 

@@ -280,6 +280,18 @@ MAX_GRID_Y = 65535
 
 
 @triton.jit
+def ns_poly_epilogue(acc, av, rows, cols, t, s, ca, cb, cc, HAS_T: tl.constexpr):
+    """A tile of B' = s t (a I + b t^2 A + c t^4 A^2) in float32 from acc = its tile of A^2 and av = its tile of A
+    (rows, cols: the tile's indices in the matrix; t = 1 unless HAS_T)."""
+    t2 = t * t
+    val = cc * t2 * t2 * acc + cb * t2 * av
+    val = tl.where(rows[:, None] == cols[None, :], val + ca, val) * (s * t)
+    if HAS_T:
+        val = tl.where(t == 0.0, 0.0, val)  # an overflowed norm zeroes the matrix (0 * inf would be nan)
+    return val
+
+
+@triton.jit
 def _ns_poly_kernel(a_ptr, out_ptr, sumsq_ptr, first, m, n_tiles, ca, cb, cc, scale, eps, HAS_SUMSQ: tl.constexpr,
                     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     # NOTE: the tiles of one matrix are neighbours in launch order (axis 0), so its A is read from HBM once and
@@ -315,12 +327,7 @@ def _ns_poly_kernel(a_ptr, out_ptr, sumsq_ptr, first, m, n_tiles, ca, cb, cc, sc
     t = 1.0
     if HAS_SUMSQ:
         t = 1.0 / (tl.sqrt(tl.load(sumsq_ptr + bid).to(tl.float32)) + eps)
-    t2 = t * t
-    val = cc * t2 * t2 * acc + cb * t2 * av
-    val = tl.where(rows[:, None] == cols[None, :], val + ca, val) * (scale * t)
-    if HAS_SUMSQ:
-        val = tl.where(t == 0.0, 0.0, val)  # an overflowed norm zeroes the matrix (0 * inf would be nan)
-    val = val.to(out_ptr.dtype.element_ty)
+    val = ns_poly_epilogue(acc, av, rows, cols, t, scale, ca, cb, cc, HAS_SUMSQ).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + base + tile, val, mask=ok)
     if tj > ti:
         # the mirror tile: element (r, c) of this tile is (c, r) of the result
