@@ -19,6 +19,10 @@ say where the time goes. Appends to OUTDIR/newton_schulz.md. Without CUDA it che
 kernel, the block's iterate and Gram matrices kept in L2) against ours in the same run, at every block shape it
 takes, per tile and launch config, with its error against float64 (CUDA only: without it, one line says so).
 
+--pad WIDTH... also times `padded_newton_schulz` (ours with each block's long side zero-padded to WIDTH from the
+first product on, so that cuBLAS's tiles divide it) against ours in the same run at the two largest block shapes,
+and the single products X X^T and B' X at long sides 512, 544, 576 and 640 in both layouts.
+
 --gram also times Gram Newton-Schulz (`gram_newton_schulz`: the same polynomial iterated on the small Gram
 matrix R = X X^T and the accumulated left factor Q, with X = Q X0 formed only at restarts and at the end) at the
 flavor's two largest block shapes, against ours in the same run, with its error against float64.
@@ -131,6 +135,80 @@ def gram_newton_schulz(G: torch.Tensor, steps: int, restarts: tuple[int, ...], d
     return torch.bmm(X.mT, Q) if transposed else torch.bmm(Q, X)
 
 
+def padded_newton_schulz(G: torch.Tensor, steps: int, width: int, scale: float = 1.0, eps: float = 1e-7,
+                         chunk: int = 0) -> torch.Tensor:
+    """`newton_schulz` of G [k, r, c] (bf16) with the long side n = max(r, c) zero-padded to `width` from the first
+    product on. Zero columns of X give the same X X^T and stay zero through B' X, so the math is ours; only the
+    products' shapes change (n = 544 is 4.25 tiles of 128). The first step reads G as it is and writes B' G into
+    the padded buffer's first n columns; the last writes the caller's orientation from the padded iterate's view.
+    chunk > 0: `chunk` blocks at a time (as `optimizer.ns_chunk`)."""
+    if 0 < chunk < G.shape[0]:
+        return torch.cat([padded_newton_schulz(g, steps, width, scale, eps) for g in G.split(chunk)])
+    transposed = G.shape[-2] > G.shape[-1]
+    X3 = G.mT if transposed else G
+    k, m, n = X3.shape
+    P = torch.empty(k, m, width, dtype=G.dtype, device=G.device)
+    P[..., n:].zero_()
+    for step in range(steps):
+        src = X3 if step == 0 else P
+        A = src @ src.mT
+        sumsq = (A.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.promote_types(A.dtype, torch.float32))
+                 if step == 0 else None)
+        B = ns_polynomial(A, NS_COEFFS, scale=scale if step == steps - 1 else 1.0, sumsq=sumsq, eps=eps)
+        if step == 0:
+            torch.bmm(B, X3, out=P[..., :n])
+        elif step < steps - 1:
+            P = torch.bmm(B, P)
+    return torch.bmm(P[..., :n].mT, B) if transposed else torch.bmm(B, P[..., :n])
+
+
+def padded_rows(shapes: dict, device: torch.device, env: dict, widths: list[int]) -> tuple[list[dict], list[str]]:
+    """Ours and `padded_newton_schulz` per width at the two largest block shapes (error against float64, rel diff
+    against ours, ms), and the single products at long sides 512-640 (table lines)."""
+    rows, lines = [], []
+    for (r, c), k in list(shapes.items())[:2]:
+        s = muon_scale(r, c)
+        G64 = decaying(min(k, 16), r, c, device)
+        ref = newton_schulz_f64(G64, STEPS, dtype=torch.float64, scale=s)
+        G = torch.randn(k, r, c, device=device, dtype=torch.bfloat16) * 1e-3
+        ours = newton_schulz(G, STEPS, dtype=torch.bfloat16, scale=s)
+        variants = {}
+        for chunk in (0, 512):
+            variants[f"ours, chunk {chunk}"] = functools.partial(newton_schulz, steps=STEPS, dtype=torch.bfloat16,
+                                                                 scale=s, chunk=chunk)
+            for w in widths:
+                if w >= max(r, c):
+                    variants[f"padded to {w}, chunk {chunk}"] = functools.partial(
+                        padded_newton_schulz, steps=STEPS, width=w, scale=s, chunk=chunk)
+        for name, fn in variants.items():
+            err = rel_rms(fn(G64.bfloat16()), ref)
+            diff = rel_rms(fn(G), ours.double())
+            ms = graph_ms(lambda fn=fn: fn(G)) if device.type == "cuda" else float("nan")
+            rows.append(dict(env, shape=f"{k}x{r}x{c}", variant=name, rel_err=err, vs_ours=diff, ms=ms))
+            print(rows[-1], flush=True)
+    if device.type != "cuda":
+        return rows, lines
+    (r, c), k = next(iter(shapes.items()))
+    m = min(r, c)
+    lines += ["", f"Single products at {k} blocks, m = {m}, by long side n (cuBLAS bmm; row-major X [k, m, n], "
+              "or its transpose as Per-Head Muon sees the tall blocks):", "| product | n | ms | TFLOP/s |",
+              "|---|---|---|---|"]
+    for n in (512, 544, 576, 640):
+        X = torch.randn(k, m, n, device=device, dtype=torch.bfloat16)
+        XT = torch.randn(k, n, m, device=device, dtype=torch.bfloat16).mT
+        B = torch.randn(k, m, m, device=device, dtype=torch.bfloat16)
+        flop = 2.0 * k * m * m * n
+        P = torch.zeros(k, m, 640, device=device, dtype=torch.bfloat16)
+        cases = [("X X^T", lambda: X @ X.mT), ("X X^T, X transposed", lambda: XT @ XT.mT),
+                 ("B' X", lambda: torch.bmm(B, X)), ("B' X, X transposed", lambda: torch.bmm(B, XT)),
+                 ("B' X into a 640-wide buffer's view (out=)", lambda: torch.bmm(B, X, out=P[..., :n])),
+                 ("B' X from a 640-wide buffer's view", lambda: torch.bmm(B, P[..., :n]))]
+        for name, fn in cases:
+            ms = median_ms(fn)
+            lines.append(f"| {name} | {n} | {ms:.3f} | {flop / ms / 1e9:.0f} |")
+    return rows, lines
+
+
 def gram_rows(shapes: dict, device: torch.device, env: dict) -> list[dict]:
     """Ours and each GRAM variant at the two largest block shapes: error against float64, ms (CUDA only)."""
     rows = []
@@ -238,7 +316,9 @@ def main(argv=None) -> int:
     p.add_argument("--fused", nargs="*", default=None, choices=sorted(FUSED_CONFIGS), metavar="CONFIG",
                    help="also time the one-kernel iteration (newton_schulz_blocks) against ours; no names: all configs")
     p.add_argument("--fused-shapes", type=int, default=1000, help="with --fused: only the N largest block shapes")
-    p.add_argument("--fused-only", action="store_true", help="skip the polynomial-path tables (with --fused)")
+    p.add_argument("--pad", type=int, nargs="+", default=None, metavar="WIDTH",
+                   help="also time padded_newton_schulz (long side zero-padded to WIDTH) against ours")
+    p.add_argument("--fused-only", action="store_true", help="skip the polynomial-path tables (with --fused or --pad)")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -280,6 +360,14 @@ def main(argv=None) -> int:
                   "|---|---|---|"]
         for name, ms, flop in product_times(k, m, n, device):
             lines.append(f"| {name} | {ms:.3f} | {flop / ms / 1e9:.0f} |")
+    if args.pad:
+        padded, product_lines = padded_rows(shapes, device, env, args.pad)
+        lines += ["", "Zero-padded long side against ours (same run; rel diff = relative RMS against ours on the same "
+                  "bf16 input):", "| blocks | variant | rel err vs float64 | rel diff vs ours | ms |", "|---|---|---|---|---|"]
+        lines += [f"| {g['shape']} | {g['variant']} | {g['rel_err']:.2e} | {g['vs_ours']:.2e} | {g['ms']:.3f} |"
+                  for g in padded]
+        lines += product_lines
+        rows += padded
     if args.gram:
         gram = gram_rows(shapes, device, env)
         lines += ["", "Gram Newton-Schulz against ours (same run):", "| blocks | variant | rel err vs float64 | ms |",
