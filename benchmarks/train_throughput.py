@@ -205,8 +205,14 @@ STRONG_PEERS = ("peer-compiled", "peer-compiled-graphs", "peer-compiled-graphs-b
 """A row's strong-peer ratio is to the fastest of these in its slot: the strongest baseline a user could pick."""
 
 
-def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps: int, out: Path, profile: bool) -> dict:
+def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps: int, out: Path, profile: bool,
+                memory_peak: bool = False) -> dict:
     reset_peak()
+    traced = memory_peak and torch.cuda.is_available()
+    if traced:
+        from titan_k3.metrics.memory_peak import start_recording
+
+        baseline = start_recording()
     from torch._dynamo.utils import counters
 
     counters.clear()  # graph-break counts per variant, not accumulated over the run
@@ -253,6 +259,16 @@ def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps
         "losses": [round(_loss(r), 4) for r in results],
         "pid": os.getpid(),  # under --isolate, each variant's own process
     }
+    if traced:
+        from titan_k3.metrics.memory_peak import peak_report, stop_recording
+
+        # NOTE: the trace costs host time on every allocation: this row's times are not the variant's speed.
+        result["memory_traced"] = True
+        result["memory_peak"] = f"profiles/memory-peak-{name}-{seq}.md"
+        (out / "profiles").mkdir(exist_ok=True)
+        (out / result["memory_peak"]).write_text(peak_report(
+            torch.cuda.memory._snapshot(), baseline, f"{name}, B{batch} T{seq}, {warmup} warm-up and {steps} timed updates"))
+        stop_recording()
     watch = getattr(holder, "compile_watch", None)
     if watch is not None:
         # NOTE: train_step alone never reports compile events; the benchmark asks once the steps have run.
@@ -333,6 +349,8 @@ def _note(row: dict, rounds: int) -> str:
     parts = [f"round {row['round']} of {rounds}"] if rounds > 1 else []
     if "graphs" in row:
         parts.append(f"{row['graphs']} graphs, {row['graph_breaks']} graph breaks")
+    if row.get("memory_traced"):
+        parts.append(f"allocator traced (times not its speed): {row['memory_peak']}")
     return "; ".join(parts)
 
 
@@ -349,7 +367,8 @@ def run_isolated(name: str, seq: int, batch: int, args, time_left_s: float, prof
         row_json = Path(tmp) / "rows.json"
         cmd = [sys.executable, __file__, "--variants", name, "--flavor", args.flavor, "--seq", str(seq),
                "--batch", str(batch), "--warmup", str(args.warmup), "--steps", str(args.steps),
-               "--profile", profile, "--out", str(args.out), "--row-json", str(row_json)]
+               "--profile", profile, "--memory-peak", args.memory_peak, "--out", str(args.out),
+               "--row-json", str(row_json)]
         try:
             done = subprocess.run(cmd, timeout=time_left_s, env={**os.environ, **VARIANT_ENV.get(name, {})})
         except subprocess.TimeoutExpired:
@@ -370,6 +389,10 @@ def main() -> int:
     p.add_argument("--deadline-s", type=float, default=1e9,
                    help="skip variants that start after this many seconds (with --isolate, also kill one still running)")
     p.add_argument("--profile", default="ours", help="variants to profile (one step, torch.profiler); 'all' profiles every one")
+    p.add_argument("--memory-peak", default="none",
+                   help="variants whose run records the allocator's trace and writes what is allocated at the peak "
+                        "(profiles/memory-peak-VARIANT-SEQ.md; titan_k3/metrics/memory_peak.py); their times are not "
+                        "their speed (the trace slows every allocation); 'all' for every one")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--isolate", action="store_true",
                    help="run each variant in a fresh process: none inherits another's memory, caches or host state")
@@ -398,7 +421,8 @@ def main() -> int:
         else:
             try:
                 row = run_variant(name, args.flavor, seq, batch, args.warmup, args.steps, args.out,
-                                  round_ == 1 and (args.profile == "all" or name in args.profile.split(",")))
+                                  round_ == 1 and (args.profile == "all" or name in args.profile.split(",")),
+                                  args.memory_peak == "all" or name in args.memory_peak.split(","))
             except Exception as e:  # one failing variant must not lose the others' numbers
                 row = {"variant": name, "seq": seq, "batch": batch, "error": f"{type(e).__name__}: {e}"}
                 traceback.print_exc()

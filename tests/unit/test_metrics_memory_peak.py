@@ -1,0 +1,70 @@
+"""The memory-peak report: the allocator's trace replayed to its peak, the blocks alive then grouped by stack."""
+
+from titan_k3.metrics.memory_peak import REPO, peak_report, replay_to_peak, repo_frame
+
+MIB = 2**20
+
+
+def frame(path, line, name):
+    return {"filename": str(path), "line": line, "name": name}
+
+
+LOSS = frame(REPO / "kernels/fused_ce/ops.py", 10, "fused_loss")
+LAYER = frame(REPO / "titan_k3/models/k3/moe.py", 20, "forward")
+TORCH = frame("/usr/lib/python3/site-packages/torch/nn/modules/module.py", 5, "_call_impl")
+
+
+def alloc(addr, size, *frames):
+    return {"action": "alloc", "addr": addr, "size": size, "frames": list(frames)}
+
+
+def free(addr, size, completed=True):
+    return {"action": "free_completed" if completed else "free_requested", "addr": addr, "size": size}
+
+
+def test_replay_finds_the_peak_and_the_blocks_alive_at_it():
+    trace = [
+        alloc(1, 10 * MIB, TORCH, LAYER),
+        alloc(2, 30 * MIB, LOSS),
+        free(2, 30 * MIB, completed=False),  # requested only: still allocated
+        alloc(3, 5 * MIB, LAYER),  # 100 + 10 + 30 + 5 = 145: the peak
+        free(2, 30 * MIB),
+        free(99, 50 * MIB),  # a block from before the trace: lowers the count, never in the live set
+        alloc(4, 40 * MIB, LOSS),  # 100 + 10 + 5 + 40 - 50 = 105
+    ]
+    peak, index, live = replay_to_peak(trace, 100 * MIB)
+    assert peak == 145 * MIB and index == 3
+    assert sorted(live) == [1, 2, 3]
+
+
+def test_a_trace_that_never_passes_the_baseline_has_no_peak_allocation():
+    peak, index, live = replay_to_peak([free(7, MIB), alloc(1, MIB)], 10 * MIB)
+    assert (peak, index, live) == (10 * MIB, -1, {})
+
+
+def test_a_peak_at_the_end_of_the_trace_keeps_its_blocks():
+    peak, index, live = replay_to_peak([alloc(1, MIB), free(1, MIB), alloc(2, 3 * MIB), alloc(3, MIB)], 0)
+    assert (peak, index, sorted(live)) == (4 * MIB, 3, [2, 3])
+
+
+def test_repo_frame_is_the_innermost_frame_in_the_repository():
+    assert repo_frame([TORCH, LAYER, LOSS]) == "titan_k3/models/k3/moe.py:20 forward"
+    assert repo_frame([TORCH]) == "(outside the repository)"
+    assert repo_frame([]) == "(outside the repository)"
+
+
+def test_report_groups_the_peak_by_repository_frame_largest_first():
+    trace = [alloc(1, 10 * MIB, TORCH, LAYER), alloc(2, 30 * MIB, LOSS), alloc(3, 5 * MIB, LAYER), free(2, 30 * MIB)]
+    text = peak_report({"device_traces": [trace]}, 2**30, "demo")
+    assert "Peak 1.044 GiB allocated: 0.044 GiB in 3 blocks" in text
+    by_repo = text.split("By the innermost frame in the repository:")[1].split("By the innermost frame (")[0]
+    rows = [line for line in by_repo.splitlines() if line.startswith("| 0.")]
+    assert rows[0].endswith("kernels/fused_ce/ops.py:10 fused_loss |") and "| 1 | 30.0 |" in rows[0]
+    assert rows[1].endswith("titan_k3/models/k3/moe.py:20 forward |") and "| 2 | 10.0 |" in rows[1]
+    # the allocation that reached the peak, with its stack
+    assert "The allocation that reached it (5.0 MiB)" in text and "moe.py:20 forward" in text.split("```")[1]
+
+
+def test_report_without_a_trace_says_so():
+    text = peak_report({"device_traces": []}, 3 * 2**30, "empty")
+    assert "Peak 3.000 GiB allocated: 0.000 GiB in 0 blocks" in text and "Trace: 0 events" in text
