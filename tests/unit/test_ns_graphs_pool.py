@@ -87,6 +87,25 @@ def test_without_a_host_the_groups_share_a_pool_of_their_own(fake_cuda):
     assert fake_cuda == ["new stream", "new stream"]
 
 
+def test_inputs_are_temporaries_until_the_host_is_captured_and_persistent_otherwise(fake_cuda):
+    """Joined to a host not yet captured, every run is eager: an input held from those updates would still be
+    allocated during the host's capture (the update's peak), so none is held. Without a host, or once it is
+    captured, a group's graph reads its input: one buffer for the group's life."""
+    cpu = torch.device("cpu")
+    host = {"now": None}
+    joined = NewtonSchulzGraphs()
+    joined.join(lambda: host["now"])
+    first = joined.input("g", (2, 3), torch.float32, cpu)
+    assert joined.input("g", (2, 3), torch.float32, cpu) is not first and not joined._inputs
+    host["now"] = (("step pool", 1), "step stream")
+    held = joined.input("g", (2, 3), torch.float32, cpu)
+    assert joined.input("g", (2, 3), torch.float32, cpu) is held and joined._inputs
+    alone = NewtonSchulzGraphs()
+    mine = alone.input("g", (2, 3), torch.float32, cpu)
+    assert alone.input("g", (2, 3), torch.float32, cpu) is mine
+    assert alone.input("g", (4, 3), torch.float32, cpu) is not mine  # a new shape: a new buffer (and graph)
+
+
 def _group(seed):
     gen = torch.Generator().manual_seed(seed)
     grads = [torch.randn(2, 8, 12, generator=gen), torch.randn(3, 8, 12, generator=gen)]
@@ -111,7 +130,7 @@ def test_joined_groups_run_their_momentum_pass_in_the_graph_with_the_same_number
     graphs = NewtonSchulzGraphs()
     graphs.join(lambda: host["now"])
     graphs.input("g", (5, 8, 12), torch.float32, torch.device("cpu"))  # an eager update's input, before the host
-    assert not graphs.joined() and graphs._inputs
+    assert not graphs.joined() and not graphs._inputs  # a temporary (test below)
     host["now"] = (("step pool", 1), "step stream")
     assert graphs.joined()
     grads, bufs = _group(0)

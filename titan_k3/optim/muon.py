@@ -328,6 +328,13 @@ class NewtonSchulzGraphs:
         self._host = host
 
     def input(self, key, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The group's input buffer: persistent (its graph reads it), except while joined to a host that is not
+        captured yet, when every run is eager and the buffer is a temporary of the update.
+        NOTE: buffers kept from those warm-up updates were still allocated during the host's capture, the
+        update's peak (1.6 GiB of k3-mini's 28.0 at B32 T1024, benchmarks/results/train_throughput.md, session
+        29); once joined, the fused groups write their input into the pool instead (`momentum_orthogonalise`)."""
+        if self._host is not None and self._host() is None:
+            return torch.empty(shape, dtype=dtype, device=device)
         buf = self._inputs.get(key)
         if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype:
             buf = self._inputs[key] = torch.empty(shape, dtype=dtype, device=device)
