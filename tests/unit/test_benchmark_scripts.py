@@ -184,6 +184,25 @@ def test_one_kernel_newton_schulz_is_ours_in_float32_wide_tall_and_in_place():
         newton_schulz_blocks(torch.zeros(1, 300, 300), 5, NS_COEFFS)
 
 
+def test_padded_newton_schulz_is_ours_wide_tall_and_chunked():
+    """The zero-padded iteration (newton_schulz.py --pad) is ours to float64 rounding, in both orientations, whole
+    and in chunks that leave a ragged last one."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks.newton_schulz import padded_newton_schulz
+    from titan_k3.optim.orthogonalise import newton_schulz
+
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((5, 8, 20), (5, 20, 8)):
+        G = torch.randn(*shape, generator=gen, dtype=torch.float64) * 1e-3
+        want = newton_schulz(G, 5, dtype=torch.float64, scale=1.7)
+        for width, chunk in ((20, 0), (32, 0), (32, 2)):
+            got = padded_newton_schulz(G, 5, width=width, scale=1.7, chunk=chunk)
+            assert got.shape == G.shape and got.is_contiguous()
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def test_newton_schulz_benchmark_gram_rows(tmp_path):
     _run("newton_schulz.py", tmp_path, "--gram", "--chunk", "0")
     rows = json.loads((tmp_path / "out" / "newton_schulz.json").read_text())["rows"]
