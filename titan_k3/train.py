@@ -39,6 +39,7 @@ from titan_k3.gc_schedule import ScheduledGC
 from titan_k3.metrics.clocks import TwoClocks, process_start_time
 from titan_k3.metrics.events import EventLog
 from titan_k3.invariants import InvariantRunner, InvariantViolationError
+from titan_k3.metrics.memory_peak import PeakRecorder
 from titan_k3.metrics.profile import StepProfiler
 from titan_k3.metrics.reporter import MetricsReporter
 from titan_k3.metrics.run_dir import Tee, check_run_dir, prepare_run_dir, run_dir_path
@@ -143,6 +144,10 @@ class Trainer:
         self.startup_seconds = float("nan")  # set after this process's first update
         self.device = _device(cfg)
         _allocator_settings(cfg, self.device)
+        try:  # first, so that everything the run allocates is in the trace
+            self.memory_peak = PeakRecorder(cfg.profiling.memory_peak_updates, self.device)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         # First: our kernels compile in the background while everything below builds and dynamo traces.
         self.precompile = Precompile(self.device, cfg.kernels.precompile_threads).start() \
             if self.device.type == "cuda" and cfg.kernels.precompile_threads > 0 else None
@@ -494,6 +499,7 @@ class Trainer:
                     self.stop_signals.hand_over(self._stop_after_update)  # an update to save exists from now on
                 self._report_startup()
             self.profiler.after(self.step)
+            self.memory_peak.after(self.step, self.run_dir, self.rank, self.events)
             self.tokens_seen += result.n_tokens
             self.clocks.add_tokens(result.n_tokens)
             window["tokens"] += result.n_tokens

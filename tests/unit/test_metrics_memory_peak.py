@@ -68,3 +68,75 @@ def test_report_groups_the_peak_by_repository_frame_largest_first():
 def test_report_without_a_trace_says_so():
     text = peak_report({"device_traces": []}, 3 * 2**30, "empty")
     assert "Peak 3.000 GiB allocated: 0.000 GiB in 0 blocks" in text and "Trace: 0 events" in text
+
+
+def test_memory_peak_updates_is_checked_before_any_work():
+    import pytest
+
+    from titan_k3.config import ConfigError, load_job_config
+    from titan_k3.train import Trainer
+
+    with pytest.raises(ConfigError, match="'profiling.memory_peak_updates' = 9: must be at most training.steps = 5"):
+        load_job_config(["--training.steps", "5", "--profiling.memory_peak_updates", "9"])
+    with pytest.raises(ConfigError, match="'profiling.memory_peak_updates' = -1: must be >= 0"):
+        load_job_config(["--profiling.memory_peak_updates", "-1"])
+    cfg = load_job_config(["--model.flavor", "debug", "--training.steps", "2", "--profiling.memory_peak_updates", "1"])
+    with pytest.raises(ConfigError, match="'profiling.memory_peak_updates' = 1: the allocator's trace needs a CUDA "
+                                          "device; this run is on cpu"):
+        Trainer(cfg)
+
+
+class Events:
+    def __init__(self):
+        self.seen = []
+
+    def emit(self, kind, message, step=None):
+        self.seen.append((kind, step, message))
+
+
+def fake_trace(monkeypatch, snapshot):
+    """The allocator's trace calls stood in for: `started` / `stopped` count them, `_snapshot` returns `snapshot`."""
+    import torch
+
+    import titan_k3.metrics.memory_peak as mp
+
+    calls = {"started": 0, "stopped": 0}
+    monkeypatch.setattr(mp, "start_recording", lambda: (calls.__setitem__("started", calls["started"] + 1), 5 * MIB)[1])
+    monkeypatch.setattr(mp, "stop_recording", lambda: calls.__setitem__("stopped", calls["stopped"] + 1))
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", snapshot)
+    return calls
+
+
+def test_the_recorder_writes_the_report_after_its_last_update_and_stops(tmp_path, monkeypatch):
+    import torch
+
+    from titan_k3.metrics.memory_peak import PeakRecorder
+
+    calls = fake_trace(monkeypatch, lambda: {"device_traces": [[alloc(1, 3 * MIB, LOSS)]]})
+    assert PeakRecorder(0, torch.device("cpu")).after(1, tmp_path, 0) is None and calls["started"] == 0  # off
+    recorder, events = PeakRecorder(2, torch.device("cuda", 0)), Events()
+    assert calls == {"started": 1, "stopped": 0}
+    assert recorder.after(1, tmp_path, 3, events) is None and events.seen == []
+    path = recorder.after(2, tmp_path, 3, events)
+    assert path == tmp_path / "memory-peak-rank3.md" and calls["stopped"] == 1
+    text = path.read_text()
+    assert text.startswith("# rank 3, the model's build and updates 1-2: what is allocated at the peak")
+    assert "Peak 0.008 GiB allocated" in text and "kernels/fused_ce/ops.py:10 fused_loss" in text
+    assert [(kind, step) for kind, step, _ in events.seen] == [("memory_peak", 2)]
+    assert recorder.after(2, tmp_path, 3, events) is None  # once
+
+
+def test_a_failing_report_is_loud_stops_the_trace_and_does_not_raise(tmp_path, monkeypatch, capsys):
+    import torch
+
+    from titan_k3.metrics.memory_peak import PeakRecorder
+
+    def broken():
+        raise RuntimeError("no snapshot")
+
+    calls = fake_trace(monkeypatch, broken)
+    events = Events()
+    assert PeakRecorder(1, torch.device("cuda", 0)).after(1, tmp_path, 0, events) is None
+    assert calls["stopped"] == 1 and not (tmp_path / "memory-peak-rank0.md").exists()
+    assert "writing the memory-peak report failed: RuntimeError: no snapshot" in capsys.readouterr().out
+    assert [(kind, step) for kind, step, _ in events.seen] == [("memory_peak_failed", 1)]

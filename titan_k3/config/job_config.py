@@ -276,6 +276,11 @@ class Profiling:
     """Updates profiled (they run slower under the profiler: their logging window's tokens/s reads low)."""
     trace: bool = True
     """Also write the Chrome / Perfetto trace (tens of MB for a k3-mini update)."""
+    memory_peak_updates: int = 0
+    """> 0: record the CUDA allocator's trace from the model's build through this many updates, then write
+    memory-peak-rank{R}.md in the run directory: the peak allocated, when it happened (the stack of the allocation
+    that reached it) and what was alive then, grouped by the line that allocated it (titan_k3/metrics/memory_peak.py;
+    docs/performance.md). Needs a CUDA device. Every allocation records its stack meanwhile: those updates run slower."""
 
 
 @dataclass

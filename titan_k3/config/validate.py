@@ -144,6 +144,10 @@ def validate(cfg: JobConfig) -> None:
                 cfg.kernels.kda == "torch" or seq % KDA_CHUNK == 0,
                 f"config key 'training.context_stages' = {t.context_stages!r}: seq_len {seq} is not a multiple of the KDA chunk size {KDA_CHUNK}",
             )
+    _non_negative("profiling.memory_peak_updates", cfg.profiling.memory_peak_updates)
+    _require(cfg.profiling.memory_peak_updates <= t.steps,
+             f"config key 'profiling.memory_peak_updates' = {cfg.profiling.memory_peak_updates}: must be at most "
+             f"training.steps = {t.steps}")
     if cfg.profiling.enable:
         _positive("profiling.start_step", cfg.profiling.start_step)
         _positive("profiling.steps", cfg.profiling.steps)

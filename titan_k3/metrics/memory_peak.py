@@ -118,3 +118,41 @@ def peak_report(snapshot: dict, baseline: int, title: str, device: int = 0, top:
     lines += ["", "By the innermost frame (compiled code: the generated module's line):", ""]
     lines += _group_table(live, lambda e: _frame(e["frames"][0]) if e.get("frames") else "(no stack)", top)
     return "\n".join(lines) + "\n"
+
+
+class PeakRecorder:
+    """`[profiling] memory_peak_updates = N`: the allocator's trace from construction (before the model's build)
+    through update N, then memory-peak-rank{R}.md in the run directory (`peak_report`).
+
+    Writing the report never ends the training it observes: a failure is printed and logged as a
+    "memory_peak_failed" event, and the trace stops either way.
+    """
+
+    def __init__(self, updates: int, device: torch.device):
+        self.updates, self.baseline = updates, None
+        if updates and device.type != "cuda":
+            raise ValueError(f"config key 'profiling.memory_peak_updates' = {updates}: the allocator's trace needs "
+                             f"a CUDA device; this run is on {device}")
+        if updates:
+            self.baseline = start_recording()
+
+    def after(self, update: int, run_dir: Path, rank: int, events=None) -> Path | None:
+        """After each update (1-based): at update N, write the report and stop the trace; its path, else None."""
+        if self.baseline is None or update != self.updates:
+            return None
+        path = Path(run_dir) / f"memory-peak-rank{rank}.md"
+        try:
+            path.write_text(peak_report(torch.cuda.memory._snapshot(), self.baseline,
+                                        f"rank {rank}, the model's build and updates 1-{update}"))
+        except Exception as e:  # noqa: BLE001 - a diagnostic must not end the training it observes
+            message = f"update {update}: writing the memory-peak report failed: {type(e).__name__}: {e}"
+            print(f"[memory_peak] {message}", flush=True)
+            if events is not None:
+                events.emit("memory_peak_failed", message, step=update)
+            return None
+        finally:
+            stop_recording()
+            self.baseline = None
+        if events is not None:
+            events.emit("memory_peak", f"the peak of the build and updates 1-{update}: {path}", step=update)
+        return path
