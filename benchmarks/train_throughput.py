@@ -118,7 +118,8 @@ VARIANTS = {
     "ours-recipe-ns-whole": [*RECIPE, "--optimizer.ns_chunk", "0"],
     # The recipe with the routers' top-k as our Triton kernel instead of inductor's fusion of the torch reference
     # (kernels.router; the fused reference took 91 us per MoE layer, the kernel 40; the step 153.7 -> 154.6 ms with
-    # it in session 19's one comparison, so auto keeps the reference until this variant measures faster)
+    # it in session 19's one comparison; session 29's two alternating rounds: 140.2 against 140.6 ms, 0.7 ms less
+    # kernel time, and auto takes it since: the recipe itself runs it now)
     "ours-recipe-router-triton": [*RECIPE, "--kernels.router", "triton"],
     # The recipe run eagerly (no compile, no CUDA graphs): slower, but every kernel is launched by an op, so its
     # profile names the ops and input shapes the step pays for (which sums, which adds).

@@ -55,7 +55,7 @@ class Kernels:
     attn_res: Literal["auto", "triton", "torch"] = "auto"
     """Block Attention Residuals' pseudo-query mixes: fused triton kernel, torch reference, or auto (triton on CUDA)."""
     router: Literal["auto", "triton", "torch"] = "auto"
-    """The MoE routers' top-k selection: our Triton kernel (a block of tokens' scores in registers, k rounds of max), the torch reference (k rounds of max and mask, fused by torch.compile when compile.enable), or auto: the reference for now. On the H200 the kernel took 40 us per k3-mini layer against 91 us for the compiled reference, but the compiled step was not faster with it (154.6 against 153.7 ms, one comparison; benchmarks/results/train_throughput.md, session 19): it becomes auto's choice once a step measures it faster."""
+    """The MoE routers' top-k selection: our Triton kernel (a block of tokens' scores in registers, k rounds of max), the torch reference (k rounds of max and mask, fused by torch.compile when compile.enable), or auto (triton on CUDA). On the H200 the kernel took 40 us per k3-mini layer against 93 us for the compiled reference, and the recipe's update at B32 T1024 139.0 against 139.7 ms of kernels, 140.2 against 140.6 ms per update (median of two alternating rounds; benchmarks/results/train_throughput.md, session 29; session 19's one comparison had read it 0.9 ms slower)."""
     max_logit: Literal["auto", "triton", "torch"] = "auto"
     """QK-Clip's per-head max logit of MLA: one Triton pass over the allowed key blocks, the chunked torch reference, or auto."""
     conv: Literal["auto", "triton", "torch"] = "auto"

@@ -93,17 +93,12 @@ def _triton_fn(module: str, name: str) -> tuple[Callable | None, str]:
     return fn, ""
 
 
-def _pick(op: str, requested: str, on_cuda: bool, fast: tuple[str, str, str], reference: Callable,
-          auto_keeps_reference: str = "") -> tuple[Callable, KernelChoice]:
-    """requested in (auto, triton, torch): the Triton function or the reference, with the reason.
-
-    auto_keeps_reference: why `auto` takes the reference for this op on purpose (then it is no fallback);
-    empty: `auto` takes the Triton kernel where it can run.
-    """
+def _pick(op: str, requested: str, on_cuda: bool, fast: tuple[str, str, str],
+          reference: Callable) -> tuple[Callable, KernelChoice]:
+    """requested in (auto, triton, torch): the Triton function or the reference, with the reason (`auto` takes the
+    Triton kernel where it can run)."""
     if requested == "torch":
         return reference, KernelChoice(op, requested, "torch", False, "asked for")
-    if requested == "auto" and auto_keeps_reference:
-        return reference, KernelChoice(op, requested, "torch", False, auto_keeps_reference)
     fn, why = _triton_fn(fast[0], fast[1])
     if requested == "auto" and not on_cuda:
         return reference, KernelChoice(op, requested, "torch", True, "no CUDA device: the Triton kernel needs a GPU")
@@ -197,8 +192,7 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
             raise ValueError(f"config key 'kernels.attn_res' = 'triton': {why}")
         attn_res, c_res = pseudo_query_mix_reference, KernelChoice("attn_res", "auto", "torch", True, why)
     router, c_router = _pick("router", kernels_cfg.router, on_cuda, ("kernels.router", "top_k_rows", "triton"),
-                             top_k_rows_reference, auto_keeps_reference="the Triton top-k has not measured faster "
-                             "in a step yet (the config key's help)")
+                             top_k_rows_reference)
     max_logit, c_max = _pick("max_logit", kernels_cfg.max_logit, on_cuda,
                              ("kernels.max_logit", "max_logit_per_head", "triton"), max_logit_per_head_reference)
     conv, c_conv = _pick("conv", kernels_cfg.conv, on_cuda, ("kernels.short_conv", "causal_conv_silu", "triton"),
