@@ -65,6 +65,20 @@ def test_report_groups_the_peak_by_repository_frame_largest_first():
     assert "The allocation that reached it (5.0 MiB)" in text and "moe.py:20 forward" in text.split("```")[1]
 
 
+def test_a_trace_at_its_limit_says_it_undercounts(monkeypatch):
+    import titan_k3.metrics.memory_peak as mp
+
+    monkeypatch.setattr(mp, "MAX_ENTRIES", 3)
+    text = peak_report({"device_traces": [[alloc(1, MIB), alloc(2, MIB), alloc(3, MIB)]]}, 0, "full")
+    assert "reached its limit of 3 events" in text
+    assert "limit" not in peak_report({"device_traces": [[alloc(1, MIB)]]}, 0, "short")
+
+
+def test_report_reads_the_device_it_is_given():
+    traces = {"device_traces": [[alloc(1, MIB)], [alloc(1, 7 * MIB, LOSS)]]}
+    assert "Peak 0.007 GiB allocated" in peak_report(traces, 0, "rank 1", device=1)
+
+
 def test_report_without_a_trace_says_so():
     text = peak_report({"device_traces": []}, 3 * 2**30, "empty")
     assert "Peak 3.000 GiB allocated: 0.000 GiB in 0 blocks" in text and "Trace: 0 events" in text
@@ -101,7 +115,8 @@ def fake_trace(monkeypatch, snapshot):
     import titan_k3.metrics.memory_peak as mp
 
     calls = {"started": 0, "stopped": 0}
-    monkeypatch.setattr(mp, "start_recording", lambda: (calls.__setitem__("started", calls["started"] + 1), 5 * MIB)[1])
+    monkeypatch.setattr(mp, "start_recording",
+                        lambda device: (calls.__setitem__("started", calls["started"] + 1), 5 * MIB)[1])
     monkeypatch.setattr(mp, "stop_recording", lambda: calls.__setitem__("stopped", calls["stopped"] + 1))
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", snapshot)
     return calls

@@ -23,13 +23,16 @@ import torch
 GIB = 2**30
 REPO = Path(__file__).resolve().parents[2]
 REPO_DIRS = ("titan_k3", "kernels", "benchmarks")
+MAX_ENTRIES = 2_000_000
+"""Events the allocator keeps (a ring: past it the oldest go). A k3-mini update replayed from its CUDA graph adds
+almost none; an eager one some thousands."""
 
 
-def start_recording(max_entries: int = 2_000_000) -> int:
-    """Start the allocator's trace with Python stacks (CUDA only); returns the bytes allocated now (the baseline:
-    blocks allocated before the trace show in it only when they are freed)."""
-    torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python", max_entries=max_entries)
-    return torch.cuda.memory_allocated()
+def start_recording(device: torch.device | None = None) -> int:
+    """Start the allocator's trace with Python stacks (CUDA only); returns the bytes allocated on `device` now (the
+    baseline: blocks allocated before the trace show in it only when they are freed)."""
+    torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python", max_entries=MAX_ENTRIES)
+    return torch.cuda.memory_allocated(device)
 
 
 def stop_recording() -> None:
@@ -109,6 +112,9 @@ def peak_report(snapshot: dict, baseline: int, title: str, device: int = 0, top:
              f"Peak {peak / GIB:.3f} GiB allocated: {traced / GIB:.3f} GiB in {len(live)} blocks allocated while the "
              f"trace ran, {(peak - traced) / GIB:.3f} GiB allocated before it ({baseline / GIB:.3f} GiB then). "
              f"Trace: {len(trace)} events."]
+    if len(trace) >= MAX_ENTRIES:
+        lines += ["", f"**The trace reached its limit of {MAX_ENTRIES:,} events: its oldest are gone, so the peak and "
+                  "its blocks above are undercounted. Record fewer updates.**"]
     if index >= 0:
         frames = trace[index].get("frames", [])
         lines += ["", f"The allocation that reached it ({trace[index]['size'] / 2**20:.1f} MiB), innermost frame first:",
@@ -129,12 +135,12 @@ class PeakRecorder:
     """
 
     def __init__(self, updates: int, device: torch.device):
-        self.updates, self.baseline = updates, None
+        self.updates, self.baseline, self.device = updates, None, device
         if updates and device.type != "cuda":
             raise ValueError(f"config key 'profiling.memory_peak_updates' = {updates}: the allocator's trace needs "
                              f"a CUDA device; this run is on {device}")
         if updates:
-            self.baseline = start_recording()
+            self.baseline = start_recording(device)
 
     def after(self, update: int, run_dir: Path, rank: int, events=None) -> Path | None:
         """After each update (1-based): at update N, write the report and stop the trace; its path, else None."""
@@ -142,8 +148,9 @@ class PeakRecorder:
             return None
         path = Path(run_dir) / f"memory-peak-rank{rank}.md"
         try:
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             path.write_text(peak_report(torch.cuda.memory._snapshot(), self.baseline,
-                                        f"rank {rank}, the model's build and updates 1-{update}"))
+                                        f"rank {rank}, the model's build and updates 1-{update}", device=index))
         except Exception as e:  # noqa: BLE001 - a diagnostic must not end the training it observes
             message = f"update {update}: writing the memory-peak report failed: {type(e).__name__}: {e}"
             print(f"[memory_peak] {message}", flush=True)
