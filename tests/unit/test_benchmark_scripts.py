@@ -527,10 +527,13 @@ def test_a_variant_that_needs_an_allocator_setting_runs_only_in_its_own_process(
     from benchmarks import train_throughput
 
     seen = {}
-    monkeypatch.setattr(subprocess, "run", lambda cmd, timeout, env: seen.update(env=env) or SimpleNamespace(returncode=3))
-    args = SimpleNamespace(flavor="debug", warmup=1, steps=1, out=tmp_path)
+    monkeypatch.setattr(subprocess, "run",
+                        lambda cmd, timeout, env: seen.update(env=env, cmd=cmd) or SimpleNamespace(returncode=3))
+    args = SimpleNamespace(flavor="debug", warmup=1, steps=1, out=tmp_path, memory_peak="ours-recipe-expandable")
     row = train_throughput.run_isolated("ours-recipe-expandable", 64, 2, args, 60.0, "none")
     assert seen["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True" and "PATH" in seen["env"]
+    flag = seen["cmd"].index("--memory-peak")  # the child traces the allocator when the parent was asked to
+    assert seen["cmd"][flag + 1] == "ours-recipe-expandable"
     assert row["error"] == "child process exited 3"
     train_throughput.run_isolated("ours-recipe", 64, 2, args, 60.0, "none")
     assert "PYTORCH_CUDA_ALLOC_CONF" not in seen["env"]
