@@ -210,6 +210,8 @@ def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps
                 memory_peak: bool = False) -> dict:
     reset_peak()
     traced = memory_peak and torch.cuda.is_available()
+    if memory_peak and not traced:
+        print(f"--memory-peak {name}: the allocator's trace needs CUDA; no report without a GPU", flush=True)
     if traced:
         from titan_k3.metrics.memory_peak import start_recording
 
