@@ -22,6 +22,10 @@ Backward, with g = dout:
     ds_n = w_n (dw_n - dbar)
     dv_n = w_n g + ds_n rstd_n (q - rstd_n s_n v_n / D)
     dq   = sum over rows and n of ds_n rstd_n v_n   (per-program partials [D, P], summed in torch)
+dv_n is written to its own buffer, or added to what a buffer already holds
+(bit n of ACC): a residual block that several mixes read then gets its
+gradient summed in place by their kernels (`ops.GradientSink`), with no
+separate add of two [R, D] tensors per extra reader.
 dbar needs every source before any dv_n can be written, so the backward walks
 the sources twice; the second walk re-reads tiles the first has just read
 (from L2 on a GPU).
@@ -126,7 +130,7 @@ def _mix_bwd_kernel(
     V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11,
     G0, G1, G2, G3, G4, G5, G6, G7, G8, G9, G10, G11,
     q_ptr, dout_ptr, score_ptr, rstd_ptr, smax_ptr, dq_part_ptr, R, D,
-    N: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, TILES: tl.constexpr,
+    N: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, TILES: tl.constexpr, ACC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
@@ -157,6 +161,8 @@ def _mix_bwd_kernel(
             c = ds * rstd  # coefficient of q in dv_n, and of v_n in dq
             dv = w[:, None] * g + c[:, None] * q[None, :] - (c * rstd * s / D)[:, None] * v
             dv_ptr = _source(n, G0, G1, G2, G3, G4, G5, G6, G7, G8, G9, G10, G11)
+            if (ACC >> n) & 1:
+                dv += tl.load(dv_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(dv_ptr + offs, dv.to(dv_ptr.dtype.element_ty), mask=mask)
             dq_acc += c[:, None] * v
     # NOTE: stored transposed ([D, P]): torch sums a [P, D] float32 partial over P ~2-3x slower than a [D, P]
@@ -186,12 +192,26 @@ def mix_forward(sources: list[torch.Tensor], query: torch.Tensor, eps: float) ->
 
 def mix_backward(
     sources: list[torch.Tensor], query: torch.Tensor, dout: torch.Tensor,
-    score: torch.Tensor, rstd: torch.Tensor, smax: torch.Tensor,
+    score: torch.Tensor, rstd: torch.Tensor, smax: torch.Tensor, into: list[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
-    """Gradients [dv_0, ..., dv_{N-1}, dq]: dv_n like the sources, dq [D] in the query's dtype. dout: contiguous."""
+    """Gradients [dv_0, ..., dv_{N-1}, dq]: dv_n like the sources, dq [D] in the query's dtype. dout: contiguous.
+
+    into: per source, None (dv_n is a new tensor) or a contiguous tensor like it that dv_n is added to in place
+    (and returned as dv_n); no two may share memory.
+    """
     N, D = len(sources), query.shape[0]
     R = smax.shape[0]
-    dvs = [torch.empty_like(v) for v in sources]
+    into = into if into is not None else [None] * N
+    if len(into) != N:
+        raise ValueError(f"mix_backward: into has {len(into)} entries for {N} sources")
+    for n, (buf, v) in enumerate(zip(into, sources)):
+        if buf is not None and (buf.shape != v.shape or buf.dtype != v.dtype or not buf.is_contiguous()):
+            raise ValueError(f"mix_backward: into[{n}] must be contiguous {tuple(v.shape)} {v.dtype} like source {n}, "
+                             f"got {tuple(buf.shape)} {buf.dtype}{'' if buf.is_contiguous() else ' non-contiguous'}")
+    dvs = [torch.empty_like(v) if buf is None else buf for buf, v in zip(into, sources)]
+    if R > 0 and len({dv.data_ptr() for dv in dvs}) != N:
+        raise ValueError("mix_backward: two sources' gradients would be written to one buffer")
+    acc = sum(1 << n for n, buf in enumerate(into) if buf is not None)
     br, bd, warps = tiles("bwd", D)
     n_tiles = LAUNCH["bwd"]["tiles"]
     programs = triton.cdiv(triton.cdiv(R, br), n_tiles)
@@ -199,6 +219,6 @@ def mix_backward(
     if R > 0:
         _mix_bwd_kernel[(programs,)](
             *_pointers(sources), *_pointers(dvs), query, dout, score, rstd, smax, dq_part, R, D,
-            N=N, BR=br, BD=bd, TILES=n_tiles, num_warps=warps,
+            N=N, BR=br, BD=bd, TILES=n_tiles, ACC=acc, num_warps=warps,
         )
     return dvs + [dq_part.sum(1).to(query.dtype)]

@@ -11,6 +11,7 @@ import torch
 
 from kernels.attn_res.mix import MAX_SOURCES, mix_backward, mix_forward
 from kernels.attn_res.reference import check_mix_inputs
+from kernels.attn_res.sinks import GradientSink
 from kernels.device import triton_runs_on
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -62,13 +63,43 @@ def _backward(ctx, dout, _dscore, _drstd, _dsmax):
 _mix_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def pseudo_query_mix(sources: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:
+class _MixIntoSinks(torch.autograd.Function):
+    """The mix whose backward adds the gradients of the sources that have a sink into it (kernels/attn_res/sinks.py).
+
+    An eager autograd Function, not the custom ops above: a sink is a Python object, which a custom op cannot
+    take. The model runs the Triton mix eagerly anyway (parallelize.apply_compile leaves it uncompiled).
+    """
+
+    @staticmethod
+    def forward(ctx, query: torch.Tensor, eps: float, sinks: list, *sources: torch.Tensor) -> torch.Tensor:
+        out, score, rstd, smax = mix_forward(list(sources), query, eps)
+        ctx.sinks = sinks
+        ctx.save_for_backward(*sources, query, score, rstd, smax)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        *sources, query, score, rstd, smax = ctx.saved_tensors
+        into = [None if sink is None else sink.grad for sink in ctx.sinks]
+        *dsources, dquery = mix_backward(sources, query, dout.contiguous(), score, rstd, smax, into=into)
+        for n, sink in enumerate(ctx.sinks):
+            if sink is not None:
+                sink.grad, dsources[n] = dsources[n], None
+        return dquery, None, None, *dsources
+
+
+def pseudo_query_mix(
+    sources: list[torch.Tensor], query: torch.Tensor, eps: float, sinks: list[GradientSink | None] | None = None,
+) -> torch.Tensor:
     """sum_n softmax_n(<RMSNorm(v_n), q>) v_n in Triton, differentiable in every source and the query.
 
     sources: N (1..MAX_SOURCES) tensors [..., D] (the model's [B, T, D]) of one shape and device, each
     bfloat16, float16 or float32 (they may differ); query [D], any of those dtypes. Statistics, softmax and
     accumulation are float32; the output has source 0's dtype, each gradient its source's, and one source
     is returned as it is.
+    sinks: per source, None or the GradientSink that source's gradient is added into by the backward kernel
+    (kernels/attn_res/sinks.py: the source must have passed through `collect` with that sink); None: autograd
+    sums every source's gradient.
     Needs CUDA tensors, or TRITON_INTERPRET=1 on CPU; `kernels.attn_res.pseudo_query_mix_reference` is the
     CPU path (and the float64 one).
     """
@@ -87,7 +118,21 @@ def pseudo_query_mix(sources: list[torch.Tensor], query: torch.Tensor, eps: floa
             f"pseudo_query_mix runs Triton kernels and needs CUDA tensors, got device {sources[0].device}; "
             "use kernels.attn_res.pseudo_query_mix_reference on CPU"
         )
+    if sinks is not None:
+        _check_sinks(sinks, N)
     if N == 1:
         return sources[0]
+    if sinks is not None and any(sink is not None for sink in sinks):
+        return _MixIntoSinks.apply(query.contiguous(), float(eps), list(sinks), *[v.contiguous() for v in sources])
     out, *_ = _mix_fwd_op([v.contiguous() for v in sources], query.contiguous(), float(eps))
     return out
+
+
+def _check_sinks(sinks: list, n_sources: int) -> None:
+    if len(sinks) != n_sources:
+        raise ValueError(f"pseudo_query_mix: sinks has {len(sinks)} entries for {n_sources} sources")
+    if any(sink is not None and not isinstance(sink, GradientSink) for sink in sinks):
+        raise ValueError("pseudo_query_mix: each sink must be None or a kernels.attn_res.sinks.GradientSink")
+    named = [id(sink) for sink in sinks if sink is not None]
+    if len(set(named)) != len(named):
+        raise ValueError("pseudo_query_mix: two sources share one GradientSink (each source needs its own)")

@@ -54,6 +54,8 @@ class Kernels:
     """Head + cross-entropy: fused triton kernel, chunked torch reference, or auto."""
     attn_res: Literal["auto", "triton", "torch"] = "auto"
     """Block Attention Residuals' pseudo-query mixes: fused triton kernel, torch reference, or auto (triton on CUDA)."""
+    attn_res_grad_in_place: bool = False
+    """The Triton mixes' backward kernels add each completed residual block's gradient into one buffer in place (kernels/attn_res/sinks.py), instead of each writing a new tensor that autograd then adds: for k3-mini ~48 fewer adds of a [B, T, D] bf16 tensor per update (each ~24 us at 32,768 tokens on the H200), predicted ~0.7 ms less per update at B32 T1024. Not yet measured on a GPU, so off (benchmarks/train_throughput.py --variants ours-recipe-grad-in-place measures it). The gradients are the same up to rounding (each share added in float32 and rounded once). Needs the Triton mix (kernels.attn_res triton, or auto on CUDA)."""
     router: Literal["auto", "triton", "torch"] = "auto"
     """The MoE routers' top-k selection: our Triton kernel (a block of tokens' scores in registers, k rounds of max), the torch reference (k rounds of max and mask, fused by torch.compile when compile.enable), or auto (triton on CUDA). On the H200 the kernel took 40 us per k3-mini layer against 93 us for the compiled reference, and the recipe's update at B32 T1024 139.0 against 139.7 ms of kernels, 140.2 against 140.6 ms per update (median of two alternating rounds; benchmarks/results/train_throughput.md, session 29; session 19's one comparison had read it 0.9 ms slower)."""
     max_logit: Literal["auto", "triton", "torch"] = "auto"

@@ -49,6 +49,9 @@ class Impl:
     flash attention's variable-length kernel (GatedMLA._attend)."""
     attn_res: Callable = pseudo_query_mix_reference
     """Block Attention Residuals' pseudo-query mix(sources, query, eps)."""
+    attn_res_sinks: bool = False
+    """The mixes sum each completed residual block's gradient in place (kernels.attn_res_grad_in_place): the
+    model hands them gradient sinks (models/k3/attn_res.py), which only the Triton mix takes."""
     router: Callable = top_k_rows_reference
     """The MoE routers' selection top_k_rows(x [T, E], k) -> (values, ids) [T, k] (moe.QuantileBalancedRouter)."""
     max_logit: Callable = max_logit_per_head_reference
@@ -191,6 +194,10 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
         if kernels_cfg.attn_res == "triton":
             raise ValueError(f"config key 'kernels.attn_res' = 'triton': {why}")
         attn_res, c_res = pseudo_query_mix_reference, KernelChoice("attn_res", "auto", "torch", True, why)
+    if kernels_cfg.attn_res_grad_in_place and c_res.chosen != "triton":
+        raise ValueError("config key 'kernels.attn_res_grad_in_place' = true: needs the Triton mix, but this run's "
+                         f"mix is the torch reference (kernels.attn_res = '{c_res.requested}'"
+                         f"{': ' + c_res.reason if c_res.reason and c_res.reason != 'asked for' else ''})")
     router, c_router = _pick("router", kernels_cfg.router, on_cuda, ("kernels.router", "top_k_rows", "triton"),
                              top_k_rows_reference)
     max_logit, c_max = _pick("max_logit", kernels_cfg.max_logit, on_cuda,
@@ -198,7 +205,8 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
     conv, c_conv = _pick("conv", kernels_cfg.conv, on_cuda, ("kernels.short_conv", "causal_conv_silu", "triton"),
                          causal_conv_silu_reference)
     backends, c_attn = _attention_backends(kernels_cfg.attention, on_cuda)
-    return Impl(kda, experts, loss, backends, attn_res=attn_res, router=router, max_logit=max_logit, conv=conv,
+    return Impl(kda, experts, loss, backends, attn_res=attn_res, attn_res_sinks=kernels_cfg.attn_res_grad_in_place,
+                router=router, max_logit=max_logit, conv=conv,
                 choices=[c_kda, c_exp, c_loss, c_grads, c_res, c_router, c_max, c_conv, c_attn])
 
 

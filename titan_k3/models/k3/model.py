@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels.attn_res.sinks import GradientSink
 from titan_k3.models.k3.args import K3Args
 from titan_k3.models.k3.attn_res import PseudoQueryMix, ResidualBlocks
 from titan_k3.models.k3.documents import Documents, OnHost
@@ -36,8 +37,10 @@ class K3Block(nn.Module):
         self.ffn = (LatentMoE(args, impl.experts, qb_eta, impl.router) if self.is_moe
                     else SituGluFFN(args.dim, args.dense_hidden))
 
-    def forward(self, sources: list[torch.Tensor], partial: torch.Tensor | None, docs: Documents) -> torch.Tensor:
-        """sources: completed blocks [B, T, D] each; partial: the open block's sum so far (None: it opens here).
+    def forward(self, sources: list[torch.Tensor], partial: torch.Tensor | None, docs: Documents,
+                sinks: list[GradientSink] | None = None) -> torch.Tensor:
+        """sources: completed blocks [B, T, D] each; partial: the open block's sum so far (None: it opens here);
+        sinks: the completed blocks' gradient sinks (ResidualBlocks.sinks), or None.
 
         Returns the open block's sum after this layer, partial + attention output + FFN output [B, T, D].
         NOTE: the sum after the attention sublayer is the FFN mix's source and the next partial sum's first term
@@ -45,9 +48,9 @@ class K3Block(nn.Module):
         forward and two gradient adds in the backward per layer, ~25 us each at k3-mini's B8 T4096).
         """
         with_partial = sources + ([partial] if partial is not None else [])
-        attn_out = self.attn_sublayer(self.attn_mix(with_partial), docs)
+        attn_out = self.attn_sublayer(self.attn_mix(with_partial, sinks), docs)
         partial = attn_out if partial is None else partial + attn_out
-        return partial + self.ffn_sublayer(self.ffn_mix(sources + [partial]))
+        return partial + self.ffn_sublayer(self.ffn_mix(sources + [partial], sinks))
 
     # NOTE: the sublayers, not the block, are the units `torch.compile` sees: a
     # block's mixes read a number of residual sources that differs from layer to
@@ -108,11 +111,11 @@ class K3Model(nn.Module):
             # NOTE: as FSDP2's mixed precision hands it over. A float32 block 0 made every mix read and write float32
             # (a mix's output takes its first source's dtype) and its gradient add up in float32 over every mix.
             embedding = embedding.to(self.compute_dtype)
-        stream = ResidualBlocks(embedding, self.args.attn_res_block_size)
+        stream = ResidualBlocks(embedding, self.args.attn_res_block_size, self.impl.attn_res_sinks)
         for i, block in enumerate(self.layers.values()):
-            stream.partial = block(stream.completed, stream.partial, docs)
+            stream.partial = block(stream.completed, stream.partial, docs, stream.sinks)
             stream.end_layer(i)
-        return self.norm(self.final_mix(stream.sources()))
+        return self.norm(self.final_mix(stream.sources(), stream.sinks))
 
     def forward(
         self, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor | None = None,

@@ -1,0 +1,192 @@
+"""Gradient sinks (kernels/attn_res/sinks.py, kernels.attn_res_grad_in_place): the mixes' backward kernels sum a
+residual block's gradient in place, and every gradient equals autograd's sum (Triton's interpreter on CPU).
+"""
+
+import os
+
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from kernels.attn_res import mix, pseudo_query_mix, pseudo_query_mix_reference
+from kernels.attn_res.sinks import GradientSink, collect
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-5
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double().to(a.device)
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+
+
+def randn(*shape, seed, dtype=torch.float64, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale).to(
+        DEVICE, dtype)
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """A few rows per tile and three tiles per backward program: many programs, ragged last ones."""
+    monkeypatch.setitem(mix.LAUNCH, "fwd", dict(tile=256, num_warps=4))
+    monkeypatch.setitem(mix.LAUNCH, "bwd", dict(tile=256, num_warps=4, tiles=3))
+
+
+def test_the_backward_kernel_adds_into_the_buffers_it_is_given_and_writes_the_others(small_tiles):
+    N, shape = 4, (2, 13, 48)
+    sources = [randn(*shape, seed=n, dtype=torch.float32, scale=0.5 + n) for n in range(N)]
+    query = randn(48, seed=9, dtype=torch.float32)
+    dout = randn(*shape, seed=10, dtype=torch.float32)
+    _, score, rstd, smax = mix.mix_forward(sources, query, EPS)
+    fresh = mix.mix_backward(sources, query, dout, score, rstd, smax)
+    held = {1: randn(*shape, seed=11, dtype=torch.float32), 3: randn(*shape, seed=12, dtype=torch.float32)}
+    before = {n: t.clone() for n, t in held.items()}
+    into = [held.get(n) for n in range(N)]
+    got = mix.mix_backward(sources, query, dout, score, rstd, smax, into=into)
+    for n in range(N):
+        if n in held:
+            assert got[n] is held[n]  # written in place, returned as the gradient
+            torch.testing.assert_close(got[n], before[n] + fresh[n], rtol=1e-6, atol=1e-6)
+        else:
+            torch.testing.assert_close(got[n], fresh[n], rtol=0, atol=0)
+    torch.testing.assert_close(got[N], fresh[N], rtol=0, atol=0)  # the query's gradient
+
+
+def stream_loss(sources_fn, leaves, queries, with_sinks: bool):
+    """A residual stream of mixes as the model runs it: the embedding (block 0) and a block 1 completed after two
+    mixes; every later mix reads them both and the open block's sum. Block 1 is also read outside the mixes (its
+    gradient then arrives through autograd as well as through its sink)."""
+    e, w = leaves
+    sinks = [GradientSink(), GradientSink()] if with_sinks else None
+    blocks = [torch.tanh(e)]
+    if with_sinks:
+        blocks[0] = collect(blocks[0], sinks[0])
+
+    def mix(sources, q):
+        kwargs = {}
+        if with_sinks:
+            kwargs["sinks"] = sinks[: len(blocks)] + [None] * (len(sources) - len(blocks))
+        return sources_fn(sources, q, EPS, **kwargs)
+
+    partial = torch.sin(mix(blocks + [blocks[0] * w], queries[0]))
+    partial = partial + torch.cos(mix(blocks + [partial], queries[1]))
+    blocks.append(collect(partial, sinks[1]) if with_sinks else partial)
+    partial = torch.sigmoid(mix(blocks, queries[2]))
+    partial = partial * mix(blocks + [partial], queries[3])
+    out = mix(blocks + [partial], queries[4])
+    g = randn(*out.shape, seed=40, dtype=out.dtype)
+    loss = (out * g).sum() + (blocks[1] * blocks[1]).sum() * 0.1
+    return loss, sinks
+
+
+def stream_grads(fn, dtype, with_sinks):
+    e = randn(2, 11, 40, seed=30, dtype=dtype).requires_grad_(True)
+    w = randn(40, seed=31, dtype=dtype).requires_grad_(True)
+    queries = [randn(40, seed=32 + i, dtype=dtype).requires_grad_(True) for i in range(5)]
+    loss, sinks = stream_loss(fn, (e, w), queries, with_sinks)
+    loss.backward()
+    return [e.grad, w.grad] + [q.grad for q in queries], sinks
+
+
+def test_a_stream_of_mixes_with_sinks_has_autograds_gradients(small_tiles):
+    """Blocks read by several mixes: with sinks, every leaf's and query's gradient is the float64 reference's
+    (and the Triton mixes' without sinks), and each sink is empty once its block's gradient is handed on."""
+    truth, _ = stream_grads(pseudo_query_mix_reference, torch.float64, with_sinks=False)
+    plain, _ = stream_grads(pseudo_query_mix, torch.float32, with_sinks=False)
+    sunk, sinks = stream_grads(pseudo_query_mix, torch.float32, with_sinks=True)
+    for got, base, ref in zip(sunk, plain, truth):
+        assert rel_rms(got, ref) < 1e-5 and rel_rms(base, ref) < 1e-5
+    assert all(sink.grad is None for sink in sinks)
+
+
+def test_a_sink_whose_block_no_mix_reads_hands_on_autograds_gradient():
+    x = torch.randn(3, 4, requires_grad=True)
+    sink = GradientSink()
+    (collect(x * 2, sink) * 3).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3, 4), 6.0))
+    assert sink.grad is None
+
+
+@pytest.mark.parametrize(
+    "sinks, message",
+    [
+        ([GradientSink()], "sinks has 1 entries for 2 sources"),
+        ([object(), None], "must be None or a kernels.attn_res.sinks.GradientSink"),
+        ("shared", "two sources share one GradientSink"),
+    ],
+)
+def test_bad_sinks_raise_one_clear_error(sinks, message):
+    if sinks == "shared":
+        sink = GradientSink()
+        sinks = [sink, sink]
+    sources = [torch.zeros(2, 3, 8, device=DEVICE)] * 2
+    with pytest.raises(ValueError, match=message):
+        pseudo_query_mix(sources, torch.zeros(8, device=DEVICE), EPS, sinks=sinks)
+
+
+def test_a_buffer_unlike_its_source_is_refused():
+    sources = [torch.randn(2, 3, 8, device=DEVICE) for _ in range(2)]
+    query = torch.zeros(8, device=DEVICE)
+    _, score, rstd, smax = mix.mix_forward(sources, query, EPS)
+    with pytest.raises(ValueError, match=r"into\[1\] must be contiguous \(2, 3, 8\) torch.float32"):
+        mix.mix_backward(sources, query, torch.ones_like(sources[0]), score, rstd, smax,
+                         into=[None, torch.zeros(2, 3, 8, dtype=torch.float16, device=DEVICE)])
+    shared = torch.zeros_like(sources[0])
+    with pytest.raises(ValueError, match="two sources' gradients would be written to one buffer"):
+        mix.mix_backward(sources, query, torch.ones_like(sources[0]), score, rstd, smax, into=[shared, shared])
+
+
+def model_grads(in_place: bool, ac_mode: str = "none"):
+    from titan_k3.config import load_job_config
+    from titan_k3.models.k3.args import get_flavor
+    from titan_k3.models.k3.impl import resolve_impl
+    from titan_k3.models.k3.model import K3Model
+    from titan_k3.parallel.parallelize import apply_ac
+
+    cfg = load_job_config(["--kernels.kda", "torch", "--kernels.experts", "torch", "--kernels.loss", "torch",
+                           "--kernels.attn_res", "triton", "--kernels.attention", "math",
+                           "--kernels.attn_res_grad_in_place", str(in_place).lower()])
+    impl = resolve_impl(cfg.kernels, torch.device(DEVICE))
+    assert impl.attn_res_sinks is in_place
+    torch.manual_seed(0)
+    model = K3Model(get_flavor("debug", 256), impl).to(DEVICE)
+    model.init_weights(seed=0)
+    with torch.no_grad():  # pseudo-queries off their zero init, so the mixes are not plain averages
+        for name, p in model.named_parameters():
+            if name.endswith("query"):
+                p.normal_(0, 0.5, generator=torch.Generator(DEVICE).manual_seed(len(name)))
+    for r in model.moe_routers().values():
+        r.update_enabled = False
+    if ac_mode != "none":
+        apply_ac(model, ac_mode)
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    out = model(ids, ids)
+    out.loss_sum.backward()
+    return out.loss_sum.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("ac_mode", ["none", "full"])
+def test_the_model_with_gradients_in_place_trains_like_without(ac_mode):
+    """kernels.attn_res_grad_in_place: the debug flavor's loss and every parameter's gradient as without it, with
+    and without activation checkpointing (whose recompute must not disturb the sinks)."""
+    loss_in, grads_in = model_grads(True, ac_mode)
+    loss_out, grads_out = model_grads(False)
+    torch.testing.assert_close(loss_in, loss_out, rtol=1e-6, atol=0.0)
+    assert grads_in.keys() == grads_out.keys() and any("tok_embeddings" in n for n in grads_in)
+    for name in grads_out:
+        assert rel_rms(grads_in[name], grads_out[name]) < 1e-5, name
+
+
+def test_gradients_in_place_without_the_triton_mix_is_refused_before_any_work():
+    from titan_k3.config import load_job_config
+    from titan_k3.models.k3.impl import resolve_impl
+
+    cfg = load_job_config(["--kernels.attn_res", "torch", "--kernels.attn_res_grad_in_place", "true"])
+    with pytest.raises(ValueError, match=r"'kernels.attn_res_grad_in_place' = true: needs the Triton mix, .* "
+                                         r"\(kernels.attn_res = 'torch'\)"):
+        resolve_impl(cfg.kernels, torch.device("cpu"))
+    cfg = load_job_config(["--kernels.attn_res_grad_in_place", "true"])
+    with pytest.raises(ValueError, match=r"kernels.attn_res = 'auto': no CUDA device"):
+        resolve_impl(cfg.kernels, torch.device("cpu"))
