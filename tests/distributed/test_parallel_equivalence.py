@@ -75,3 +75,14 @@ def test_four_processes_hsdp_and_ep(reference, tmp_path):
     ranks = run_distributed(4, runs, tmp_path)
     for name, _, steps in runs:
         _check(ranks, reference, name, steps)
+
+
+def test_two_processes_fsdp2_with_the_triton_mixes_summing_gradients_in_place(reference, tmp_path, monkeypatch):
+    """kernels.attn_res_grad_in_place under FSDP2 (its hooks wrap each block's inputs, the sinks ride beside them)
+    and full activation checkpointing (the recompute runs each mix's forward again): the single process's numbers.
+    The mixes run in Triton's interpreter in the spawned processes."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    runs = [("fsdp2_mix_in_place_ac_full", ["--kernels.attn_res", "triton", "--kernels.attn_res_grad_in_place", "true",
+                                            "--activation_checkpoint.mode", "full"], STEPS)]
+    ranks = run_distributed(2, runs, tmp_path)
+    _check(ranks, reference, *runs[0][::2])
