@@ -7,10 +7,16 @@ source count N:
   ours       kernels.attn_res.pseudo_query_mix (Triton: each source read once forward)
 Every variant is checked against the float64 reference (relative RMS error) before it is timed.
 `--sweep` also times alternative tiles and warps of our two kernels at the largest N.
+`--stream` instead times the flavor's whole stream of mixes (every layer's two and the final one, the model's
+`ResidualBlocks` and `PseudoQueryMix`, each sublayer a scaling) forward + backward with our mix, with and
+without gradient sinks (kernels.attn_res_grad_in_place: each completed block's gradient summed in place by the
+mixes' backward), both checked against the float64 reference first.
 
     PYTHONPATH=. python benchmarks/attn_res.py [--flavor k3-mini --batch 8 --seq 4096 --sources 2,3,5] [--out OUTDIR]
+    PYTHONPATH=. python benchmarks/attn_res.py --stream [--flavor k3-mini --batch 32 --seq 1024] [--out OUTDIR]
 
-Prints a table last and appends it to OUTDIR/attn_res.md (OUTDIR/attn_res.json: the rows).
+Prints a table last and appends it to OUTDIR/attn_res.md (OUTDIR/attn_res.json: the rows; attn_res_stream.json
+for --stream).
 Without a GPU it runs on Triton's CPU interpreter in float32 (a smoke run; the times mean nothing).
 """
 
@@ -29,9 +35,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.common import environment, median_ms, rel_rms, write_results  # noqa: E402
+from benchmarks.common import environment, env_cells, markdown_table, median_ms, rel_rms, write_results  # noqa: E402
 from kernels.attn_res import mix, pseudo_query_mix, pseudo_query_mix_reference  # noqa: E402
 from titan_k3.models.k3.args import FLAVORS  # noqa: E402
+from titan_k3.models.k3.attn_res import PseudoQueryMix, ResidualBlocks  # noqa: E402
 
 EPS = 1e-5
 SWEEP = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
@@ -77,6 +84,73 @@ def sweep_tiles(sources, query, dout) -> None:
         mix.LAUNCH.update(saved)
 
 
+class MixStream(torch.nn.Module):
+    """The residual stream of a flavor's mixes: per layer an attention and an FFN mix, then the final mix, over the
+    model's block sums (`ResidualBlocks`); a sublayer is a scaling of its mix's output (0.5 and 0.25), so the time
+    is the mixes', the residual adds' and autograd's sums of the blocks' gradients."""
+
+    def __init__(self, flavor: str, mix_fn, grad_sinks: bool):
+        super().__init__()
+        args = FLAVORS[flavor]
+        self.n_layers, self.block_size, self.grad_sinks = args.n_layers, args.attn_res_block_size, grad_sinks
+        self.mixes = torch.nn.ModuleList(PseudoQueryMix(args.dim, mix_fn, EPS) for _ in range(2 * args.n_layers + 1))
+
+    def forward(self, embedding: torch.Tensor) -> torch.Tensor:
+        stream = ResidualBlocks(embedding, self.block_size, self.grad_sinks)
+        for i in range(self.n_layers):
+            sources, partial = stream.completed, stream.partial
+            a = 0.5 * self.mixes[2 * i](sources + ([partial] if partial is not None else []), stream.sinks)
+            partial = a if partial is None else partial + a
+            stream.partial = partial + 0.25 * self.mixes[2 * i + 1](sources + [partial], stream.sinks)
+            stream.end_layer(i)
+        return self.mixes[-1](stream.sources(), stream.sinks)
+
+
+def stream_benchmark(args) -> int:
+    """--stream: the flavor's stream of mixes forward + backward, ours without and with gradient sinks."""
+    on_cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if on_cuda else ("cpu", torch.float32)
+    dim = FLAVORS[args.flavor].dim
+    gen = torch.Generator(device=device).manual_seed(0)
+    embedding = torch.randn(args.batch, args.seq, dim, device=device, generator=gen).to(dtype).requires_grad_(True)
+    dout = torch.randn(args.batch, args.seq, dim, device=device, generator=gen).to(dtype)
+    streams = {"autograd sums": MixStream(args.flavor, pseudo_query_mix, False),
+               "sinks": MixStream(args.flavor, pseudo_query_mix, True)}
+    reference = MixStream(args.flavor, pseudo_query_mix_reference, False).to(device, torch.float64)
+    for module in (*streams.values(), reference):
+        with torch.no_grad():  # the same queries everywhere, off their zero init (weights far from uniform)
+            for i, m in enumerate(module.mixes):
+                m.query.copy_(torch.randn(dim, generator=torch.Generator().manual_seed(i)) * 0.3)
+    streams = {name: m.to(device) for name, m in streams.items()}
+
+    def embedding_grad(module, x, g):
+        x = x.detach().requires_grad_(True)
+        module(x).backward(g)
+        return x.grad
+
+    # NOTE: the check is the embedding's gradient: every block's gradient, however summed, reaches it. The queries'
+    # gradients are no check here: with sublayers that only scale, the sources nearly agree and those gradients
+    # cancel to ~1e-6 of the embedding's, where float32 rounding alone moves them by tens of percent.
+    truth = embedding_grad(reference, embedding.double(), dout.double())
+    env, rows = environment(), []
+    for name, module in streams.items():
+        err = rel_rms(embedding_grad(module, embedding, dout), truth)
+        print(f"stream check {name}: embedding gradient rel rms {err:.1e}", flush=True)
+        assert err < 2e-2, (name, err)
+        leaves = [embedding, *module.parameters()]
+        rows.append({"variant": name, "fwd_bwd_ms": median_ms(lambda m=module: m(embedding).backward(dout), leaves),
+                     "rel_rms": err})
+    del truth
+    base = rows[0]["fwd_bwd_ms"]
+    shape = f"B{args.batch} T{args.seq} D{dim} {str(dtype).removeprefix('torch.')}"
+    lines = [env_cells(env) + f"{args.flavor} | {shape} | {2 * FLAVORS[args.flavor].n_layers + 1} | {r['variant']} "
+             f"| {r['fwd_bwd_ms']:.3f} | {base - r['fwd_bwd_ms']:+.3f} | {r['rel_rms']:.1e} |" for r in rows]
+    table = markdown_table(["flavor", "shape", "mixes", "variant", "stream fwd+bwd ms", "saved ms vs autograd sums",
+                            "embedding gradient rel RMS vs float64"], lines)
+    write_results(args.out, "attn_res_stream", table, env, rows)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--flavor", default="k3-mini")
@@ -85,8 +159,12 @@ def main() -> int:
     p.add_argument("--sources", default="2,3,5", help="comma-separated source counts N")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled reference")
     p.add_argument("--sweep", action="store_true", help="also time alternative tiles / warps of ours at the largest N")
+    p.add_argument("--stream", action="store_true",
+                   help="time the flavor's whole stream of mixes with and without gradient sinks instead")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
+    if args.stream:
+        return stream_benchmark(args)
     on_cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if on_cuda else ("cpu", torch.float32)  # the interpreter has no bf16
     dim = FLAVORS[args.flavor].dim
