@@ -252,32 +252,43 @@ def test_compiles_without_graph_break():
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
-def test_model_with_triton_mixes_equals_torch_mixes():
-    """kernels.attn_res = triton and = torch: the same loss and gradients on the debug flavor in float32."""
+def debug_model_loss_and_grads(*kernel_args: str, ac_mode: str = "none"):
+    """The debug flavor's summed loss and every parameter's gradient on one fixed batch, in float32, with the torch
+    reference everywhere but what `kernel_args` set; the pseudo-queries off their zero init (so the mixes are not
+    plain averages) and the routers frozen. Returns (loss, {name: grad}, the resolved Impl)."""
     from titan_k3.config import load_job_config
     from titan_k3.models.k3.args import get_flavor
     from titan_k3.models.k3.impl import resolve_impl
     from titan_k3.models.k3.model import K3Model
+    from titan_k3.parallel.parallelize import apply_ac
 
+    cfg = load_job_config(["--kernels.kda", "torch", "--kernels.experts", "torch", "--kernels.loss", "torch",
+                           "--kernels.attention", "math", *kernel_args])
+    impl = resolve_impl(cfg.kernels, torch.device(DEVICE))
+    torch.manual_seed(0)
+    model = K3Model(get_flavor("debug", 256), impl).to(DEVICE)
+    model.init_weights(seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("query"):
+                p.normal_(0, 0.5, generator=torch.Generator(DEVICE).manual_seed(len(name)))
+    for r in model.moe_routers().values():
+        r.update_enabled = False
+    if ac_mode != "none":
+        apply_ac(model, ac_mode)
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    out = model(ids, ids)
+    out.loss_sum.backward()
+    return out.loss_sum.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, impl
+
+
+def test_model_with_triton_mixes_equals_torch_mixes():
+    """kernels.attn_res = triton and = torch: the same loss and gradients on the debug flavor in float32."""
     results = {}
     for choice in ("triton", "torch"):
-        cfg = load_job_config(["--kernels.kda", "torch", "--kernels.experts", "torch", "--kernels.loss", "torch",
-                               "--kernels.attn_res", choice, "--kernels.attention", "math"])
-        impl = resolve_impl(cfg.kernels, torch.device(DEVICE))
+        loss, grads, impl = debug_model_loss_and_grads("--kernels.attn_res", choice)
         assert [(c.op, c.chosen) for c in impl.choices if c.op == "attn_res"] == [("attn_res", choice)]
-        torch.manual_seed(0)
-        model = K3Model(get_flavor("debug", 256), impl).to(DEVICE)
-        model.init_weights(seed=0)
-        with torch.no_grad():  # pseudo-queries off their zero init, so the mixes are not plain averages
-            for name, p in model.named_parameters():
-                if name.endswith("query"):
-                    p.normal_(0, 0.5, generator=torch.Generator(DEVICE).manual_seed(len(name)))
-        for r in model.moe_routers().values():
-            r.update_enabled = False
-        ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-        out = model(ids, ids)
-        out.loss_sum.backward()
-        results[choice] = (out.loss_sum.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        results[choice] = (loss, grads)
     (loss_t, grads_t), (loss_r, grads_r) = results["triton"], results["torch"]
     torch.testing.assert_close(loss_t, loss_r, rtol=1e-5, atol=0.0)
     assert grads_t.keys() == grads_r.keys() and any(n.endswith("mix.query") for n in grads_t)

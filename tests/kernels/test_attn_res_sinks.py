@@ -12,6 +12,7 @@ import torch
 
 from kernels.attn_res import mix, pseudo_query_mix, pseudo_query_mix_reference
 from kernels.attn_res.sinks import GradientSink, collect
+from test_attn_res import debug_model_loss_and_grads
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-5
@@ -138,41 +139,14 @@ def test_a_buffer_unlike_its_source_is_refused():
         mix.mix_backward(sources, query, torch.ones_like(sources[0]), score, rstd, smax, into=[shared, shared])
 
 
-def model_grads(in_place: bool, ac_mode: str = "none"):
-    from titan_k3.config import load_job_config
-    from titan_k3.models.k3.args import get_flavor
-    from titan_k3.models.k3.impl import resolve_impl
-    from titan_k3.models.k3.model import K3Model
-    from titan_k3.parallel.parallelize import apply_ac
-
-    cfg = load_job_config(["--kernels.kda", "torch", "--kernels.experts", "torch", "--kernels.loss", "torch",
-                           "--kernels.attn_res", "triton", "--kernels.attention", "math",
-                           "--kernels.attn_res_grad_in_place", str(in_place).lower()])
-    impl = resolve_impl(cfg.kernels, torch.device(DEVICE))
-    assert impl.attn_res_sinks is in_place
-    torch.manual_seed(0)
-    model = K3Model(get_flavor("debug", 256), impl).to(DEVICE)
-    model.init_weights(seed=0)
-    with torch.no_grad():  # pseudo-queries off their zero init, so the mixes are not plain averages
-        for name, p in model.named_parameters():
-            if name.endswith("query"):
-                p.normal_(0, 0.5, generator=torch.Generator(DEVICE).manual_seed(len(name)))
-    for r in model.moe_routers().values():
-        r.update_enabled = False
-    if ac_mode != "none":
-        apply_ac(model, ac_mode)
-    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    out = model(ids, ids)
-    out.loss_sum.backward()
-    return out.loss_sum.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("ac_mode", ["none", "full"])
 def test_the_model_with_gradients_in_place_trains_like_without(ac_mode):
     """kernels.attn_res_grad_in_place: the debug flavor's loss and every parameter's gradient as without it, with
     and without activation checkpointing (whose recompute must not disturb the sinks)."""
-    loss_in, grads_in = model_grads(True, ac_mode)
-    loss_out, grads_out = model_grads(False)
+    loss_in, grads_in, impl = debug_model_loss_and_grads("--kernels.attn_res", "triton",
+                                                         "--kernels.attn_res_grad_in_place", "true", ac_mode=ac_mode)
+    loss_out, grads_out, _ = debug_model_loss_and_grads("--kernels.attn_res", "triton")
+    assert impl.attn_res_sinks
     torch.testing.assert_close(loss_in, loss_out, rtol=1e-6, atol=0.0)
     assert grads_in.keys() == grads_out.keys() and any("tok_embeddings" in n for n in grads_in)
     for name in grads_out:
