@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from benchmarks.common import environment, env_cells, markdown_table, median_ms, rel_rms, write_results  # noqa: E402
 from kernels.attn_res import mix, pseudo_query_mix, pseudo_query_mix_reference  # noqa: E402
 from titan_k3.models.k3.args import FLAVORS  # noqa: E402
-from titan_k3.models.k3.attn_res import PseudoQueryMix, ResidualBlocks  # noqa: E402
+from titan_k3.models.k3.attn_res import PseudoQueryMix, ResidualBlocks, residual_layer  # noqa: E402
 
 EPS = 1e-5
 SWEEP = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
@@ -86,8 +86,8 @@ def sweep_tiles(sources, query, dout) -> None:
 
 class MixStream(torch.nn.Module):
     """The residual stream of a flavor's mixes: per layer an attention and an FFN mix, then the final mix, over the
-    model's block sums (`ResidualBlocks`); a sublayer is a scaling of its mix's output (0.5 and 0.25), so the time
-    is the mixes', the residual adds' and autograd's sums of the blocks' gradients."""
+    model's block sums (`ResidualBlocks`, `residual_layer`); a sublayer is a scaling of its mix's output (0.5 and
+    0.25), so the time is the mixes', the residual adds' and the sums of the blocks' gradients."""
 
     def __init__(self, flavor: str, mix_fn, grad_sinks: bool):
         super().__init__()
@@ -98,10 +98,8 @@ class MixStream(torch.nn.Module):
     def forward(self, embedding: torch.Tensor) -> torch.Tensor:
         stream = ResidualBlocks(embedding, self.block_size, self.grad_sinks)
         for i in range(self.n_layers):
-            sources, partial = stream.completed, stream.partial
-            a = 0.5 * self.mixes[2 * i](sources + ([partial] if partial is not None else []), stream.sinks)
-            partial = a if partial is None else partial + a
-            stream.partial = partial + 0.25 * self.mixes[2 * i + 1](sources + [partial], stream.sinks)
+            stream.partial = residual_layer(stream.completed, stream.partial, stream.sinks, self.mixes[2 * i],
+                                            lambda x: 0.5 * x, self.mixes[2 * i + 1], lambda x: 0.25 * x)
             stream.end_layer(i)
         return self.mixes[-1](stream.sources(), stream.sinks)
 

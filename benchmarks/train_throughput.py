@@ -121,9 +121,9 @@ VARIANTS = {
     # it in session 19's one comparison; session 29's two alternating rounds: 140.2 against 140.6 ms, 0.7 ms less
     # kernel time, and auto takes it since: the recipe itself runs it now)
     "ours-recipe-router-triton": [*RECIPE, "--kernels.router", "triton"],
-    # The recipe with each completed residual block's gradient summed in place by the mixes' backward kernels
-    # (kernels.attn_res_grad_in_place): ~48 fewer bf16 adds of [B, T, D] per k3-mini update (2.2 ms for all 90 in
-    # the session-29 profile), each share one extra read in the kernel instead; predicted ~0.7 ms less per update
+    # The recipe with the residual stream's gradients summed inside the mixes' backward kernels
+    # (kernels.attn_res_grad_in_place): 69 fewer bf16 adds of [B, T, D] per k3-mini update (2.2 ms for all 90 in
+    # the session-29 profile), each for one more read in a mix's kernel; predicted 0.5-1.1 ms less per update
     "ours-recipe-grad-in-place": [*RECIPE, "--kernels.attn_res_grad_in_place", "true"],
     # The recipe run eagerly (no compile, no CUDA graphs): slower, but every kernel is launched by an op, so its
     # profile names the ops and input shapes the step pays for (which sums, which adds).

@@ -24,8 +24,10 @@ Backward, with g = dout:
     dq   = sum over rows and n of ds_n rstd_n v_n   (per-program partials [D, P], summed in torch)
 dv_n is written to its own buffer, or added to what a buffer already holds
 (bit n of ACC): a residual block that several mixes read then gets its
-gradient summed in place by their kernels (`ops.GradientSink`), with no
-separate add of two [R, D] tensors per extra reader.
+gradient summed in place by their kernels (`sinks.GradientSink`), with no
+separate add of two [R, D] tensors per extra reader. The last source's
+gradient can also take in one more tensor (ADD, read only: the gradient that
+the residual add after the mix sends to that same source, `sinks.GradientHandoff`).
 dbar needs every source before any dv_n can be written, so the backward walks
 the sources twice; the second walk re-reads tiles the first has just read
 (from L2 on a GPU).
@@ -130,7 +132,7 @@ def _mix_bwd_kernel(
     V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11,
     G0, G1, G2, G3, G4, G5, G6, G7, G8, G9, G10, G11,
     q_ptr, dout_ptr, score_ptr, rstd_ptr, smax_ptr, dq_part_ptr, R, D,
-    N: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, TILES: tl.constexpr, ACC: tl.constexpr,
+    N: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, TILES: tl.constexpr, ACC: tl.constexpr, ADD,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
@@ -163,6 +165,9 @@ def _mix_bwd_kernel(
             dv_ptr = _source(n, G0, G1, G2, G3, G4, G5, G6, G7, G8, G9, G10, G11)
             if (ACC >> n) & 1:
                 dv += tl.load(dv_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if ADD is not None:
+                if n == N - 1:
+                    dv += tl.load(ADD + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(dv_ptr + offs, dv.to(dv_ptr.dtype.element_ty), mask=mask)
             dq_acc += c[:, None] * v
     # NOTE: stored transposed ([D, P]): torch sums a [P, D] float32 partial over P ~2-3x slower than a [D, P]
@@ -193,11 +198,13 @@ def mix_forward(sources: list[torch.Tensor], query: torch.Tensor, eps: float) ->
 def mix_backward(
     sources: list[torch.Tensor], query: torch.Tensor, dout: torch.Tensor,
     score: torch.Tensor, rstd: torch.Tensor, smax: torch.Tensor, into: list[torch.Tensor | None] | None = None,
+    add_last: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Gradients [dv_0, ..., dv_{N-1}, dq]: dv_n like the sources, dq [D] in the query's dtype. dout: contiguous.
 
     into: per source, None (dv_n is a new tensor) or a contiguous tensor like it that dv_n is added to in place
     (and returned as dv_n); no two may share memory.
+    add_last: None or a contiguous tensor of the last source's shape (any float dtype), added to dv_{N-1} (read only).
     """
     N, D = len(sources), query.shape[0]
     R = smax.shape[0]
@@ -212,6 +219,9 @@ def mix_backward(
     if R > 0 and len({dv.data_ptr() for dv in dvs}) != N:
         raise ValueError("mix_backward: two sources' gradients would be written to one buffer")
     acc = sum(1 << n for n, buf in enumerate(into) if buf is not None)
+    if add_last is not None and (add_last.shape != sources[-1].shape or not add_last.is_contiguous()):
+        raise ValueError(f"mix_backward: add_last must be contiguous {tuple(sources[-1].shape)} like the last source, "
+                         f"got {tuple(add_last.shape)}{'' if add_last.is_contiguous() else ' non-contiguous'}")
     br, bd, warps = tiles("bwd", D)
     n_tiles = LAUNCH["bwd"]["tiles"]
     programs = triton.cdiv(triton.cdiv(R, br), n_tiles)
@@ -219,6 +229,6 @@ def mix_backward(
     if R > 0:
         _mix_bwd_kernel[(programs,)](
             *_pointers(sources), *_pointers(dvs), query, dout, score, rstd, smax, dq_part, R, D,
-            N=N, BR=br, BD=bd, TILES=n_tiles, ACC=acc, num_warps=warps,
+            N=N, BR=br, BD=bd, TILES=n_tiles, ACC=acc, ADD=add_last, num_warps=warps,
         )
     return dvs + [dq_part.sum(1).to(query.dtype)]

@@ -11,7 +11,7 @@ import torch
 
 from kernels.attn_res.mix import MAX_SOURCES, mix_backward, mix_forward
 from kernels.attn_res.reference import check_mix_inputs
-from kernels.attn_res.sinks import GradientSink
+from kernels.attn_res.sinks import GradientHandoff, GradientSink
 from kernels.device import triton_runs_on
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -64,16 +64,18 @@ _mix_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _MixIntoSinks(torch.autograd.Function):
-    """The mix whose backward adds the gradients of the sources that have a sink into it (kernels/attn_res/sinks.py).
+    """The mix whose backward adds the gradients of the sources that have a sink into it, and the gradient handed
+    off for its last source to that source's (kernels/attn_res/sinks.py).
 
-    An eager autograd Function, not the custom ops above: a sink is a Python object, which a custom op cannot
-    take. The model runs the Triton mix eagerly anyway (parallelize.apply_compile leaves it uncompiled).
+    An eager autograd Function, not the custom ops above: sinks and handoffs are Python objects, which a custom
+    op cannot take. The model runs the Triton mix eagerly anyway (parallelize.apply_compile leaves it uncompiled).
     """
 
     @staticmethod
-    def forward(ctx, query: torch.Tensor, eps: float, sinks: list, *sources: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, query: torch.Tensor, eps: float, sinks: list, handoff: GradientHandoff | None,
+                *sources: torch.Tensor) -> torch.Tensor:
         out, score, rstd, smax = mix_forward(list(sources), query, eps)
-        ctx.sinks = sinks
+        ctx.sinks, ctx.handoff = sinks, handoff
         ctx.save_for_backward(*sources, query, score, rstd, smax)
         return out
 
@@ -81,15 +83,18 @@ class _MixIntoSinks(torch.autograd.Function):
     def backward(ctx, dout: torch.Tensor):
         *sources, query, score, rstd, smax = ctx.saved_tensors
         into = [None if sink is None else sink.grad for sink in ctx.sinks]
-        *dsources, dquery = mix_backward(sources, query, dout.contiguous(), score, rstd, smax, into=into)
+        add_last = None if ctx.handoff is None else ctx.handoff.take()
+        *dsources, dquery = mix_backward(sources, query, dout.contiguous(), score, rstd, smax, into=into,
+                                         add_last=None if add_last is None else add_last.contiguous())
         for n, sink in enumerate(ctx.sinks):
             if sink is not None:
                 sink.grad, dsources[n] = dsources[n], None
-        return dquery, None, None, *dsources
+        return dquery, None, None, None, *dsources
 
 
 def pseudo_query_mix(
     sources: list[torch.Tensor], query: torch.Tensor, eps: float, sinks: list[GradientSink | None] | None = None,
+    handoff: GradientHandoff | None = None,
 ) -> torch.Tensor:
     """sum_n softmax_n(<RMSNorm(v_n), q>) v_n in Triton, differentiable in every source and the query.
 
@@ -99,7 +104,8 @@ def pseudo_query_mix(
     is returned as it is.
     sinks: per source, None or the GradientSink that source's gradient is added into by the backward kernel
     (kernels/attn_res/sinks.py: the source must have passed through `collect` with that sink); None: autograd
-    sums every source's gradient.
+    sums every source's gradient. handoff: where the residual add that also reads the last source leaves that
+    source's gradient (`sinks.add_handing_off`), for the backward kernel to add to the mix's own share.
     Needs CUDA tensors, or TRITON_INTERPRET=1 on CPU; `kernels.attn_res.pseudo_query_mix_reference` is the
     CPU path (and the float64 one).
     """
@@ -120,10 +126,15 @@ def pseudo_query_mix(
         )
     if sinks is not None:
         _check_sinks(sinks, N)
+    if handoff is not None and N == 1:
+        # NOTE: a lone source is returned as it is, with no backward of ours to add the handed-off gradient: the
+        # source would silently lose it.
+        raise ValueError("pseudo_query_mix: a handoff needs a mix of two or more sources")
     if N == 1:
         return sources[0]
-    if sinks is not None and any(sink is not None for sink in sinks):
-        return _MixIntoSinks.apply(query.contiguous(), float(eps), list(sinks), *[v.contiguous() for v in sources])
+    if handoff is not None or (sinks is not None and any(sink is not None for sink in sinks)):
+        return _MixIntoSinks.apply(query.contiguous(), float(eps), list(sinks or [None] * N), handoff,
+                                   *[v.contiguous() for v in sources])
     out, *_ = _mix_fwd_op([v.contiguous() for v in sources], query.contiguous(), float(eps))
     return out
 

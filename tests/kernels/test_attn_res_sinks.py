@@ -1,5 +1,6 @@
-"""Gradient sinks (kernels/attn_res/sinks.py, kernels.attn_res_grad_in_place): the mixes' backward kernels sum a
-residual block's gradient in place, and every gradient equals autograd's sum (Triton's interpreter on CPU).
+"""Gradient sinks and handoffs (kernels/attn_res/sinks.py, kernels.attn_res_grad_in_place): the mixes' backward
+kernels sum a residual block's gradient in place and add the gradient a residual add hands them, and every gradient
+equals autograd's sum (Triton's interpreter on CPU).
 """
 
 import os
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from kernels.attn_res import mix, pseudo_query_mix, pseudo_query_mix_reference
-from kernels.attn_res.sinks import GradientSink, collect
+from kernels.attn_res.sinks import GradientHandoff, GradientSink, add_handing_off, collect
 from test_attn_res import debug_model_loss_and_grads
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,13 +36,18 @@ def small_tiles(monkeypatch):
     monkeypatch.setitem(mix.LAUNCH, "bwd", dict(tile=256, num_warps=4, tiles=3))
 
 
+def saved_mix(N, shape):
+    """(sources, query, dout, what the forward saved, the backward's gradients with nothing added) of a float32 mix."""
+    sources = [randn(*shape, seed=n, dtype=torch.float32, scale=0.5 + n) for n in range(N)]
+    query = randn(shape[-1], seed=9, dtype=torch.float32)
+    dout = randn(*shape, seed=10, dtype=torch.float32)
+    _, *saved = mix.mix_forward(sources, query, EPS)
+    return sources, query, dout, saved, mix.mix_backward(sources, query, dout, *saved)
+
+
 def test_the_backward_kernel_adds_into_the_buffers_it_is_given_and_writes_the_others(small_tiles):
     N, shape = 4, (2, 13, 48)
-    sources = [randn(*shape, seed=n, dtype=torch.float32, scale=0.5 + n) for n in range(N)]
-    query = randn(48, seed=9, dtype=torch.float32)
-    dout = randn(*shape, seed=10, dtype=torch.float32)
-    _, score, rstd, smax = mix.mix_forward(sources, query, EPS)
-    fresh = mix.mix_backward(sources, query, dout, score, rstd, smax)
+    sources, query, dout, (score, rstd, smax), fresh = saved_mix(N, shape)
     held = {1: randn(*shape, seed=11, dtype=torch.float32), 3: randn(*shape, seed=12, dtype=torch.float32)}
     before = {n: t.clone() for n, t in held.items()}
     into = [held.get(n) for n in range(N)]
@@ -55,6 +61,22 @@ def test_the_backward_kernel_adds_into_the_buffers_it_is_given_and_writes_the_ot
     torch.testing.assert_close(got[N], fresh[N], rtol=0, atol=0)  # the query's gradient
 
 
+def test_the_backward_kernel_adds_a_handed_off_gradient_to_the_last_sources_and_leaves_it_as_it_was(small_tiles):
+    N, shape = 3, (2, 13, 48)
+    sources, query, dout, (score, rstd, smax), fresh = saved_mix(N, shape)
+    handed = randn(*shape, seed=13, dtype=torch.float16)  # another dtype than the source's: read, not written
+    before = handed.clone()
+    held = randn(*shape, seed=14, dtype=torch.float32)
+    held_before = held.clone()
+    got = mix.mix_backward(sources, query, dout, score, rstd, smax, into=[None, None, held], add_last=handed)
+    assert got[N - 1] is held and torch.equal(handed, before)
+    torch.testing.assert_close(got[N - 1], held_before + fresh[N - 1] + handed.float(), rtol=1e-6, atol=1e-6)
+    for n in range(N - 1):
+        torch.testing.assert_close(got[n], fresh[n], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"add_last must be contiguous \(2, 13, 48\) like the last source"):
+        mix.mix_backward(sources, query, dout, score, rstd, smax, add_last=handed[:, :5])
+
+
 def stream_loss(sources_fn, leaves, queries, with_sinks: bool):
     """A residual stream of mixes as the model runs it: the embedding (block 0) and a block 1 completed after two
     mixes; every later mix reads them both and the open block's sum. Block 1 is also read outside the mixes (its
@@ -65,17 +87,23 @@ def stream_loss(sources_fn, leaves, queries, with_sinks: bool):
     if with_sinks:
         blocks[0] = collect(blocks[0], sinks[0])
 
-    def mix(sources, q):
+    def mix(sources, q, handoff=None):
         kwargs = {}
         if with_sinks:
-            kwargs["sinks"] = sinks[: len(blocks)] + [None] * (len(sources) - len(blocks))
+            kwargs = dict(sinks=sinks[: len(blocks)] + [None] * (len(sources) - len(blocks)), handoff=handoff)
         return sources_fn(sources, q, EPS, **kwargs)
 
+    def add(p, term_of_mix):
+        """p + term_of_mix(handoff): a residual add whose term comes from a mix reading p (its last source)."""
+        handoff = GradientHandoff() if with_sinks else None
+        term = term_of_mix(handoff)
+        return p + term if handoff is None else add_handing_off(p, term, handoff)
+
     partial = torch.sin(mix(blocks + [blocks[0] * w], queries[0]))
-    partial = partial + torch.cos(mix(blocks + [partial], queries[1]))
+    partial = add(partial, lambda h: torch.cos(mix(blocks + [partial], queries[1], h)))
     blocks.append(collect(partial, sinks[1]) if with_sinks else partial)
     partial = torch.sigmoid(mix(blocks, queries[2]))
-    partial = partial * mix(blocks + [partial], queries[3])
+    partial = add(partial, lambda h: partial * mix(blocks + [partial], queries[3], h))
     out = mix(blocks + [partial], queries[4])
     g = randn(*out.shape, seed=40, dtype=out.dtype)
     loss = (out * g).sum() + (blocks[1] * blocks[1]).sum() * 0.1
@@ -100,6 +128,24 @@ def test_a_stream_of_mixes_with_sinks_has_autograds_gradients(small_tiles):
     for got, base, ref in zip(sunk, plain, truth):
         assert rel_rms(got, ref) < 1e-5 and rel_rms(base, ref) < 1e-5
     assert all(sink.grad is None for sink in sinks)
+
+
+def test_a_mix_that_runs_its_backward_before_the_add_handing_off_to_it_is_an_error_not_a_lost_gradient():
+    """The add must run its backward first (its term comes from the mix). Built the other way round, the mix takes
+    an empty handoff; the add then raises instead of dropping its gradient for p."""
+    x = torch.randn(2, 5, 16, device=DEVICE, requires_grad=True)
+    p = x * 2
+    handoff = GradientHandoff()
+    s = add_handing_off(p, torch.ones_like(p), handoff)  # created before the mix: autograd runs it after
+    m = pseudo_query_mix([x, p], torch.zeros(16, device=DEVICE), EPS, handoff=handoff)
+    with pytest.raises(RuntimeError, match="ran its backward before this add's"):
+        (s.sum() + m.sum()).backward()
+
+
+def test_a_handoff_to_a_mix_of_one_source_is_refused():
+    with pytest.raises(ValueError, match="a handoff needs a mix of two or more sources"):
+        pseudo_query_mix([torch.zeros(2, 3, 8, device=DEVICE)], torch.zeros(8, device=DEVICE), EPS,
+                         handoff=GradientHandoff())
 
 
 def test_a_sink_whose_block_no_mix_reads_hands_on_autograds_gradient():

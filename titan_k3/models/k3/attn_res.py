@@ -7,9 +7,10 @@ sum; the score of source n is <RMSNorm(v_n), q> with a learned pseudo-query q
 [D] per sublayer, initialised to zero so the first mix is a plain average.
 Scores and the mix are computed in float32, by the implementation chosen in
 `impl.py` (`kernels.attn_res`): the fused Triton op or the PyTorch reference.
-With `kernels.attn_res_grad_in_place` each completed block has a gradient sink
-(kernels/attn_res/sinks.py): the Triton mixes' backward sum its gradient in
-place instead of autograd adding one tensor per mix that reads it.
+With `kernels.attn_res_grad_in_place` the stream's gradients are summed inside
+the Triton mixes' backward kernels instead of by autograd's adds
+(kernels/attn_res/sinks.py): each completed block has a gradient sink, and each
+residual add hands its gradient for the partial sum to the mix that reads it.
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kernels.attn_res.sinks import GradientSink, collect
+from kernels.attn_res.sinks import GradientHandoff, GradientSink, add_handing_off, collect
 
 
 class PseudoQueryMix(nn.Module):
     """Mix N sources [B, T, D] into one input with a learned pseudo-query [D].
 
     `mix(sources, query, eps) -> [B, T, D]` is the implementation
-    (`kernels.attn_res.pseudo_query_mix` or its reference); given `sinks` (per source, a GradientSink or None),
-    it is called with them (only the Triton mix takes them: `impl.Impl.attn_res_sinks`).
+    (`kernels.attn_res.pseudo_query_mix` or its reference); given `sinks` (per source, a GradientSink or None)
+    and a `handoff` for the last source, it is called with them (only the Triton mix takes them:
+    `impl.Impl.attn_res_sinks`).
     """
 
     def __init__(self, dim: int, mix: Callable, eps: float = 1e-5):
@@ -39,19 +41,51 @@ class PseudoQueryMix(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.query)
 
-    def forward(self, sources: list[torch.Tensor], sinks: list[GradientSink] | None = None) -> torch.Tensor:
-        """sinks: the completed blocks' sinks, in order (ResidualBlocks.sinks); sources past them have none."""
+    def forward(self, sources: list[torch.Tensor], sinks: list[GradientSink] | None = None,
+                handoff: GradientHandoff | None = None) -> torch.Tensor:
+        """sinks: the completed blocks' sinks, in order (ResidualBlocks.sinks); sources past them have none.
+        handoff: where the residual add that also reads the last source leaves its gradient (`residual_layer`)."""
         if len(sources) == 1:
             return sources[0]
-        if sinks:
-            return self.mix(sources, self.query, self.eps, sinks=sinks + [None] * (len(sources) - len(sinks)))
+        if sinks or handoff is not None:
+            sinks = (sinks or []) + [None] * (len(sources) - len(sinks or []))
+            return self.mix(sources, self.query, self.eps, sinks=sinks, handoff=handoff)
         return self.mix_several(sources)
+
 
     # NOTE: the unit `torch.compile` sees (parallelize.apply_compile). A lone source is returned before it:
     # a compiled frame that traces no op is skipped by dynamo, and the skip sticks to the code object, so
     # every later mix of every layer would run eager (the first mix of a model has one source).
     def mix_several(self, sources: list[torch.Tensor]) -> torch.Tensor:
         return self.mix(sources, self.query, self.eps)
+
+
+def residual_layer(
+    sources: list[torch.Tensor], partial: torch.Tensor | None, sinks: list[GradientSink] | None,
+    attn_mix: PseudoQueryMix, attn: Callable, ffn_mix: PseudoQueryMix, ffn: Callable,
+) -> torch.Tensor:
+    """One layer of the stream: partial + a + f with a = attn(attn_mix(sources, partial)) and f = ffn(ffn_mix(sources,
+    partial + a)); sources: the completed blocks; partial: the open block's sum (None: it opens here); sinks: the
+    completed blocks' gradient sinks (ResidualBlocks.sinks) or None.
+
+    NOTE: the sum after the attention sublayer is the FFN mix's source and the next partial sum's first term both:
+    one add, so one node whose two gradients are summed once (computing it twice cost an add in the forward and two
+    gradient adds in the backward per layer, ~25 us each at k3-mini's B8 T4096). Autograd sums them; with sinks,
+    each add hands its gradient for the partial sum to the mix that read it, whose backward kernel adds it.
+    """
+    handoff = GradientHandoff() if sinks is not None and partial is not None else None
+    a = attn(attn_mix(sources + ([partial] if partial is not None else []), sinks, handoff))
+    partial = _residual_add(partial, a, handoff)
+    handoff = GradientHandoff() if sinks is not None else None
+    return _residual_add(partial, ffn(ffn_mix(sources + [partial], sinks, handoff)), handoff)
+
+
+def _residual_add(p: torch.Tensor | None, term: torch.Tensor, handoff: GradientHandoff | None) -> torch.Tensor:
+    """p + term (term alone when the block opens here, p None); with a handoff, p's gradient from this add goes to
+    the mix that read p, which adds it in its backward kernel."""
+    if p is None:
+        return term
+    return p + term if handoff is None else add_handing_off(p, term, handoff)
 
 
 class ResidualBlocks:

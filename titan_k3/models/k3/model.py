@@ -12,7 +12,7 @@ from torch import nn
 
 from kernels.attn_res.sinks import GradientSink
 from titan_k3.models.k3.args import K3Args
-from titan_k3.models.k3.attn_res import PseudoQueryMix, ResidualBlocks
+from titan_k3.models.k3.attn_res import PseudoQueryMix, ResidualBlocks, residual_layer
 from titan_k3.models.k3.documents import Documents, OnHost
 from titan_k3.models.k3.impl import Impl
 from titan_k3.models.k3.kda import KimiDeltaAttention
@@ -42,15 +42,11 @@ class K3Block(nn.Module):
         """sources: completed blocks [B, T, D] each; partial: the open block's sum so far (None: it opens here);
         sinks: the completed blocks' gradient sinks (ResidualBlocks.sinks), or None.
 
-        Returns the open block's sum after this layer, partial + attention output + FFN output [B, T, D].
-        NOTE: the sum after the attention sublayer is the FFN mix's source and the next partial sum's first term
-        both: one add, so one node whose gradient autograd adds up (computing it twice cost an add in the
-        forward and two gradient adds in the backward per layer, ~25 us each at k3-mini's B8 T4096).
+        Returns the open block's sum after this layer, partial + attention output + FFN output [B, T, D]
+        (`attn_res.residual_layer`).
         """
-        with_partial = sources + ([partial] if partial is not None else [])
-        attn_out = self.attn_sublayer(self.attn_mix(with_partial, sinks), docs)
-        partial = attn_out if partial is None else partial + attn_out
-        return partial + self.ffn_sublayer(self.ffn_mix(sources + [partial], sinks))
+        return residual_layer(sources, partial, sinks, self.attn_mix, lambda x: self.attn_sublayer(x, docs),
+                              self.ffn_mix, self.ffn_sublayer)
 
     # NOTE: the sublayers, not the block, are the units `torch.compile` sees: a
     # block's mixes read a number of residual sources that differs from layer to
