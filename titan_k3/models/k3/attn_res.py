@@ -52,7 +52,6 @@ class PseudoQueryMix(nn.Module):
             return self.mix(sources, self.query, self.eps, sinks=sinks, handoff=handoff)
         return self.mix_several(sources)
 
-
     # NOTE: the unit `torch.compile` sees (parallelize.apply_compile). A lone source is returned before it:
     # a compiled frame that traces no op is skipped by dynamo, and the skip sticks to the code object, so
     # every later mix of every layer would run eager (the first mix of a model has one source).

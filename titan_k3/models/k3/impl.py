@@ -50,8 +50,8 @@ class Impl:
     attn_res: Callable = pseudo_query_mix_reference
     """Block Attention Residuals' pseudo-query mix(sources, query, eps)."""
     attn_res_sinks: bool = False
-    """The mixes sum each completed residual block's gradient in place (kernels.attn_res_grad_in_place): the
-    model hands them gradient sinks (models/k3/attn_res.py), which only the Triton mix takes."""
+    """The residual stream's gradients are summed inside the mixes' backward kernels (kernels.attn_res_grad_in_place):
+    the model hands the mixes gradient sinks and handoffs (models/k3/attn_res.py), which only the Triton mix takes."""
     router: Callable = top_k_rows_reference
     """The MoE routers' selection top_k_rows(x [T, E], k) -> (values, ids) [T, k] (moe.QuantileBalancedRouter)."""
     max_logit: Callable = max_logit_per_head_reference
