@@ -14,7 +14,12 @@ sees the block (the group's N*T tokens, E/N local experts, every slot routed
 elsewhere carrying the id E/N) against the whole block on one GPU, with the
 same (token, expert) rows to compute: what EP's shape costs the kernels.
 
-    python benchmarks/moe.py [--shapes k3-mini,e64] [--profile] [--ep 2]
+With --master-weights it times ours instead with float32 master weights (the
+trainer's single-GPU case): cast by a pass each forward (the default), or
+rounded tile by tile in the GEMMs (`cast_in_kernel`, kernels.experts_cast_in_kernel),
+against bf16 weights (no cast at all, the floor), each checked first.
+
+    python benchmarks/moe.py [--shapes k3-mini,e64] [--profile] [--ep 2 | --master-weights]
 
 Prints a table and appends dated rows to benchmarks/results/moe.md.
 """
@@ -98,6 +103,43 @@ def ep_table(args, env):
     print(table)
     with open(RESULTS, "a") as f:
         f.write(f"\nOne EP rank's block vs the whole block (benchmarks/moe.py --ep {args.ep}):\n\n{table}")
+
+
+MASTER_HEADER = ("| date | commit | GPU | torch | triton | shape (bf16 x, fwd+bwd) | bf16 weights ms "
+                 "| float32 masters, cast pass ms | float32 masters, cast in kernel ms | in kernel / cast pass |")
+
+
+def master_weights_table(args, env):
+    """--master-weights: ours with float32 master weights cast by a pass or in the GEMMs, against bf16 weights."""
+    lines = []
+    for name in args.shapes.split(","):
+        x, w1, w3, w2, idx, prob, dy = make_inputs(*SHAPES[name])
+        ref_in = [t.float().requires_grad_() for t in (x, w1, w3, w2, prob)]
+        ref_out = reference.moe_experts(*ref_in[:4], idx, ref_in[4])
+        ref_grads = torch.autograd.grad(ref_out, ref_in, dy.float())
+        del ref_in
+        times = {}
+        for label, dtype, in_kernel in (("bf16", x.dtype, False), ("cast pass", torch.float32, False),
+                                        ("in kernel", torch.float32, True)):
+            leaves = ([x.detach().requires_grad_()] + [w.detach().to(dtype).requires_grad_() for w in (w1, w3, w2)]
+                      + [idx, prob.detach().requires_grad_()])
+
+            def fn(*inputs, in_kernel=in_kernel):
+                return moe_experts(*inputs, cast_in_kernel=in_kernel)
+
+            check(label, fn, leaves, dy, ref_out, ref_grads)
+            grads_of = [t for t in leaves if t.is_floating_point()]
+            times[label] = triton.testing.do_bench(fwd_bwd(fn, leaves, dy), grad_to_none=grads_of, rep=500)
+            if args.profile:
+                profile_ours(fn, leaves, dy)
+        lines.append(f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | {name} "
+                     f"| {times['bf16']:.3f} | {times['cast pass']:.3f} | {times['in kernel']:.3f} "
+                     f"| {times['in kernel'] / times['cast pass']:.2f} |")
+    table = MASTER_HEADER + "\n" + "|---" * (MASTER_HEADER.count("|") - 1) + "|\n" + "\n".join(lines) + "\n"
+    print(table)
+    with open(RESULTS, "a") as f:
+        f.write(f"\nfloat32 master weights: a cast pass or the cast in the GEMMs (benchmarks/moe.py --master-weights):"
+                f"\n\n{table}")
 
 
 def column_major(w):
@@ -197,12 +239,16 @@ def main():
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
     parser.add_argument("--profile", action="store_true", help="print a per-kernel table of ours")
     parser.add_argument("--ep", type=int, default=0, help="time ours as one rank of this many-way EP sees the block")
+    parser.add_argument("--master-weights", action="store_true",
+                        help="time ours with float32 master weights, cast by a pass or in the GEMMs")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/moe.py needs a CUDA GPU")
     env = environment()
     if args.ep:
         return ep_table(args, env)
+    if args.master_weights:
+        return master_weights_table(args, env)
     rows = [bench_shape(name, SHAPES[name], args.profile) for name in args.shapes.split(",")]
     header = (
         "| date | commit | GPU | torch | triton | shape (bf16, fwd+bwd) | ours ms | TFLOP/s | _grouped_mm ms "

@@ -125,6 +125,16 @@ VARIANTS = {
     # (kernels.attn_res_grad_in_place): 69 fewer bf16 adds of [B, T, D] per k3-mini update (2.2 ms for all 90 in
     # the session-29 profile), each for one more read in a mix's kernel; predicted 0.5-1.1 ms less per update
     "ours-recipe-grad-in-place": [*RECIPE, "--kernels.attn_res_grad_in_place", "true"],
+    # The recipe with the expert GEMMs reading the float32 master weights and rounding each tile as they load it
+    # (kernels.experts_cast_in_kernel): no 33 cast passes of 24.5M parameters (~1.2 ms) and no 1.5 GiB of bf16 copies
+    # at the update's peak, for twice the bytes per weight tile; predicted -0.5..+1.2 ms. With the loss's logits
+    # 8,192 rows at a time the freed memory buys back the ~0.6-1 ms that 4,096 rows cost (session 17).
+    "ours-recipe-experts-cast-in-kernel": [*RECIPE, "--kernels.experts_cast_in_kernel", "true"],
+    "ours-recipe-experts-cast-in-kernel-ce8192": [*RECIPE, "--kernels.experts_cast_in_kernel", "true",
+                                                  "--kernels.loss_chunk_rows", "8192"],
+    # Session 30's levers together (both off in the recipe until measured)
+    "ours-recipe-session30": [*RECIPE, "--kernels.attn_res_grad_in_place", "true",
+                              "--kernels.experts_cast_in_kernel", "true", "--kernels.loss_chunk_rows", "8192"],
     # The recipe run eagerly (no compile, no CUDA graphs): slower, but every kernel is launched by an op, so its
     # profile names the ops and input shapes the step pays for (which sums, which adds).
     "ours-recipe-eager": [*RECIPE, "--compile.enable", "false", "--compile.cuda_graph", "false",

@@ -225,9 +225,11 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 def _moe_fwd_op(
     x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, weight: torch.Tensor,
     order: torch.Tensor, token: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, save: bool,
+    cast_in_kernel: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, g, u, w1c, w3c, w2c); g and u are empty unless save (they are all the backward keeps of the experts'
-    work); w1c, w3c, w2c are the weights in x's dtype when they come in another (`_compute_weights`), else empty.
+    work); w1c, w3c, w2c are the weights in x's dtype when they come in another (`_compute_weights`), else empty
+    (and always empty when cast_in_kernel: the GEMMs round each weight tile as they load it).
 
     NOTE: h = SiTU-GLU(g, u) and the slots' outputs h @ w2 live only until the combine: the backward's
     pointwise pass rebuilds h from g and u, which it reads anyway, and takes the routing weights' gradient
@@ -238,7 +240,7 @@ def _moe_fwd_op(
     hidden = w1.shape[2]
     n_slots = token.shape[0]
     new = dict(device=x.device, dtype=x.dtype)
-    casts = _compute_weights(x, w1, w3, w2)
+    casts = [] if cast_in_kernel else _compute_weights(x, w1, w3, w2)
     if casts:
         w1, w3, w2 = casts
     h = torch.empty(n_slots, hidden, **new)
@@ -258,6 +260,9 @@ def _compute_weights(x: torch.Tensor, *weights: torch.Tensor) -> list[torch.Tens
     gradient in bf16 and then a float32 copy of it (33 passes over [E, L, F] per k3-mini step, ~1.1 ms of kernel
     time), rounding it to bf16 on the way. The k3-mini step did not measure faster for it (153.8 -> 153.9 ms,
     benchmarks/results/train_throughput.md, session 20); the gradients are the accumulators' now.
+    NOTE: `moe_experts(cast_in_kernel=True)` makes no casts at all: the GEMMs read the float32 weights and round
+    each tile as they load it, so neither the cast passes (33 per k3-mini update, ~1.2 ms) nor the bf16 copies the
+    backward keeps (1.5 GiB at k3-mini's update peak) exist, for twice the bytes per weight tile loaded.
     """
     return [w.to(x.dtype) for w in weights] if weights[0].dtype != x.dtype else []
 
@@ -267,10 +272,10 @@ def _no_casts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 @_moe_fwd_op.register_fake
-def _(x, w1, w3, w2, weight, order, token, inverse, offsets, save):
+def _(x, w1, w3, w2, weight, order, token, inverse, offsets, save, cast_in_kernel):
     n_slots, hidden = token.shape[0], w1.shape[2]
     g = x.new_empty(n_slots if save else 0, hidden)
-    casts = (tuple(x.new_empty(w.shape) for w in (w1, w3, w2)) if save and w1.dtype != x.dtype
+    casts = (tuple(x.new_empty(w.shape) for w in (w1, w3, w2)) if save and w1.dtype != x.dtype and not cast_in_kernel
              else _no_casts(x))
     return x.new_empty(x.shape), g, torch.empty_like(g), *casts
 
@@ -303,7 +308,8 @@ def _moe_bwd_op(
     weight: torch.Tensor, order: torch.Tensor, token: torch.Tensor, inverse: torch.Tensor,
     offsets: torch.Tensor, g: torch.Tensor, u: torch.Tensor, grad_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dw1, dw3, dw2, dweight); w1, w3, w2 in x's dtype, their gradients in `grad_dtype` (the weights' own)."""
+    """(dx, dw1, dw3, dw2, dweight); w1, w3, w2 in x's dtype or float32 (rounded to x's dtype by the GEMMs as
+    they load them), their gradients in `grad_dtype` (the weights' own)."""
     n_tokens, latent = x.shape
     n_slots = token.shape[0]
     top_k = weight.shape[1]
@@ -333,21 +339,21 @@ def _(dy, x, w1, w3, w2, weight, order, token, inverse, offsets, g, u, grad_dtyp
 
 
 def _moe_setup(ctx, inputs, output):
-    x, w1, w3, w2, weight, order, token, inverse, offsets, _ = inputs
+    x, w1, w3, w2, weight, order, token, inverse, offsets, _, cast_in_kernel = inputs
     _, g, u, *casts = output
     ctx.mark_non_differentiable(g, u, *casts)
     ctx.set_materialize_grads(False)
     ctx.grad_dtype = w1.dtype
-    # NOTE: the backward's GEMMs read the weights in x's dtype: the forward's casts when there were some.
-    weights = casts if w1.dtype != x.dtype else (w1, w3, w2)
+    # NOTE: the backward's GEMMs read the forward's casts when there were some, else the weights themselves.
+    weights = casts if w1.dtype != x.dtype and not cast_in_kernel else (w1, w3, w2)
     ctx.save_for_backward(x, *weights, weight, order, token, inverse, offsets, g, u)
 
 
 def _moe_backward(ctx, dy, *_):
     if dy is None:
-        return (None,) * 10
+        return (None,) * 11
     dx, dw1, dw3, dw2, d_weight = _moe_bwd_op(dy, *ctx.saved_tensors, ctx.grad_dtype)
-    return dx, dw1, dw3, dw2, d_weight, None, None, None, None, None
+    return dx, dw1, dw3, dw2, d_weight, None, None, None, None, None, None
 
 
 _moe_fwd_op.register_autograd(_moe_backward, setup_context=_moe_setup)
@@ -394,6 +400,7 @@ def moe_experts(
     w2_EFL: torch.Tensor,
     topk_idx_TK: torch.Tensor,
     topk_weight_TK: torch.Tensor,
+    cast_in_kernel: bool = False,
 ) -> torch.Tensor:
     """The routed-expert block: y[t] = sum_j p[t, j] * Expert_{idx[t, j]}(x[t]).
 
@@ -404,6 +411,8 @@ def moe_experts(
     takes (expert parallelism's other ranks): it adds nothing and costs no GEMM work;
     topk_weight_TK [T, k]. The permutation is computed on the device (no host
     sync); the GLU and the combine run in float32; deterministic (no atomics).
+    cast_in_kernel: float32 master weights are read as they are and each tile rounded to x's dtype in the GEMMs
+    (the same numbers as a cast pass, which then neither runs nor keeps its copies for the backward).
     Returns y_TL [T, L] in x's dtype. Differentiable in x, w1, w3, w2 and
     topk_weight.
     """
@@ -419,6 +428,6 @@ def moe_experts(
     # NOTE: the kernels read w1 and w3 with one set of strides.
     y, *_ = _moe_fwd_op(
         x_TL, w1_ELF.contiguous(), w3_ELF.contiguous(), w2_EFL, topk_weight_TK.contiguous(),
-        order_S.to(torch.int32), token_S, inverse_S, offsets_E, save,
+        order_S.to(torch.int32), token_S, inverse_S, offsets_E, save, cast_in_kernel,
     )
     return y

@@ -92,13 +92,14 @@ def row_tile(tile, offsets_ptr, n_rows, N_EXPERTS: tl.constexpr, E_POW2: tl.cons
 @triton.jit
 def _mm_accumulate(acc, a_ptr, b_ptr, a_rows, row_mask, cols, col_mask, k_end, K,
                    stride_ak, stride_bk, stride_bn, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc += A[a_rows, :K] @ B[:K, cols], A rows given as int64 row offsets."""
+    """acc += A[a_rows, :K] @ B[:K, cols], A rows given as int64 row offsets; B's tiles rounded to A's dtype as they
+    load (float32 master weights with bf16 rows: no cast pass over the weights)."""
     for k0 in range(0, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         a = tl.load(a_ptr + a_rows[:, None] + ks[None, :] * stride_ak, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
     return acc
 
 

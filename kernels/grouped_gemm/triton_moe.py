@@ -76,8 +76,11 @@ def glu_up_kernel(
         k_mask = ks < L
         a = tl.load(x_rows + ks[None, :] * stride_xl, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b_mask = k_mask[:, None] & col_mask[None, :]
-        acc_g = tl.dot(a, tl.load(w1_tile + ks[:, None] * stride_wl, mask=b_mask, other=0.0), acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, tl.load(w3_tile + ks[:, None] * stride_wl, mask=b_mask, other=0.0), acc_u, input_precision=PRECISION)
+        # NOTE: weight tiles rounded to x's dtype as they load (float32 masters: `moe_experts(cast_in_kernel=True)`).
+        w1 = tl.load(w1_tile + ks[:, None] * stride_wl, mask=b_mask, other=0.0).to(a.dtype)
+        w3 = tl.load(w3_tile + ks[:, None] * stride_wl, mask=b_mask, other=0.0).to(a.dtype)
+        acc_g = tl.dot(a, w1, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, w3, acc_u, input_precision=PRECISION)
     h = 4.0 * _tanh(acc_g * 0.25) * tl.sigmoid(acc_g) * (25.0 * _tanh(acc_u * 0.04))
     base = row_start.to(tl.int64) * stride_s
     s_off = local[:, None] * stride_s + cols[None, :]

@@ -72,3 +72,24 @@ def test_moe_experts_bf16(n_tokens, top_k, n_experts, latent, hidden):
         assert rel_rms(g, gf) < 2e-2, name
     assert torch.equal(grads[1][:3], torch.zeros_like(grads[1][:3]))  # dead experts
     assert torch.equal(moe_experts(*ours[:4], idx, ours[4]), y)  # deterministic
+
+
+@pytest.mark.parametrize("n_tokens,top_k,n_experts,latent,hidden", [(4096, 6, 176, 256, 544)])
+def test_moe_experts_float32_masters_cast_in_kernel_equal_a_cast_pass(n_tokens, top_k, n_experts, latent, hidden):
+    """bf16 x with float32 master weights: the GEMMs rounding each weight tile as they load it give the numbers a
+    cast pass gives, up to the kernels' own launch choices (the weights' dtype is part of the autotuner's key)."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(n_tokens, latent, generator=gen, device="cuda").bfloat16()
+    masters = [torch.randn(n_experts, latent, hidden, generator=gen, device="cuda") / latent**0.5,
+               torch.randn(n_experts, latent, hidden, generator=gen, device="cuda") * 8 / latent**0.5,
+               torch.randn(n_experts, hidden, latent, generator=gen, device="cuda") / hidden**0.5]
+    idx, prob = routing(n_tokens, n_experts, top_k, n_dead=3, gen=gen)
+    dy = torch.randn(n_tokens, latent, generator=gen, device="cuda").bfloat16()
+    results = []
+    for in_kernel in (False, True):
+        leaves = [x.clone().requires_grad_()] + [w.clone().requires_grad_() for w in masters]
+        leaves.append(prob.bfloat16().requires_grad_())
+        y = moe_experts(*leaves[:4], idx, leaves[4], cast_in_kernel=in_kernel)
+        results.append([y, *torch.autograd.grad(y, leaves, dy)])
+    for name, a, b in zip(("y", "x", "w1", "w3", "w2", "topk_weight"), *results):
+        assert a.dtype == b.dtype and rel_rms(b, a) < 1e-2, name

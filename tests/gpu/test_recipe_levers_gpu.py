@@ -1,7 +1,8 @@
 """The recipe's memory and traffic levers change where numbers live, not the numbers: Newton-Schulz in chunks written
-over its input (optimizer.ns_chunk), the fused loss in smaller chunks (kernels.loss_chunk_rows) and the residual
-blocks' gradients summed in place by the mixes (kernels.attn_res_grad_in_place), each inside the recipe's replayed
-update graph with Muon's graphs in its pool, train like the same recipe without the lever."""
+over its input (optimizer.ns_chunk), the fused loss in smaller chunks (kernels.loss_chunk_rows), the residual
+stream's gradients summed inside the mixes' kernels (kernels.attn_res_grad_in_place) and the expert weights rounded
+in the GEMMs (kernels.experts_cast_in_kernel, under bf16 compute), each inside the recipe's replayed update
+graph with Muon's graphs in its pool, train like the same recipe without the lever."""
 
 import pytest
 import torch
@@ -15,12 +16,16 @@ GRAPHS = ["--compile.enable", "true", "--compile.cuda_graph", "true", "--compile
           "--compile.cuda_graph_share_pool", "true", "--optimizer.momentum_dtype", "bfloat16"]
 
 
-@pytest.mark.parametrize("lever", [["--optimizer.ns_chunk", "2"], ["--kernels.loss_chunk_rows", "256"],
-                                   ["--kernels.attn_res_grad_in_place", "true"]],
-                         ids=["ns_chunk", "loss_chunk_rows", "attn_res_grad_in_place"])
-def test_a_memory_lever_trains_like_the_recipe_without_it(tmp_path, lever):
-    base = _trainer(tmp_path, "base", *GRAPHS)
-    other = _trainer(tmp_path, "lever", *GRAPHS, *lever)
+BF16 = ["--training.compute_dtype", "bfloat16"]  # float32 master weights under bf16 compute: a cast to make
+
+
+@pytest.mark.parametrize("lever, both", [(["--optimizer.ns_chunk", "2"], []), (["--kernels.loss_chunk_rows", "256"], []),
+                                         (["--kernels.attn_res_grad_in_place", "true"], []),
+                                         (["--kernels.experts_cast_in_kernel", "true"], BF16)],
+                         ids=["ns_chunk", "loss_chunk_rows", "attn_res_grad_in_place", "experts_cast_in_kernel"])
+def test_a_lever_trains_like_the_recipe_without_it(tmp_path, lever, both):
+    base = _trainer(tmp_path, "base", *GRAPHS, *both)
+    other = _trainer(tmp_path, "lever", *GRAPHS, *both, *lever)
     try:
         losses = []
         for update in range(1, 7):

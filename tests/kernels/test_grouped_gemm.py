@@ -191,10 +191,12 @@ def test_moe_experts_matches_float64_reference(skew):
     assert torch.equal(moe_experts(*inputs, idx, prob), y)
 
 
+@pytest.mark.parametrize("cast_in_kernel", [False, True], ids=["cast-pass", "cast-in-kernel"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_moe_experts_float32_master_weights(compiled):
+def test_moe_experts_float32_master_weights(compiled, cast_in_kernel):
     """float32 weights with float16 x: the products run on the float16 weights, and each weight's gradient is the
-    float32 accumulator itself: rounded to float16 it is bit for bit the gradient of weights cast outside."""
+    float32 accumulator itself: rounded to float16 it is bit for bit the gradient of weights cast outside. The
+    same whether a pass casts the weights or the GEMMs round each tile as they load it (cast_in_kernel)."""
     x, w1, w3, w2, idx, prob = make_moe(37, 8, 3, 40, 72, torch.float32, seed=16)
     masters = [t.detach().to(DEVICE).requires_grad_() for t in (w1, w3, w2)]
     x16 = x.detach().to(DEVICE, torch.float16).requires_grad_()
@@ -202,12 +204,12 @@ def test_moe_experts_float32_master_weights(compiled):
     idx = idx.to(DEVICE)
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(17)).to(DEVICE, torch.float16)
 
-    def block(a, b, c, d, p):
-        return moe_experts(a, b, c, d, idx, p)
+    def block(a, b, c, d, p, cast_in_kernel=False):
+        return moe_experts(a, b, c, d, idx, p, cast_in_kernel=cast_in_kernel)
 
     torch._dynamo.reset()
     run = torch.compile(block, fullgraph=True, backend="aot_eager") if compiled else block
-    y = run(x16, *masters, prob16)
+    y = run(x16, *masters, prob16, cast_in_kernel=cast_in_kernel)
     got = torch.autograd.grad(y, (x16, *masters, prob16), dy)
     cast = [m.detach().half().requires_grad_() for m in masters]
     y_cast = block(x16, *cast, prob16)
@@ -218,6 +220,22 @@ def test_moe_experts_float32_master_weights(compiled):
         assert g.dtype == torch.float32 and g.shape == m.shape, name
         assert torch.equal(g.half(), w), name
         assert not torch.equal(g, w.float()), name  # not a float16 gradient widened: the bits below it are kept
+
+
+@pytest.mark.parametrize("cast_in_kernel", [False, True], ids=["cast-pass", "cast-in-kernel"])
+def test_moe_experts_keep_float16_weight_copies_for_backward_only_with_a_cast_pass(cast_in_kernel):
+    """What the forward saves for the backward: with a cast pass, a float16 copy of each float32 master weight;
+    with the cast in the kernels, the masters themselves (no copy)."""
+    x, w1, w3, w2, idx, prob = make_moe(21, 4, 2, 32, 48, torch.float32, seed=18)
+    masters = [t.detach().to(DEVICE).requires_grad_() for t in (w1, w3, w2)]
+    x16 = x.detach().to(DEVICE, torch.float16).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        moe_experts(x16, *masters, idx.to(DEVICE), prob.detach().to(DEVICE, torch.float16),
+                    cast_in_kernel=cast_in_kernel)
+    copies = [t for t in saved if t.dtype == torch.float16 and any(t.shape == m.shape for m in masters)]
+    kept = {t.data_ptr() for t in saved} & {m.data_ptr() for m in masters}
+    assert (len(copies), len(kept)) == ((0, 3) if cast_in_kernel else (3, 0))
 
 
 @pytest.mark.parametrize("fn", [moe_experts, reference.moe_experts], ids=["triton", "reference"])
@@ -341,3 +359,20 @@ def test_every_known_winner_names_a_candidate_of_its_kernel(monkeypatch):
         ("wgrad_dual", 256): ({"BLOCK_K": 128, "BLOCK_N": 64, "BLOCK_R": 64}, 4, 4),
         ("glu_up", 256): ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 3),
     }
+
+
+def test_experts_cast_in_kernel_is_our_kernels_lever_and_refused_without_them():
+    import functools
+
+    from titan_k3.config import load_job_config
+    from titan_k3.models.k3.impl import resolve_impl
+
+    cfg = load_job_config(["--kernels.experts", "triton", "--kernels.experts_cast_in_kernel", "true"])
+    impl = resolve_impl(cfg.kernels, torch.device(DEVICE))
+    assert isinstance(impl.experts, functools.partial) and impl.experts.func is moe_experts
+    assert impl.experts.keywords == {"cast_in_kernel": True}
+    for experts in ("torch", "auto"):  # auto without CUDA: the reference
+        cfg = load_job_config(["--kernels.experts", experts, "--kernels.experts_cast_in_kernel", "true"])
+        with pytest.raises(ValueError, match=rf"'kernels.experts_cast_in_kernel' = true: needs our Triton kernel for "
+                                             rf"experts, but this run's is 'torch' \(kernels.experts = '{experts}'"):
+            resolve_impl(cfg.kernels, torch.device("cpu"))

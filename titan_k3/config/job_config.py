@@ -50,6 +50,8 @@ class Kernels:
     """KDA implementation: our triton kernel, flash-linear-attention's chunk_kda, torch chunked reference, or auto (triton on CUDA)."""
     experts: Literal["auto", "triton", "grouped_mm", "torch"] = "auto"
     """Routed-expert implementation: triton grouped GEMM, torch._grouped_mm, torch loop, or auto."""
+    experts_cast_in_kernel: bool = False
+    """Our expert GEMMs read the float32 master weights and round each tile to the compute dtype as they load it, instead of a pass that casts each expert weight every forward and a bf16 copy of it kept for the backward: for k3-mini 33 casts of 24.5M parameters per update (~1.2 ms of the H200's time) and 1.5 GiB at the update's peak, for twice the bytes per weight tile the GEMMs load. The same numbers (the tiles round exactly as the cast did). Not yet measured on a GPU, so off (benchmarks/train_throughput.py --variants ours-recipe-experts-cast-in-kernel). Needs the Triton experts (kernels.experts triton, or auto on CUDA); where FSDP2 gathers the experts in bf16 there is nothing to cast and it changes nothing."""
     loss: Literal["auto", "triton", "torch"] = "auto"
     """Head + cross-entropy: fused triton kernel, chunked torch reference, or auto."""
     attn_res: Literal["auto", "triton", "torch"] = "auto"

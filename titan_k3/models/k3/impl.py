@@ -184,6 +184,9 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
         experts, c_exp = _pick(
             "experts", kernels_cfg.experts, on_cuda, ("kernels.grouped_gemm", "moe_experts", "triton"), gg_reference.moe_experts
         )
+    if kernels_cfg.experts_cast_in_kernel:
+        _require_triton("kernels.experts_cast_in_kernel", c_exp)
+        experts = functools.partial(experts, cast_in_kernel=True)
     # NOTE: under compile too: in the compiled k3-mini step the Triton mix measured 223.0 ms against 236.1 ms for
     # inductor's fusion of the reference (benchmarks/results/train_throughput.md), although the reference
     # compiled on its own beat the kernel in isolation (benchmarks/results/attn_res.md).
@@ -194,10 +197,8 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
         if kernels_cfg.attn_res == "triton":
             raise ValueError(f"config key 'kernels.attn_res' = 'triton': {why}")
         attn_res, c_res = pseudo_query_mix_reference, KernelChoice("attn_res", "auto", "torch", True, why)
-    if kernels_cfg.attn_res_grad_in_place and c_res.chosen != "triton":
-        raise ValueError("config key 'kernels.attn_res_grad_in_place' = true: needs the Triton mix, but this run's "
-                         f"mix is the torch reference (kernels.attn_res = '{c_res.requested}'"
-                         f"{': ' + c_res.reason if c_res.reason and c_res.reason != 'asked for' else ''})")
+    if kernels_cfg.attn_res_grad_in_place:
+        _require_triton("kernels.attn_res_grad_in_place", c_res)
     router, c_router = _pick("router", kernels_cfg.router, on_cuda, ("kernels.router", "top_k_rows", "triton"),
                              top_k_rows_reference)
     max_logit, c_max = _pick("max_logit", kernels_cfg.max_logit, on_cuda,
@@ -208,6 +209,14 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
     return Impl(kda, experts, loss, backends, attn_res=attn_res, attn_res_sinks=kernels_cfg.attn_res_grad_in_place,
                 router=router, max_logit=max_logit, conv=conv,
                 choices=[c_kda, c_exp, c_loss, c_grads, c_res, c_router, c_max, c_conv, c_attn])
+
+
+def _require_triton(key: str, choice: KernelChoice) -> None:
+    """A ValueError naming config key `key` (a lever of our Triton kernel for `choice.op`) unless that op runs it."""
+    if choice.chosen != "triton":
+        why = f": {choice.reason}" if choice.reason and choice.reason != "asked for" else ""
+        raise ValueError(f"config key '{key}' = true: needs our Triton kernel for {choice.op}, but this run's is "
+                         f"'{choice.chosen}' (kernels.{choice.op} = '{choice.requested}'{why})")
 
 
 def _fp8_loss_grads(loss: Callable, c_loss: KernelChoice, device: torch.device) -> Callable:
