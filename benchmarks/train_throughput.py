@@ -122,7 +122,7 @@ VARIANTS = {
     # kernel time, and auto takes it since: the recipe itself runs it now)
     "ours-recipe-router-triton": [*RECIPE, "--kernels.router", "triton"],
     # The recipe with the residual stream's gradients summed inside the mixes' backward kernels
-    # (kernels.attn_res_grad_in_place): 69 fewer bf16 adds of [B, T, D] per k3-mini update (2.2 ms for all 90 in
+    # (kernels.attn_res_grad_in_place): 68 fewer bf16 adds of [B, T, D] per k3-mini update (2.2 ms for all 90 in
     # the session-29 profile), each for one more read in a mix's kernel; predicted 0.5-1.1 ms less per update
     "ours-recipe-grad-in-place": [*RECIPE, "--kernels.attn_res_grad_in_place", "true"],
     # The recipe with the expert GEMMs reading the float32 master weights and rounding each tile as they load it

@@ -130,6 +130,24 @@ def test_a_stream_of_mixes_with_sinks_has_autograds_gradients(small_tiles):
     assert all(sink.grad is None for sink in sinks)
 
 
+def test_k3_minis_stream_backward_leaves_one_add_of_its_69():
+    """The stream of k3-mini's 25 mixes (12 layers, blocks of 4): autograd's backward adds 69 gradient pairs; with
+    sinks and handoffs one is left (block 0's, which layer 0's attention sublayer also reads directly)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.attn_res import MixStream
+
+    counts = {}
+    for with_sinks in (False, True):
+        stream = MixStream("k3-mini", pseudo_query_mix, with_sinks).to(DEVICE)
+        x = torch.randn(1, 4, 512, device=DEVICE, requires_grad=True)
+        out = stream(x)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out.backward(torch.ones_like(out))
+        counts[with_sinks] = sum(e.name in ("aten::add", "aten::add_") for e in prof.events())
+    assert counts == {False: 69, True: 1}
+
+
 def test_a_mix_that_runs_its_backward_before_the_add_handing_off_to_it_is_an_error_not_a_lost_gradient():
     """The add must run its backward first (its term comes from the mix). Built the other way round, the mix takes
     an empty handoff; the add then raises instead of dropping its gradient for p."""
