@@ -209,8 +209,10 @@ def test_the_model_with_gradients_in_place_trains_like_without(ac_mode):
     and without activation checkpointing (whose recompute must not disturb the sinks)."""
     loss_in, grads_in, impl = debug_model_loss_and_grads("--kernels.attn_res", "triton",
                                                          "--kernels.attn_res_grad_in_place", "true", ac_mode=ac_mode)
-    loss_out, grads_out, _ = debug_model_loss_and_grads("--kernels.attn_res", "triton")
-    assert impl.attn_res_sinks
+    loss_out, grads_out, plain = debug_model_loss_and_grads("--kernels.attn_res", "triton")
+    assert impl.attn_res_sinks and not plain.attn_res_sinks
+    for resolved, sums in ((impl, "in_place"), (plain, "autograd")):  # what the kernel report says
+        assert [(c.op, c.chosen) for c in resolved.choices if c.op == "attn_res_grads"] == [("attn_res_grads", sums)]
     torch.testing.assert_close(loss_in, loss_out, rtol=1e-6, atol=0.0)
     assert grads_in.keys() == grads_out.keys() and any("tok_embeddings" in n for n in grads_in)
     for name in grads_out:

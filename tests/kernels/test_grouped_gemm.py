@@ -371,6 +371,10 @@ def test_experts_cast_in_kernel_is_our_kernels_lever_and_refused_without_them():
     impl = resolve_impl(cfg.kernels, torch.device(DEVICE))
     assert isinstance(impl.experts, functools.partial) and impl.experts.func is moe_experts
     assert impl.experts.keywords == {"cast_in_kernel": True}
+    assert [(c.op, c.chosen) for c in impl.choices if c.op == "expert_weights"] == [("expert_weights", "cast_in_kernel")]
+    plain = resolve_impl(load_job_config(["--kernels.experts", "triton"]).kernels, torch.device(DEVICE))
+    assert plain.experts is moe_experts
+    assert [(c.op, c.chosen) for c in plain.choices if c.op == "expert_weights"] == [("expert_weights", "cast_pass")]
     for experts in ("torch", "auto"):  # auto without CUDA: the reference
         cfg = load_job_config(["--kernels.experts", experts, "--kernels.experts_cast_in_kernel", "true"])
         with pytest.raises(ValueError, match=rf"'kernels.experts_cast_in_kernel' = true: needs our Triton kernel for "

@@ -184,6 +184,8 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
         experts, c_exp = _pick(
             "experts", kernels_cfg.experts, on_cuda, ("kernels.grouped_gemm", "moe_experts", "triton"), gg_reference.moe_experts
         )
+    weights = "cast_in_kernel" if kernels_cfg.experts_cast_in_kernel else "cast_pass"
+    c_weights = KernelChoice("expert_weights", weights, weights, False)
     if kernels_cfg.experts_cast_in_kernel:
         _require_triton("kernels.experts_cast_in_kernel", c_exp)
         experts = functools.partial(experts, cast_in_kernel=True)
@@ -197,6 +199,8 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
         if kernels_cfg.attn_res == "triton":
             raise ValueError(f"config key 'kernels.attn_res' = 'triton': {why}")
         attn_res, c_res = pseudo_query_mix_reference, KernelChoice("attn_res", "auto", "torch", True, why)
+    sums = "in_place" if kernels_cfg.attn_res_grad_in_place else "autograd"
+    c_sums = KernelChoice("attn_res_grads", sums, sums, False)
     if kernels_cfg.attn_res_grad_in_place:
         _require_triton("kernels.attn_res_grad_in_place", c_res)
     router, c_router = _pick("router", kernels_cfg.router, on_cuda, ("kernels.router", "top_k_rows", "triton"),
@@ -208,7 +212,7 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
     backends, c_attn = _attention_backends(kernels_cfg.attention, on_cuda)
     return Impl(kda, experts, loss, backends, attn_res=attn_res, attn_res_sinks=kernels_cfg.attn_res_grad_in_place,
                 router=router, max_logit=max_logit, conv=conv,
-                choices=[c_kda, c_exp, c_loss, c_grads, c_res, c_router, c_max, c_conv, c_attn])
+                choices=[c_kda, c_exp, c_weights, c_loss, c_grads, c_res, c_sums, c_router, c_max, c_conv, c_attn])
 
 
 def _require_triton(key: str, choice: KernelChoice) -> None:
