@@ -224,8 +224,8 @@ def test_gradients_in_place_without_the_triton_mix_is_refused_before_any_work():
     from titan_k3.models.k3.impl import resolve_impl
 
     cfg = load_job_config(["--kernels.attn_res", "torch", "--kernels.attn_res_grad_in_place", "true"])
-    with pytest.raises(ValueError, match=r"'kernels.attn_res_grad_in_place' = true: needs our Triton kernel for "
-                                         r"attn_res, but this run's is 'torch' \(kernels.attn_res = 'torch'\)"):
+    with pytest.raises(ValueError, match=r"'kernels.attn_res_grad_in_place' = true: needs the Triton mix, but this "
+                                         r"run's attn_res is the torch reference \(kernels.attn_res = 'torch'\)"):
         resolve_impl(cfg.kernels, torch.device("cpu"))
     cfg = load_job_config(["--kernels.attn_res_grad_in_place", "true"])
     with pytest.raises(ValueError, match=r"kernels.attn_res = 'auto': no CUDA device"):

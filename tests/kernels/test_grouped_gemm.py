@@ -377,6 +377,6 @@ def test_experts_cast_in_kernel_is_our_kernels_lever_and_refused_without_them():
     assert [(c.op, c.chosen) for c in plain.choices if c.op == "expert_weights"] == [("expert_weights", "cast_pass")]
     for experts in ("torch", "auto"):  # auto without CUDA: the reference
         cfg = load_job_config(["--kernels.experts", experts, "--kernels.experts_cast_in_kernel", "true"])
-        with pytest.raises(ValueError, match=rf"'kernels.experts_cast_in_kernel' = true: needs our Triton kernel for "
-                                             rf"experts, but this run's is 'torch' \(kernels.experts = '{experts}'"):
+        with pytest.raises(ValueError, match=rf"'kernels.experts_cast_in_kernel' = true: needs our Triton experts, but "
+                                             rf"this run's experts is the torch reference \(kernels.experts = '{experts}'"):
             resolve_impl(cfg.kernels, torch.device("cpu"))

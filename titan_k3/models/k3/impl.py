@@ -187,7 +187,7 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
     weights = "cast_in_kernel" if kernels_cfg.experts_cast_in_kernel else "cast_pass"
     c_weights = KernelChoice("expert_weights", weights, weights, False)
     if kernels_cfg.experts_cast_in_kernel:
-        _require_triton("kernels.experts_cast_in_kernel", c_exp)
+        _require_triton("kernels.experts_cast_in_kernel", c_exp, "our Triton experts")
         experts = functools.partial(experts, cast_in_kernel=True)
     # NOTE: under compile too: in the compiled k3-mini step the Triton mix measured 223.0 ms against 236.1 ms for
     # inductor's fusion of the reference (benchmarks/results/train_throughput.md), although the reference
@@ -202,7 +202,7 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
     sums = "in_place" if kernels_cfg.attn_res_grad_in_place else "autograd"
     c_sums = KernelChoice("attn_res_grads", sums, sums, False)
     if kernels_cfg.attn_res_grad_in_place:
-        _require_triton("kernels.attn_res_grad_in_place", c_res)
+        _require_triton("kernels.attn_res_grad_in_place", c_res, "the Triton mix")
     router, c_router = _pick("router", kernels_cfg.router, on_cuda, ("kernels.router", "top_k_rows", "triton"),
                              top_k_rows_reference)
     max_logit, c_max = _pick("max_logit", kernels_cfg.max_logit, on_cuda,
@@ -215,12 +215,14 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
                 choices=[c_kda, c_exp, c_weights, c_loss, c_grads, c_res, c_sums, c_router, c_max, c_conv, c_attn])
 
 
-def _require_triton(key: str, choice: KernelChoice) -> None:
-    """A ValueError naming config key `key` (a lever of our Triton kernel for `choice.op`) unless that op runs it."""
+def _require_triton(key: str, choice: KernelChoice, what: str) -> None:
+    """A ValueError naming config key `key` (a lever of our Triton kernel for `choice.op`, `what`) unless that op
+    runs it."""
     if choice.chosen != "triton":
         why = f": {choice.reason}" if choice.reason and choice.reason != "asked for" else ""
-        raise ValueError(f"config key '{key}' = true: needs our Triton kernel for {choice.op}, but this run's is "
-                         f"'{choice.chosen}' (kernels.{choice.op} = '{choice.requested}'{why})")
+        chosen = "the torch reference" if choice.chosen == "torch" else f"'{choice.chosen}'"
+        raise ValueError(f"config key '{key}' = true: needs {what}, but this run's {choice.op} is {chosen} "
+                         f"(kernels.{choice.op} = '{choice.requested}'{why})")
 
 
 def _fp8_loss_grads(loss: Callable, c_loss: KernelChoice, device: torch.device) -> Callable:
@@ -229,9 +231,7 @@ def _fp8_loss_grads(loss: Callable, c_loss: KernelChoice, device: torch.device) 
     from kernels.fused_ce.grad_fp8 import fp8_supported
 
     key = "config key 'kernels.loss_grad_fp8' = true"
-    if c_loss.chosen != "triton":
-        raise ValueError(f"{key}: needs the fused Triton loss, but this run's loss is the torch reference "
-                         f"(kernels.loss = '{c_loss.requested}'{': ' + c_loss.reason if c_loss.reason else ''})")
+    _require_triton("kernels.loss_grad_fp8", c_loss, "the fused Triton loss")
     if device.type != "cuda" or not fp8_supported(device):
         capability = f" of capability {torch.cuda.get_device_capability(device)}" if torch.cuda.is_available() else ""
         raise ValueError(f"{key}: needs a CUDA GPU with FP8 matmuls (compute capability 8.9 or newer), got {device}"
