@@ -97,9 +97,9 @@ class ResidualBlocks:
 
     def __init__(self, embedding: torch.Tensor, block_size: int, grad_sinks: bool = False):
         self.block_size = block_size
-        self.grad_sinks = grad_sinks and torch.is_grad_enabled()
         self.completed: list[torch.Tensor] = []
-        self.sinks: list[GradientSink] | None = [] if self.grad_sinks else None
+        # NOTE: none without autograd (evaluation): there is no backward to sum in.
+        self.sinks: list[GradientSink] | None = [] if grad_sinks and torch.is_grad_enabled() else None
         self.partial: torch.Tensor | None = None
         self._complete(embedding)
 
