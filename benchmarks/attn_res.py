@@ -10,7 +10,8 @@ Every variant is checked against the float64 reference (relative RMS error) befo
 `--stream` instead times the flavor's whole stream of mixes (every layer's two and the final one, the model's
 `ResidualBlocks` and `PseudoQueryMix`, each sublayer a scaling) forward + backward with our mix, with and
 without gradient sinks (kernels.attn_res_grad_in_place: each completed block's gradient summed in place by the
-mixes' backward), both checked against the float64 reference first.
+mixes' backward), and with each sublayer's RMSNorm either in the sublayer (compiled, as the model's sublayers are)
+or in the mix that feeds it (kernels.attn_res_norm_in_mix), each checked against the float64 reference first.
 
     PYTHONPATH=. python benchmarks/attn_res.py [--flavor k3-mini --batch 8 --seq 4096 --sources 2,3,5] [--out OUTDIR]
     PYTHONPATH=. python benchmarks/attn_res.py --stream [--flavor k3-mini --batch 32 --seq 1024] [--out OUTDIR]
@@ -39,6 +40,7 @@ from benchmarks.common import environment, env_cells, markdown_table, median_ms,
 from kernels.attn_res import mix, pseudo_query_mix, pseudo_query_mix_reference  # noqa: E402
 from titan_k3.models.k3.args import FLAVORS  # noqa: E402
 from titan_k3.models.k3.attn_res import PseudoQueryMix, ResidualBlocks, residual_layer  # noqa: E402
+from titan_k3.models.k3.layers import RMSNorm, rms_norm  # noqa: E402
 
 EPS = 1e-5
 SWEEP = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
@@ -84,24 +86,44 @@ def sweep_tiles(sources, query, dout) -> None:
         mix.LAUNCH.update(saved)
 
 
+def _scaled_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
+    return scale * rms_norm(x, weight, eps)
+
+
 class MixStream(torch.nn.Module):
     """The residual stream of a flavor's mixes: per layer an attention and an FFN mix, then the final mix, over the
     model's block sums (`ResidualBlocks`, `residual_layer`); a sublayer is a scaling of its mix's output (0.5 and
-    0.25), so the time is the mixes', the residual adds' and the sums of the blocks' gradients."""
+    0.25), so the time is the mixes', the residual adds' and the sums of the blocks' gradients.
 
-    def __init__(self, flavor: str, mix_fn, grad_sinks: bool):
+    norms: "none"; "sublayer" (each mix's output goes through an RMSNorm and the scaling in one compiled function,
+    as the model's compiled sublayers start); "mix" (the mixes apply those norms: kernels.attn_res_norm_in_mix).
+    """
+
+    def __init__(self, flavor: str, mix_fn, grad_sinks: bool, norms: str = "none"):
         super().__init__()
         args = FLAVORS[flavor]
         self.n_layers, self.block_size, self.grad_sinks = args.n_layers, args.attn_res_block_size, grad_sinks
         self.mixes = torch.nn.ModuleList(PseudoQueryMix(args.dim, mix_fn, EPS) for _ in range(2 * args.n_layers + 1))
+        self.where = norms
+        self.norms = torch.nn.ModuleList(RMSNorm(args.dim, EPS) for _ in self.mixes) if norms != "none" else None
+        self.scaled_norm = torch.compile(_scaled_norm) if mix_fn is pseudo_query_mix else _scaled_norm
+
+    def sublayer(self, i: int, scale: float):
+        """Sublayer i (its mix's output -> its input to the residual sum) and the norm its mix applies (or None)."""
+        if self.where == "sublayer":
+            norm = self.norms[i]
+            return (lambda x: self.scaled_norm(x, norm.weight, norm.eps, scale)), None
+        return (lambda x: scale * x), (self.norms[i] if self.where == "mix" else None)
 
     def forward(self, embedding: torch.Tensor) -> torch.Tensor:
         stream = ResidualBlocks(embedding, self.block_size, self.grad_sinks)
         for i in range(self.n_layers):
-            stream.partial = residual_layer(stream.completed, stream.partial, stream.sinks, self.mixes[2 * i],
-                                            lambda x: 0.5 * x, self.mixes[2 * i + 1], lambda x: 0.25 * x)
+            (attn, attn_norm), (ffn, ffn_norm) = self.sublayer(2 * i, 0.5), self.sublayer(2 * i + 1, 0.25)
+            stream.partial = residual_layer(stream.completed, stream.partial, stream.sinks, self.mixes[2 * i], attn,
+                                            self.mixes[2 * i + 1], ffn, attn_norm, ffn_norm)
             stream.end_layer(i)
-        return self.mixes[-1](stream.sources(), stream.sinks)
+        final, norm = self.sublayer(len(self.mixes) - 1, 1.0)
+        return final(self.mixes[-1](stream.sources(), stream.sinks, norm=norm))
 
 
 def stream_benchmark(args) -> int:
@@ -113,12 +135,19 @@ def stream_benchmark(args) -> int:
     embedding = torch.randn(args.batch, args.seq, dim, device=device, generator=gen).to(dtype).requires_grad_(True)
     dout = torch.randn(args.batch, args.seq, dim, device=device, generator=gen).to(dtype)
     streams = {"autograd sums": MixStream(args.flavor, pseudo_query_mix, False),
-               "sinks": MixStream(args.flavor, pseudo_query_mix, True)}
-    reference = MixStream(args.flavor, pseudo_query_mix_reference, False).to(device, torch.float64)
-    for module in (*streams.values(), reference):
-        with torch.no_grad():  # the same queries everywhere, off their zero init (weights far from uniform)
+               "sinks": MixStream(args.flavor, pseudo_query_mix, True),
+               "norms in sublayers (compiled), autograd sums": MixStream(args.flavor, pseudo_query_mix, False, "sublayer"),
+               "norms in mixes, autograd sums": MixStream(args.flavor, pseudo_query_mix, False, "mix"),
+               "norms in sublayers (compiled), sinks": MixStream(args.flavor, pseudo_query_mix, True, "sublayer"),
+               "norms in mixes, sinks": MixStream(args.flavor, pseudo_query_mix, True, "mix")}
+    references = {norms: MixStream(args.flavor, pseudo_query_mix_reference, False, norms).to(device, torch.float64)
+                  for norms in ("none", "sublayer")}
+    for module in (*streams.values(), *references.values()):
+        with torch.no_grad():  # the same queries and norm weights everywhere, off their init
             for i, m in enumerate(module.mixes):
                 m.query.copy_(torch.randn(dim, generator=torch.Generator().manual_seed(i)) * 0.3)
+            for i, norm in enumerate(module.norms or []):
+                norm.weight.copy_(1 + 0.3 * torch.randn(dim, generator=torch.Generator().manual_seed(100 + i)))
     streams = {name: m.to(device) for name, m in streams.items()}
 
     def embedding_grad(module, x, g):
@@ -129,21 +158,23 @@ def stream_benchmark(args) -> int:
     # NOTE: the check is the embedding's gradient: every block's gradient, however summed, reaches it. The queries'
     # gradients are no check here: with sublayers that only scale, the sources nearly agree and those gradients
     # cancel to ~1e-6 of the embedding's, where float32 rounding alone moves them by tens of percent.
-    truth = embedding_grad(reference, embedding.double(), dout.double())
+    names = list(streams)
+    truths = {norms: embedding_grad(ref, embedding.double(), dout.double()) for norms, ref in references.items()}
     env, rows = environment(), []
     for name, module in streams.items():
-        err = rel_rms(embedding_grad(module, embedding, dout), truth)
+        err = rel_rms(embedding_grad(module, embedding, dout), truths["none" if module.where == "none" else "sublayer"])
         print(f"stream check {name}: embedding gradient rel rms {err:.1e}", flush=True)
         assert err < 2e-2, (name, err)
         leaves = [embedding, *module.parameters()]
         rows.append({"variant": name, "fwd_bwd_ms": median_ms(lambda m=module: m(embedding).backward(dout), leaves),
-                     "rel_rms": err})
-    del truth
-    base = rows[0]["fwd_bwd_ms"]
+                     "rel_rms": err, "baseline": names[0] if module.where == "none" else names[2]})
+    del truths
+    ms = {r["variant"]: r["fwd_bwd_ms"] for r in rows}
     shape = f"B{args.batch} T{args.seq} D{dim} {str(dtype).removeprefix('torch.')}"
     lines = [env_cells(env) + f"{args.flavor} | {shape} | {2 * FLAVORS[args.flavor].n_layers + 1} | {r['variant']} "
-             f"| {r['fwd_bwd_ms']:.3f} | {base - r['fwd_bwd_ms']:+.3f} | {r['rel_rms']:.1e} |" for r in rows]
-    table = markdown_table(["flavor", "shape", "mixes", "variant", "stream fwd+bwd ms", "saved ms vs autograd sums",
+             f"| {r['fwd_bwd_ms']:.3f} | {ms[r['baseline']] - r['fwd_bwd_ms']:+.3f} ({r['baseline']}) "
+             f"| {r['rel_rms']:.1e} |" for r in rows]
+    table = markdown_table(["flavor", "shape", "mixes", "variant", "stream fwd+bwd ms", "saved ms vs (baseline)",
                             "embedding gradient rel RMS vs float64"], lines)
     write_results(args.out, "attn_res_stream", table, env, rows)
     return 0

@@ -28,6 +28,16 @@ gradient summed in place by their kernels (`sinks.GradientSink`), with no
 separate add of two [R, D] tensors per extra reader. The last source's
 gradient can also take in one more tensor (ADD, read only: the gradient that
 the residual add after the mix sends to that same source, `sinks.GradientHandoff`).
+With a norm weight nw (the sublayer's RMSNorm folded in, `kernels.attn_res_norm_in_mix`) the kernel writes
+y = nw * h * r, r = rsqrt(mean(h^2) + eps'), in place of the mix h, and its backward takes dy:
+    g = r nw dy - h r^3 <nw dy, h> / D,   dnw = sum over rows of dy h r   (partials [D, P], like dq)
+then goes on with g as above. The backward first walks the sources once more to
+rebuild h in float32 from the saved scores (the re-reads hit L2); the norm's own
+passes over h, dy and g (a [B, T, D] write and read forward; a read of h, a write
+and read of g, and the weight's reduction backward) are gone. NOTE: dbar is still
+summed from the dw_n (not <g, h>, equal in exact arithmetic): computed from the
+rebuilt h it left sum_n ds_n off zero by h's rounding, which gave the query 30x
+float32 autograd's error where the sources nearly agree.
 dbar needs every source before any dv_n can be written, so the backward walks
 the sources twice; the second walk re-reads tiles the first has just read
 (from L2 on a GPU).
@@ -97,7 +107,7 @@ def _source(n: tl.constexpr, P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11):
 @triton.jit
 def _mix_fwd_kernel(
     V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11,
-    q_ptr, out_ptr, score_ptr, rstd_ptr, smax_ptr, R, D, eps,
+    q_ptr, nw_ptr, out_ptr, score_ptr, rstd_ptr, smax_ptr, R, D, eps, norm_eps,
     N: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
 ):
     rows = tl.program_id(0) * BR + tl.arange(0, BR).to(tl.int64)
@@ -123,7 +133,12 @@ def _mix_fwd_kernel(
         acc = acc * scale[:, None] + p[:, None] * v
         l = l * scale + p
         m = m_new
-    tl.store(out_ptr + offs, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+    h = acc / l[:, None]
+    if nw_ptr is not None:
+        nw = tl.load(nw_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / D + norm_eps)
+        h = h * r[:, None] * nw[None, :]
+    tl.store(out_ptr + offs, h.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(smax_ptr + rows, m, mask=row_ok)
 
 
@@ -131,13 +146,14 @@ def _mix_fwd_kernel(
 def _mix_bwd_kernel(
     V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11,
     G0, G1, G2, G3, G4, G5, G6, G7, G8, G9, G10, G11,
-    q_ptr, dout_ptr, score_ptr, rstd_ptr, smax_ptr, dq_part_ptr, R, D,
+    q_ptr, nw_ptr, dout_ptr, score_ptr, rstd_ptr, smax_ptr, dq_part_ptr, dnw_part_ptr, R, D, norm_eps,
     N: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, TILES: tl.constexpr, ACC: tl.constexpr, ADD,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
     q = tl.load(q_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     dq_acc = tl.zeros([BR, BD], tl.float32)
+    dnw_acc = tl.zeros([BR, BD], tl.float32)
     for tile in range(TILES):
         rows = (pid * TILES + tile).to(tl.int64) * BR + tl.arange(0, BR)
         row_ok = rows < R
@@ -145,6 +161,22 @@ def _mix_bwd_kernel(
         offs = rows[:, None] * D + cols[None, :]
         g = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         m = tl.load(smax_ptr + rows, mask=row_ok, other=0.0)
+        if nw_ptr is not None:
+            # g arrives as dy, the gradient of the norm's output y = nw * h * r: a first walk rebuilds the mix h.
+            h = tl.zeros([BR, BD], tl.float32)
+            e_sum = tl.zeros([BR], tl.float32)
+            for n in tl.static_range(N):
+                v = tl.load(_source(n, V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11) + offs, mask=mask,
+                            other=0.0)
+                e = tl.exp(tl.load(score_ptr + n * R + rows, mask=row_ok, other=0.0) - m)
+                e_sum += e
+                h += e[:, None] * v.to(tl.float32)
+            h = h / e_sum[:, None]
+            nw = tl.load(nw_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+            r = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / D + norm_eps)
+            dnw_acc += g * h * r[:, None]
+            g = g * nw[None, :]
+            g = r[:, None] * g - (r * r * r * tl.sum(g * h, axis=1) / D)[:, None] * h
         e_sum = tl.zeros([BR], tl.float32)
         e_dw = tl.zeros([BR], tl.float32)
         for n in tl.static_range(N):
@@ -173,6 +205,8 @@ def _mix_bwd_kernel(
     # NOTE: stored transposed ([D, P]): torch sums a [P, D] float32 partial over P ~2-3x slower than a [D, P]
     # one over its last dimension at k3-mini's D = 512 (an H200, session 22).
     tl.store(dq_part_ptr + cols * tl.num_programs(0) + pid, tl.sum(dq_acc, axis=0), mask=cols < D)
+    if nw_ptr is not None:
+        tl.store(dnw_part_ptr + cols * tl.num_programs(0) + pid, tl.sum(dnw_acc, axis=0), mask=cols < D)
 
 
 def _pointers(tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -180,8 +214,14 @@ def _pointers(tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
     return list(tensors) + [None] * (MAX_SOURCES - len(tensors))
 
 
-def mix_forward(sources: list[torch.Tensor], query: torch.Tensor, eps: float) -> tuple[torch.Tensor, ...]:
-    """sources: N contiguous [..., D] (dtypes may differ), query [D] -> (out like sources[0], s [N, R], rstd [N, R], m [R])."""
+def mix_forward(
+    sources: list[torch.Tensor], query: torch.Tensor, eps: float, norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 0.0,
+) -> tuple[torch.Tensor, ...]:
+    """sources: N contiguous [..., D] (dtypes may differ), query [D] -> (out like sources[0], s [N, R], rstd [N, R], m [R]).
+
+    norm_weight: None, or [D] (contiguous, any float dtype): out is then RMSNorm(mix) * norm_weight with norm_eps.
+    """
     N, D = len(sources), query.shape[0]
     R = sources[0].numel() // D
     out = torch.empty_like(sources[0])
@@ -190,7 +230,8 @@ def mix_forward(sources: list[torch.Tensor], query: torch.Tensor, eps: float) ->
     if R > 0:
         br, bd, warps = tiles("fwd", D)
         _mix_fwd_kernel[(triton.cdiv(R, br),)](
-            *_pointers(sources), query, out, score, rstd, smax, R, D, eps, N=N, BR=br, BD=bd, num_warps=warps,
+            *_pointers(sources), query, norm_weight, out, score, rstd, smax, R, D, eps, norm_eps,
+            N=N, BR=br, BD=bd, num_warps=warps,
         )
     return out, score, rstd, smax
 
@@ -198,9 +239,10 @@ def mix_forward(sources: list[torch.Tensor], query: torch.Tensor, eps: float) ->
 def mix_backward(
     sources: list[torch.Tensor], query: torch.Tensor, dout: torch.Tensor,
     score: torch.Tensor, rstd: torch.Tensor, smax: torch.Tensor, into: list[torch.Tensor | None] | None = None,
-    add_last: torch.Tensor | None = None,
+    add_last: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0,
 ) -> list[torch.Tensor]:
-    """Gradients [dv_0, ..., dv_{N-1}, dq]: dv_n like the sources, dq [D] in the query's dtype. dout: contiguous.
+    """Gradients [dv_0, ..., dv_{N-1}, dq] (and dnorm_weight last, given norm_weight): dv_n like the sources, dq [D]
+    in the query's dtype, dnorm_weight [D] in its own. dout: contiguous, the gradient of mix_forward's output.
 
     into: per source, None (dv_n is a new tensor) or a contiguous tensor like it that dv_n is added to in place
     (and returned as dv_n); no two may share memory.
@@ -226,9 +268,11 @@ def mix_backward(
     n_tiles = LAUNCH["bwd"]["tiles"]
     programs = triton.cdiv(triton.cdiv(R, br), n_tiles)
     dq_part = torch.empty(D, programs, dtype=torch.float32, device=dout.device)
+    dnw_part = None if norm_weight is None else torch.empty_like(dq_part)
     if R > 0:
         _mix_bwd_kernel[(programs,)](
-            *_pointers(sources), *_pointers(dvs), query, dout, score, rstd, smax, dq_part, R, D,
-            N=N, BR=br, BD=bd, TILES=n_tiles, ACC=acc, ADD=add_last, num_warps=warps,
+            *_pointers(sources), *_pointers(dvs), query, norm_weight, dout, score, rstd, smax, dq_part, dnw_part,
+            R, D, norm_eps, N=N, BR=br, BD=bd, TILES=n_tiles, ACC=acc, ADD=add_last, num_warps=warps,
         )
-    return dvs + [dq_part.sum(1).to(query.dtype)]
+    dnw = [] if norm_weight is None else [dnw_part.sum(1).to(norm_weight.dtype)]
+    return dvs + [dq_part.sum(1).to(query.dtype)] + dnw

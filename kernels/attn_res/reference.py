@@ -40,17 +40,46 @@ def check_mix_inputs(sources: list[torch.Tensor], query: torch.Tensor) -> None:
         raise ValueError(f"query must be on the sources' device {first.device}, got {query.device}")
 
 
-def pseudo_query_mix_reference(sources: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:
+def check_norm_weight(norm_weight: torch.Tensor | None, query: torch.Tensor) -> None:
+    """Raise ValueError (one line) unless norm_weight is None or a floating [D] tensor on the query's device."""
+    if norm_weight is None:
+        return
+    if not isinstance(norm_weight, torch.Tensor) or norm_weight.shape != query.shape or not norm_weight.is_floating_point():
+        got = (f"{tuple(norm_weight.shape)} {norm_weight.dtype}" if isinstance(norm_weight, torch.Tensor)
+               else type(norm_weight).__name__)
+        raise ValueError(f"norm_weight must be a floating tensor [D] = [{query.shape[0]}] (the sources' width), got {got}")
+    if norm_weight.device != query.device:
+        raise ValueError(f"norm_weight must be on the sources' device {query.device}, got {norm_weight.device}")
+
+
+def weighted_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) * weight over the last dim, in x's dtype (float32 or float64: the callers' compute dtype)."""
+    return F.rms_norm(x, (x.shape[-1],), None, eps) * weight.to(x.dtype)
+
+
+def pseudo_query_mix_reference(
+    sources: list[torch.Tensor], query: torch.Tensor, eps: float, norm_weight: torch.Tensor | None = None,
+    norm_eps: float | None = None,
+) -> torch.Tensor:
     """sum_n softmax_n(<RMSNorm(v_n), q>) v_n: N sources [B, T, D], query [D] -> [B, T, D].
 
     Computed in float32 (float64 when a source is float64) and returned in
     source 0's dtype (sources may differ in dtype). One source is returned as it is.
+    norm_weight: None, or [D]: the result is RMSNorm(mix) * norm_weight (eps norm_eps, default eps), the norm
+    computed before the rounding to source 0's dtype (a lone source is normalised too).
     """
     check_mix_inputs(sources, query)
-    if len(sources) == 1:
-        return sources[0]
+    check_norm_weight(norm_weight, query)
     compute = torch.float64 if any(v.dtype == torch.float64 for v in sources) else torch.float32
-    v_NBTD = torch.stack(sources).to(compute)
-    keys_NBTD = F.rms_norm(v_NBTD, (v_NBTD.shape[-1],), None, eps)
-    weights_NBT = torch.softmax(keys_NBTD @ query.to(compute), dim=0)
-    return (weights_NBT.unsqueeze(-1) * v_NBTD).sum(dim=0).to(sources[0].dtype)
+    if len(sources) == 1:
+        if norm_weight is None:
+            return sources[0]
+        mixed = sources[0].to(compute)
+    else:
+        v_NBTD = torch.stack(sources).to(compute)
+        keys_NBTD = F.rms_norm(v_NBTD, (v_NBTD.shape[-1],), None, eps)
+        weights_NBT = torch.softmax(keys_NBTD @ query.to(compute), dim=0)
+        mixed = (weights_NBT.unsqueeze(-1) * v_NBTD).sum(dim=0)
+    if norm_weight is not None:
+        mixed = weighted_rms_norm(mixed, norm_weight, eps if norm_eps is None else norm_eps)
+    return mixed.to(sources[0].dtype)

@@ -86,3 +86,14 @@ def test_two_processes_fsdp2_with_the_triton_mixes_summing_gradients_in_place(re
                                             "--activation_checkpoint.mode", "full"], STEPS)]
     ranks = run_distributed(2, runs, tmp_path)
     _check(ranks, reference, *runs[0][::2])
+
+
+def test_two_processes_fsdp2_with_the_norms_in_the_triton_mixes(reference, tmp_path, monkeypatch):
+    """kernels.attn_res_norm_in_mix (with the gradients in place too) under FSDP2: each block's norm weights are
+    gathered for the mixes, outside the compiled sublayers, and their gradients reduced like every other parameter's;
+    the single process's numbers. The mixes run in Triton's interpreter in the spawned processes."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    runs = [("fsdp2_norm_in_mix", ["--kernels.attn_res", "triton", "--kernels.attn_res_norm_in_mix", "true",
+                                   "--kernels.attn_res_grad_in_place", "true"], STEPS)]
+    ranks = run_distributed(2, runs, tmp_path)
+    _check(ranks, reference, *runs[0][::2])

@@ -81,3 +81,26 @@ def test_bf16_is_deterministic():
     second = _mix_with_grads(pseudo_query_mix, sources, q, torch.bfloat16)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("width", [DIM, 7168])
+def test_bf16_with_the_norm_folded_in_as_exact_as_the_eager_mix_then_norm(width):
+    """kernels.attn_res_norm_in_mix at k3-mini's width (and k3's, one row per program): output and every gradient
+    (the norm weight's too) no worse against float64 than the eager bf16 mix followed by the model's RMSNorm."""
+    from titan_k3.models.k3.layers import rms_norm
+
+    sources, q = _inputs(5, (4, 2048, width) if width == DIM else (2, 171, width), torch.bfloat16, 1.0, seed=6)
+    w = 1 + 0.3 * torch.randn(width, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7))
+
+    def run(fn, dtype, weight_dtype):
+        weight = w.to(weight_dtype).requires_grad_(True)
+        return _mix_with_grads(lambda v, qq, eps: fn(v, qq, eps, weight), sources, q, dtype) + [weight.grad]
+
+    got = run(lambda v, qq, eps, ww: pseudo_query_mix(v, qq, eps, norm_weight=ww, norm_eps=1e-6),
+              torch.bfloat16, torch.float32)
+    eager = run(lambda v, qq, eps, ww: rms_norm(pseudo_query_mix_reference(v, qq, eps), ww, 1e-6),
+                torch.bfloat16, torch.float32)
+    truth = run(lambda v, qq, eps, ww: pseudo_query_mix_reference(v, qq, eps, ww, 1e-6), torch.float64, torch.float64)
+    assert all(torch.isfinite(x).all() for x in got)
+    for n, (g, e, t) in enumerate(zip(got, eager, truth)):
+        assert _rel_rms(g, t) <= max(1.5 * _rel_rms(e, t), 5e-3), n

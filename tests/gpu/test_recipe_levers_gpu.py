@@ -1,6 +1,7 @@
 """The recipe's memory and traffic levers change where numbers live, not the numbers: Newton-Schulz in chunks written
 over its input (optimizer.ns_chunk), the fused loss in smaller chunks (kernels.loss_chunk_rows), the residual
-stream's gradients summed inside the mixes' kernels (kernels.attn_res_grad_in_place) and the expert weights rounded
+stream's gradients summed inside the mixes' kernels (kernels.attn_res_grad_in_place), the pre-norms done by the mixes'
+kernels (kernels.attn_res_norm_in_mix) and the expert weights rounded
 in the GEMMs (kernels.experts_cast_in_kernel, under bf16 compute), each inside the recipe's replayed update
 graph with Muon's graphs in its pool, train like the same recipe without the lever."""
 
@@ -21,8 +22,10 @@ BF16 = ["--training.compute_dtype", "bfloat16"]  # float32 master weights under 
 
 @pytest.mark.parametrize("lever, both", [(["--optimizer.ns_chunk", "2"], []), (["--kernels.loss_chunk_rows", "256"], []),
                                          (["--kernels.attn_res_grad_in_place", "true"], []),
+                                         (["--kernels.attn_res_norm_in_mix", "true"], BF16),
                                          (["--kernels.experts_cast_in_kernel", "true"], BF16)],
-                         ids=["ns_chunk", "loss_chunk_rows", "attn_res_grad_in_place", "experts_cast_in_kernel"])
+                         ids=["ns_chunk", "loss_chunk_rows", "attn_res_grad_in_place", "attn_res_norm_in_mix",
+                              "experts_cast_in_kernel"])
 def test_a_lever_trains_like_the_recipe_without_it(tmp_path, lever, both):
     base = _trainer(tmp_path, "base", *GRAPHS, *both)
     other = _trainer(tmp_path, "lever", *GRAPHS, *both, *lever)
@@ -34,8 +37,8 @@ def test_a_lever_trains_like_the_recipe_without_it(tmp_path, lever, both):
             losses.append((a.loss, b.loss))
             # NOTE: chunking changes only how many matrices one bf16 product batches (and so, at most, cuBLAS's
             # kernel choice), and summing in place only where a bf16 gradient is rounded: agreement to ~1e-3 after
-            # six updates; an output read before it is written, a chunk written over another's input, or a share
-            # of a block's gradient lost, is off by far more.
+            # six updates (the norm in the mix skips one bf16 rounding of the mix); an output read before it is
+            # written, a chunk written over another's input, or a share of a block's gradient lost, is off by far more.
             assert b.loss == pytest.approx(a.loss, rel=2e-3), losses
             assert b.grad_norm == pytest.approx(a.grad_norm, rel=2e-2), losses
         # NOTE: no check of the weights themselves: each update's loss comes from the weights the last one left, so

@@ -221,12 +221,15 @@ def test_cpu_tensors_without_the_interpreter_raise(monkeypatch):
         pseudo_query_mix([torch.zeros(2, 3, 8)] * 2, torch.zeros(8), EPS)
 
 
-def test_custom_ops_pass_opcheck():
-    """Schema, fake kernels and autograd registration agree with the real kernels."""
+@pytest.mark.parametrize("norm", [False, True])
+def test_custom_ops_pass_opcheck(norm):
+    """Schema, fake kernels and autograd registration agree with the real kernels (with and without the norm)."""
     from kernels.attn_res.ops import _mix_fwd_op
 
     sources, q = make_inputs(3, (2, 5, 24), seed=12)
-    args = ([v.float().to(DEVICE).requires_grad_(True) for v in sources], q.float().to(DEVICE).requires_grad_(True), EPS)
+    nw = (1 + 0.1 * torch.randn(24)).to(DEVICE).requires_grad_(True) if norm else None
+    args = ([v.float().to(DEVICE).requires_grad_(True) for v in sources], q.float().to(DEVICE).requires_grad_(True), EPS,
+            nw, 1e-6)
     torch.library.opcheck(_mix_fwd_op, args)
 
 
@@ -255,7 +258,8 @@ def test_compiles_without_graph_break():
 def debug_model_loss_and_grads(*kernel_args: str, ac_mode: str = "none"):
     """The debug flavor's summed loss and every parameter's gradient on one fixed batch, in float32, with the torch
     reference everywhere but what `kernel_args` set; the pseudo-queries off their zero init (so the mixes are not
-    plain averages) and the routers frozen. Returns (loss, {name: grad}, the resolved Impl)."""
+    plain averages) and the norms' weights off ones, and the routers frozen. Returns (loss, {name: grad}, the resolved
+    Impl)."""
     from titan_k3.config import load_job_config
     from titan_k3.models.k3.args import get_flavor
     from titan_k3.models.k3.impl import resolve_impl
@@ -272,6 +276,8 @@ def debug_model_loss_and_grads(*kernel_args: str, ac_mode: str = "none"):
         for name, p in model.named_parameters():
             if name.endswith("query"):
                 p.normal_(0, 0.5, generator=torch.Generator(DEVICE).manual_seed(len(name)))
+            if name.endswith("norm.weight"):
+                p.normal_(1, 0.3, generator=torch.Generator(DEVICE).manual_seed(len(name)))
     for r in model.moe_routers().values():
         r.update_enabled = False
     if ac_mode != "none":

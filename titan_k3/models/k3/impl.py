@@ -52,6 +52,9 @@ class Impl:
     attn_res_sinks: bool = False
     """The residual stream's gradients are summed inside the mixes' backward kernels (kernels.attn_res_grad_in_place):
     the model hands the mixes gradient sinks and handoffs (models/k3/attn_res.py), which only the Triton mix takes."""
+    attn_res_norm: bool = False
+    """Each mix also applies the RMSNorm of the sublayer (or the final norm) it feeds (kernels.attn_res_norm_in_mix):
+    the model hands the mixes their norms (models/k3/model.py), and the sublayers take normalised inputs."""
     router: Callable = top_k_rows_reference
     """The MoE routers' selection top_k_rows(x [T, E], k) -> (values, ids) [T, k] (moe.QuantileBalancedRouter)."""
     max_logit: Callable = max_logit_per_head_reference
@@ -203,6 +206,10 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
     c_sums = KernelChoice("attn_res_grads", sums, sums, False)
     if kernels_cfg.attn_res_grad_in_place:
         _require_triton("kernels.attn_res_grad_in_place", c_res, "the Triton mix")
+    norms = "in_mix" if kernels_cfg.attn_res_norm_in_mix else "in_sublayer"
+    c_norms = KernelChoice("pre_norms", norms, norms, False)
+    if kernels_cfg.attn_res_norm_in_mix:
+        _require_triton("kernels.attn_res_norm_in_mix", c_res, "the Triton mix")
     router, c_router = _pick("router", kernels_cfg.router, on_cuda, ("kernels.router", "top_k_rows", "triton"),
                              top_k_rows_reference)
     max_logit, c_max = _pick("max_logit", kernels_cfg.max_logit, on_cuda,
@@ -211,8 +218,9 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
                          causal_conv_silu_reference)
     backends, c_attn = _attention_backends(kernels_cfg.attention, on_cuda)
     return Impl(kda, experts, loss, backends, attn_res=attn_res, attn_res_sinks=kernels_cfg.attn_res_grad_in_place,
-                router=router, max_logit=max_logit, conv=conv,
-                choices=[c_kda, c_exp, c_weights, c_loss, c_grads, c_res, c_sums, c_router, c_max, c_conv, c_attn])
+                attn_res_norm=kernels_cfg.attn_res_norm_in_mix, router=router, max_logit=max_logit, conv=conv,
+                choices=[c_kda, c_exp, c_weights, c_loss, c_grads, c_res, c_sums, c_norms, c_router, c_max, c_conv,
+                         c_attn])
 
 
 def _require_triton(key: str, choice: KernelChoice, what: str) -> None:

@@ -36,6 +36,8 @@ class K3Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn = (LatentMoE(args, impl.experts, qb_eta, impl.router) if self.is_moe
                     else SituGluFFN(args.dim, args.dense_hidden))
+        self.norm_in_mix = impl.attn_res_norm
+        """The mixes apply attn_norm and ffn_norm (kernels.attn_res_norm_in_mix); the sublayers then skip them."""
 
     def forward(self, sources: list[torch.Tensor], partial: torch.Tensor | None, docs: Documents,
                 sinks: list[GradientSink] | None = None) -> torch.Tensor:
@@ -45,18 +47,19 @@ class K3Block(nn.Module):
         Returns the open block's sum after this layer, partial + attention output + FFN output [B, T, D]
         (`attn_res.residual_layer`).
         """
+        norms = (self.attn_norm, self.ffn_norm) if self.norm_in_mix else (None, None)
         return residual_layer(sources, partial, sinks, self.attn_mix, lambda x: self.attn_sublayer(x, docs),
-                              self.ffn_mix, self.ffn_sublayer)
+                              self.ffn_mix, self.ffn_sublayer, *norms)
 
     # NOTE: the sublayers, not the block, are the units `torch.compile` sees: a
     # block's mixes read a number of residual sources that differs from layer to
     # layer, while every KDA (or MLA, dense, MoE) sublayer is the same graph, so
     # inductor compiles each kind once and the other layers hit its cache.
     def attn_sublayer(self, x_BTD: torch.Tensor, docs: Documents) -> torch.Tensor:
-        return self.attn(self.attn_norm(x_BTD), docs)
+        return self.attn(x_BTD if self.norm_in_mix else self.attn_norm(x_BTD), docs)
 
     def ffn_sublayer(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return self.ffn(self.ffn_norm(x_BTD))
+        return self.ffn(x_BTD if self.norm_in_mix else self.ffn_norm(x_BTD))
 
 
 @dataclass
@@ -111,6 +114,8 @@ class K3Model(nn.Module):
         for i, block in enumerate(self.layers.values()):
             stream.partial = block(stream.completed, stream.partial, docs, stream.sinks)
             stream.end_layer(i)
+        if self.impl.attn_res_norm:
+            return self.final_mix(stream.sources(), stream.sinks, norm=self.norm)
         return self.norm(self.final_mix(stream.sources(), stream.sinks))
 
     def forward(
