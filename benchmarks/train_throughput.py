@@ -94,12 +94,14 @@ VARIANTS = {
                                      "--compile.cuda_graph", "true", "--compile.cuda_graph_share_pool", "true",
                                      "--optimizer.momentum_dtype", "bfloat16"],
     # ... with the three memory levers measured on 2026-12-02: expandable segments, the fused loss 4,096 rows at a
-    # time, Newton-Schulz over 512 blocks at a time (tomls/pretrain.toml since then)
+    # time, Newton-Schulz over 512 blocks at a time, and the two mix levers of session 31 (tomls/pretrain.toml since)
     "ours-compile-step-graph-lean-memory": ["--compile.enable", "true", "--optimizer.ns_cuda_graphs", "true",
                                             "--compile.cuda_graph", "true", "--compile.cuda_graph_share_pool", "true",
                                             "--optimizer.momentum_dtype", "bfloat16", "--training.expandable_segments",
                                             "true", "--kernels.loss_chunk_rows", "4096", "--optimizer.ns_chunk", "512",
-                                            "--lr_scheduler.warmup_fraction", "0.01"],
+                                            "--lr_scheduler.warmup_fraction", "0.01",
+                                            "--kernels.attn_res_grad_in_place", "true",
+                                            "--kernels.attn_res_norm_in_mix", "true"],
     # The pretraining recipe itself (tomls/pretrain.toml: every optimizer, compile and kernel setting it makes) at the
     # benchmark's shape, on the embedded corpus, checkpointing off: the headline's variant.
     # tests/unit/test_benchmark_scripts.py keeps it equal to ours-compile-step-graph-lean-memory, every flag spelled out.
@@ -121,26 +123,23 @@ VARIANTS = {
     # it in session 19's one comparison; session 29's two alternating rounds: 140.2 against 140.6 ms, 0.7 ms less
     # kernel time, and auto takes it since: the recipe itself runs it now)
     "ours-recipe-router-triton": [*RECIPE, "--kernels.router", "triton"],
-    # The recipe with the residual stream's gradients summed inside the mixes' backward kernels
-    # (kernels.attn_res_grad_in_place): 68 fewer bf16 adds of [B, T, D] per k3-mini update (2.2 ms for all 90 in
-    # the session-29 profile), each for one more read in a mix's kernel; predicted 0.5-1.1 ms less per update
+    # The residual stream's gradients summed inside the mixes' backward kernels (kernels.attn_res_grad_in_place) and
+    # each sublayer's pre-norm done by the mix that feeds it (kernels.attn_res_norm_in_mix): predicted 0.5-1.1 and
+    # 0.6-1.0 ms, measured 0.3 and 0.2 alone, 1.2 ms and 0.7 GiB together (session 31); the recipe sets both since
+    # 8fd5b05, so these variants are the recipe again, and `ours-recipe-mixes-plain` is the recipe without them.
     "ours-recipe-grad-in-place": [*RECIPE, "--kernels.attn_res_grad_in_place", "true"],
-    # The recipe with the expert GEMMs reading the float32 master weights and rounding each tile as they load it
-    # (kernels.experts_cast_in_kernel): no 33 cast passes of 24.5M parameters (~1.2 ms) and no 1.5 GiB of bf16 copies
-    # at the update's peak, for twice the bytes per weight tile; predicted -0.5..+1.2 ms. With the loss's logits
-    # 8,192 rows at a time the freed memory buys back the ~0.6-1 ms that 4,096 rows cost (session 17).
-    "ours-recipe-experts-cast-in-kernel": [*RECIPE, "--kernels.experts_cast_in_kernel", "true"],
-    "ours-recipe-experts-cast-in-kernel-ce8192": [*RECIPE, "--kernels.experts_cast_in_kernel", "true",
-                                                  "--kernels.loss_chunk_rows", "8192"],
-    # Session 30's levers together (both off in the recipe until measured)
-    "ours-recipe-session30": [*RECIPE, "--kernels.attn_res_grad_in_place", "true",
-                              "--kernels.experts_cast_in_kernel", "true", "--kernels.loss_chunk_rows", "8192"],
-    # The recipe with each sublayer's pre-norm (and the final norm) done by the Triton mix that feeds it
-    # (kernels.attn_res_norm_in_mix): per mix no separate norm pass forward and backward, nor the norm weight's
-    # reduction; predicted 0.6-1.0 ms less per update. Then with the gradients summed in place as well.
     "ours-recipe-norm-in-mix": [*RECIPE, "--kernels.attn_res_norm_in_mix", "true"],
     "ours-recipe-norm-in-mix-grad-in-place": [*RECIPE, "--kernels.attn_res_norm_in_mix", "true",
                                               "--kernels.attn_res_grad_in_place", "true"],
+    "ours-recipe-mixes-plain": [*RECIPE, "--kernels.attn_res_norm_in_mix", "false",
+                                "--kernels.attn_res_grad_in_place", "false"],
+    # The expert GEMMs reading the float32 master weights and rounding each tile as they load it
+    # (kernels.experts_cast_in_kernel): no 33 cast passes of 24.5M parameters and 1.5 GiB less at the update's peak,
+    # for twice the bytes per weight tile; predicted -0.5..+1.2 ms, measured +12.7 ms (session 31). With the loss's
+    # logits 8,192 rows at a time the freed memory buys back the ~0.6-1 ms that 4,096 rows cost (session 17).
+    "ours-recipe-experts-cast-in-kernel": [*RECIPE, "--kernels.experts_cast_in_kernel", "true"],
+    "ours-recipe-experts-cast-in-kernel-ce8192": [*RECIPE, "--kernels.experts_cast_in_kernel", "true",
+                                                  "--kernels.loss_chunk_rows", "8192"],
     # The recipe run eagerly (no compile, no CUDA graphs): slower, but every kernel is launched by an op, so its
     # profile names the ops and input shapes the step pays for (which sums, which adds).
     "ours-recipe-eager": [*RECIPE, "--compile.enable", "false", "--compile.cuda_graph", "false",

@@ -104,10 +104,13 @@ def test_attn_res_benchmark_checks_and_times_every_variant(tmp_path):
     assert "| B2 T64 D64 float32 | 3 |" in (tmp_path / "out" / "attn_res.md").read_text()
 
 
-def test_attn_res_stream_checks_and_times_the_mixes_with_and_without_gradient_sinks(tmp_path):
+def test_attn_res_stream_checks_and_times_the_mixes_with_and_without_gradient_sinks_and_norms(tmp_path):
     _run("attn_res.py", tmp_path, "--stream")
     rows = json.loads((tmp_path / "out" / "attn_res_stream.json").read_text())["rows"]
-    assert [r["variant"] for r in rows] == ["autograd sums", "sinks"]
+    norms_beside = "norms in sublayers (compiled), autograd sums"
+    assert [r["variant"] for r in rows] == ["autograd sums", "sinks", norms_beside, "norms in mixes, autograd sums",
+                                            "norms in sublayers (compiled), sinks", "norms in mixes, sinks"]
+    assert [r["baseline"] for r in rows] == ["autograd sums"] * 2 + [norms_beside] * 4  # each against its own kind
     assert all(r["fwd_bwd_ms"] > 0 and r["rel_rms"] < 1e-5 for r in rows), rows  # float32 on the CPU interpreter
     assert "| debug | B2 T64 D64 float32 | 9 | sinks |" in (tmp_path / "out" / "attn_res_stream.md").read_text()
 
