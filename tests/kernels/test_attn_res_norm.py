@@ -169,12 +169,15 @@ def test_a_bad_norm_weight_raises_one_clear_error(weight, message):
         pseudo_query_mix(sources, torch.zeros(8, device=DEVICE), EPS, norm_weight=weight.to(DEVICE))
 
 
-@pytest.mark.parametrize("extra", [[], ["--kernels.attn_res_grad_in_place", "true"]])
-def test_the_model_with_norms_in_the_mixes_trains_like_without(extra):
+@pytest.mark.parametrize("extra, ac_mode", [([], "none"), (["--kernels.attn_res_grad_in_place", "true"], "none"),
+                                            (["--kernels.attn_res_grad_in_place", "true"], "full")])
+def test_the_model_with_norms_in_the_mixes_trains_like_without(extra, ac_mode):
     """kernels.attn_res_norm_in_mix: the debug flavor's loss and every parameter's gradient (the norms' weights
-    included, moved off their init) as without it, alone and with the gradients summed in place."""
+    included, moved off their init) as without it, alone, with the gradients summed in place, and with every block
+    recomputed in the backward (activation checkpointing runs the mixes and their norms again)."""
     loss_in, grads_in, impl = debug_model_loss_and_grads("--kernels.attn_res", "triton",
-                                                         "--kernels.attn_res_norm_in_mix", "true", *extra)
+                                                         "--kernels.attn_res_norm_in_mix", "true", *extra,
+                                                         ac_mode=ac_mode)
     loss_out, grads_out, plain = debug_model_loss_and_grads("--kernels.attn_res", "triton")
     assert impl.attn_res_norm and not plain.attn_res_norm
     for resolved, where in ((impl, "in_mix"), (plain, "in_sublayer")):  # what the kernel report says
