@@ -188,12 +188,3 @@ def test_the_model_with_norms_in_the_mixes_trains_like_without(extra, ac_mode):
     for name in grads_out:
         assert rel_rms(grads_in[name], grads_out[name]) < 1e-4, name
 
-
-def test_norms_in_the_mixes_without_the_triton_mix_is_refused_before_any_work():
-    from titan_k3.config import load_job_config
-    from titan_k3.models.k3.impl import resolve_impl
-
-    cfg = load_job_config(["--kernels.attn_res", "torch", "--kernels.attn_res_norm_in_mix", "true"])
-    with pytest.raises(ValueError, match=r"'kernels.attn_res_norm_in_mix' = true: needs the Triton mix, but this "
-                                         r"run's attn_res is the torch reference \(kernels.attn_res = 'torch'\)"):
-        resolve_impl(cfg.kernels, torch.device("cpu"))

@@ -219,14 +219,17 @@ def test_the_model_with_gradients_in_place_trains_like_without(ac_mode):
         assert rel_rms(grads_in[name], grads_out[name]) < 1e-5, name
 
 
-def test_gradients_in_place_without_the_triton_mix_is_refused_before_any_work():
+@pytest.mark.parametrize("lever", ["attn_res_grad_in_place", "attn_res_norm_in_mix"])
+def test_a_lever_of_the_triton_mix_without_it_is_refused_before_any_work(lever):
+    """Both levers of the mixes (gradients in place; the pre-norms in the mixes, tests/kernels/test_attn_res_norm.py)
+    need the Triton mix: asked of the torch reference, or of auto without CUDA, they stop in one line."""
     from titan_k3.config import load_job_config
     from titan_k3.models.k3.impl import resolve_impl
 
-    cfg = load_job_config(["--kernels.attn_res", "torch", "--kernels.attn_res_grad_in_place", "true"])
-    with pytest.raises(ValueError, match=r"'kernels.attn_res_grad_in_place' = true: needs the Triton mix, but this "
+    cfg = load_job_config(["--kernels.attn_res", "torch", f"--kernels.{lever}", "true"])
+    with pytest.raises(ValueError, match=rf"'kernels.{lever}' = true: needs the Triton mix, but this "
                                          r"run's attn_res is the torch reference \(kernels.attn_res = 'torch'\)"):
         resolve_impl(cfg.kernels, torch.device("cpu"))
-    cfg = load_job_config(["--kernels.attn_res_grad_in_place", "true"])
+    cfg = load_job_config([f"--kernels.{lever}", "true"])
     with pytest.raises(ValueError, match=r"kernels.attn_res = 'auto': no CUDA device"):
         resolve_impl(cfg.kernels, torch.device("cpu"))
