@@ -10,7 +10,7 @@ backward reads: the sources, and float32 scores, rstd [N, R] and largest score [
 import torch
 
 from kernels.attn_res.mix import MAX_SOURCES, mix_backward, mix_forward
-from kernels.attn_res.reference import check_mix_inputs, check_norm_weight, pseudo_query_mix_reference
+from kernels.attn_res.reference import check_mix_inputs, check_norm_weight
 from kernels.attn_res.sinks import GradientHandoff, GradientSink
 from kernels.device import triton_runs_on
 
@@ -61,7 +61,13 @@ def _backward(ctx, dout, _dscore, _drstd, _dsmax):
     grads = _mix_bwd_op(sources, query, dout, score, rstd, smax, norm_weight, ctx.norm_eps)
     dnorm_weight = None if norm_weight is None else grads.pop()
     *dsources, dquery = grads
-    return dsources, dquery, None, dnorm_weight, None
+    return dsources, _query_grad(dquery, len(sources)), None, dnorm_weight, None
+
+
+def _query_grad(dquery: torch.Tensor, n_sources: int) -> torch.Tensor | None:
+    """A lone source (mixed only to be normalised) has weight 1 whatever the query: its gradient is None, as when
+    no mix ran, not a zero the optimizer would step on."""
+    return dquery if n_sources > 1 else None
 
 
 _mix_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -96,7 +102,7 @@ class _MixIntoSinks(torch.autograd.Function):
         for n, sink in enumerate(ctx.sinks):
             if sink is not None:
                 sink.grad, dsources[n] = dsources[n], None
-        return dquery, None, None, None, dnorm_weight, None, *dsources
+        return _query_grad(dquery, len(sources)), None, None, None, dnorm_weight, None, *dsources
 
 
 def pseudo_query_mix(
@@ -115,7 +121,8 @@ def pseudo_query_mix(
     source's gradient (`sinks.add_handing_off`), for the backward kernel to add to the mix's own share.
     norm_weight: None, or [D] (any of those dtypes): the output is RMSNorm(mix) * norm_weight (eps norm_eps, default
     eps), the norm done by the same kernels on the float32 mix (the sublayer's pre-norm folded in:
-    `kernels.attn_res_norm_in_mix`), and norm_weight gets its gradient; a lone source is normalised in torch.
+    `kernels.attn_res_norm_in_mix`), and norm_weight gets its gradient; a lone source is normalised by them too
+    (its query gets no gradient).
     Needs CUDA tensors, or TRITON_INTERPRET=1 on CPU; `kernels.attn_res.pseudo_query_mix_reference` is the
     CPU path (and the float64 one).
     """
@@ -138,13 +145,13 @@ def pseudo_query_mix(
         )
     if sinks is not None:
         _check_sinks(sinks, N)
-    if handoff is not None and N == 1:
-        # NOTE: a lone source is returned as it is, with no backward of ours to add the handed-off gradient: the
-        # source would silently lose it.
-        raise ValueError("pseudo_query_mix: a handoff needs a mix of two or more sources")
+    if handoff is not None and N == 1 and norm_weight is None:
+        # NOTE: a lone source without a norm is returned as it is, with no backward of ours to add the handed-off
+        # gradient: the source would silently lose it.
+        raise ValueError("pseudo_query_mix: a handoff needs a mix of two or more sources (or a norm weight)")
     norm_eps = float(eps if norm_eps is None else norm_eps)
-    if N == 1:
-        return pseudo_query_mix_reference(sources, query, eps, norm_weight, norm_eps)
+    if N == 1 and norm_weight is None:
+        return sources[0]
     if norm_weight is not None:
         norm_weight = norm_weight.contiguous()
     if handoff is not None or (sinks is not None and any(sink is not None for sink in sinks)):

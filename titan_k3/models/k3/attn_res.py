@@ -49,16 +49,18 @@ class PseudoQueryMix(nn.Module):
         """sinks: the completed blocks' sinks, in order (ResidualBlocks.sinks); sources past them have none.
         handoff: where the residual add that also reads the last source leaves its gradient (`residual_layer`).
         norm: None, or the RMSNorm (`.weight`, `.eps`) whose output is returned instead of the mix's."""
-        if len(sources) == 1:
-            return sources[0] if norm is None else norm(sources[0])
+        if len(sources) == 1 and norm is None:
+            return sources[0]
         if sinks or handoff is not None:
             sinks = (sinks or []) + [None] * (len(sources) - len(sinks or []))
             return self.mix(sources, self.query, self.eps, sinks=sinks, handoff=handoff, **_norm_args(norm))
         return self.mix_several(sources, norm)
 
-    # NOTE: the unit `torch.compile` sees (parallelize.apply_compile). A lone source is returned before it:
-    # a compiled frame that traces no op is skipped by dynamo, and the skip sticks to the code object, so
-    # every later mix of every layer would run eager (the first mix of a model has one source).
+    # NOTE: the unit `torch.compile` sees (parallelize.apply_compile). A lone source without a norm is returned
+    # before it: a compiled frame that traces no op is skipped by dynamo, and the skip sticks to the code object, so
+    # every later mix of every layer would run eager (the first mix of a model has one source). With a norm, a lone
+    # source goes through the mix too: the Triton mix's kernels normalise it in one pass each way (an eager RMSNorm
+    # of a bf16 [B, T, D] outside the compiled sublayers is five).
     def mix_several(self, sources: list[torch.Tensor], norm: nn.Module | None = None) -> torch.Tensor:
         return self.mix(sources, self.query, self.eps, **_norm_args(norm))
 
