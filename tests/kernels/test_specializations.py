@@ -146,3 +146,24 @@ def test_recordings_of_several_settings_add_up_unless_fresh(tmp_path):
     assert [k["specialization"] for k in json.loads(path.read_text())["kernels"]] == ['{"key": 1}', '{"key": 2}']
     write_manifest([("kernels.a", "k", '{"key": 3}')], tmp_path, target=H200)
     assert [k["specialization"] for k in json.loads(path.read_text())["kernels"]] == ['{"key": 3}']
+
+
+def test_each_committed_entrys_cache_key_agrees_with_its_constants():
+    """Triton files a preloaded kernel under the entry's `key` but builds it from its constants and signature: an
+    entry whose two disagree (say, after a hand edit) would put one kernel under another's key, to be launched
+    silently at the wrong call. Per parameter: a constexpr's key slot holds its constant, any other's its type."""
+    import ast
+
+    for path in sorted((REPO / "kernels" / "specializations").glob("*.json")):
+        for k in json.loads(path.read_text())["kernels"]:
+            spec = json.loads(k["specialization"])
+            names = list(spec["signature"])
+            constants = {names[i]: v for (i,), v in zip(spec["constant_keys"], spec["constant_vals"])}
+            key = spec["key"]
+            slots = ast.literal_eval(key[: key.index("]{") + 1])
+            assert len(slots) == len(names), (path.name, k["qualname"])
+            for name, kind, slot in zip(names, spec["signature"].values(), slots):
+                if kind == "constexpr":
+                    assert slot == ("constexpr", constants[name]), (path.name, k["qualname"], name)
+                else:
+                    assert name not in constants and slot[0] == kind, (path.name, k["qualname"], name)
