@@ -52,11 +52,6 @@ def check_norm_weight(norm_weight: torch.Tensor | None, query: torch.Tensor) -> 
         raise ValueError(f"norm_weight must be on the sources' device {query.device}, got {norm_weight.device}")
 
 
-def weighted_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm(x) * weight over the last dim, in x's dtype (float32 or float64: the callers' compute dtype)."""
-    return F.rms_norm(x, (x.shape[-1],), None, eps) * weight.to(x.dtype)
-
-
 def pseudo_query_mix_reference(
     sources: list[torch.Tensor], query: torch.Tensor, eps: float, norm_weight: torch.Tensor | None = None,
     norm_eps: float | None = None,
@@ -81,5 +76,5 @@ def pseudo_query_mix_reference(
         weights_NBT = torch.softmax(keys_NBTD @ query.to(compute), dim=0)
         mixed = (weights_NBT.unsqueeze(-1) * v_NBTD).sum(dim=0)
     if norm_weight is not None:
-        mixed = weighted_rms_norm(mixed, norm_weight, eps if norm_eps is None else norm_eps)
+        mixed = F.rms_norm(mixed, (mixed.shape[-1],), norm_weight.to(compute), eps if norm_eps is None else norm_eps)
     return mixed.to(sources[0].dtype)
