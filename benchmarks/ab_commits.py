@@ -61,7 +61,9 @@ def run(directory: Path, out: Path, rounds: int, throughput_args: list[str]) -> 
             src = directory / tree["path"]
             cmd = [sys.executable, str(src / "benchmarks" / "train_throughput.py"), "--isolate", "--out", str(dest),
                    *throughput_args]
-            env = {**os.environ, "BENCH_COMMIT": tree["commit"], "PYTHONPATH": str(src)}
+            # NOTE: the tree first, then the caller's path (where a GPU machine's extra wheels were unpacked)
+            path = os.pathsep.join([str(src), *filter(None, [os.environ.get("PYTHONPATH")])])
+            env = {**os.environ, "BENCH_COMMIT": tree["commit"], "PYTHONPATH": path}
             done = subprocess.run(cmd, cwd=src, env=env)
             result = dest / "train_throughput.json"
             if done.returncode != 0 or not result.is_file():
