@@ -2,9 +2,8 @@
 
 The experts' six GEMM uses and one pointwise pass per MoE layer (kernels/grouped_gemm), each with its own inputs at
 the shape (k3-mini: T 32768 tokens, top-6 of E 176 experts, L 256, F 544, bf16, random routing):
-  glu_mlp      SiTU-GLU(x[token] @ w1, x[token] @ w3) @ w2, and g, u     glu_mlp_kernel          (forward, L <= 256)
-  glu_up       h, g, u = SiTU-GLU(x[token] @ w1, x[token] @ w3)         glu_up_kernel           (forward, wider L)
-  w2           h @ w2                                                  grouped_mm_kernel       (forward, wider L)
+  glu_up       h, g, u = SiTU-GLU(x[token] @ w1, x[token] @ w3)         glu_up_kernel           (forward)
+  w2           h @ w2                                                  grouped_mm_kernel       (forward)
   dh           dy[token] @ w2^T                                        grouped_mm_kernel       (backward)
   dx           dg @ w1^T + du @ w3^T                                   grouped_mm_dual_kernel  (backward)
   dw2          hp^T @ dy[token]                                        grouped_wgrad_kernel    (backward)
@@ -16,8 +15,6 @@ to that setting; its outputs are checked against the trainer's setting (relative
 backward, float32 master weights as the trainer passes them) with that kernel pinned (in every use of it: w2
 and dh share one kernel). The trainer's setting is what
 the autotune (and kernels/grouped_gemm/tuned.py) picks today; the table gives each candidate's times against it.
-glu_mlp's settings include "two kernels": the layer's forward as glu_up_kernel then the w2 GEMM, what latents wider
-than MLP_MAX_LATENT run (and k3-mini ran before the one-kernel forward).
 NOTE: do_bench flushes L2 before each run: alone, a kernel reads cold inputs that in the layer the kernel before it
 has just written. Settings that ranked faster alone (2026-12-03) made the k3-mini step 1.1 ms slower; the layer
 column is the one to rank by, and a setting goes into kernels/grouped_gemm/tuned.py only after
@@ -70,16 +67,11 @@ EXTRA = {
               _wg(256, 128, 64, 8, 3), _wg(64, 256, 64, 8, 3), _wg(128, 128, 64, 8, 4), _wg(64, 128, 128, 4, 3)],
     "wgrad_dual": [_wg(64, 64, 128, 4, 3), _wg(128, 64, 32, 8, 4), _wg(64, 64, 32, 4, 5), _wg(128, 128, 64, 8, 3),
                    _wg(64, 128, 32, 4, 4), _wg(128, 64, 128, 8, 3)],
-    "mlp": [triton.Config(dict(BLOCK_M=m, BLOCK_F=f), num_warps=w, num_stages=s)
-            for m, f, w, s in ((64, 32, 8, 2), (64, 64, 8, 1), (128, 16, 8, 3), (64, 128, 8, 1), (128, 32, 8, 1),
-                               (64, 32, 4, 2))],
 }
-TWO_KERNELS = "two kernels"  # glu_mlp's forward as glu_up_kernel + the w2 GEMM (the one setting that is a str)
 GLU_BWD = [(s, f, w) for s in (16, 32, 64) for f in (32, 64, 128) for w in (4, 8)]  # rows, cols, warps
 
 # use -> (kernel attribute in kernels.grouped_gemm.ops, the autotuner's candidate family, FLOPs per slot row / (L F))
 USES = {
-    "glu_mlp": ("glu_mlp_kernel", "mlp", 6),
     "glu_up": ("glu_up_kernel", "dual", 4),
     "w2": ("grouped_mm_kernel", "mm", 2),
     "dh": ("grouped_mm_kernel", "mm", 2),
@@ -108,14 +100,6 @@ def pinned(kernel_name: str | None, config):
 
     if config is None:
         yield
-        return
-    if isinstance(config, str):  # TWO_KERNELS
-        saved_latent = ops.MLP_MAX_LATENT
-        ops.MLP_MAX_LATENT = 0
-        try:
-            yield
-        finally:
-            ops.MLP_MAX_LATENT = saved_latent
         return
     if kernel_name is None:  # the pointwise pass: (rows, cols, warps)
         saved = dict(triton_moe.GLU_BWD_LAUNCH)
@@ -171,15 +155,6 @@ def run_use(use: str, t: dict) -> list[torch.Tensor]:
     n_slots, hidden = t["h"].shape
     latent = t["x"].shape[1]
     rows = dict(device=t["x"].device, dtype=t["x"].dtype)
-    if use == "glu_mlp":
-        g, u, out = (torch.empty(n_slots, width, **rows) for width in (hidden, hidden, latent))
-        if ops._fused_forward(latent):
-            ops._launch_glu_mlp(t["x"], t["w1"], t["w3"], t["w2"], t["offsets"], t["token"], out, g, u)
-        else:
-            h = torch.empty(n_slots, hidden, **rows)
-            ops._launch_glu_up(t["x"], t["w1"], t["w3"], t["offsets"], t["token"], h, g, u)
-            ops._launch_mm(h, t["w2"], t["offsets"], out)
-        return [out, g, u]
     if use == "glu_up":
         h, g, u = (torch.empty(n_slots, hidden, **rows) for _ in range(3))
         ops._launch_glu_up(t["x"], t["w1"], t["w3"], t["offsets"], t["token"], h, g, u)
@@ -223,13 +198,11 @@ def run_layer(t: dict) -> list[torch.Tensor]:
 
 def candidates(use: str) -> list:
     """[None (the trainer's setting)] + every setting to try for this use."""
-    from kernels.grouped_gemm import triton_gemm, triton_moe
+    from kernels.grouped_gemm import triton_gemm
 
     kernel_name, family, _ = USES[use]
     if family is None:
         return [None, *GLU_BWD]
-    if family == "mlp":
-        return [None, TWO_KERNELS, *triton_moe.mlp_configs(), *EXTRA["mlp"]]
     own = {"mm": triton_gemm.mm_configs, "dual": triton_gemm.epilogue_configs,
            "wgrad": lambda: triton_gemm.wgrad_configs(dual=False),
            "wgrad_dual": lambda: triton_gemm.wgrad_configs(dual=True)}[family]()
@@ -239,8 +212,6 @@ def candidates(use: str) -> list:
 def describe(config) -> str:
     if config is None:
         return "trainer's"
-    if isinstance(config, str):  # TWO_KERNELS
-        return "glu_up_kernel + w2 GEMM"
     if isinstance(config, tuple):
         return f"rows {config[0]} cols {config[1]} w{config[2]}"
     # NOTE: each block named (M, N, K: the row GEMMs' tile; K, N, R: the weight gradients' [K, N] tile, R rows a step)
@@ -269,9 +240,8 @@ def main(argv=None) -> int:
         kernel_name, _, flop_factor = USES[use]
         settings = candidates(use)
         if args.smoke:  # the trainer's and the smallest of the others (the interpreter's own list is the first)
-            others = [c for c in settings if not isinstance(c, str)][1 if USES[use][1] is None else 2:]
-            smallest = min(others, key=lambda c: c if isinstance(c, tuple) else tuple(c.kwargs.values()))
-            settings = [None, smallest, *(c for c in settings if isinstance(c, str))]
+            others = settings[1:] if USES[use][1] is None else settings[2:]
+            settings = [None, min(others, key=lambda c: c if isinstance(c, tuple) else tuple(c.kwargs.values()))]
         want = [o.float() for o in run_use(use, t)]
         base_ms = base_layer_ms = None
         for config in settings:

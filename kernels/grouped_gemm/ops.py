@@ -23,12 +23,10 @@ from kernels.grouped_gemm.triton_gemm import (
     row_tiles_upper_bound,
 )
 from kernels.grouped_gemm.triton_moe import (
-    MLP_MAX_LATENT,
     combine_block_sizes,
     combine_kernel,
     glu_bwd_launch,
     glu_bwd_pointwise_kernel,
-    glu_mlp_kernel,
     glu_up_kernel,
 )
 
@@ -112,34 +110,6 @@ def _launch_glu_up(x, w1, w3, offsets, token, h, g=None, u=None):
         N_EXPERTS=n_experts, E_POW2=triton.next_power_of_2(n_experts), STORE_GU=g is not None,
         PRECISION=_precision(x.dtype),
     )
-
-
-def _launch_glu_mlp(x, w1, w3, w2, offsets, token, out, g=None, u=None):
-    """out[s] = SiTU-GLU(x[token[s]] @ w1[e], x[token[s]] @ w3[e]) @ w2[e] for slots s of expert e, zeros past
-    offsets[-1], in one kernel (`glu_mlp_kernel`, latents up to MLP_MAX_LATENT); g and u too when given."""
-    (n_experts, latent, hidden), n_slots = w1.shape, out.shape[0]
-    if n_slots == 0:
-        return out
-    if hidden == 0:
-        return out.zero_()
-
-    def grid(meta):
-        return (row_tiles_upper_bound(n_slots, n_experts, meta["BLOCK_M"]),)
-
-    glu_mlp_kernel[grid](
-        x, w1, w3, w2, out, out if g is None else g, out if u is None else u, offsets, token,
-        n_slots, latent, hidden,
-        x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), w2.stride(0), w2.stride(1), w2.stride(2),
-        hidden, out.stride(0),
-        N_EXPERTS=n_experts, E_POW2=triton.next_power_of_2(n_experts), STORE_GU=g is not None,
-        PRECISION=_precision(x.dtype), BLOCK_L=max(16, triton.next_power_of_2(latent)),
-    )
-    return out
-
-
-def _fused_forward(latent: int) -> bool:
-    """Whether a layer's forward runs as one kernel (`glu_mlp_kernel`) at latent width L."""
-    return triton.next_power_of_2(latent) <= MLP_MAX_LATENT
 
 
 def _launch_glu_bwd_pointwise(dg, g, u, du, hp, weight, order, dweight, offsets):
@@ -273,16 +243,11 @@ def _moe_fwd_op(
     casts = [] if cast_in_kernel else _compute_weights(x, w1, w3, w2)
     if casts:
         w1, w3, w2 = casts
+    h = torch.empty(n_slots, hidden, **new)
     g = torch.empty(n_slots if save else 0, hidden, **new)
     u = torch.empty_like(g)
-    gu = (g, u) if save else ()
-    out = torch.empty(n_slots, latent, **new)
-    if _fused_forward(latent):
-        _launch_glu_mlp(x, w1, w3, w2, offsets, token, out, *gu)
-    else:
-        h = torch.empty(n_slots, hidden, **new)
-        _launch_glu_up(x, w1, w3, offsets, token, h, *gu)
-        _launch_mm(h, w2, offsets, out)
+    _launch_glu_up(x, w1, w3, offsets, token, h, g if save else None, u if save else None)
+    out = _launch_mm(h, w2, offsets, torch.empty(n_slots, latent, **new))
     y = _launch_combine(out, inverse, weight, torch.empty(n_tokens, latent, **new), weight.shape[1])
     return y, g, u, *(casts if casts and save else _no_casts(x))
 

@@ -1,6 +1,6 @@
-"""Triton kernels around the expert GEMMs: the gathered SiTU-GLU up-projection (alone, or with the
-down-projection in the same kernel), its pointwise backward (with the routing weights' gradient), and
-the deterministic weighted combine.
+"""Triton kernels around the expert GEMMs: gathered SiTU-GLU up-projection,
+its pointwise backward (with the routing weights' gradient), and the
+deterministic weighted combine.
 
 Legend: T tokens, k experts per token, S = T * k token-slots sorted by
 expert, E experts, L latent width, F expert hidden width.
@@ -89,84 +89,6 @@ def glu_up_kernel(
     if STORE_GU:
         tl.store(g_ptr + base + s_off, acc_g.to(g_ptr.dtype.element_ty), mask=s_mask)
         tl.store(u_ptr + base + s_off, acc_u.to(u_ptr.dtype.element_ty), mask=s_mask)
-
-
-MLP_MAX_LATENT = 256
-"""The widest latent L (rounded up to a power of two) for which `glu_mlp_kernel` runs a layer's forward: a row
-tile keeps its gathered x rows and its [BLOCK_M, L] float32 output accumulator on chip. Wider latents (full K3's
-2,560) run `glu_up_kernel` and then the w2 GEMM."""
-
-
-def mlp_configs():
-    """Candidates for `glu_mlp_kernel` (BLOCK_M rows by BLOCK_F hidden columns per step; one small config in the
-    interpreter). NOTE: the [BLOCK_M, L] output accumulator is what bounds the tile: 64 x 256 float32 over 8 warps
-    is 64 values per thread, beside 2 x 16 for the step's g and u."""
-    if INTERPRET:
-        return [triton.Config(dict(BLOCK_M=32, BLOCK_F=16), num_warps=4, num_stages=1)]
-    # (BLOCK_M, BLOCK_F, warps, stages)
-    tiles = [(64, 32, 8, 3), (64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3), (128, 64, 8, 1), (64, 16, 8, 4)]
-    return [triton.Config(dict(BLOCK_M=m, BLOCK_F=f), num_warps=w, num_stages=s) for m, f, w, s in tiles]
-
-
-@tuned_autotune("glu_mlp", mlp_configs(), key=["L", "F", "N_EXPERTS", "STORE_GU"])
-@triton.jit
-def glu_mlp_kernel(
-    x_ptr, w1_ptr, w3_ptr, w2_ptr, out_ptr, g_ptr, u_ptr, offsets_ptr, token_ptr,
-    n_rows, L, F,
-    stride_xt, stride_xl, stride_we, stride_wl, stride_wf, stride_w2e, stride_w2f, stride_w2l, stride_s, stride_o,
-    N_EXPERTS: tl.constexpr, E_POW2: tl.constexpr, STORE_GU: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
-):
-    """out[s] = SiTU-GLU(x[token[s]] @ w1[e], x[token[s]] @ w3[e]) @ w2[e] for slots s of expert e: the layer's
-    forward in one kernel, h never leaving the chip.
-
-    One program per row tile: its x rows, gathered once ([BLOCK_M, BLOCK_L], BLOCK_L >= L), stay on chip while
-    it walks F in steps of BLOCK_F: g, u = x @ w1[:, f], x @ w3[:, f]; h = SiTU-GLU(g, u) rounded to x's dtype (as
-    the two-kernel path stores it); out += h @ w2[f, :] in float32. g and u (rounded) are stored for the backward
-    when STORE_GU, [S, F] with row stride stride_s; out is [S, L] with row stride stride_o.
-    NOTE: against `glu_up_kernel` and the w2 GEMM, h's write and read ([S, F] each way) go, and x's rows are
-    loaded once per row tile instead of once per column tile; each row tile reads all of its expert's weights.
-    Rows past offsets[-1] (the tail) get zero outputs, as the w2 GEMM gives them; their g and u stay unwritten.
-    """
-    expert, row_start, row_end = row_tile(tl.program_id(0), offsets_ptr, n_rows, N_EXPERTS, E_POW2, BLOCK_M)
-    local = tl.arange(0, BLOCK_M)
-    row_mask = local < row_end - row_start
-    ls = tl.arange(0, BLOCK_L)
-    l_mask = ls < L
-    base_o = row_start.to(tl.int64) * stride_o
-    o_off = local[:, None] * stride_o + ls[None, :]
-    o_mask = row_mask[:, None] & l_mask[None, :]
-    if expert < 0:
-        tl.store(out_ptr + base_o + o_off, tl.zeros((BLOCK_M, BLOCK_L), dtype=out_ptr.dtype.element_ty), mask=o_mask)
-        return
-    if row_start >= row_end:
-        return  # a tile past the last group's: nothing to read or write
-    tokens = tl.load(token_ptr + row_start + local, mask=row_mask, other=0)
-    a = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_xt + ls[None, :] * stride_xl, mask=o_mask, other=0.0)
-    w_off = expert.to(tl.int64) * stride_we
-    w2_off = expert.to(tl.int64) * stride_w2e
-    base_s = row_start.to(tl.int64) * stride_s
-    acc = tl.zeros((BLOCK_M, BLOCK_L), dtype=tl.float32)
-    for f0 in range(0, F, BLOCK_F):
-        fs = f0 + tl.arange(0, BLOCK_F)
-        f_mask = fs < F
-        w_mask = l_mask[:, None] & f_mask[None, :]
-        w_tile = w_off + ls[:, None] * stride_wl + fs[None, :] * stride_wf
-        # NOTE: columns past F load zero weights, so g = u = 0 there and h = 0: they add nothing to out.
-        w1 = tl.load(w1_ptr + w_tile, mask=w_mask, other=0.0).to(a.dtype)
-        w3 = tl.load(w3_ptr + w_tile, mask=w_mask, other=0.0).to(a.dtype)
-        g = tl.dot(a, w1, input_precision=PRECISION)
-        u = tl.dot(a, w3, input_precision=PRECISION)
-        h = (4.0 * _tanh(g * 0.25) * tl.sigmoid(g) * (25.0 * _tanh(u * 0.04))).to(a.dtype)
-        if STORE_GU:
-            s_off = base_s + local[:, None] * stride_s + fs[None, :]
-            s_mask = row_mask[:, None] & f_mask[None, :]
-            tl.store(g_ptr + s_off, g.to(g_ptr.dtype.element_ty), mask=s_mask)
-            tl.store(u_ptr + s_off, u.to(u_ptr.dtype.element_ty), mask=s_mask)
-        w2 = tl.load(w2_ptr + w2_off + fs[:, None] * stride_w2f + ls[None, :] * stride_w2l,
-                     mask=f_mask[:, None] & l_mask[None, :], other=0.0).to(a.dtype)
-        acc = tl.dot(h, w2, acc, input_precision=PRECISION)
-    tl.store(out_ptr + base_o + o_off, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 GLU_BWD_LAUNCH = dict(rows=32, cols=64, num_warps=8)

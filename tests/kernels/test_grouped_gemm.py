@@ -122,24 +122,6 @@ def float64_grads(fn, inputs, dy):
     return y, grads
 
 
-@pytest.fixture(params=["one-kernel", "two-kernels"])
-def forward_path(request, monkeypatch):
-    """Runs a test once with a layer's forward in one kernel (`glu_mlp_kernel`, every latent the tests use) and once
-    as `glu_up_kernel` + the w2 GEMM (what latents over MLP_MAX_LATENT run), and checks that the named path ran
-    when our kernels did."""
-    from kernels.grouped_gemm import ops
-
-    launched = []
-    for name in ("_launch_glu_mlp", "_launch_glu_up"):
-        real = getattr(ops, name)
-        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name, **k: launched.append(_name) or _real(*a, **k))
-    if request.param == "two-kernels":
-        monkeypatch.setattr(ops, "MLP_MAX_LATENT", 0)
-    yield request.param
-    if launched:  # (the reference launches nothing)
-        assert set(launched) == {"_launch_glu_mlp" if request.param == "one-kernel" else "_launch_glu_up"}
-
-
 # (rows, K, M, offsets): empty groups, one group holding every row, rows past
 # offsets[-1], widths that no block size divides.
 GROUPED_CASES = [
@@ -187,7 +169,7 @@ def test_grouped_mm_tail_ignores_garbage():
 
 
 @pytest.mark.parametrize("skew", [False, True])
-def test_moe_experts_matches_float64_reference(skew, forward_path):
+def test_moe_experts_matches_float64_reference(skew):
     x, w1, w3, w2, idx, prob = make_moe(37, 8, 3, 40, 72, torch.float32, seed=6, skew=skew)
     inputs = [t.detach().to(DEVICE).requires_grad_() for t in (x, w1, w3, w2)]
     idx = idx.to(DEVICE)
@@ -257,7 +239,7 @@ def test_moe_experts_keep_float16_weight_copies_for_backward_only_with_a_cast_pa
 
 
 @pytest.mark.parametrize("fn", [moe_experts, reference.moe_experts], ids=["triton", "reference"])
-def test_moe_experts_sentinel_slots_contribute_nothing(fn, monkeypatch, forward_path):
+def test_moe_experts_sentinel_slots_contribute_nothing(fn, monkeypatch):
     """Slots with the id E (the EP all_gather dispatch's "another rank's expert") equal slots that are not there.
 
     Half the slots point past the last expert: output and every gradient must equal a float64 run in which those
