@@ -93,7 +93,7 @@ def test_bf16_with_the_norm_folded_in_as_exact_as_the_eager_mix_then_norm(width)
     w = 1 + 0.3 * torch.randn(width, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7))
 
     def run(fn, dtype, weight_dtype):
-        weight = w.to(weight_dtype).requires_grad_(True)
+        weight = w.to(weight_dtype, copy=True).requires_grad_(True)  # a fresh leaf per run (w is float32 already)
         return _mix_with_grads(lambda v, qq, eps: fn(v, qq, eps, weight), sources, q, dtype) + [weight.grad]
 
     got = run(lambda v, qq, eps, ww: pseudo_query_mix(v, qq, eps, norm_weight=ww, norm_eps=1e-6),
