@@ -277,7 +277,7 @@ def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps
     result = {
         "variant": name, "seq": seq, "batch": batch, "ms_per_step": 1e3 * per_step, "host_median_ms": 1e3 * statistics.median(times),
         "tokens_per_s": tok_s, "mfu": tok_s * fpt / 989e12, "peak_gib": peak_gib(), "peak_reserved_gib": peak_reserved_gib(),
-        "start_to_first_step_s": build_s + first, "steps_timed": steps,
+        "start_to_first_step_s": build_s + first, "steps_timed": steps, "step_host_ms": [round(1e3 * t, 1) for t in times],
         "losses": [round(_loss(r), 4) for r in results],
         "pid": os.getpid(),  # under --isolate, each variant's own process
     }
@@ -373,7 +373,30 @@ def _note(row: dict, rounds: int) -> str:
         parts.append(f"{row['graphs']} graphs, {row['graph_breaks']} graph breaks")
     if row.get("memory_traced"):
         parts.append(f"allocator traced (times not its speed): {row['memory_peak']}")
+    stall = _stall(row)
+    if stall:
+        parts.append(stall)
     return "; ".join(parts)
+
+
+STALL_FACTOR = 2.0  # a timed step whose host time passes this many medians is a stall worth naming
+
+
+def _stall(row: dict) -> str:
+    """A note naming the timed steps that stalled (a re-recorded CUDA graph, a recompile, a host hiccup), or ''.
+
+    NOTE: ms/step is the timed window's total over its steps, as training pays it; one step that stalls moves it by
+    its whole excess, so the row says so, with what the other steps took.
+    """
+    host = row.get("step_host_ms") or []
+    if not host:
+        return ""
+    median = statistics.median(host)
+    slow = [t for t in host if t > STALL_FACTOR * median]
+    if not slow:
+        return ""
+    return (f"{len(slow)} of {len(host)} timed steps stalled ({', '.join(f'{t:.0f}' for t in slow)} ms host time against "
+            f"a median of {median:.1f}): ms/step carries their excess")
 
 
 def run_isolated(name: str, seq: int, batch: int, args, time_left_s: float, profile: str) -> dict:

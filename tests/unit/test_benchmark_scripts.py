@@ -28,6 +28,7 @@ def test_train_throughput_times_a_variant_and_writes_its_row(tmp_path):
     rows = json.loads((tmp_path / "out" / "train_throughput.json").read_text())["rows"]
     assert len(rows) == 1 and "error" not in rows[0], rows
     assert rows[0]["tokens_per_s"] > 0 and rows[0]["ms_per_step"] > 0
+    assert len(rows[0]["step_host_ms"]) == 2 and min(rows[0]["step_host_ms"]) > 0
     assert "peak_reserved_gib" in rows[0] and "peak GiB allocated / reserved" in (tmp_path / "out" / "train_throughput.md").read_text()
     profile = (tmp_path / "out" / rows[0]["profile"]).read_text()
     assert profile.startswith("ours, seq 64, one step") and "aten::mm" in profile
@@ -37,6 +38,18 @@ def test_train_throughput_times_a_variant_and_writes_its_row(tmp_path):
     assert "| ours | B2 T64 |" in report
     # the machine is named under the table: the strong peer's host-bound step moves with the host
     assert f"Host: {platform.node()} (" in report and " cores)." in report
+
+
+def test_train_throughput_names_the_timed_steps_that_stalled():
+    """A step over twice the median host time (a CUDA graph re-recorded in the timed window: the strong peer at B32
+    T1024, train_throughput.md session 32) is named in the row's note; a steady window adds nothing."""
+    from benchmarks.train_throughput import _note
+
+    stalled = dict(round=2, step_host_ms=[157.9, 158.1, 661.0, 157.4, 158.0])
+    assert _note(stalled, 2) == ("round 2 of 2; 1 of 5 timed steps stalled (661 ms host time against a median of "
+                                 "158.0): ms/step carries their excess")
+    assert _note(dict(round=1, step_host_ms=[157.9, 158.1, 300.0, 157.4]), 1) == ""
+    assert _note(dict(round=1), 1) == ""  # rows from before the per-step times were kept
 
 
 def test_train_throughput_isolate_runs_each_variant_in_its_own_process(tmp_path):
