@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_k3.gc_schedule import ScheduledGC
 from titan_k3.models.k3.args import K3Args, get_flavor
 
 GATE_LOWER_BOUND = -5.0
@@ -59,6 +60,10 @@ class PeerConfig:
     """fla's linear cross-entropy adds the head's weight gradient up over its chunks in float32 (its default, the
     precision ours keeps); False adds it up in the weights' bf16 (`accumulate_grad_in_fp32=False`): no float32
     copies of each chunk's logits and inputs and a bf16 product instead of a TF32 one, a rounding per chunk."""
+    gc_every: int = 50
+    """Python's automatic garbage collection off while the peer trains, a generation-1 pass every gc_every updates,
+    as TorchTitan's `training.gc_freq` (and our trainer's `training.gc_every`, the same default) schedule it: a
+    host-bound step pauses with the host (0: the automatic collector)."""
 
 
 def situ_glu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -352,9 +357,13 @@ class PeerCompiledTrainer:
         self.graphs = cfg.compile and cfg.compile_mode == "reduce-overhead"
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1,
                                      fused=self.device.type == "cuda")
+        self.updates = 0
+        self.gc_schedule = ScheduledGC(cfg.gc_every)
 
     def train_step(self, batch) -> torch.Tensor:
         """The mean loss of the batch (a device scalar: no host sync)."""
+        self.updates += 1
+        self.gc_schedule.before_update(self.updates)
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs are dead: reuse their memory
         loss = self.model(batch.input_ids.to(self.device, non_blocking=True),
@@ -363,3 +372,7 @@ class PeerCompiledTrainer:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss.detach()
+
+    def close(self) -> None:
+        """Python's collector back as it was (the benchmark runs other variants in this process after the peer)."""
+        self.gc_schedule.close()

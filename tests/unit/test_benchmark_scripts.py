@@ -419,8 +419,37 @@ def test_strong_peer_learns_a_fixed_batch():
     batch = Batch(input_ids=ids[:, :-1], labels=labels, cu_seqlens=torch.tensor([0, 32, 64]), source_tokens={},
                   fingerprints=torch.zeros(2, dtype=torch.int64))
     losses = [float(trainer.train_step(batch)) for _ in range(25)]
+    trainer.close()
     assert all(map(lambda x: x == x, losses)), losses
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_strong_peer_schedules_the_garbage_collector_as_our_trainer_does(monkeypatch):
+    """The peer, like TorchTitan and our trainer, turns Python's automatic collector off while it trains and runs a
+    generation-1 pass every gc_every updates (an automatic pass pauses its host-bound step); close() restores it."""
+    import gc
+
+    import torch
+
+    from benchmarks.peer_compiled import PeerCompiledTrainer, PeerConfig
+    from titan_k3.data.loader import Batch
+
+    passes = []
+    real_collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda generation=2: passes.append(generation) or real_collect(generation))
+    assert gc.isenabled()
+    trainer = PeerCompiledTrainer(PeerConfig(flavor="debug", vocab_size=512, parts="torch", compile=False, gc_every=2))
+    ids = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(0))
+    batch = Batch(input_ids=ids[:, :-1], labels=ids[:, 1:].clone(), cu_seqlens=torch.tensor([0, 32, 64]),
+                  source_tokens={}, fingerprints=torch.zeros(2, dtype=torch.int64))
+    try:
+        assert not gc.isenabled() and passes == [1]  # one pass at the start
+        for _ in range(5):
+            trainer.train_step(batch)
+        assert not gc.isenabled() and passes == [1, 1, 1]  # before updates 2 and 4
+    finally:
+        trainer.close()
+    assert gc.isenabled()
 
 
 def test_the_strong_peer_ratio_is_to_the_faster_strong_peer_of_the_same_slot():
@@ -458,8 +487,10 @@ def test_strong_peer_with_compile_graphs_compiles_each_block_so_and_marks_each_s
     batch = Batch(input_ids=ids[:, :-1], labels=ids[:, 1:].clone(), cu_seqlens=torch.tensor([0, 32, 64]),
                   source_tokens={}, fingerprints=torch.zeros(2, dtype=torch.int64))
     losses = [float(trainer.train_step(batch)) for _ in range(3)]
+    trainer.close()
     assert len(marks) == 3 and all(math.isfinite(x) for x in losses), (marks, losses)
     plain = PeerCompiledTrainer(PeerConfig(flavor="debug", vocab_size=512, parts="torch", compile=True))
+    plain.close()
     assert modes[-len(plain.model.layers):] == [None] * len(plain.model.layers) and not plain.graphs
 
 
