@@ -41,8 +41,8 @@ def test_train_throughput_times_a_variant_and_writes_its_row(tmp_path):
 
 
 def test_train_throughput_names_the_timed_steps_that_stalled():
-    """A step over twice the median host time (a CUDA graph re-recorded in the timed window: the strong peer at B32
-    T1024, train_throughput.md session 32) is named in the row's note; a steady window adds nothing."""
+    """A step over twice the median host time (as the strong peer's at B32 T1024 in session 32, train_throughput.md)
+    is named in the row's note; a steady window adds nothing."""
     from benchmarks.train_throughput import _note
 
     stalled = dict(round=2, step_host_ms=[157.9, 158.1, 661.0, 157.4, 158.0])
@@ -437,7 +437,8 @@ def test_strong_peer_schedules_the_garbage_collector_as_our_trainer_does(monkeyp
     passes = []
     real_collect = gc.collect
     monkeypatch.setattr(gc, "collect", lambda generation=2: passes.append(generation) or real_collect(generation))
-    assert gc.isenabled()
+    was_enabled = gc.isenabled()
+    gc.enable()  # as in a fresh process (a trainer another test left open may have turned it off)
     trainer = PeerCompiledTrainer(PeerConfig(flavor="debug", vocab_size=512, parts="torch", compile=False, gc_every=2))
     ids = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(0))
     batch = Batch(input_ids=ids[:, :-1], labels=ids[:, 1:].clone(), cu_seqlens=torch.tensor([0, 32, 64]),
@@ -449,7 +450,10 @@ def test_strong_peer_schedules_the_garbage_collector_as_our_trainer_does(monkeyp
         assert not gc.isenabled() and passes == [1, 1, 1]  # before updates 2 and 4
     finally:
         trainer.close()
-    assert gc.isenabled()
+        restored = gc.isenabled()
+        if not was_enabled:
+            gc.disable()
+    assert restored
 
 
 def test_the_strong_peer_ratio_is_to_the_faster_strong_peer_of_the_same_slot():
