@@ -15,7 +15,10 @@ add a function that returns a line or None and chain it in `refusal`.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
+import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as CheckTimeout
 from concurrent.futures.process import BrokenProcessPool
@@ -77,11 +80,43 @@ def port_refusal(settings: Settings, sub: Submission, claimed: dict[int, str]) -
     return None
 
 
-class TrainerCheck:
-    """The trainer's configuration check (`titan_k3.config.check.config_error`) in checker processes."""
+def exit_with_parent() -> None:
+    """A checker process's initializer: the process exits as soon as the process that started it is gone.
 
-    def __init__(self, settings: Settings):
+    NOTE: a service killed outright (SIGKILL, the OOM killer) never shuts its pool down, and its checkers would
+    wait on their task queue for good: one orphan per checker per such restart. The parent's sentinel (the pipe
+    it holds open while it lives) becomes readable when it dies.
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def stop_pool(pool: ProcessPoolExecutor) -> None:
+    """Shut `pool` down and kill its processes, a check still running in one of them included.
+
+    NOTE: `shutdown(wait=False)` lets a running task run on, so a hung check (the reason a pool is discarded)
+    would keep its process for good. Python 3.14's `ProcessPoolExecutor.kill_workers` does this; before it,
+    the pool's own table of processes, read before the shutdown clears it.
+    """
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.kill()
+
+
+class TrainerCheck:
+    """The trainer's configuration check (`titan_k3.config.check.config_error`, or `check`) in checker processes."""
+
+    def __init__(self, settings: Settings, check: Callable[[list[str], str], str | None] = config_error):
         self.settings = settings
+        self.check = check  # (argv, toml_text) -> the refusal line or None; importable by a spawned process
         self._lock = threading.Lock()
         self._pool: ProcessPoolExecutor | None = None
 
@@ -90,7 +125,8 @@ class TrainerCheck:
             if self._pool is None:
                 # NOTE: spawn, not fork: the service has threads (uvicorn's, the supervisor's).
                 self._pool = ProcessPoolExecutor(max_workers=max(1, min(4, self.settings.cpus)),
-                                                 mp_context=multiprocessing.get_context("spawn"))
+                                                 mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=exit_with_parent)
             return self._pool
 
     def _discard(self, pool: ProcessPoolExecutor) -> None:
@@ -98,13 +134,13 @@ class TrainerCheck:
         with self._lock:
             if self._pool is pool:
                 self._pool = None
-        pool.shutdown(wait=False, cancel_futures=True)
+        stop_pool(pool)
 
     def close(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+            stop_pool(pool)
 
     def __call__(self, sub: Submission) -> str | None:
         s = self.settings
@@ -113,7 +149,7 @@ class TrainerCheck:
             argv += [f"--{key}", value]
         pool = self._executor()
         try:
-            return pool.submit(config_error, argv, sub.toml_text).result(timeout=s.check_timeout)
+            return pool.submit(self.check, argv, sub.toml_text).result(timeout=s.check_timeout)
         except CheckTimeout:
             self._discard(pool)
             return f"the trainer's configuration check took longer than {s.check_timeout:.0f} s"

@@ -119,10 +119,19 @@ def _routing_identical(trainer) -> bool:
     return all(torch.equal(g, state) for g in gathered)
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on loopback now, never one this process handed out before (a test that asks twice, for the
+    process group's store and a metrics server, must not get one port for both)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def spawn_gloo(world: int, fn, *args, result_file=None) -> list | None:

@@ -137,3 +137,28 @@ def kill_recorded_attempts(state_dir: Path) -> None:
                 continue
             for child in p.children(recursive=True) + [p]:
                 child.kill()
+
+
+def pid_check(argv: list[str], toml_text: str) -> None:
+    """A stand-in for the trainer's configuration check (`TrainerCheck(check=...)`): writes the checker process's
+    pid to the file named by toml_text and accepts the run."""
+    Path(toml_text).write_text(str(os.getpid()))
+
+
+def hang_check(argv: list[str], toml_text: str) -> None:
+    """A configuration check that never returns (after writing its pid, as `pid_check`)."""
+    pid_check(argv, toml_text)
+    time.sleep(3600)
+
+
+def gone(pid: int, timeout: float) -> bool:
+    """Whether process `pid` has exited (or is a zombie no one reaped) within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
