@@ -13,11 +13,12 @@ fell at functions dynamo skips.
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from ports import free_port
 
 GLOBAL_BATCH = 4
 STEPS = 5
@@ -117,21 +118,6 @@ def _routing_identical(trainer) -> bool:
     gathered = [torch.empty_like(state) for _ in range(dist.get_world_size(trainer.dp_group))]
     dist.all_gather(gathered, state, group=trainer.dp_group)
     return all(torch.equal(g, state) for g in gathered)
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A port free on loopback now, never one this process handed out before (a test that asks twice, for the
-    process group's store and a metrics server, must not get one port for both)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
 
 
 def spawn_gloo(world: int, fn, *args, result_file=None) -> list | None:

@@ -70,7 +70,7 @@ def _run(rank: int, world: int, dump: str, port: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from dist_harness import free_port
+    from ports import free_port
 
     dump = tmp_path_factory.mktemp("faults")
     ranks = spawn_gloo(2, _run, str(dump), free_port(), result_file=dump / "results.pt")

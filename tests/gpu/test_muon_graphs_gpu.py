@@ -79,14 +79,11 @@ def _sharded_worker(rank: int, world: int, port: int, out: dict) -> None:
 
 def test_sharded_graphs_match_eager_on_every_rank():
     """The FSDP2 path (`_step_sharded`): local groups and (with two GPUs) the owner-gathered ones as graphs."""
-    import socket
-
     import torch.multiprocessing as mp
+    from ports import free_port
 
     world = min(2, torch.cuda.device_count())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = mp.Manager().dict()
     mp.spawn(_sharded_worker, args=(world, port, out), nprocs=world, join=True)
     assert sorted(out.keys()) == list(range(world)) and all(n > 0 for n in out.values()), dict(out)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -20,16 +19,12 @@ from pathlib import Path
 import httpx
 import psutil
 
+from ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 TOKEN = "test-token-0123456789"
 DEBUG_OVERRIDES = {"model.flavor": "debug", "training.steps": 6, "training.seq_len": 64}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):

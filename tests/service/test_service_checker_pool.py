@@ -49,7 +49,7 @@ def test_checkers_exit_when_the_service_is_killed(tmp_path):
         assert check(sub) is None
         os.kill(os.getpid(), signal.SIGKILL)
     """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), str(HERE.parent)])}  # + ports.py
     # NOTE: output to a file, not a pipe: a checker that outlived the service would hold a pipe open.
     with open(tmp_path / "service.log", "w") as log:
         service = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, stdout=log, stderr=log,

@@ -25,7 +25,8 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service_harness import REPO, free_port, wait_until
+from ports import free_port
+from service_harness import REPO, wait_until
 from service.exporter import EXPERT_LOAD, LABELLED, TRAINER_KEYS, TRAINER_LIST_KEYS, ServiceCollector, generic_name
 from service.registry import Attempt, Registry
 from service.rundir import RunFilesCache

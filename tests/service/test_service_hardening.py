@@ -11,7 +11,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service_harness import free_port, wait_until
+from ports import free_port
+from service_harness import wait_until
 
 INLINE = '[model]\nflavor = "debug"\n[training]\nsteps = 6\nseq_len = 64\n[metrics]\nlog_freq = 1\n'
 LONG = {"training.steps": 4000}

@@ -9,7 +9,6 @@ must be the exact arithmetic over the recorded windows.
 
 import json
 import shutil
-import socket
 import subprocess
 
 import httpx
@@ -22,6 +21,8 @@ from titan_k3.metrics.prometheus import NAMES
 from titan_k3.tools.summarize import main as summarize_main
 from titan_k3.tools.summarize import summarize
 
+from ports import free_port
+
 STEPS, LOG_FREQ, SEQ, STEP_S, REPORT_S, HOOK_S = 4, 2, 64, 2.0, 1.0, 5.0
 
 
@@ -33,18 +34,12 @@ class FakeNow:
         return self.t
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     from titan_k3.train import Trainer
 
     root = tmp_path_factory.mktemp("runs")
-    port = _free_port()
+    port = free_port()
     cfg = load_job_config([
         "--job.config_file", "tomls/smoke.toml", "--model.flavor", "debug", "--training.seq_len", str(SEQ),
         "--training.steps", str(STEPS), "--metrics.log_freq", str(LOG_FREQ), "--job.dump_folder", str(root),
