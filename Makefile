@@ -8,12 +8,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install train test test-fast clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# NOTE: the CPU build of torch first; an unpinned torch would pull a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	# NOTE: every optional extra (parquet: pyarrow) as well, so that the tests of what it enables run too.
+	$(BIN)/pip install -q -e '.[dev,parquet]'
 	touch $(STAMP)
 
 install: $(STAMP)
