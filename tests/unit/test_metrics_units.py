@@ -123,6 +123,22 @@ def test_reporter_raises_the_collapse_alarm_as_an_event(tmp_path, capsys):
     assert record["mfu"] == pytest.approx(10.0 / 989e12)
 
 
+def test_the_kernel_report_prints_each_op_once_and_records_each_fallback(tmp_path, capsys):
+    from titan_k3.models.k3.impl import KernelChoice
+
+    reporter = MetricsReporter(load_job_config([]), rank=0, device=torch.device("cpu"), flops_per_token=1.0)
+    reporter.start(tmp_path, EventLog(tmp_path / "events.jsonl"))
+    capsys.readouterr()
+    reporter.report_kernels([KernelChoice("kda", "auto", "torch", True, "no CUDA device"),
+                             KernelChoice("pre_norms", "in_sublayer", "in_sublayer", False)])
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if "kernel kda:" in line] == [
+        "[fallback] step 0: kernel kda: torch (FALLBACK from 'auto': no CUDA device)"]
+    assert [line for line in out if "kernel pre_norms:" in line] == ["kernel pre_norms: in_sublayer"]
+    events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(e["kind"], e.get("op")) for e in events] == [("fallback", "kda"), ("kernel_report", None)]
+
+
 def test_tensorboard_enabled_but_missing_is_a_config_error(monkeypatch):
     import builtins
 

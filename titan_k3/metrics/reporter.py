@@ -84,14 +84,16 @@ class MetricsReporter:
 
     # ------------------------------------------------------------------ start-up
     def report_kernels(self, choices) -> None:
-        """The kernel report: one line per op, a `fallback` event per fallback, a `kernel_report` event, the metric."""
+        """The kernel report: one line per op (a fallback's line is its `fallback` event's, printed once), a
+        `kernel_report` event, the metric."""
         if self.rank != 0:
             return
         for c in choices:
             line = f"kernel {c.op}: {c.chosen}" + (f" (FALLBACK from '{c.requested}': {c.reason})" if c.fallback else "")
-            print(line)
             if c.fallback:
                 self.events.emit("fallback", line, step=0, **c.as_dict())
+            else:
+                print(line)
         self.events.emit("kernel_report", "kernels chosen", step=0, kernels=[c.as_dict() for c in choices])
         if self.exporter is not None:
             self.exporter.set_kernels(choices)
