@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan_k3.config import ConfigError, load_job_config
 from titan_k3.models.k3.args import FLAVORS, count_params
 from titan_k3.models.k3.impl import reference_impl
 from titan_k3.models.k3.model import K3Model
@@ -122,7 +123,7 @@ def _cli(capsys, *argv):
     return code, out.out, out.err
 
 
-PILOT = ("--job.config_file", "tomls/pilot.toml", "--data.dataset", "data/prepared")  # the dataset is not opened
+PILOT = ("--job.config_file", "tomls/pilot.toml")  # no data.dataset: a plan reads no data, the trainer would refuse
 
 
 def test_cli_plans_the_pilot_on_one_gpu_and_reports_the_trainer_counts(capsys):
@@ -135,6 +136,8 @@ def test_cli_plans_the_pilot_on_one_gpu_and_reports_the_trainer_counts(capsys):
     assert round(pc.total / 1e9, 3) == 1.009 and round(pc.active / 1e6, 1) == 144.3
     code, text, _ = _cli(capsys, *PILOT, "--cluster.gpus_per_node", "1")
     assert code == 0 and "Verdict: FITS" in text and "memory per rank" in text
+    with pytest.raises(ConfigError, match="'data.dataset' is empty"):
+        load_job_config(list(PILOT))
 
 
 def test_cli_says_full_k3_does_not_fit_one_node(capsys):

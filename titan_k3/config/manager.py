@@ -162,11 +162,14 @@ def split_overrides(argv: list[str], form: str = "--section.key value") -> list[
     return pairs
 
 
-def load_job_config(argv: list[str] | None = None, toml_text: str | None = None) -> JobConfig:
+def load_job_config(argv: list[str] | None = None, toml_text: str | None = None, *,
+                    needs_data: bool = True) -> JobConfig:
     """Build and validate a JobConfig from CLI arguments (and optionally TOML text).
 
     `toml_text`, when given, stands in for `--job.config_file` (the service
-    validates inline TOML this way). Raises ConfigError on any mistake.
+    validates inline TOML this way). `needs_data=False` accepts an empty
+    `data.dataset` (a caller that reads no data, such as the planner).
+    Raises ConfigError on any mistake.
     """
     from titan_k3.config.validate import validate
 
@@ -188,7 +191,7 @@ def load_job_config(argv: list[str] | None = None, toml_text: str | None = None)
         _apply_toml(cfg, parse_toml_text(text, str(path)), str(path))
     for key, value in pairs:
         _set(cfg, key, value, from_cli=True)
-    validate(cfg)
+    validate(cfg, needs_data=needs_data)
     return cfg
 
 

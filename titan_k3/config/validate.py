@@ -114,7 +114,8 @@ def _check_warmup(s, steps: int) -> None:
     )
 
 
-def validate(cfg: JobConfig) -> None:
+def validate(cfg: JobConfig, needs_data: bool = True) -> None:
+    """ConfigError on the first mistake in `cfg`; needs_data=False: an empty data.dataset is accepted."""
     t, o, s, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.parallelism
     _one_of("model.name", cfg.model.name, list(MODEL_FLAVORS))
     _one_of("model.flavor", cfg.model.flavor, list(MODEL_FLAVORS[cfg.model.name]))
@@ -213,7 +214,7 @@ def validate(cfg: JobConfig) -> None:
     _positive("eval.batch_size", cfg.eval.batch_size)
     _non_negative("data.prefetch", cfg.data.prefetch)
     _require(
-        bool(cfg.data.dataset),
+        bool(cfg.data.dataset) or not needs_data,
         "config key 'data.dataset' is empty: this recipe trains on a prepared dataset, not the embedded probe corpus; "
         "build one with `python -m titan_k3.data.prepare --config data.toml` and pass --data.dataset <its output directory>",
     )

@@ -41,7 +41,8 @@ def parse(argv: list[str]):
     pairs = split_overrides(rest, form="--section.key value, --cluster.key value, --json, --smallest or --table PATH")
     cluster = cluster_from_overrides([(k, v) for k, v in pairs if k.startswith("cluster.")])
     trainer_argv = [x for k, v in pairs if not k.startswith("cluster.") for x in (f"--{k}", v)]
-    return load_job_config(trainer_argv), cluster, table, flags
+    # NOTE: a plan reads no data, so a recipe is planned before its dataset is prepared.
+    return load_job_config(trainer_argv, needs_data=False), cluster, table, flags
 
 
 def _gib(x: float) -> str:
