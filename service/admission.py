@@ -101,14 +101,15 @@ def exit_with_parent() -> None:
 def stop_pool(pool: ProcessPoolExecutor) -> None:
     """Shut `pool` down and kill its processes, a check still running in one of them included.
 
-    NOTE: `shutdown(wait=False)` lets a running task run on, so a hung check (the reason a pool is discarded)
-    would keep its process for good. Python 3.14's `ProcessPoolExecutor.kill_workers` does this; before it,
-    the pool's own table of processes, read before the shutdown clears it.
+    NOTE: `shutdown` lets a running task run on, so a hung check (the reason a pool is discarded) would keep
+    its process for good: the processes are killed first (Python 3.14's `ProcessPoolExecutor.kill_workers`;
+    before it, the pool's own table of processes). Then `shutdown(wait=True)` returns at once, its manager
+    thread having seen them die, and releases the pool's queues: without the wait, a service that stopped
+    after using a pool printed a warning of leaked semaphores at exit.
     """
-    processes = list((getattr(pool, "_processes", None) or {}).values())
-    pool.shutdown(wait=False, cancel_futures=True)
-    for process in processes:
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
         process.kill()
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 class TrainerCheck:
