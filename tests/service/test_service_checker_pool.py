@@ -1,5 +1,6 @@
 """The service's configuration checkers (`service.admission.TrainerCheck`): a check that hangs is refused in one
-line and its process killed; checkers exit when the service is killed outright. Either way no process is left, and a stop warns of nothing."""
+line and its process killed; checkers exit when the service is killed outright. Either way no process is left;
+a stop leaves nothing to warn of either."""
 
 from __future__ import annotations
 
