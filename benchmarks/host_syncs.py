@@ -87,7 +87,8 @@ def main() -> int:
     from titan_k3.train import Trainer
 
     steps = args.warmup + args.updates
-    trainer = Trainer(load_job_config([*trainer_args, "--training.steps", str(max(steps, 2))]))
+    # One update past the recorded ones: the run's last update runs the invariant checks, which synchronise.
+    trainer = Trainer(load_job_config([*trainer_args, "--training.steps", str(steps + 1)]))
     try:
         for _ in range(args.warmup):
             trainer.train_step()

@@ -248,7 +248,8 @@ class Trainer:
         self.profiler = StepProfiler(cfg.profiling, self.run_dir, self.rank, self.events)
         self.invariants = InvariantRunner(cfg.invariants, self.events, group=self.dp_group, rank=self.rank, device=self.device,
                                           on_violation=self.reporter.violation,
-                                          probe_rtol=0.1 if self._bf16_autocast else 1e-3)
+                                          probe_rtol=0.1 if self._bf16_autocast else 1e-3,
+                                          last_step=cfg.training.steps)
         self._report_start()
         self.checkpointer = build_checkpointer(self)
         if self.stop_signals is not None:
@@ -540,13 +541,17 @@ class Trainer:
             if self.rank == 0:
                 self.events.emit("precompile", report, step=self.step)
 
-    def _violations_line(self) -> str:
+    def _violations_line(self, updates: int) -> str:
+        """The summary's invariants line; `updates`: how many this session ran."""
         inv = self.invariants
         if not self.cfg.invariants.enable:
             return "invariant checks off (invariants.enable = false)"
+        every = self.cfg.invariants.interval
+        if not inv.checked_updates:
+            return f"invariant checks: none ran (every {every} updates and the last; this session ran {updates})"
         named = ", ".join(f"{check} {n}" for check, n in inv.counts.items() if n)
         return f"invariant violations: {inv.total_violations}" + (f" ({named})" if named else "") + \
-            f" (checked every {self.cfg.invariants.interval} updates)"
+            f" in {inv.checked_updates} checked update(s) (every {every} updates and the last)"
 
     def _window_ends(self, step: int) -> bool:
         """Whether anything reads the clocks or the device state after update `step` (log, eval, checkpoint, end)."""
@@ -568,7 +573,7 @@ class Trainer:
             f"startup {self.startup_seconds:.1f} s to the end of the first update | this session's tokens/s: "
             f"training clock {c.session_tokens / max(c.training_seconds, 1e-9):,.0f} | "
             f"session clock {c.session_tokens / max(c.session_seconds, 1e-9):,.0f}",
-            self._violations_line(),
+            self._violations_line(len(results)),
             f"files: {self.run_dir}/metrics.jsonl, events.jsonl, stdout.log, manifest.json, config.toml",
             "-" * 72,
         ])

@@ -93,7 +93,7 @@ def test_clean_runs_report_zero_violations_everywhere(runs, name):
     for record in _metrics(dump, name):
         assert record["invariant_violations"] == 0
         assert record["invariant_violations/gradient_scale.probe_reference"] == 0
-    assert "invariant violations: 0 (checked every 2 updates)" in rank0[name]["summary"]
+    assert "invariant violations: 0 in 1 checked update(s) (every 2 updates and the last)" in rank0[name]["summary"]
     # The probe and the norm audit ran (their costs are in the check line) and found nothing.
     log = (dump / name / "stdout.log").read_text()
     assert "invariants at step 2:" in log and "gradient_scale.probe_reference" in log and "0 violation(s)" in log

@@ -44,6 +44,22 @@ def test_run_directory_holds_what_design_promises(tmp_path):
     assert "tokens per update = 1 batch x 64 seq x 1 accum x 1 dp = 64" in (run / "stdout.log").read_text()
 
 
+def test_the_last_update_is_checked_whatever_the_interval_and_the_summary_counts_checks(tmp_path):
+    """A run shorter than invariants.interval is still checked (at its last update), and the summary says how many
+    updates were checked, so "0 violations" is never said of checks that did not run."""
+    def log(name, steps, interval):
+        assert main([*FAST, "--job.dump_folder", str(tmp_path), "--job.name", name, "--training.steps", str(steps),
+                     "--invariants.interval", str(interval)]) == 0
+        return (tmp_path / name / "stdout.log").read_text()
+
+    short = log("short", 3, 50)
+    assert "invariants at step 3:" in short
+    assert "invariant violations: 0 in 1 checked update(s) (every 50 updates and the last)" in short
+    both = log("both", 4, 2)  # the last update is on the interval: checked once
+    assert "invariants at step 2:" in both and "invariants at step 4:" in both
+    assert "invariant violations: 0 in 2 checked update(s) (every 2 updates and the last)" in both
+
+
 def test_a_closed_trainer_gives_the_process_its_sigterm_handler_back(tmp_path):
     """Stepped from outside and closed without train() (a benchmark, a notebook): SIGTERM ends the process again."""
     import signal

@@ -242,7 +242,7 @@ class Invariants:
     enable: bool = True
     """Run the runtime checks for silent distributed bugs."""
     interval: int = 50
-    """Check every this many updates."""
+    """Check every this many updates, and at the run's last (a run shorter than this is still checked once)."""
     abort: bool = False
     """Stop the run on a violation instead of only reporting it."""
 

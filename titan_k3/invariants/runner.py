@@ -1,4 +1,4 @@
-"""Run the invariant checks every `invariants.interval` updates from inside the trainer's step.
+"""Run the invariant checks every `invariants.interval` updates, and at the last, from inside the trainer's step.
 
 Three calls per step, all no-ops off the interval: `probe(...)` (before the
 update's first forward: the gradient-scale probe of probe.py), `before_clip(...)`
@@ -40,14 +40,21 @@ class InvariantRunner:
     on_violation: called with each check name (the Prometheus counter).
     probe_rtol: the probe's tolerance on a tensor's relative gradient error (float32 steps agree to ~1e-6;
     bf16 autocast differs between the sharded model and its float32 copy by a few percent).
+    last_step: the run's last update, checked whatever the interval (a run's end state is always checked, and a run
+    shorter than the interval is checked once); None: only the interval.
     """
 
     def __init__(self, cfg, events, *, group: dist.ProcessGroup | None, rank: int, device: torch.device,
-                 on_violation: Callable[[str], None] | None = None, probe_rtol: float = 1e-3):
+                 on_violation: Callable[[str], None] | None = None, probe_rtol: float = 1e-3,
+                 last_step: int | None = None):
         self.cfg, self.events, self.group, self.rank, self.device = cfg, events, group, rank, device
+        self.last_step = last_step
         self.on_violation = on_violation
         self.probe_rtol = probe_rtol
         self.total_violations = 0
+        self.checked_updates = 0
+        """Updates whose checks ran to their report (the summary says how many, so "0 violations" is never
+        said of a run too short for its interval)."""
         self.counts: dict[str, int] = dict.fromkeys(C.CHECKS, 0)
         """Violations so far by check name (every check present from the start)."""
         self._pending: dict | None = None
@@ -58,7 +65,7 @@ class InvariantRunner:
         self.last_costs: dict[str, float] = {}
 
     def due(self, step: int) -> bool:
-        return bool(self.cfg.enable) and step % self.cfg.interval == 0
+        return bool(self.cfg.enable) and (step % self.cfg.interval == 0 or step == self.last_step)
 
     @property
     def pending(self) -> bool:
@@ -141,6 +148,7 @@ class InvariantRunner:
 
     def report(self, step: int, found: list[C.Violation]) -> None:
         """Events, counter and loud lines for `found` (any check's violations), the cost line, and the abort."""
+        self.checked_updates += 1
         if self.rank == 0 and self.last_costs:
             total = sum(self.last_costs.values())
             parts = ", ".join(f"{name} {1e3 * s:.2f} ms" for name, s in self.last_costs.items())
