@@ -327,6 +327,7 @@ class Trainer:
 
     def _log(self, result: StepResult, window: dict, evals: dict | None = None) -> None:
         violations = {"invariant_violations": self.invariants.total_violations,
+                      "invariant_checked_updates": self.invariants.checked_updates,
                       **{f"invariant_violations/{check}": n for check, n in self.invariants.counts.items()}}
         self.reporter.log(
             step=self.step, loss=result.loss, grad_norm=result.grad_norm, lr=self._last_lr, tokens_seen=self.tokens_seen,

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from titan_k3.tools.summarize import main, probe_of, steady_state, summarize
+from titan_k3.tools.summarize import checked_updates, main, probe_of, steady_state, summarize
 
 
 def _rec(step, tokens, train_s, session_s, loss=2.0, **kw):
@@ -68,3 +68,19 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert main([str(tmp_path)]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
     assert main([str(tmp_path), "--warmup-step", "-1"]) == 2
+
+
+def test_checked_updates_sum_over_sessions_and_zero_checks_are_not_called_clean(tmp_path):
+    # Two sessions (the clocks restart after step 20), each counting its own checked updates from 0.
+    counts = [0, 1, 1, 2]
+    resumed = [dict(r, invariant_checked_updates=n) for r, n in
+               zip(RECORDS[:2] + [_rec(30, 3000, 5.0, 8.0), _rec(40, 4000, 15.0, 20.0)], counts)]
+    assert checked_updates(resumed) == 1 + 2
+    assert checked_updates(RECORDS) is None  # records from before the count
+    text, numbers = summarize(_run_dir(tmp_path, "smoke", resumed))
+    assert numbers["invariant_checked_updates"] == 3
+    assert "| invariant violations | unnamed: 1 in 3 checked updates |" in text
+    none = [dict(r, invariant_checked_updates=0) for r in RECORDS]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in none))
+    (tmp_path / "events.jsonl").write_text("")
+    assert "| invariant violations | 0 (no update was checked) |" in summarize(tmp_path)[0]

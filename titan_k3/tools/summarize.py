@@ -104,6 +104,23 @@ def sessions(records: list[dict]) -> int:
     return 1 + sum(not _same_session(prev, cur) for prev, cur in zip(records, records[1:])) if records else 0
 
 
+def checked_updates(records: list[dict]) -> int | None:
+    """Updates whose invariant checks ran, over every session (each session counts from 0; redone updates count
+    again: their checks ran). None: the records predate the count."""
+    if not any("invariant_checked_updates" in r for r in records):
+        return None
+    ends = [prev for prev, cur in zip(records, records[1:]) if not _same_session(prev, cur)] + records[-1:]
+    return sum(r.get("invariant_checked_updates", 0) for r in ends)
+
+
+def invariants_row(violations: dict[str, int], checked: int | None) -> str:
+    """The summary's invariants cell: violations by check, and how many updates were checked."""
+    found = ", ".join(f"{k}: {v}" for k, v in violations.items()) or "0"
+    if checked is None:
+        return found
+    return f"{found} in {checked:,} checked updates" if checked else f"{found} (no update was checked)"
+
+
 def session_rate(last: dict) -> float:
     """The last session's tokens/s on its session clock: its own tokens over its own wall time."""
     if last["session_seconds"] <= 0:
@@ -230,6 +247,7 @@ def summarize(run_dir: Path, warmup_step: int = 0) -> tuple[str, dict]:
     config = tomli.loads((run_dir / "config.toml").read_text()) if (run_dir / "config.toml").exists() else {}
     if not records:
         raise ValueError(f"run_dir={str(run_dir)!r}: metrics.jsonl has no records")
+    checked = checked_updates(records)
     records, redone = final_records(records)
     steady = steady_state(records, warmup_step)
     last = records[-1]
@@ -259,6 +277,7 @@ def summarize(run_dir: Path, warmup_step: int = 0) -> tuple[str, dict]:
         "events": {kind: sum(e["kind"] == kind for e in events) for kind in sorted({e["kind"] for e in events})},
         "invariant_violations": dict(sorted(Counter(e.get("check", "unnamed") for e in events
                                                     if e["kind"] == "invariant_violation").items())),
+        "invariant_checked_updates": checked,
     }
     gib = lambda v: "n/a (no accelerator)" if v is None else f"{v:.2f} GiB"  # noqa: E731
     lines = [
@@ -280,7 +299,7 @@ def summarize(run_dir: Path, warmup_step: int = 0) -> tuple[str, dict]:
         f"| loss start -> end | {numbers['loss_start']:.4f} -> {numbers['loss_end']:.4f} |",
         f"| skipped updates | {numbers['skipped_updates']} |",
         f"| events | {', '.join(f'{k}: {v}' for k, v in numbers['events'].items()) or 'none'} |",
-        f"| invariant violations | {', '.join(f'{k}: {v}' for k, v in numbers['invariant_violations'].items()) or '0'} |",
+        f"| invariant violations | {invariants_row(numbers['invariant_violations'], checked)} |",
         "",
         "![loss](loss.png) ![throughput](throughput.png) ![grad norm](grad_norm.png)",
     ]
