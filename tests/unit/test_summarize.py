@@ -56,6 +56,7 @@ def test_overfit_probe_answer_and_markdown(tmp_path):
     assert numbers["events"] == {"invariant_violation": 1}
     assert numbers["tokens_per_second_session"] == pytest.approx(4000 / 120)
     assert numbers["loss_start"] == 10.0
+    assert "| loss at update 10 (first logged) -> 40 | 10.0000 -> " in text
 
 
 def test_probe_from_description_or_recipe_name():

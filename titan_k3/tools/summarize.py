@@ -296,7 +296,9 @@ def summarize(run_dir: Path, warmup_step: int = 0) -> tuple[str, dict]:
         f"| steady MFU | {100 * steady.mfu:.3f}% |",
         f"| peak memory allocated / reserved | {gib(numbers['memory_peak_allocated_gib'])} / {gib(numbers['memory_peak_reserved_gib'])} |",
         f"| peak host RSS | {gib(numbers['host_rss_gib'])} |",
-        f"| loss start -> end | {numbers['loss_start']:.4f} -> {numbers['loss_end']:.4f} |",
+        # NOTE: the first logged update, not update 1: the trainer logs every metrics.log_freq updates.
+        f"| loss at update {records[0]['step']:,} (first logged) -> {last['step']:,} | {numbers['loss_start']:.4f} -> "
+        f"{numbers['loss_end']:.4f} |",
         f"| skipped updates | {numbers['skipped_updates']} |",
         f"| events | {', '.join(f'{k}: {v}' for k, v in numbers['events'].items()) or 'none'} |",
         f"| invariant violations | {invariants_row(numbers['invariant_violations'], checked)} |",
