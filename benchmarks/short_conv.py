@@ -117,7 +117,7 @@ def main() -> int:
     row = {"shape": f"B{args.batch} T{args.seq} C{channels} W{TAPS} {str(dtype).removeprefix('torch.')}",
            "layout": f"docs ~{args.doc_len}", **{f"{n}_ms": timed[n] for n in variants},
            **{f"{n}_fwd_ms": forward[n] for n in variants}, "ours_rel_rms": errors["ours"], "baseline": best}
-    # NOTE: the minimum traffic of fwd + bwd: x read twice, y, dy, dx once each (dz's float32 round trip not counted).
+    # NOTE: the minimum traffic of fwd + bwd: x read twice, y, dy, dx once each (dz's round trip not counted).
     moved = 5 * x.numel() * x.element_size()
     fla_ms = f"{timed['fla']:.3f}" if "fla" in timed else "— (skipped)"
     header = ("| date | commit | GPU | torch | triton | shape | layout | compiled fwd+bwd ms | fla fwd+bwd ms | ours "

@@ -53,7 +53,9 @@ def _conv_backward_op(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     dx = torch.empty_like(x)
     if x.numel() == 0:
         return dx, torch.zeros_like(w)
-    dz = torch.empty(B, T, C, device=x.device, dtype=torch.float32)
+    # NOTE: dz in x's dtype: the dx pass reads it once more and rounds its sums to that dtype anyway; float32 dz
+    # was twice the bytes of that write and read (the weight gradient takes dz * x in float32 before the rounding).
+    dz = torch.empty_like(x)
     rows_per_program = DZ_LAUNCH["BLOCK_T"] * DZ_LAUNCH["TILES"]
     dz_grid = (triton.cdiv(B * T, rows_per_program), triton.cdiv(C, DZ_LAUNCH["BLOCK_C"]))
     # NOTE: one partial weight gradient per program (TILES row tiles), summed here: deterministic, no atomics.

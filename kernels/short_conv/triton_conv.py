@@ -6,7 +6,7 @@ pos [N] is each token's position inside its document: tap j reads row t - j iff 
 Products and sums in float32; w is rounded to x's dtype first, as the reference does.
 
 The backward runs in two passes: the first recomputes the pre-activation z, writes
-dz = dy * silu'(z) (float32) and, walking TILES row tiles of one channel block, adds the
+dz = dy * silu'(z) (rounded to x's dtype) and, walking TILES row tiles of one channel block, adds the
 weight gradient's products dz[t] * x[t-i] up elementwise, summing them over rows once per
 program (one partial per program); the second gathers dx[t] = sum_j w[j] dz[t + j] from
 the rows that read t. A tile never needs a neighbour's registers.
@@ -78,7 +78,7 @@ def _tap(x_ptr, w_ptr, rows, row_mask, pos, cols, col_mask, C, W: tl.constexpr, 
 def conv_silu_bwd_dz_kernel(x_ptr, w_ptr, pos_ptr, dy_ptr, dz_ptr, dw_part_ptr, N, C,
                             W: tl.constexpr, TAPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
                             TILES: tl.constexpr):
-    """dz = dy * silu'(z) (float32, [N, C]) for TILES row tiles, and their weight gradient dw_part[:, :, pid_t].
+    """dz = dy * silu'(z) ([N, C], stored in dz's dtype; the weight gradient uses it unrounded) for TILES row tiles, and their weight gradient dw_part[:, :, pid_t].
 
     NOTE: taps 0..3 keep their products dz * x in [BLOCK_T, BLOCK_C] accumulators, summed over rows once at
     the end; a row sum per tile and tap (what taps past 3 do, into a [TAPS, BLOCK_C] accumulator) made the
@@ -116,7 +116,7 @@ def conv_silu_bwd_dz_kernel(x_ptr, w_ptr, pos_ptr, dy_ptr, dz_ptr, dw_part_ptr, 
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         s = tl.sigmoid(z)
         dz = dy * s * (1.0 + z * (1.0 - s))
-        tl.store(dz_ptr + offs, dz, mask=mask)
+        tl.store(dz_ptr + offs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
         a0 += dz * x0
         if W > 1:
             a1 += dz * x1
@@ -154,7 +154,7 @@ def conv_silu_bwd_dx_kernel(dz_ptr, w_ptr, pos_ptr, dx_ptr, N, C,
         dst_ok = row_mask & (dst < N)
         pos = tl.load(pos_ptr + dst, mask=dst_ok, other=0)
         m = (dst_ok & (pos >= j))[:, None] & col_mask[None, :]
-        dz = tl.load(dz_ptr + dst[:, None] * C + cols[None, :], mask=m, other=0.0)
+        dz = tl.load(dz_ptr + dst[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
         wv = tl.load(w_ptr + cols * W + (W - 1 - j), mask=col_mask, other=0.0)
         dx += dz * wv.to(dx_ptr.dtype.element_ty).to(tl.float32)[None, :]
     mask = row_mask[:, None] & col_mask[None, :]
