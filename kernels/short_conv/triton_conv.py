@@ -78,7 +78,8 @@ def _tap(x_ptr, w_ptr, rows, row_mask, pos, cols, col_mask, C, W: tl.constexpr, 
 def conv_silu_bwd_dz_kernel(x_ptr, w_ptr, pos_ptr, dy_ptr, dz_ptr, dw_part_ptr, N, C,
                             W: tl.constexpr, TAPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
                             TILES: tl.constexpr):
-    """dz = dy * silu'(z) ([N, C], stored in dz's dtype; the weight gradient uses it unrounded) for TILES row tiles, and their weight gradient dw_part[:, :, pid_t].
+    """dz = dy * silu'(z) ([N, C], stored in dz's dtype) for TILES row tiles, and their weight gradient
+    dw_part[:, :, pid_t] (from dz before its rounding).
 
     NOTE: taps 0..3 keep their products dz * x in [BLOCK_T, BLOCK_C] accumulators, summed over rows once at
     the end; a row sum per tile and tap (what taps past 3 do, into a [TAPS, BLOCK_C] accumulator) made the
