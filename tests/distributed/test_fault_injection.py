@@ -146,5 +146,6 @@ def test_the_run_summarizer_names_the_violations(runs):
     dump, _ = runs
     text, numbers = summarize(dump / "fsdp_average")
     assert numbers["invariant_violations"]["gradient_scale.probe_reference"] == 1
-    assert "| invariant violations | gradient_scale.expert_grad_scale: 1, gradient_scale.probe_reference: 1 |" in text
-    assert "| invariant violations | 0 |" in summarize(dump / "clean")[0]
+    assert ("| invariant violations | gradient_scale.expert_grad_scale: 1, gradient_scale.probe_reference: 1 in 1 checked "
+            "updates |") in text
+    assert "| invariant violations | 0 in 1 checked updates |" in summarize(dump / "clean")[0]

@@ -43,7 +43,7 @@ EQUIVALENCE = {
     "hsdp_2x4": ["--parallelism.data_parallel_replicate_degree", "2"],
     "hsdp2_fsdp4_ep2": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.expert_parallel_degree", "2"],
 }
-SCHEDULE = ["--training.steps", str(STEPS), "--invariants.interval", "2"]
+SCHEDULE = ["--training.steps", str(STEPS), "--invariants.enable", "true", "--invariants.interval", "2"]
 CHECKPOINTS = ["--checkpoint.enable", "true", "--checkpoint.interval", str(SAVED), "--checkpoint.keep_latest_k", "0"]
 
 
