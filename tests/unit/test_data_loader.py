@@ -126,17 +126,21 @@ def test_resume_mid_stream_on_two_ranks(tmp_path, prefetch):
     for rank in range(2):
         make = lambda: build_dataloader(str(tmp_path), tok, 16, 3, rank, 2, seed=11, mixture=mix, prefetch=prefetch)
         full = take(make(), 12)
+        counted = make()
+        take(counted, 5)
         first = make()
         take(first, 5)
         state = first.state_dict()
         take(first, 2)  # advancing the old loader must not change the saved state
         resumed = make()
         resumed.load_state_dict(state)
+        assert resumed.source_tokens_total == counted.source_tokens_total  # tokens_per_source goes on, not from 0
         for want, got in zip(full[5:], take(resumed, 7)):
             assert torch.equal(want.input_ids, got.input_ids) and torch.equal(want.labels, got.labels)
             assert torch.equal(want.cu_seqlens, got.cu_seqlens) and want.source_tokens == got.source_tokens
         # rewinding a live loader works too
         first.load_state_dict(state)
+        assert first.source_tokens_total == counted.source_tokens_total
         assert torch.equal(next(first).input_ids, full[5].input_ids)
 
 

@@ -269,7 +269,7 @@ class DataLoader:
 
     Attributes:
         wait_seconds: total time the consumer blocked in `__next__` (data-wait metric).
-        source_tokens_total: {source: tokens received by this rank's consumer so far}.
+        source_tokens_total: {source: tokens received by this rank's consumer so far, resumed runs included}.
         weights: {source: normalised mixture weight}.
         dataset: what `describe()` says of the dataset (set by `build_dataloader`).
     """
@@ -350,6 +350,11 @@ class DataLoader:
         self.close()
         self._core.set_state(state)
         self._state = self._core.get_state()
+        # NOTE: the counts go on from the saved position (this rank's share since the mixture started; zero after a
+        # change of mixture or of data-parallel world), so a resumed run's tokens_per_source and source-mix check
+        # read as the uninterrupted run's.
+        core = self._core
+        self.source_tokens_total = {s.name: int(n) for s, n in zip(core.streams, core.rank_taken[core.rank])}
 
     def set_seq_len(self, seq_len: int) -> None:
         """Use windows of `seq_len` from the next batch on, continuing at the exact token position."""
