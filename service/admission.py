@@ -29,6 +29,7 @@ from titan_k3.config import JobConfig
 from titan_k3.config.check import config_error
 from titan_k3.models.k3.args import count_params, get_flavor
 from titan_k3.plan.search import refusal as plan_refusal
+from titan_k3.plan.search import resolve_layout
 
 CPU_MAX_PARAMS = 100_000_000
 """Largest model (total parameters) a run without GPUs may train: past it one update takes minutes on CPU."""
@@ -65,6 +66,15 @@ def host_refusal(settings: Settings, sub: Submission) -> str | None:
     if params > CPU_MAX_PARAMS:
         return (f"config key 'model.flavor' = {flavor!r}: {params / 1e9:.2f}B parameters cannot train on CPU "
                 f"(at most {CPU_MAX_PARAMS / 1e6:.0f}M); ask for gpus >= 1{none_here}")
+    return None
+
+
+def degrees_refusal(sub: Submission) -> str | None:
+    """The parallel degrees fit the run's world (`nproc_per_node` processes on one node), as the trainer checks."""
+    try:
+        resolve_layout(sub.cfg, sub.nproc_per_node, get_flavor(sub.cfg.model.flavor).n_experts)
+    except ValueError as e:
+        return str(e)
     return None
 
 
@@ -163,5 +173,5 @@ def refusal(settings: Settings, sub: Submission, claimed_ports: dict[int, str],
             trainer_check: TrainerCheck) -> str | None:
     """The first reason to refuse `sub`, or None to accept it."""
     # The planner (torch-free, in process): a run whose memory cannot fit its GPUs, one process each.
-    return (host_refusal(settings, sub) or port_refusal(settings, sub, claimed_ports)
+    return (host_refusal(settings, sub) or degrees_refusal(sub) or port_refusal(settings, sub, claimed_ports)
             or (plan_refusal(sub.cfg, sub.nproc_per_node) if sub.gpus else None) or trainer_check(sub))

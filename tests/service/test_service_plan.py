@@ -43,3 +43,17 @@ def test_a_run_that_fits_is_accepted_and_cpu_runs_are_not_planned(make_service):
     svc = make_service("plan-ok", fake=True, gpus=1)
     assert svc.create(name="debug-gpu", toml=DEBUG, gpus=1).status_code in (200, 201)
     assert svc.create(name="debug-cpu", toml=DEBUG).status_code in (200, 201)
+
+
+def test_parallel_degrees_that_do_not_fit_the_processes_are_refused_without_gpus_too(make_service):
+    svc = make_service("degrees", fake=True, gpus=2)
+    r = svc.create(name="shard-3-on-1", toml=DEBUG, gpus=0, overrides={"parallelism.data_parallel_shard_degree": 3})
+    assert r.status_code == 422, r.text
+    assert detail(r) == ("config key 'parallelism.data_parallel_shard_degree' = 3: replicate 1 x shard 3 must equal "
+                         "the world size 1 (use -1 for the rest)")
+    r = svc.create(name="ep-2-on-1", toml=DEBUG, gpus=0, overrides={"parallelism.expert_parallel_degree": 2})
+    assert r.status_code == 422 and "'parallelism.expert_parallel_degree' = 2" in detail(r), r.text
+    assert not (svc.state_dir / "runs" / "shard-3-on-1").exists()
+    ok = svc.create(name="shard-2-on-2", toml=DEBUG, gpus=2, nproc_per_node=2,
+                    overrides={"parallelism.data_parallel_shard_degree": 2})
+    assert ok.status_code in (200, 201), ok.text
