@@ -565,15 +565,22 @@ class Trainer:
         c = self.clocks
         done = [r for r in results if not r.skipped]
         first, last = (done[0].loss, done[-1].loss) if done else (float("nan"), float("nan"))
+        if not results:  # a resume at or past training.steps: no loss, clock or start-up to report
+            session = [f"nothing to train: the run is at update {self.step} and training.steps = "
+                       f"{self.cfg.training.steps} (raise training.steps to train on)"]
+        else:
+            session = [
+                f"loss first {first:.4f} -> last {last:.4f}",
+                f"tokens/update {self.tokens_per_update:,} | tokens seen {self.tokens_seen:,} "
+                f"({c.session_tokens:,} in this session)",
+                f"startup {self.startup_seconds:.1f} s to the end of the first update | this session's tokens/s: "
+                f"training clock {c.session_tokens / max(c.training_seconds, 1e-9):,.0f} | "
+                f"session clock {c.session_tokens / max(c.session_seconds, 1e-9):,.0f}",
+            ]
         return "\n".join([
             "-" * 72,
             f"run {self.run_dir}  ({self.step} updates, {self.skipped_updates} skipped)",
-            f"loss first {first:.4f} -> last {last:.4f}",
-            f"tokens/update {self.tokens_per_update:,} | tokens seen {self.tokens_seen:,} "
-            f"({c.session_tokens:,} in this session)",
-            f"startup {self.startup_seconds:.1f} s to the end of the first update | this session's tokens/s: "
-            f"training clock {c.session_tokens / max(c.training_seconds, 1e-9):,.0f} | "
-            f"session clock {c.session_tokens / max(c.session_seconds, 1e-9):,.0f}",
+            *session,
             self._violations_line(len(results)),
             f"files: {self.run_dir}/metrics.jsonl, events.jsonl, stdout.log, manifest.json, config.toml",
             "-" * 72,

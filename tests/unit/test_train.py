@@ -309,3 +309,15 @@ def test_loss_grad_fp8_is_refused_without_the_fused_loss_on_an_fp8_gpu(monkeypat
     assert calls == [{"fp8_grads": True}]
     plain = impl_module.resolve_impl(load_job_config([]).kernels, torch.device("cpu"))
     assert [c.chosen for c in plain.choices if c.op == "loss_grads"] == ["torch"]
+
+
+def test_a_resume_at_or_past_training_steps_says_nothing_is_left_to_train(tmp_path, capsys):
+    """A finished run started again (or with training.steps lowered below its checkpoint) says so, without nan."""
+    args = [*FAST, "--job.dump_folder", str(tmp_path), "--job.name", "done", "--checkpoint.enable", "true",
+            "--checkpoint.interval", "2", "--lr_scheduler.warmup_steps", "0"]
+    assert main([*args, "--training.steps", "2"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--training.steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to train: the run is at update 2 and training.steps = 1 (raise training.steps to train on)" in out
+    assert "nan" not in out
