@@ -89,3 +89,24 @@ def test_evaluation_without_a_validation_split_stops_at_start(monkeypatch):
         Evaluator(cfg, tokenizer=None, device=torch.device("cpu"))
     Evaluator(load_job_config(["--eval.interval", "10", "--eval.steps", "1", "--eval.tasks", ""]),
               tokenizer=None, device=torch.device("cpu"), val_steps=0, offline=True)
+
+
+def test_offline_eval_refuses_a_damaged_checkpoint(run, tmp_path, capsys):
+    """A checkpoint whose bytes changed since the save is named, not evaluated (the trainer would pass it over)."""
+    import shutil
+
+    run_dir, _ = run
+    copy = tmp_path / "ev"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("eval_table.md"))
+    data = copy / "checkpoints" / "step-2" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert eval_main(["--checkpoint", str(copy / "checkpoints" / "step-2"), "--val-steps", "0", "--device", "cpu"]) == 2
+    assert eval_main(["--runs", str(copy), "--val-steps", "0", "--device", "cpu"]) == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2 and captured.out == ""
+    for line in errors:
+        assert "step-2' is damaged" in line and "__0_0.distcp" in line and "changed since the save" in line
+    assert not (copy / "eval_table.md").exists()

@@ -9,6 +9,8 @@ come from the run's [eval] section, so `--checkpoint` on the step the trainer
 evaluated reproduces the val_loss it logged (same seed, same sequences, one
 process). `--runs` evaluates every complete checkpoint of the run, oldest
 first, and writes RUN_DIR/eval_table.md: the benchmarks across tokens.
+Every checkpoint's files are checked against its checksums.json first, as
+the trainer's load does: a damaged one is named and nothing is evaluated.
 Prints a table (or JSON with `--json`). Exit status 2 with one line on bad input.
 """
 
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from titan_k3.checkpoint import layout, load_model_weights
+from titan_k3.checkpoint import layout, load_model_weights, verify
 from titan_k3.config import JobConfig
 from titan_k3.eval.runner import Evaluator, task_names
 from titan_k3.metrics.run_dir import load_run_config
@@ -68,9 +70,22 @@ def _step_of(step_dir: Path) -> int:
     return int(name.split("-", 1)[1])
 
 
+def _check_intact(step_dir: Path, note) -> None:
+    """Stop on a checkpoint whose files do not match its checksums.json, as the trainer's load does."""
+    problem, unverified = verify.verify(step_dir)
+    if problem is not None:
+        raise ValueError(f"checkpoint {str(step_dir)!r} is damaged: {problem}")
+    if unverified:
+        note(f"note: checkpoint {step_dir} was saved before checksums existed (meta.json version 1): not verified")
+
+
 def evaluate_checkpoints(step_dirs: list[Path], cfg: JobConfig, device: torch.device, *, tasks: str | None,
                          val_steps: int | None, note=print) -> list[dict]:
-    """One row per checkpoint: {"step", "tokens", "checkpoint", **metrics}."""
+    """One row per checkpoint: {"step", "tokens", "checkpoint", **metrics}. Every checkpoint is checked (complete,
+    its checksums matching) before the model is built."""
+    for step_dir in step_dirs:
+        _step_of(step_dir)
+        _check_intact(step_dir, note)
     model, tokenizer, fallbacks = build_model(cfg, device)
     for choice in fallbacks:
         note(f"note: kernel {choice.op}: {choice.chosen} (fallback from '{choice.requested}': {choice.reason})")
