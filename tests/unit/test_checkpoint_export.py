@@ -142,3 +142,20 @@ def test_bf16_export_is_exact_in_bf16_and_keeps_the_routing_bias_in_float32(chec
 def test_export_refuses_a_dir_that_is_not_a_checkpoint(tmp_path, capsys):
     assert main(["--checkpoint", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
     assert "not a titan_k3 checkpoint dir" in capsys.readouterr().err
+
+
+def test_export_refuses_a_damaged_checkpoint(checkpoint, tmp_path, capsys):
+    """A data file changed since the save is named and nothing is written (it exported the damaged weights)."""
+    import shutil
+
+    step_dir, _ = checkpoint
+    copy = tmp_path / "step-3"
+    shutil.copytree(step_dir, copy)
+    data = next(copy.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert main(["--checkpoint", str(copy), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "damaged, not exported" in err and data.name in err and "changed since the save" in err
+    assert not (tmp_path / "out").exists()

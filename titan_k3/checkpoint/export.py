@@ -3,8 +3,10 @@
     python -m titan_k3.checkpoint.export --checkpoint RUN_DIR/checkpoints/step-N --out DIR
         [--dtype bfloat16|float32] [--max-shard-mb 5000]
 
-The export reads the DCP checkpoint shard by shard (peak memory is one output
-shard, not the model), maps names with hf.NAME_MAP, and writes
+The checkpoint's files are first checked against its checksums.json (a
+damaged one is named and nothing is written). The export reads the DCP
+checkpoint shard by shard (peak memory is one output shard, not the model),
+maps names with hf.NAME_MAP, and writes
 `model-0000i-of-0000n.safetensors`, `model.safetensors.index.json` and
 `config.json`. `import_state_dict(DIR)` returns (K3Args, titan_k3 state dict in
 float32), which `K3Model.load_state_dict` and `checkpoint.initial_load_path` take.
@@ -30,6 +32,7 @@ from titan_k3.checkpoint.hf import (
     to_hf,
 )
 from titan_k3.checkpoint.layout import META_FILE
+from titan_k3.checkpoint.verify import verify
 from titan_k3.models.k3.args import K3Args
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -48,6 +51,9 @@ def export_checkpoint(checkpoint: Path, out: Path, *, dtype: str = "bfloat16", m
     meta_path = checkpoint / META_FILE
     if not meta_path.is_file():
         raise FileNotFoundError(f"{meta_path}: not a titan_k3 checkpoint dir (expected checkpoints/step-N)")
+    problem, _ = verify(checkpoint)
+    if problem is not None:
+        raise ValueError(f"{checkpoint}: damaged, not exported: {problem}")
     meta = json.loads(meta_path.read_text())
     args = args_from_dict(meta["model_args"])
     out_dtype = DTYPES[dtype]
