@@ -4,11 +4,23 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, WrapValidator
 
 from service.names import OVERRIDE_KEY_RE, RECIPE_RE, RUN_ID_MAX, RUN_ID_PATTERN
 
-OverrideValue = Union[bool, int, float, str]
+_JSON_KINDS = {list: "an array", dict: "an object", type(None): "null"}
+
+
+def _one_value_error(value: Any, handler):
+    """One error for a value outside the union (pydantic reports one per member, the first 'a valid boolean')."""
+    try:
+        return handler(value)
+    except ValidationError:
+        kind = _JSON_KINDS.get(type(value), type(value).__name__)
+        raise ValueError(f"an override is a string, number or boolean, not {kind}") from None
+
+
+OverrideValue = Annotated[Union[bool, int, float, str], WrapValidator(_one_value_error)]
 OverrideKey = Annotated[str, StringConstraints(pattern=OVERRIDE_KEY_RE.pattern, max_length=200)]
 
 

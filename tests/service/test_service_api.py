@@ -112,6 +112,15 @@ def test_names_and_paths_cannot_leave_their_roots(fake_service, body, fragment):
     assert not (fake_service.state_dir / "evil").exists() and not (fake_service.state_dir.parent / "evil").exists()
 
 
+@pytest.mark.parametrize("value, kind", [([1, 2], "an array"), (None, "null"), ({"a": 1}, "an object")])
+def test_an_override_value_of_the_wrong_kind_is_one_error_at_its_key(fake_service, value, kind):
+    r = fake_service.create(toml=INLINE, overrides={"training.steps": value}, name="bad-override")
+    assert r.status_code == 422, r.text
+    (error,) = r.json()["detail"]  # one, not one per member of the union
+    assert error["loc"] == ["body", "overrides", "training.steps"]
+    assert error["msg"] == f"Value error, an override is a string, number or boolean, not {kind}"
+
+
 def test_path_traversal_in_url_is_refused(fake_service):
     c = fake_service.client
     assert c.get("/v1/runs/..%2F..%2Fregistry.sqlite3").status_code in (404, 422)
