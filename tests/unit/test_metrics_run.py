@@ -138,6 +138,8 @@ def test_endpoint_serves_parseable_exposition_during_the_run(run):
     assert value("titan_k3_grad_norm", group="experts") == pytest.approx(records[-1]["grad_norm/experts"])
     assert value("titan_k3_expert_load_fraction", layer="1", expert="0") == pytest.approx(records[-1]["moe/1/load"][0])
     assert value("titan_k3_tokens_total") == records[-1]["tokens_seen"]
+    per_source = {k.split("/", 1)[1]: v for k, v in records[-1].items() if k.startswith("tokens_per_source/")}
+    assert per_source and all(value("titan_k3_tokens_by_source_total", source=s) == n for s, n in per_source.items())
     assert value("titan_k3_step") == STEPS
     assert value("titan_k3_kernel_fallback", op="kda") == 1.0  # auto on a CPU falls back to the torch reference
     assert value("titan_k3_memory_bytes", kind="host_rss") > 0

@@ -27,6 +27,7 @@ NAMES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "titan_k3_memory_bytes": ("gauge", ("kind",), "Memory: kind=peak_allocated, peak_reserved (accelerator) or host_rss."),
     "titan_k3_tokens_total": ("counter", (), "Tokens trained on (all data-parallel ranks)."),
     "titan_k3_skipped_updates_total": ("counter", (), "Updates skipped for a non-finite loss or grad norm."),
+    "titan_k3_tokens_by_source_total": ("counter", ("source",), "Tokens trained on from each data source (all data-parallel ranks)."),
     "titan_k3_expert_load_fraction": ("gauge", ("layer", "expert"), "Share of routed selections per expert in the last window."),
     "titan_k3_dead_expert_fraction": ("gauge", ("layer",), "Fraction of experts under 10% of the uniform share."),
     "titan_k3_expert_maxvio": ("gauge", ("layer",), "Max expert load over the mean load, minus 1."),
@@ -72,6 +73,7 @@ class PrometheusExporter:
             base = name[: -len("_total")] if kind == "counter" else name
             self.metrics[name] = cls(base, doc, ("run", *labels), registry=self.registry)
         self._counted: dict[str, float] = {"titan_k3_tokens_total": 0.0, "titan_k3_skipped_updates_total": 0.0}
+        self._source_counted: dict[str, float] = {}
         self._server: WSGIServer | None = None
         self.port: int | None = None
 
@@ -133,6 +135,14 @@ class PrometheusExporter:
             if delta > 0:
                 counter.inc(delta)
                 self._counted[name] = record[key]
+        for key, value in record.items():
+            if key.startswith("tokens_per_source/"):
+                source = key.split("/", 1)[1]
+                counter = self._m("titan_k3_tokens_by_source_total", source=source)
+                delta = value - self._source_counted.get(source, 0.0)
+                if delta > 0:
+                    counter.inc(delta)
+                    self._source_counted[source] = value
         for key, value in record.items():
             match = _MOE_KEY.match(key)
             if not match:
