@@ -66,6 +66,7 @@ def run(tmp_path_factory):
         return hook(*a, **kw)
 
     trainer.train_step, trainer._log, trainer.checkpointer.after_step = timed_step, timed_log, timed_hook
+    scrapes.append(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)  # before the first update
     try:
         trainer.train()
     finally:
@@ -122,8 +123,17 @@ def test_summarizer_steady_rate_is_the_window_arithmetic(run, tmp_path):
     assert "**Probe:** smoke" in (tmp_path / "s" / "summary.md").read_text()
 
 
+def test_run_counters_are_exposed_at_zero_before_the_first_update(run):
+    """A skip before the first log step must show as an increase (K3SkippedUpdates), not as a series born at 1."""
+    _, _, scrapes = run
+    samples = {s.name: s.value for f in text_string_to_metric_families(scrapes[0]) for s in f.samples}
+    assert samples["titan_k3_skipped_updates_total"] == 0
+    assert samples["titan_k3_tokens_total"] == 0
+
+
 def test_endpoint_serves_parseable_exposition_during_the_run(run):
     _, records, scrapes = run
+    scrapes = scrapes[1:]
     assert len(scrapes) == 2
     families = {f.name: f for f in text_string_to_metric_families(scrapes[-1])}
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
@@ -162,5 +172,7 @@ def scrapes_logged(records):
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed (system dependency)")
 def test_promtool_accepts_the_exposition(run):
     _, _, scrapes = run
+    assert subprocess.run(["promtool", "check", "metrics"], input=scrapes[0], capture_output=True, text=True,
+                          timeout=60).returncode == 0
     out = subprocess.run(["promtool", "check", "metrics"], input=scrapes[-1], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
