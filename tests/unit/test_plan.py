@@ -213,3 +213,14 @@ def test_refusal_names_what_cannot_fit_and_accepts_what_may():
     bad = refusal(load_job_config(["--model.flavor", "debug", "--parallelism.data_parallel_shard_degree", "3"]), 2)
     assert bad.startswith("the planner says this run cannot start on its 2 GPU(s): config key "
                           "'parallelism.data_parallel_shard_degree' = 3")
+
+
+def test_the_table_names_every_collective_in_full(capsys):
+    """The collectives' names were cut at 34 characters ("Quantile Balancing histograms all-")."""
+    assert main(["--job.config_file", "tomls/pretrain.toml", "--parallelism.expert_parallel_degree", "8",
+                 "--parallelism.expert_dispatch", "all_gather", "--cluster.nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    for name in ("FSDP reduce-scatter (fp32 gradients)", "EP all-gather + reduce-scatter (dispatch, combine)",
+                 "Quantile Balancing histograms all-reduce (fp64)", "loss, token count, grad-norm all-reduces",
+                 "HSDP all-reduce (fp32 gradient shards)"):
+        assert f"    {name} " in out, name

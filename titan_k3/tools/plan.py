@@ -62,10 +62,11 @@ def format_estimate(title: str, est: Estimate) -> str:
     lines.append(f"    {'peak (optimizer step)':48s}{_gib(est.optimizer_peak_gib)}")
     lines.append(f"    {'usable':48s}{_gib(est.budget_gib)}  -> {'fits' if est.fits else 'DOES NOT FIT'}")
     if est.collectives:
-        lines.append("  collectives per update              group (size)      calls   GB/rank    ms   overlapped")
+        width = max(len(c.name) for c in est.collectives)
+        lines.append(f"  {'collectives per update':{width + 3}s}group (size)      calls   GB/rank    ms   overlapped")
         for c in est.collectives:
             where = f"{c.group} ({c.group_size}{', net' if c.across_nodes else ''})"
-            lines.append(f"    {c.name[:34]:34s} {where:17s} {c.calls:5d} {c.bytes_per_rank / 1e9:9.3f} "
+            lines.append(f"    {c.name:{width}s} {where:17s} {c.calls:5d} {c.bytes_per_rank / 1e9:9.3f} "
                          f"{c.seconds * 1e3:7.1f}   {'yes' if c.overlapped else 'no'}")
     lines.append(f"  time per update: compute {est.compute_s * 1e3:.1f} ms + optimizer {est.optimizer_s * 1e3:.1f} ms"
                  f" + exposed communication {est.exposed_comm_s * 1e3:.1f} ms = {est.step_s * 1e3:.1f} ms"
