@@ -159,3 +159,18 @@ def test_export_refuses_a_damaged_checkpoint(checkpoint, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "damaged, not exported" in err and data.name in err and "changed since the save" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_export_shards_are_as_readable_as_its_config(checkpoint, tmp_path):
+    """safetensors left each shard 0600 while config.json and the index followed the umask (0644)."""
+    import os
+
+    step_dir, _ = checkpoint
+    old = os.umask(0o022)
+    try:
+        index = export_checkpoint(step_dir, tmp_path / "out")
+    finally:
+        os.umask(old)
+    for name in set(index["weight_map"].values()):
+        assert (tmp_path / "out" / name).stat().st_mode & 0o777 == 0o644, name
+    assert (tmp_path / "out" / "config.json").stat().st_mode & 0o777 == 0o644

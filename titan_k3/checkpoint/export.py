@@ -86,6 +86,11 @@ def export_checkpoint(checkpoint: Path, out: Path, *, dtype: str = "bfloat16", m
     index = {"metadata": {"total_size": total, "source_step": meta["step"]}, "weight_map": weight_map}
     _write_json(out / INDEX_FILE, index)
     _write_json(out / "config.json", hf_config(args, dtype=dtype, qb_eta=meta.get("qb_eta")))
+    # NOTE: safetensors writes each shard through a private (0600) temporary file; the shards get the mode the
+    # process gives its other files (config.json's), so whoever can read the config can read the weights.
+    mode = (out / "config.json").stat().st_mode & 0o777
+    for name in set(weight_map.values()):
+        os.chmod(out / name, mode)
     return index
 
 
