@@ -174,3 +174,23 @@ def test_export_shards_are_as_readable_as_its_config(checkpoint, tmp_path):
     for name in set(index["weight_map"].values()):
         assert (tmp_path / "out" / name).stat().st_mode & 0o777 == 0o644, name
     assert (tmp_path / "out" / "config.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_a_truncated_or_missing_shard_is_one_error_naming_it(checkpoint, tmp_path):
+    """initial_load_path on a damaged export stopped with a SafetensorError traceback."""
+    from titan_k3.checkpoint.export import export_shapes
+
+    step_dir, _ = checkpoint
+    index = export_checkpoint(step_dir, tmp_path / "out", max_shard_bytes=2**20)
+    first, *rest = sorted(set(index["weight_map"].values()))
+    shard = tmp_path / "out" / first
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    for read in (export_shapes, import_state_dict):
+        with pytest.raises(ValueError, match=f"{first}: not a readable safetensors shard"):
+            read(tmp_path / "out")
+    shard.unlink()
+    with pytest.raises(ValueError, match=f"{first}: not a readable safetensors shard"):
+        export_shapes(tmp_path / "out")
+    (tmp_path / "out" / INDEX_FILE).write_text("{")
+    with pytest.raises(ValueError, match=f"{INDEX_FILE}: not a readable export file"):
+        export_shapes(tmp_path / "out")

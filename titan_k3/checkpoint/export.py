@@ -99,12 +99,11 @@ def import_state_dict(src: Path) -> tuple[K3Args, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     src = Path(src)
-    config = json.loads((src / "config.json").read_text())
-    args = args_from_hf_config(config)
-    index = json.loads((src / INDEX_FILE).read_text())
+    args = args_from_hf_config(_read_json(src / "config.json"))
+    index = _read_json(src / INDEX_FILE)
     weights = {}
     for file in sorted(set(index["weight_map"].values())):
-        weights.update(load_file(str(src / file)))
+        weights.update(_read_shard(src / file, load_file))
     if weights.keys() != index["weight_map"].keys():
         missing = sorted(index["weight_map"].keys() - weights.keys())[:3]
         raise ValueError(f"{src}: the index lists tensors the shards lack, e.g. {missing}")
@@ -113,17 +112,38 @@ def import_state_dict(src: Path) -> tuple[K3Args, dict[str, torch.Tensor]]:
 
 def export_shapes(src: Path) -> dict[str, tuple[int, ...]]:
     """{titan_k3 name: shape} of an export directory from config.json and the safetensors headers (no tensor is read)."""
-    from safetensors import safe_open
-
     src = Path(src)
-    args = args_from_hf_config(json.loads((src / "config.json").read_text()))
-    index = json.loads((src / INDEX_FILE).read_text())
+    args = args_from_hf_config(_read_json(src / "config.json"))
+    index = _read_json(src / INDEX_FILE)
     shapes = {}
     for file in sorted(set(index["weight_map"].values())):
-        with safe_open(str(src / file), framework="pt") as f:
-            for name in f.keys():
-                shapes[name] = torch.empty(f.get_slice(name).get_shape(), device="meta")
+        shapes.update(_read_shard(src / file, _header_tensors))
     return {k: tuple(v.shape) for k, v in from_hf(shapes, set(args.mla_layers)).items()}
+
+
+def _header_tensors(path: str) -> dict[str, torch.Tensor]:
+    """{name: meta tensor of its shape} from one shard's header."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return {name: torch.empty(f.get_slice(name).get_shape(), device="meta") for name in f.keys()}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable export file ({e})") from None
+
+
+def _read_shard(path: Path, read) -> dict[str, torch.Tensor]:
+    """read(str path) of one safetensors shard; a missing, truncated or corrupt one is a ValueError naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        return read(str(path))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: not a readable safetensors shard ({e})") from None
 
 
 def _write_json(path: Path, obj: dict) -> None:
