@@ -191,6 +191,28 @@ def test_moe_experts_matches_float64_reference(skew):
     assert torch.equal(moe_experts(*inputs, idx, prob), y)
 
 
+def test_moe_experts_gate_far_from_zero():
+    """g spread over about +-400: the kernels take both of the gate's factors from one exp(-g/2), which must not
+    overflow into inf / inf where g is far below zero, and the gate saturates at 4 far above it."""
+    x, w1, w3, w2, idx, prob = make_moe(29, 4, 2, 32, 40, torch.float32, seed=26)
+    w1 = (w1.detach() * 120).requires_grad_()  # g ~ N(0, 120^2)
+    inputs = [t.detach().to(DEVICE).requires_grad_() for t in (x, w1, w3, w2)]
+    idx = idx.to(DEVICE)
+    prob = prob.detach().to(DEVICE).requires_grad_()
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(27)).to(DEVICE)
+    g = x.detach().double() @ w1.detach().double()[0]
+    assert g.min() < -200 and g.max() > 200  # the test reaches where exp(-g/2) would overflow float32
+    y = moe_experts(*inputs, idx, prob)
+    grads = torch.autograd.grad(y, (*inputs, prob), dy)
+    want, want_grads = float64_grads(
+        lambda a, b, c, d, p: reference.moe_experts(a, b, c, d, idx, p), (*inputs, prob), dy
+    )
+    assert torch.isfinite(y).all() and all(torch.isfinite(t).all() for t in grads)
+    assert rel_rms(y, want) < 1e-3
+    for name, got, ref in zip(("x", "w1", "w3", "w2", "topk_weight"), grads, want_grads):
+        assert rel_rms(got, ref) < 5e-3, name
+
+
 @pytest.mark.parametrize("cast_in_kernel", [False, True], ids=["cast-pass", "cast-in-kernel"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_moe_experts_float32_master_weights(compiled, cast_in_kernel):
