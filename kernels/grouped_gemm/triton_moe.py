@@ -21,7 +21,7 @@ def _tanh(z):
 
 # NOTE: below this g the gate is taken at the bound, a(-50) ~ -8e-22: with e = exp(-g/2) <= 7.2e10 the product
 # (1 + e)(1 + e^2) stays finite (an unbounded e reads inf / inf = NaN once g < -177).
-GATE_FLOOR: tl.constexpr = -50.0
+GATE_FLOOR = tl.constexpr(-50.0)
 
 
 @triton.jit
