@@ -380,7 +380,8 @@ class Trainer:
         sum_replicated_grads(self.model, self.dp_group)
         loss_t = self._all_reduce(loss_sum) / global_valid
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.reporter.is_log_step(self.step + 1):
+        logs = self.reporter.is_log_step(self.step + 1) or self.evaluator.due(self.step + 1, self.step + 1 == cfg.training.steps)
+        if logs:  # an evaluation step is a log step too
             self.reporter.capture_grads(self.model.named_parameters())
         self.invariants.before_clip(self.step + 1, batches=batches, model=self.model, optimizers=self.optimizers,
                                     normaliser=normaliser, local_valid=n_valid, loader=self.loader,

@@ -38,6 +38,7 @@ def test_trainer_writes_eval_metrics_into_the_step_records(run):
         assert r["val_tokens"] > 0 and 0 < r["val_loss"] < 20
         assert {r["eval/toy/acc"], r["eval/toy/acc_norm"]} <= {0.0, 0.5, 1.0}
         assert "loss" in r and "tokens_seen" in r
+        assert {"grad_norm/experts", "grad_norm/head"} <= r.keys()  # an evaluation step's record is a full one
 
 
 def test_offline_eval_reproduces_the_logged_values(run, capsys):
