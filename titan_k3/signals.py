@@ -25,11 +25,28 @@ reports for Ctrl-C). Both after the save, or at once before the first update.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Callable
 
 EXIT_STATUS = {signal.SIGTERM: 0, signal.SIGINT: 130}
+
+
+def exit_on_stop_signals() -> None:
+    """Until StopSignals takes over: a stop signal ends the process at once with its EXIT_STATUS.
+
+    For `python -m titan_k3.train`'s imports (seconds; more on a slow shared file system), where nothing exists
+    yet to save or close, and a raised StopNow would end as a traceback from the middle of an import.
+    """
+    def stop(signum: int, _frame) -> None:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"[stopped] {signal.Signals(signum).name} received during start-up: stopping now, nothing to save",
+                  flush=True)
+        os._exit(EXIT_STATUS[signum])
+
+    for s in StopSignals.SIGNALS:
+        signal.signal(s, stop)
 
 
 class StopNow(BaseException):

@@ -22,6 +22,13 @@ if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
 
     sys.exit(print_help())
 
+if __name__ == "__main__":
+    # NOTE: a stop during the imports below ends the process as a stop before the first update does (main's
+    # StopSignals take over from these handlers).
+    from titan_k3.signals import exit_on_stop_signals
+
+    exit_on_stop_signals()
+
 import torch
 import torch.distributed as dist
 

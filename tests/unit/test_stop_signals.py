@@ -116,6 +116,25 @@ def test_sigint_saves_after_the_update_exits_130_and_the_resumed_session_counts_
         2 * SEQ / last["session_seconds"])
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_during_the_imports_exits_at_once_with_its_status_and_one_line(tmp_path, signum):
+    """Ctrl-C in the seconds `import torch` takes printed a KeyboardInterrupt traceback (SIGTERM: killed, -15)."""
+    proc = subprocess.Popen([sys.executable, "-u", "-X", "importtime", "-m", "titan_k3.train", *BASE,
+                             "--job.dump_folder", str(tmp_path), "--job.name", "early"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:  # -X importtime: a line as each module is imported
+        lines.append(line)
+        if line.split("|")[-1].strip() == "torch.version":  # inside `import torch`, after the trainer's first lines
+            proc.send_signal(signum)
+            break
+    out = "".join(lines) + proc.stdout.read()
+    assert proc.wait(60) == EXIT_STATUS[signum], out[-3000:]
+    assert f"[stopped] {signal.Signals(signum).name} received during start-up: stopping now, nothing to save" in out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    assert not (tmp_path / "early").exists()
+
+
 def test_the_first_signal_raises_before_the_hand_over_and_goes_to_the_sink_after():
     before = signal.getsignal(signal.SIGTERM)
     stop = StopSignals()
