@@ -194,3 +194,22 @@ def test_a_truncated_or_missing_shard_is_one_error_naming_it(checkpoint, tmp_pat
     (tmp_path / "out" / INDEX_FILE).write_text("{")
     with pytest.raises(ValueError, match=f"{INDEX_FILE}: not a readable export file"):
         export_shapes(tmp_path / "out")
+
+
+def test_a_second_export_into_the_same_dir_leaves_only_its_own_shards(checkpoint, tmp_path):
+    """Re-exporting with another shard count left the first export's shards beside the new index."""
+    step_dir, _ = checkpoint
+    out = tmp_path / "out"
+    first = export_checkpoint(step_dir, out, max_shard_bytes=2**16)
+    (out / "notes.txt").write_text("mine")
+    second = export_checkpoint(step_dir, out)
+    assert len(set(first["weight_map"].values())) > 1
+    assert {p.name for p in out.glob("*.safetensors")} == set(second["weight_map"].values())
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_an_output_path_that_is_a_file_is_one_line(checkpoint, tmp_path, capsys):
+    step_dir, _ = checkpoint
+    (tmp_path / "afile").write_text("")
+    assert main(["--checkpoint", str(step_dir), "--out", str(tmp_path / "afile")]) == 2
+    assert "afile" in capsys.readouterr().err

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from titan_k3.checkpoint.verify import verify
 from titan_k3.models.k3.args import K3Args
 
 INDEX_FILE = "model.safetensors.index.json"
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -89,8 +91,14 @@ def export_checkpoint(checkpoint: Path, out: Path, *, dtype: str = "bfloat16", m
     # NOTE: safetensors writes each shard through a private (0600) temporary file; the shards get the mode the
     # process gives its other files (config.json's), so whoever can read the config can read the weights.
     mode = (out / "config.json").stat().st_mode & 0o777
-    for name in set(weight_map.values()):
+    written = set(weight_map.values())
+    for name in written:
         os.chmod(out / name, mode)
+    # NOTE: an earlier export into `out` with another shard count left shards this index does not name; loaders
+    # that glob *.safetensors would read their stale tensors too.
+    for stale in out.glob("model-*-of-*.safetensors"):
+        if _SHARD_NAME.fullmatch(stale.name) and stale.name not in written:
+            stale.unlink()
     return index
 
 
@@ -161,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         index = export_checkpoint(a.checkpoint, a.out, dtype=a.dtype, max_shard_bytes=a.max_shard_mb * 2**20)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     files = sorted(set(index["weight_map"].values()))
