@@ -155,6 +155,21 @@ def test_tensorboard_enabled_but_missing_is_a_config_error(monkeypatch):
         MetricsReporter(cfg, rank=0, device=torch.device("cpu"), flops_per_token=1.0)
 
 
+def test_tensorboard_enabled_but_missing_fails_the_config_check(monkeypatch):
+    """`--job.validate_only true` and the service's check say so before the run (they said 'config ok')."""
+    import importlib.util
+
+    from titan_k3.config.check import config_error
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard"
+                        else real_find_spec(name, *a))
+    error = config_error(["--metrics.enable_tensorboard", "true"])
+    assert error is not None and error.startswith("config key 'metrics.enable_tensorboard' = true") \
+        and "not installed" in error
+    assert config_error(["--metrics.enable_tensorboard", "false"]) is None
+
+
 def test_a_busy_prometheus_port_is_a_config_error():
     import socket
 

@@ -16,6 +16,7 @@ service runs it before it accepts a run; `python -m titan_k3.train
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 import sys
 from pathlib import Path
@@ -78,8 +79,17 @@ def check_files(cfg: JobConfig) -> None:
             raise ConfigError(f"config key '{key}' = {value!r}: no such file or directory")
 
 
+def check_packages(cfg: JobConfig) -> None:
+    """The optional packages the configuration turns on are installed (metrics.enable_tensorboard: tensorboard).
+    NOTE: found, not imported: this check stays torch-free and fast; the trainer imports it when the run starts."""
+    if cfg.metrics.enable_tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("config key 'metrics.enable_tensorboard' = true: the tensorboard package is not installed; "
+                          "pip install tensorboard or set it to false")
+
+
 def check_host(cfg: JobConfig) -> None:
     """Every host check; raises ConfigError with one line naming the key."""
+    check_packages(cfg)
     check_files(cfg)
     check_data(cfg)
     check_port(cfg)
