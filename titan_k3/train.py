@@ -262,7 +262,7 @@ class Trainer:
         if self.stop_signals is not None:
             self.stop_signals.install()  # back from the checkpointer's handler: ours hands it signals after update 1
         self.checkpointer.load(resume)
-        self.reporter.expose_counters(self.tokens_seen, self.skipped_updates)
+        self.reporter.expose_counters(self.step, self.tokens_seen, self.skipped_updates)
         self._use_seq_len(self.state.seq_len)  # a resumed run continues at its curriculum stage
         self._inject_faults()
         self.gc_schedule = ScheduledGC(t.gc_every)  # last: a failed start leaves Python's collector as it was

@@ -124,11 +124,13 @@ def test_summarizer_steady_rate_is_the_window_arithmetic(run, tmp_path):
 
 
 def test_run_counters_are_exposed_at_zero_before_the_first_update(run):
-    """A skip before the first log step must show as an increase (K3SkippedUpdates), not as a series born at 1."""
+    """A skip before the first log step must show as an increase (K3SkippedUpdates), not as a series born at 1; the
+    update count is there from the start too."""
     _, _, scrapes = run
     samples = {s.name: s.value for f in text_string_to_metric_families(scrapes[0]) for s in f.samples}
     assert samples["titan_k3_skipped_updates_total"] == 0
     assert samples["titan_k3_tokens_total"] == 0
+    assert samples["titan_k3_step"] == 0  # the dashboard lists the run (label_values of titan_k3_step) from its start
 
 
 def test_endpoint_serves_parseable_exposition_during_the_run(run):

@@ -104,8 +104,9 @@ class PrometheusExporter:
                                ("total", build_seconds + first_update_seconds)):
             self._m("titan_k3_startup_seconds", phase=phase).set(seconds)
 
-    def expose_counters(self, tokens_seen: int, skipped_updates: int) -> None:
-        """Expose the run's counters at their values before this session's first update (0, or a resumed run's).
+    def expose_counters(self, step: int, tokens_seen: int, skipped_updates: int) -> None:
+        """Expose the run's counters, and its update count, at their values before this session's first update (0,
+        or a resumed run's): the run is on the endpoint (and in the dashboard's run list) from its start.
 
         NOTE: a series that first appears above its start hides that step from increase() (K3SkippedUpdates):
         a skip before the first log step would never alert.
@@ -113,6 +114,7 @@ class PrometheusExporter:
         for name, value in (("titan_k3_tokens_total", tokens_seen), ("titan_k3_skipped_updates_total", skipped_updates)):
             self._m(name).inc(value - self._counted[name])
             self._counted[name] = value
+        self._m("titan_k3_step").set(step)
 
     def declare_checks(self, checks) -> None:
         """Expose every invariant's counter at 0 from the start."""

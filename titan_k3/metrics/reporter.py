@@ -77,10 +77,11 @@ class MetricsReporter:
         if self.exporter is not None:
             self.exporter.close()
 
-    def expose_counters(self, tokens_seen: int, skipped_updates: int) -> None:
-        """The endpoint's run counters at the session's starting values, before its first update (rank 0)."""
+    def expose_counters(self, step: int, tokens_seen: int, skipped_updates: int) -> None:
+        """The endpoint's run counters and update count at the session's starting values, before its first update
+        (rank 0)."""
         if self.exporter is not None:
-            self.exporter.expose_counters(tokens_seen, skipped_updates)
+            self.exporter.expose_counters(step, tokens_seen, skipped_updates)
 
     def violation(self, check: str) -> None:
         """Count one invariant violation on the endpoint (rank 0 only serves one)."""
