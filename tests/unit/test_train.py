@@ -321,3 +321,20 @@ def test_a_resume_at_or_past_training_steps_says_nothing_is_left_to_train(tmp_pa
     out = capsys.readouterr().out
     assert "nothing to train: the run is at update 2 and training.steps = 1 (raise training.steps to train on)" in out
     assert "nan" not in out
+
+
+def test_bf16_compute_in_one_cpu_process_is_a_named_fallback(tmp_path, capsys):
+    """One CPU process has neither CUDA's bf16 autocast nor FSDP's parameter dtype: it computes in float32, and says so
+    (the run recorded compute_dtype = 'bfloat16' and trained in float32 without a word)."""
+    args = [*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "1", "--training.compute_dtype", "bfloat16"]
+    assert main([*args, "--job.name", "bf16"]) == 0
+    events = [json.loads(x) for x in (tmp_path / "bf16" / "events.jsonl").read_text().splitlines()]
+    (fallback,) = [e for e in events if e["kind"] == "fallback" and e.get("op") == "compute_dtype"]
+    assert fallback["requested"] == "bfloat16" and fallback["chosen"] == "float32"
+    torch_kernels = [x for op in ("kda", "experts", "loss", "attn_res", "router", "max_logit", "conv")
+                     for x in (f"--kernels.{op}", "torch")]
+    capsys.readouterr()
+    assert main([*args, "--job.name", "strict", "--job.strict", "true", *torch_kernels,
+                 "--kernels.attention", "math"]) == 2
+    assert "job.strict = true and compute_dtype falls back to 'float32'" in capsys.readouterr().err
+    assert not (tmp_path / "strict").exists()

@@ -52,6 +52,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg, device: torch.d
         apply_fsdp(model, dims, mesh, param_dtype=DTYPES[cfg.training.compute_dtype],
                    reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
                    average_gradients=cfg.debug.inject_grad_scale == "fsdp_average")
+    elif cfg.training.compute_dtype == "bfloat16" and device.type != "cuda":
+        # NOTE: bf16 compute is CUDA autocast or FSDP2's parameter dtype; one process without CUDA has neither.
+        choices.append(KernelChoice("compute_dtype", "bfloat16", "float32", True,
+                                    "one process without CUDA: no bf16 autocast and no FSDP parameter dtype"))
     fallbacks = [c for c in choices if c.fallback]
     if cfg.job.strict and fallbacks:
         raise ConfigError(f"job.strict = true and {fallbacks[0].op} falls back to '{fallbacks[0].chosen}': {fallbacks[0].reason}")
