@@ -121,6 +121,14 @@ def test_an_override_value_of_the_wrong_kind_is_one_error_at_its_key(fake_servic
     assert error["msg"] == f"Value error, an override is a string, number or boolean, not {kind}"
 
 
+def test_listing_by_an_unknown_state_is_refused_not_answered_empty(fake_service):
+    c = fake_service.client
+    r = c.get("/v1/runs", params={"state": "runing"})
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"][0]["loc"] == ["query", "state"] and "'running'" in detail(r)
+    assert c.get("/v1/runs", params={"state": "lost"}).status_code == 200
+
+
 def test_path_traversal_in_url_is_refused(fake_service):
     c = fake_service.client
     assert c.get("/v1/runs/..%2F..%2Fregistry.sqlite3").status_code in (404, 422)
