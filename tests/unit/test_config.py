@@ -35,7 +35,9 @@ def test_cli_overrides_toml_overrides_defaults(tmp_path):
         (["--kernels.kda", "trito"], "expected one of 'auto', 'triton', 'fla', 'torch'; did you mean 'triton'?"),
         (["--parallelism.expert_parallel_degree", "3", "--model.flavor", "debug"], "must divide the 8 experts"),
         (["--lr_scheduler.warmup_steps", "50", "--training.steps", "20"], "must be below training.steps = 20"),
-        (["--data.mixture", "code:0"], "config key 'data.mixture'"),
+        (["--data.mixture", "code:0"], "config key 'data.mixture' = 'code:0': every weight is 0"),
+        (["--data.mixture", "code:-1,prose:1"], "weights >= 0, 0 excluding a source (bad part 'code:-1')"),
+        (["--data.mixture", "code:inf,prose:1"], "(bad part 'code:inf')"),
         (["--training.compute_dtype", "fp8"], "config key 'training.compute_dtype' = 'fp8': expected one of"),
     ],
 )
@@ -45,6 +47,11 @@ def test_errors_are_one_line_and_name_the_key(argv, expected):
     message = str(e.value)
     assert expected in message
     assert "\n" not in message
+
+
+def test_a_mixture_weight_of_zero_excludes_a_source():
+    """The loader's own advice for a source left out of data.mixture ('0 excludes it') is a config that loads."""
+    assert load_job_config(["--data.mixture", "prose:1,code:0"]).data.mixture == "prose:1,code:0"
 
 
 def test_seq_len_not_multiple_allowed_with_torch_kda():

@@ -62,11 +62,13 @@ def parse_mixture(spec: str) -> dict[str, float] | None:
     for part in spec.split(","):
         name, _, weight = part.partition(":")
         try:
-            ok = bool(name.strip()) and float(weight) > 0
+            ok = bool(name.strip()) and math.isfinite(float(weight)) and float(weight) >= 0
         except ValueError:
             ok = False
-        _require(ok, f"config key 'data.mixture' = {spec!r}: expected 'name:weight,...' with weights > 0 (bad part {part!r})")
+        _require(ok, f"config key 'data.mixture' = {spec!r}: expected 'name:weight,...' with weights >= 0, 0 excluding "
+                     f"a source (bad part {part!r})")
         weights[name.strip()] = float(weight)
+    _require(sum(weights.values()) > 0, f"config key 'data.mixture' = {spec!r}: every weight is 0; give one source more")
     return weights
 
 
