@@ -37,7 +37,7 @@ from kernels.specializations import Precompile
 from titan_k3.checkpoint import CheckpointSaveError, build_checkpointer, check_resumable
 from titan_k3.config import ConfigError, JobConfig, load_job_config
 from titan_k3.config.manager import print_help
-from titan_k3.config.check import CONFIG_ERROR_EXIT, check_host
+from titan_k3.config.check import CONFIG_ERROR_EXIT, check_data, check_files, check_host
 from titan_k3.config.validate import parse_context_stages, parse_mixture, seq_len_at, warmup_updates
 from titan_k3.data.budget import describe_run_data, report_lines, run_tokens
 from titan_k3.data.loader import check_token_ids
@@ -620,6 +620,10 @@ def _main(argv: list[str], stop: StopSignals) -> int:
             check_host(cfg)
             print("config ok")
             return 0
+        # NOTE: the refusals --job.validate_only and the control service give, each naming its key (the metrics
+        # port is the exporter's own to bind).
+        check_files(cfg)
+        check_data(cfg)
         trainer = Trainer(cfg, stop)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

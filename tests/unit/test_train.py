@@ -338,3 +338,16 @@ def test_bf16_compute_in_one_cpu_process_is_a_named_fallback(tmp_path, capsys):
                  "--kernels.attention", "math"]) == 2
     assert "job.strict = true and compute_dtype falls back to 'float32'" in capsys.readouterr().err
     assert not (tmp_path / "strict").exists()
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--data.mixture", "prose:1"], "error: config key 'data.mixture' = 'prose:1': no weight for source(s) ['code'] "
+                                    "(0 leaves one out); the dataset has ['code', 'prose']"),
+    (["--eval.tasks", "/nonexistent/a.jsonl"], "error: config key 'eval.tasks' = '/nonexistent/a.jsonl': no such file"),
+])
+def test_data_and_file_refusals_name_their_key_as_validate_only_does(tmp_path, capsys, argv, line):
+    """The trainer said 'mixture: no weight for source(s) ...' and 'task file ...', without the key --job.validate_only
+    and the control service name."""
+    assert main([*FAST, "--job.dump_folder", str(tmp_path), "--job.name", "refused", *argv]) == 2
+    assert capsys.readouterr().err.startswith(line)
+    assert not (tmp_path / "refused").exists()

@@ -66,7 +66,7 @@ def check_data(cfg: JobConfig) -> None:
     unknown = sorted(set(mixture) - set(sources))
     missing = sorted(set(sources) - set(mixture))
     if unknown or missing:
-        what = f"unknown source(s) {unknown}" if unknown else f"no weight for source(s) {missing}"
+        what = f"unknown source(s) {unknown}" if unknown else f"no weight for source(s) {missing} (0 leaves one out)"
         raise ConfigError(f"config key 'data.mixture' = {d.mixture!r}: {what}; the dataset has {sources}")
 
 
