@@ -149,6 +149,7 @@ class Trainer:
         self.stop_signals = stop_signals
         self.clocks = TwoClocks()
         self.startup_seconds = float("nan")  # set after this process's first update
+        self._session_first: StepResult | None = None  # this session's first update (train())
         self.device = _device(cfg)
         _allocator_settings(cfg, self.device)
         try:  # first, so that everything the run allocates is in the trace
@@ -334,13 +335,15 @@ class Trainer:
         self.reporter.report_kernels(self.impl.choices)
 
     def _log(self, result: StepResult, window: dict, evals: dict | None = None) -> None:
+        # NOTE: the session's first update, logged or not, in every record: the overfit probe compares with the start.
+        first = {"session_first_step": self._session_first.step, "session_first_loss": self._session_first.loss}
         violations = {"invariant_violations": self.invariants.total_violations,
                       "invariant_checked_updates": self.invariants.checked_updates,
                       **{f"invariant_violations/{check}": n for check, n in self.invariants.counts.items()}}
         self.reporter.log(
             step=self.step, loss=result.loss, grad_norm=result.grad_norm, lr=self._last_lr, tokens_seen=self.tokens_seen,
             skipped_updates=self.skipped_updates, clocks=self.clocks, window=window, routers=self.model.moe_routers(),
-            source_tokens=getattr(self.loader, "source_tokens_total", None), extra={**violations, **(evals or {})},
+            source_tokens=getattr(self.loader, "source_tokens_total", None), extra={**first, **violations, **(evals or {})},
         )
 
     def _evaluate(self) -> dict:
@@ -509,6 +512,7 @@ class Trainer:
                 if self.stop_signals is not None:
                     self.stop_signals.hand_over(self._stop_after_update)  # an update to save exists from now on
                 self._report_startup()
+                self._session_first = result
             self.profiler.after(self.step)
             self.memory_peak.after(self.step, self.run_dir, self.rank, self.events)
             self.tokens_seen += result.n_tokens

@@ -59,6 +59,15 @@ def test_overfit_probe_answer_and_markdown(tmp_path):
     assert "| loss at update 10 (first logged) -> 40 | 10.0000 -> " in text
 
 
+def test_overfit_probe_compares_with_the_first_update_not_the_first_logged_one(tmp_path):
+    """By its first log step (50 in tomls/overfit.toml) one repeated batch is memorised: comparing the last loss with
+    that one answered 'no' (or a ratio of two near-zero losses) for a run that went from 9.4 to 1e-5."""
+    losses = (8e-5, 2e-5, 1e-5, 8e-6)
+    records = [dict(r, loss=x, session_first_step=1, session_first_loss=9.38) for r, x in zip(RECORDS, losses)]
+    text, _ = summarize(_run_dir(tmp_path, "overfit: memorise one repeated batch", records))
+    assert "**Answer:** yes: final loss is 0.00% of update 1's 9.3800 (target < 5%)" in text
+
+
 def test_probe_from_description_or_recipe_name():
     assert probe_of({"job": {"description": "stability: successive batches"}}) == "stability"
     assert probe_of({"job": {"config_file": "tomls/pilot.toml"}}) == "throughput"

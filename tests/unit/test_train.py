@@ -33,6 +33,7 @@ def test_run_directory_holds_what_design_promises(tmp_path):
     assert resolved.model.flavor == "debug" and resolved.training.steps == 3
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["session_first_step"] == 1 and r["session_first_loss"] == records[0]["loss"] for r in records)
     assert records[-1]["tokens_seen"] == 3 * 64
     assert all(k in records[-1] for k in ("loss", "lr", "grad_norm", "tokens_per_second_training", "mfu", "moe/1/dead_fraction"))
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]

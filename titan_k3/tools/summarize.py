@@ -167,8 +167,12 @@ def _verdict(probe: str | None, records: list[dict], config: dict, steady: Stead
         return f"{'yes' if ok else 'no'}: reached step {last['step']}" + (f" of {steps}" if steps else "") + \
             f", {last.get('skipped_updates', 0)} skipped updates"
     if probe == "overfit":
-        ratio = last["loss"] / first["loss"] if first["loss"] else float("nan")
-        return f"{'yes' if ratio < OVERFIT_RATIO else 'no'}: final loss is {100 * ratio:.2f}% of the first (target < {100 * OVERFIT_RATIO:.0f}%)"
+        # NOTE: against the session's first update, which every record carries (records before it: the first logged
+        # one); by the first log step of one repeated batch the loss is already near its floor.
+        step, start = first.get("session_first_step", first["step"]), first.get("session_first_loss", first["loss"])
+        ratio = last["loss"] / start if start else float("nan")
+        return (f"{'yes' if ratio < OVERFIT_RATIO else 'no'}: final loss is {100 * ratio:.2f}% of update {step}'s "
+                f"{start:.4f} (target < {100 * OVERFIT_RATIO:.0f}%)")
     if probe == "stability":
         skipped = last.get("skipped_updates", 0)
         return f"{'yes' if skipped == 0 else 'no'}: {skipped} skipped updates, loss {first['loss']:.4f} -> {last['loss']:.4f}"
