@@ -39,6 +39,8 @@ def test_cli_overrides_toml_overrides_defaults(tmp_path):
         (["--data.mixture", "code:-1,prose:1"], "weights >= 0, 0 excluding a source (bad part 'code:-1')"),
         (["--data.mixture", "code:inf,prose:1"], "(bad part 'code:inf')"),
         (["--training.compute_dtype", "fp8"], "config key 'training.compute_dtype' = 'fp8': expected one of"),
+        (["--checkpoint.enable", "false", "--checkpoint.load_step", "5"],
+         "config key 'checkpoint.load_step' = 5: no checkpoint is read with checkpoint.enable = false"),
     ],
 )
 def test_errors_are_one_line_and_name_the_key(argv, expected):

@@ -199,6 +199,11 @@ def validate(cfg: JobConfig, needs_data: bool = True) -> None:
         cfg.checkpoint.load_step >= -1,
         f"config key 'checkpoint.load_step' = {cfg.checkpoint.load_step}: must be -1 (latest) or a saved step",
     )
+    _require(
+        cfg.checkpoint.load_step == -1 or cfg.checkpoint.enable or cfg.checkpoint.save_on_stop,
+        f"config key 'checkpoint.load_step' = {cfg.checkpoint.load_step}: no checkpoint is read with checkpoint.enable "
+        "= false and checkpoint.save_on_stop = false; enable one of them, or set load_step to -1",
+    )
     _positive("metrics.log_freq", cfg.metrics.log_freq)
     _require(
         cfg.metrics.prometheus_port == 0 or 1024 <= cfg.metrics.prometheus_port <= 65535,
