@@ -68,11 +68,13 @@ def test_offline_eval_bad_input_is_one_line_and_exit_2(run, tmp_path, capsys):
     assert eval_main(["--runs", str(tmp_path), "--device", "cpu"]) == 2
     assert eval_main(["--checkpoint", str(run_dir / "checkpoints" / "step-1"), "--tasks", str(tmp_path / "no.jsonl"),
                       "--device", "cpu"]) == 2
+    assert eval_main(["--checkpoint", str(run_dir / "checkpoints"), "--device", "cpu"]) == 2  # the folder, not a step
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 3
+    assert len(errors) == 4
     assert "step-9': not a complete step-N checkpoint" in errors[0]
     assert "no config.toml" in errors[1]
     assert "no.jsonl': no such file" in errors[2]
+    assert "checkpoints': not a complete step-N checkpoint directory" in errors[3] and "--runs RUN_DIR" in errors[3]
 
 
 def test_eval_batch_must_split_evenly_over_ranks():

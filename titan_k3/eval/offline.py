@@ -66,7 +66,8 @@ def _checkpoint_tokens(step_dir: Path) -> int | None:
 def _step_of(step_dir: Path) -> int:
     name = step_dir.name
     if not layout.is_complete(step_dir):
-        raise ValueError(f"checkpoint {str(step_dir)!r}: not a complete step-N checkpoint directory")
+        raise ValueError(f"checkpoint {str(step_dir)!r}: not a complete step-N checkpoint directory (--checkpoint takes "
+                         "RUN_DIR/checkpoints/step-N; --runs RUN_DIR evaluates every checkpoint of a run)")
     return int(name.split("-", 1)[1])
 
 
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = _device(args.device)
         if args.checkpoint is not None:
+            _step_of(args.checkpoint)  # NOTE: first: a run's folder or its checkpoints folder has no run two levels up
             run_dir = run_dir_of(args.checkpoint)
             step_dirs = [args.checkpoint]
         else:
