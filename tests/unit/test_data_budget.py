@@ -41,6 +41,12 @@ def test_one_epoch_or_less_is_said_and_more_warns():
     assert "python -m titan_k3.data.prepare" in warning and "\n" not in warning
 
 
+def test_the_line_says_when_the_mixture_is_the_datasets_prepare_weights():
+    line, _ = report_lines(_dataset(100, mixture_from="prepared"))
+    assert line.endswith("| mixture: the dataset's prepare weights (a 0.5, b 0.5; data.mixture overrides them)")
+    assert "mixture:" not in report_lines(_dataset(100, mixture_from="natural"))[0]
+
+
 def test_a_fixed_batch_has_no_epochs():
     data = describe_run_data({"dataset": "d", "sha256": "0" * 64, "tokens": 10, "tokens_per_source": {"a": 10},
                               "weights": {"a": 1.0}}, total_tokens=10**6, fixed_batch=True)

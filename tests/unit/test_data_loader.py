@@ -26,8 +26,9 @@ class StubTokenizer(Tokenizer):
         return "".join(map(chr, ids))
 
 
-def make_dataset(path, doc_lengths: dict[str, list[int]]):
-    """Returns (tokenizer, token id -> (source, doc, last-in-doc)) for a dataset of unique tokens."""
+def make_dataset(path, doc_lengths: dict[str, list[int]], **index_extra):
+    """Returns (tokenizer, token id -> (source, doc, last-in-doc)) for a dataset of unique tokens; index_extra goes into
+    index.json (e.g. the mixture prepare records)."""
     tok, dtype = StubTokenizer(), token_dtype(VOCAB)
     owner, next_id, records = {}, 1, []
     for source, lengths in doc_lengths.items():
@@ -41,7 +42,7 @@ def make_dataset(path, doc_lengths: dict[str, list[int]]):
         half = len(docs) // 2  # two shards per source
         for k, part in enumerate((docs[:half], docs[half:])):
             records.append(write_shard(path, f"train-{source}-{k:05d}", part, source=source, dtype=dtype))
-    write_index(path, tok, {"train": records})
+    write_index(path, tok, {"train": records}, **index_extra)
     return tok, owner
 
 
@@ -183,6 +184,34 @@ def test_mixture_of_three_sources_tracks_weights(tmp_path):
     assert natural.weights == pytest.approx({k: v / sum(sizes.values()) for k, v in sizes.items()})
     zero = build_dataloader(str(tmp_path), tok, 32, 4, 0, 1, seed=3, mixture={"code": 1, "math": 0, "web": 1})
     assert sum(b.source_tokens["math"] for b in take(zero, 20)) == 0
+
+
+def test_an_empty_mixture_takes_the_weights_the_dataset_was_prepared_with(tmp_path):
+    """Weights written in the prepare config are trained on unless data.mixture says otherwise; weights all alike
+    (prepare's default) leave the natural token proportions."""
+    docs = {"code": lengths(40, 100, 400, 1), "web": lengths(30, 20, 200, 3)}
+    sizes = {k: sum(v) for k, v in docs.items()}
+    natural = {k: v / sum(sizes.values()) for k, v in sizes.items()}
+    for name, recorded, want, origin in (
+        ("uneven", {"code": 0.3, "web": 0.7}, {"code": 0.3, "web": 0.7}, "prepared"),
+        ("alike", {"code": 1.0, "web": 1.0}, natural, "natural"),
+        ("none", None, natural, "natural"),
+    ):
+        path = tmp_path / name
+        path.mkdir()
+        tok, _ = make_dataset(path, docs, **({"mixture": recorded} if recorded else {}))
+        loader = build_dataloader(str(path), tok, 32, 4, 0, 1, seed=3)
+        assert loader.weights == pytest.approx(want), name
+        assert loader.describe()["mixture_from"] == origin, name
+        own = build_dataloader(str(path), tok, 32, 4, 0, 1, seed=3, prepared_weights=False)  # validation's
+        assert own.weights == pytest.approx(natural) and own.describe()["mixture_from"] == "natural", name
+        given = build_dataloader(str(path), tok, 32, 4, 0, 1, seed=3, mixture={"code": 1, "web": 1})
+        assert given.weights == pytest.approx({"code": 0.5, "web": 0.5}) and given.describe()["mixture_from"] == "data.mixture"
+    totals = dict.fromkeys(docs, 0)
+    for b in take(build_dataloader(str(tmp_path / "uneven"), tok, 32, 4, 0, 1, seed=3), 100):
+        for k, v in b.source_tokens.items():
+            totals[k] += v
+    assert abs(totals["code"] / sum(totals.values()) - 0.3) < 0.02  # the batches follow the prepared weights
 
 
 def test_bad_arguments(one_source, tmp_path):

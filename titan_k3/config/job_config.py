@@ -266,7 +266,7 @@ class Data:
     tokenizer: str = "embedded"
     """'embedded', an HF tokenizer.json, or a tiktoken BPE file."""
     mixture: str = ""
-    """Source weights as 'name:weight,name:weight' (0 leaves a source out); empty keeps natural proportions."""
+    """Source weights as 'name:weight,name:weight' (0 leaves a source out); empty takes the weights the dataset was prepared with ([[sources]] weight), or natural token proportions where those are all alike."""
     prefetch: int = 2
     """Batches prepared ahead by the loader thread."""
 

@@ -72,6 +72,9 @@ def report_lines(data: dict[str, Any]) -> tuple[str, str | None]:
     uneven = len(set(per_source.values())) > 1
     line += f" = {data['epochs']:,.2f} epochs" + (" (" + ", ".join(f"{k} {v:,.2f}" for k, v in per_source.items())
                                                    + " by the mixture)" if uneven else "")
+    if data.get("mixture_from") == "prepared":
+        line += (" | mixture: the dataset's prepare weights (" + ", ".join(f"{k} {w:.3g}" for k, w in data["weights"].items())
+                 + "; data.mixture overrides them)")
     if data["epochs"] <= 1:
         return line, None
     repeated = ", ".join(f"{k} {v:,.1f}x" for k, v in per_source.items() if v > 1)

@@ -366,7 +366,8 @@ class DataLoader:
         self._state = self._core.get_state()
 
     def describe(self) -> dict:
-        """The dataset as the manifest records it: {dataset, path, name, sha256, split, tokens (of the split),
+        """The dataset as the manifest records it: {dataset, path, name, sha256, split, mixture_from ('data.mixture',
+        'prepared': the dataset's prepare weights, or 'natural': token proportions), tokens (of the split),
         tokens_per_source, weights}."""
         return {**self.dataset, "tokens": sum(s.n_tokens for s in self._core.streams),
                 "tokens_per_source": {s.name: s.n_tokens for s in self._core.streams}, "weights": dict(self.weights)}
@@ -406,6 +407,19 @@ def _normalise_mixture(dataset: Dataset, split: str, mixture: dict[str, float] |
     return [mixture[n] / total for n in names]
 
 
+def prepared_mixture(index: dict) -> dict[str, float] | None:
+    """The source weights `python -m titan_k3.data.prepare` recorded in the index (its config's [[sources]] weight),
+    or None where it recorded none or all alike (prepare's default weight is 1.0 for every source).
+
+    NOTE: an empty data.mixture trains on these, so that weights written in the prepare config are not dropped without
+    a word; weights all alike say nothing, and those datasets keep their natural token proportions.
+    """
+    recorded = index.get("mixture")
+    if not recorded or len(set(recorded.values())) <= 1:
+        return None
+    return dict(recorded)
+
+
 def build_dataloader(
     dataset: str,
     tokenizer: Tokenizer,
@@ -417,8 +431,12 @@ def build_dataloader(
     split: str = "train",
     mixture: dict[str, float] | None = None,
     prefetch: int = 2,
+    prepared_weights: bool = True,
 ) -> DataLoader:
     """A `DataLoader` over ``"embedded"`` or a prepared dataset directory (with index.json).
+
+    mixture: {source: weight}; None takes the weights the dataset was prepared with (`prepared_mixture`; not with
+    prepared_weights=False), else the sources' natural token proportions. `describe()["mixture_from"]` says which.
 
     Raises ValueError, before any work, for a tokenizer other than the dataset's, a
     corrupt shard, an unknown split or source, or out-of-range arguments.
@@ -442,8 +460,12 @@ def build_dataloader(
     if not by_source:
         raise ValueError(f"split={split!r} of dataset {str(path)!r}: no documents")
     streams = [_SourceStream(name, by_source[name], seed) for name in sorted(by_source)]
+    origin = "natural" if mixture is None else "data.mixture"
+    if mixture is None and prepared_weights:
+        mixture = prepared_mixture(ds.index)
+        origin = "natural" if mixture is None else "prepared"
     weights = _normalise_mixture(ds, split, mixture, streams)
     core = _Core(streams, weights, seq_len, local_batch_size, dp_rank, dp_world, seed)
     info = {"dataset": dataset, "path": str(path), "name": ds.index.get("name", path.name),
-            "sha256": content_sha256(ds.index), "split": split}
+            "sha256": content_sha256(ds.index), "split": split, "mixture_from": origin}
     return DataLoader(core, prefetch, info)

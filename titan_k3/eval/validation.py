@@ -39,14 +39,14 @@ def validation_batches(dataset: str, tokenizer, seq_len: int, global_batch: int,
     The loader is built afresh on every call, so the same seed always yields the
     same sequences; it gives global sequence i of a batch to one rank only, and
     the ranks' shares together are exactly the single-rank batch. The mixture is
-    the validation split's natural token proportions.
+    the validation split's natural token proportions, whatever the training mixture.
     """
     if global_batch % dp_world:
         raise ValueError(f"eval batch of {global_batch} sequences: must be a multiple of the {dp_world} data-parallel ranks")
     from titan_k3.data.loader import build_dataloader
 
     loader = build_dataloader(dataset, tokenizer, seq_len, global_batch // dp_world, dp_rank, dp_world, seed,
-                              split="validation", prefetch=0)
+                              split="validation", prefetch=0, prepared_weights=False)
     return _take(loader, n_batches)
 
 

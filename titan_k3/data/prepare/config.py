@@ -55,7 +55,7 @@ class SourceConfig:
     path: str
     """A directory (searched recursively) or a single input file."""
     weight: float = 1.0
-    """Mixture weight recorded in the index."""
+    """Mixture weight recorded in the index: training takes it when data.mixture is empty (unless all are alike)."""
     text_key: str = "text"
     """JSONL / Parquet field holding the document text."""
     id_key: str = "id"
