@@ -72,13 +72,22 @@ class PrometheusExporter:
             # NOTE: prometheus_client appends '_total' to counters itself.
             base = name[: -len("_total")] if kind == "counter" else name
             self.metrics[name] = cls(base, doc, ("run", *labels), registry=self.registry)
-        self._counted: dict[str, float] = {"titan_k3_tokens_total": 0.0, "titan_k3_skipped_updates_total": 0.0}
-        self._source_counted: dict[str, float] = {}
+        self._counted: dict[tuple, float] = {}  # (counter, labels) -> the running total it was advanced to
         self._server: WSGIServer | None = None
         self.port: int | None = None
 
     def _m(self, name: str, **labels):
         return self.metrics[name].labels(run=self.run, **labels)
+
+    def _advance(self, name: str, total: float, **labels) -> None:
+        """Counter `name` up to the run's running `total` (the records carry totals, a counter takes increments).
+        NOTE: creating the child exposes the series, at 0 or its value, from the first call."""
+        key = (name, tuple(sorted(labels.items())))
+        counter = self._m(name, **labels)
+        delta = total - self._counted.get(key, 0.0)
+        if delta > 0:
+            counter.inc(delta)
+            self._counted[key] = total
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
         """Start the HTTP endpoint on `addr` (loopback unless asked: metrics.prometheus_host) on a daemon thread;
@@ -111,9 +120,8 @@ class PrometheusExporter:
         NOTE: a series that first appears above its start hides that step from increase() (K3SkippedUpdates):
         a skip before the first log step would never alert.
         """
-        for name, value in (("titan_k3_tokens_total", tokens_seen), ("titan_k3_skipped_updates_total", skipped_updates)):
-            self._m(name).inc(value - self._counted[name])
-            self._counted[name] = value
+        self._advance("titan_k3_tokens_total", tokens_seen)
+        self._advance("titan_k3_skipped_updates_total", skipped_updates)
         self._m("titan_k3_step").set(step)
 
     def declare_checks(self, checks) -> None:
@@ -141,20 +149,11 @@ class PrometheusExporter:
             gib = record.get(f"memory_{kind}_gib", record.get(f"{kind}_gib"))
             if gib is not None:
                 self._m("titan_k3_memory_bytes", kind=kind).set(gib * GIB)
-        for name, key in (("titan_k3_tokens_total", "tokens_seen"), ("titan_k3_skipped_updates_total", "skipped_updates")):
-            delta = record[key] - self._counted[name]
-            counter = self._m(name)  # NOTE: creating the child exposes the series at 0 from the first report.
-            if delta > 0:
-                counter.inc(delta)
-                self._counted[name] = record[key]
+        self._advance("titan_k3_tokens_total", record["tokens_seen"])
+        self._advance("titan_k3_skipped_updates_total", record["skipped_updates"])
         for key, value in record.items():
             if key.startswith("tokens_per_source/"):
-                source = key.split("/", 1)[1]
-                counter = self._m("titan_k3_tokens_by_source_total", source=source)
-                delta = value - self._source_counted.get(source, 0.0)
-                if delta > 0:
-                    counter.inc(delta)
-                    self._source_counted[source] = value
+                self._advance("titan_k3_tokens_by_source_total", value, source=key.split("/", 1)[1])
         for key, value in record.items():
             match = _MOE_KEY.match(key)
             if not match:
