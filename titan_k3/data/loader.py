@@ -460,9 +460,9 @@ def build_dataloader(
     if not by_source:
         raise ValueError(f"split={split!r} of dataset {str(path)!r}: no documents")
     streams = [_SourceStream(name, by_source[name], seed) for name in sorted(by_source)]
-    origin = "natural" if mixture is None else "data.mixture"
-    if mixture is None and prepared_weights:
-        mixture = prepared_mixture(ds.index)
+    origin = "data.mixture"
+    if mixture is None:
+        mixture = prepared_mixture(ds.index) if prepared_weights else None
         origin = "natural" if mixture is None else "prepared"
     weights = _normalise_mixture(ds, split, mixture, streams)
     core = _Core(streams, weights, seq_len, local_batch_size, dp_rank, dp_world, seed)
