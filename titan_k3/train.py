@@ -9,6 +9,7 @@ AdamW, apply QK-Clip, advance the LR schedule, report.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -35,6 +36,8 @@ import torch.distributed as dist
 from kernels.device import host_to_device
 from kernels.specializations import Precompile
 from titan_k3.checkpoint import CheckpointSaveError, build_checkpointer, check_resumable
+from titan_k3.checkpoint.layout import META_FILE
+from titan_k3.checkpoint.verify import ResumePlan
 from titan_k3.config import ConfigError, JobConfig, load_job_config
 from titan_k3.config.manager import print_help
 from titan_k3.config.check import CONFIG_ERROR_EXIT, check_data, check_files, check_host
@@ -136,6 +139,15 @@ def _allocator_settings(cfg: JobConfig, device: torch.device) -> None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, (current, EXPANDABLE)))
 
 
+def _resumed_progress(resume: ResumePlan) -> tuple[int, int]:
+    """(updates, input tokens) done by the checkpoint the run resumes from, as it recorded them; (0, 0) for a
+    fresh start or initial weights (checkpoint.initial_load_path: the run's own count starts at 0)."""
+    if resume.path is None or resume.initial:
+        return 0, 0
+    train = json.loads((resume.path / META_FILE).read_text())["train"]
+    return int(train["step"]), int(train["tokens_seen"])
+
+
 def _state_field(name: str) -> property:
     """A Trainer attribute that is `self.state.<name>` (read and write)."""
     return property(lambda self: getattr(self.state, name), lambda self, value: setattr(self.state, name, value),
@@ -225,15 +237,16 @@ class Trainer:
         self.context_stages = parse_context_stages(t.context_stages) if t.context_stages else []
         self.state = TrainState(seq_len=t.seq_len, data=self.loader)
         self.flops_per_token = self.model_spec.flops_per_token(self.args, t.seq_len)
-        self.data = describe_run_data(self.loader.describe(), fixed_batch=t.fixed_batch, total_tokens=run_tokens(
-            steps=t.steps, seq_len=t.seq_len, context_stages=t.context_stages, local_batch_size=t.local_batch_size,
-            grad_accum=t.grad_accum, dp_world=self.dp_world))
         self._unsettled: deque = deque()
         self._fixed = None
         self.evaluator = Evaluator(cfg, self.tokenizer, self.device, dp_rank=self.dp_rank, dp_world=self.dp_world,
                                    dp_group=self.dp_group)
 
         resume = check_resumable(cfg, run_dir_path(cfg), model, self.optimizers)
+        done_steps, done_tokens = _resumed_progress(resume)
+        self.data = describe_run_data(self.loader.describe(), fixed_batch=t.fixed_batch, total_tokens=run_tokens(
+            steps=t.steps, seq_len=t.seq_len, context_stages=t.context_stages, local_batch_size=t.local_batch_size,
+            grad_accum=t.grad_accum, dp_world=self.dp_world, done_steps=done_steps, done_tokens=done_tokens))
 
         # Everything above can still refuse the job; only now does the run directory appear.
         self.run_dir = run_dir_path(cfg)

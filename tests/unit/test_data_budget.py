@@ -20,6 +20,17 @@ def test_run_tokens_follow_the_context_curriculum():
     assert run_tokens(steps=5, seq_len=64, context_stages="3:128,5:256", **kw) == 12 * (2 * 64 + 2 * 128 + 256)
 
 
+def test_a_resumed_run_counts_the_tokens_it_has_done_and_the_rest_at_its_new_rate():
+    # 4 updates done at 1 row per update (256 tokens), 6 to go at 2 ranks' rate: 2 x 64 each.
+    kw = dict(seq_len=64, context_stages="", local_batch_size=1, grad_accum=1)
+    assert run_tokens(steps=10, dp_world=2, done_steps=4, done_tokens=256, **kw) == 256 + 6 * 128
+    # The curriculum still applies to the updates to come (5-6 at 64, 7-10 at 128), not to those done.
+    assert run_tokens(steps=10, seq_len=64, context_stages="3:32,7:128", local_batch_size=1, grad_accum=1,
+                      dp_world=2, done_steps=4, done_tokens=192) == 192 + 2 * (2 * 32 + 4 * 128)
+    # At or past training.steps nothing is left to train.
+    assert run_tokens(steps=4, dp_world=2, done_steps=6, done_tokens=300, **kw) == 300
+
+
 def test_epochs_split_by_the_mixture():
     assert epochs_per_source({"a": 100, "b": 1000}, {"a": 0.5, "b": 0.5}, 400) == {"a": 2.0, "b": 0.2}
     assert epochs_per_source({"a": 100, "b": 1000}, {"a": 0.0, "b": 1.0}, 400) == {"b": 0.4}  # a excluded

@@ -1,5 +1,5 @@
 """A run resumed inside a context stage continues at that stage's length and its data position, read from its
-TrainState."""
+TrainState; a resume at another rate per update counts the tokens it has done as they were."""
 
 import json
 
@@ -24,3 +24,19 @@ def test_resume_inside_a_context_stage_keeps_its_length_and_counts(tmp_path):
     events = [json.loads(x) for x in (tmp_path / "ctx" / "events.jsonl").read_text().splitlines()]
     # NOTE: the stage began once, at update 3; the resumed session starts inside it and announces nothing.
     assert [e["step"] for e in events if e["kind"] == "context_stage"] == [3]
+
+
+def test_a_resume_at_another_rate_says_the_tokens_done_plus_the_rest(tmp_path, capsys):
+    """Two rows per update for 2 updates (256 tokens), then one row per update (as on half the ranks) for 2 more:
+    the run trains on 256 + 2 x 64 tokens, not 4 updates at the new rate."""
+    run = [*FAST, "--job.dump_folder", str(tmp_path), "--job.name", "rate", "--training.steps", "2",
+           "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--invariants.enable", "false"]
+    assert main([*run, "--training.local_batch_size", "2"]) == 0
+    capsys.readouterr()
+    assert main([*run, "--training.steps", "4", "--training.local_batch_size", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "the run trains on 384 tokens" in out, out
+    manifest = json.loads((tmp_path / "rate" / "manifest.json").read_text())
+    assert manifest["dataset"]["run_tokens"] == 384
+    records = [json.loads(x) for x in (tmp_path / "rate" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["tokens_seen"] == 384

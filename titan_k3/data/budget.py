@@ -32,12 +32,18 @@ def content_sha256(index: dict) -> str:
 
 
 def run_tokens(*, steps: int, seq_len: int, context_stages: str, local_batch_size: int, grad_accum: int,
-               dp_world: int) -> int:
-    """Input tokens the whole run trains on: the sum over its updates of batch x seq_len(update) x accum x dp."""
+               dp_world: int, done_steps: int = 0, done_tokens: int = 0) -> int:
+    """Input tokens the whole run trains on: `done_tokens` of its first `done_steps` updates (a resumed run's,
+    as its checkpoint counted them) plus, over each update after those, batch x seq_len(update) x accum x dp.
+
+    NOTE: a resume on another number of ranks trains at another rate per update; the updates already done
+    keep the tokens they had.
+    """
     stages = parse_context_stages(context_stages) if context_stages else []
     rows = local_batch_size * grad_accum * dp_world
-    bounds = sorted({1, steps + 1, *(start for start, _ in stages if start <= steps)})
-    return sum(rows * seq_len_at(a, seq_len, stages) * (b - a) for a, b in zip(bounds, bounds[1:]))
+    first = done_steps + 1
+    bounds = sorted({first, max(first, steps + 1), *(start for start, _ in stages if first < start <= steps)})
+    return done_tokens + sum(rows * seq_len_at(a, seq_len, stages) * (b - a) for a, b in zip(bounds, bounds[1:]))
 
 
 def epochs_per_source(tokens_per_source: dict[str, int], weights: dict[str, float], total: int) -> dict[str, float]:
