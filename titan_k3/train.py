@@ -613,6 +613,35 @@ class Trainer:
         ])
 
 
+def _first_to_report(line: str) -> bool:
+    """Whether this rank is the first of its torchrun job to report `line` (True outside torchrun).
+
+    NOTE: every rank validates the same arguments, so a bad key would print one line per rank. The ranks count each
+    line in torchrun's own key-value store (on MASTER_ADDR:MASTER_PORT from before the workers start, kept by
+    torchrun's agent) and the first to count it prints it: a line only some ranks raise, a file missing on one host,
+    is still printed by its rank. Where the store cannot answer, every rank prints.
+    """
+    if int(os.environ.get("WORLD_SIZE", 1)) == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return True
+    import hashlib
+    from datetime import timedelta
+
+    key = f"titan_k3/reported/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/{hashlib.sha1(line.encode()).hexdigest()}"
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=10))
+        return store.add(key, 1) == 1
+    except (KeyError, ValueError, RuntimeError):  # RuntimeError: torch's DistStoreError and connection failures
+        return True
+
+
+def _report_error(e: BaseException) -> None:
+    """`error: <e>` on stderr, one line, once per torchrun job (`_first_to_report`)."""
+    line = "error: " + " ".join(str(e).split())
+    if _first_to_report(line):
+        print(line, file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 done (or stopped by SIGTERM), 1 stopped by the run's own checks, 130 stopped by SIGINT,
     CONFIG_ERROR_EXIT bad input; a stop signal saves first (titan_k3/signals.py)."""
@@ -643,14 +672,14 @@ def _main(argv: list[str], stop: StopSignals) -> int:
         check_data(cfg)
         trainer = Trainer(cfg, stop)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        _report_error(e)
         return CONFIG_ERROR_EXIT  # the control service does not retry it
     try:
         results = trainer.train()
         if trainer.rank == 0:
             print(trainer.summary(results))
     except (TrainingStopped, InvariantViolationError, CheckpointSaveError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        _report_error(e)
         return 1
     except StopNow as e:
         where = f"checkpoint update {trainer.step}" if trainer.step else "the start"

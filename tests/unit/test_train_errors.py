@@ -1,0 +1,63 @@
+"""The trainer's refusals under torchrun: a line every rank raises is printed once, a line of one rank by that rank.
+
+The ranks are simulated in this process: each `main` call sets the environment torchrun gives a worker, and a real
+TCPStore server stands in for the one torchrun's agent keeps.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from ports import free_port
+from titan_k3.config.check import CONFIG_ERROR_EXIT
+from titan_k3.train import main
+
+
+@pytest.fixture
+def torchrun_env(monkeypatch):
+    """Set up a store as torchrun's agent does; returns a function that makes this process rank `r` of 2."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))
+
+    def as_rank(rank: int, restart: int = 0) -> None:
+        for key, value in {"WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                           "TORCHELASTIC_RESTART_COUNT": str(restart)}.items():
+            monkeypatch.setenv(key, value)
+
+    yield as_rank
+    del store
+
+
+def test_a_config_error_of_every_rank_is_printed_once(torchrun_env, capsys):
+    printed = []
+    for rank in (1, 0):  # whichever rank gets there first prints; the others exit with the same status
+        torchrun_env(rank)
+        assert main(["--training.stepz", "3"]) == CONFIG_ERROR_EXIT
+        printed.append(capsys.readouterr().err)
+    assert printed == ["error: unknown config key 'training.stepz'; did you mean 'training.steps'?\n", ""]
+    # A restarted attempt (torchrun --max-restarts) reports it again, once.
+    torchrun_env(0, restart=1)
+    assert main(["--training.stepz", "3"]) == CONFIG_ERROR_EXIT
+    assert capsys.readouterr().err.startswith("error: unknown config key 'training.stepz'")
+
+
+def test_an_error_of_one_rank_is_printed_by_that_rank(torchrun_env, capsys, tmp_path):
+    torchrun_env(0)
+    assert main(["--training.stepz", "3"]) == CONFIG_ERROR_EXIT
+    capsys.readouterr()
+    torchrun_env(1)  # a file missing on this rank's host only: its own line
+    assert main(["--data.tokenizer", str(tmp_path / "tok.json")]) == CONFIG_ERROR_EXIT
+    assert capsys.readouterr().err == f"error: config key 'data.tokenizer' = '{tmp_path}/tok.json': no such file or directory\n"
+
+
+def test_without_torchruns_store_every_rank_prints(monkeypatch, capsys):
+    """Ranks started by another launcher (env:// by hand, Slurm's srun) have no store before the process group."""
+    for rank in (0, 1):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", str(rank))
+        assert main(["--training.stepz", "3"]) == CONFIG_ERROR_EXIT
+        assert capsys.readouterr().err.startswith("error: unknown config key 'training.stepz'")
