@@ -39,9 +39,13 @@ from titan_k3.config.check import CONFIG_ERROR_EXIT
 log = logging.getLogger("service.supervisor")
 
 START_TIME_TOLERANCE_S = 0.05
+ATTEMPT_ENV = "K3_SERVICE_ATTEMPT"
+"""Set in every attempt's environment to its exit file's path (unique per service, run and attempt): every process
+the attempt starts inherits it, so its leftovers are found even once their parents are gone."""
 # torchrun's failure summary names each failed worker's status ("exitcode  : 2 (pid: ...)"); torchrun itself exits 1.
 _WORKER_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)", re.MULTILINE)
 _ERROR_LINE = re.compile(r"(?:^|\s)error: (.+)$")
+_WORKER_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 
 
 class Conflict(Exception):
@@ -58,6 +62,12 @@ def launch_command(settings: Settings, run: Run, run_dir: Path) -> list[str]:
     args = ["--job.config_file", str(run_dir / "submitted.toml"), *settings.run_args(run.id)]
     for key, value in run.overrides.items():
         args += [f"--{key}", value]
+    if run.attempts:
+        # NOTE: a later attempt (a relaunch after a crash, a resume) reuses the run directory. With a checkpoint the
+        # trainer resumes it whatever job.overwrite says; without one, the earlier attempt's files would make it
+        # refuse the name ("holds a previous run and nothing to resume"), so it starts over at update 0 in their
+        # place. Last, so that it wins over the request's own job.overwrite.
+        args += ["--job.overwrite", "true"]
     return head + args
 
 
@@ -79,6 +89,58 @@ def config_error(launcher: str, a: Attempt, code: int | None) -> str | None:
             return None
     errors = [m.group(1) for m in map(_ERROR_LINE.search, tail) if m]
     return errors[-1].strip() if errors else f"exit status {CONFIG_ERROR_EXIT}"
+
+
+def _status(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def describe_exit(launcher: str, a: Attempt, code: int | None) -> str:
+    """How attempt `a` ended, in words: its status or signal, and under torchrun each failed rank's (torchrun
+    itself exits 1 whatever killed a rank; its failure summary names the rank and the signal)."""
+    if code is None:
+        return f"attempt {a.n} ended without an exit status (its wrapper was killed)"
+    text = f"attempt {a.n} {_status(code)}"
+    if launcher != "torchrun" or code <= 0:
+        return text
+    ranks: list[str] = []
+    rank = None
+    for line in tail_lines(Path(a.log_path), 200):
+        if m := _WORKER_RANK.match(line):
+            rank = m.group(1)
+        elif (m := _WORKER_EXIT.match(line)) and rank is not None:
+            ranks.append(f"rank {rank} {_status(int(m.group(1)))}")
+            rank = None
+    return f"{text} ({', '.join(dict.fromkeys(ranks))})" if ranks else text
+
+
+def attempt_processes(a: Attempt) -> list[psutil.Process]:
+    """The processes of attempt `a` still running, wherever they now hang in the process tree, but its wrapper
+    (the service's own child: `Popen` reaps it and reads its status)."""
+    found = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):  # exited meanwhile, or another user's process
+            if p.pid != a.pid and p.environ().get(ATTEMPT_ENV) == a.exit_path:
+                found.append(p)
+    return found
+
+
+def kill_leftovers(a: Attempt, timeout: float = 10.0) -> int:
+    """SIGKILL what is left of attempt `a` and wait for it to go; the number of processes killed.
+
+    NOTE: a wrapper or torchrun killed from outside leaves its ranks running, reparented: the next attempt
+    (a relaunch, a resume) would train beside them in the same run directory.
+    """
+    procs = attempt_processes(a)
+    for p in procs:
+        with contextlib.suppress(psutil.Error):  # exited between the scan and the kill
+            p.kill()
+    psutil.wait_procs(procs, timeout=timeout)
+    return len(procs)
 
 
 def read_exit(path: str) -> int | None:
@@ -134,6 +196,7 @@ class Supervisor:
                     log.info("re-adopted run %s (pid %d, attempt %d)", run.id, a.pid, a.n)
                     continue
                 code = read_exit(a.exit_path) if a is not None else None
+                killed = kill_leftovers(a) if a is not None else 0
                 if a is not None and a.ended_at is None:
                     self.registry.end_attempt(run.id, a.n, code)
                 if code == 0 or (code is not None and run.stop_requested_at is not None):
@@ -141,8 +204,9 @@ class Supervisor:
                     self.registry.update_run(run.id, state=state, assigned_gpus=[],
                                              message=f"ended with exit code {code} while the service was down")
                 else:
+                    left = f" ({killed} leftover process(es) of it killed)" if killed else ""
                     self.registry.update_run(run.id, state="lost", assigned_gpus=[],
-                                             message="process gone after a service restart; resume to continue")
+                                             message=f"process gone after a service restart{left}; resume to continue")
 
     # ---- one pass --------------------------------------------------------------------------------
 
@@ -176,6 +240,10 @@ class Supervisor:
     def _on_exit(self, run: Run, a: Attempt, code: int | None) -> None:
         self.registry.end_attempt(run.id, a.n, code)
         self._reap_leftovers(run.id, a)
+        killed = kill_leftovers(a)
+        how = describe_exit(self.settings.launcher, a, code)
+        if killed:
+            how += f"; {killed} leftover process(es) of it killed"
         bad_config = None if code == 0 or run.stop_requested_at is not None else \
             config_error(self.settings.launcher, a, code)
         if run.stop_requested_at is not None:
@@ -191,7 +259,9 @@ class Supervisor:
             self.registry.update_run(run.id, state="failed", assigned_gpus=[],
                                      message=f"configuration error, not retried (attempt {a.n}): {bad_config}")
         elif run.restarts < run.restart_limit:
-            note = f"attempt {a.n} exited with code {code}; restart {run.restarts + 1} of {run.restart_limit}"
+            ckpt = self.files.get(run.id).latest_checkpoint()
+            where = f"resumes from {ckpt}" if ckpt else "no checkpoint: starts over at update 0"
+            note = f"{how}; restart {run.restarts + 1} of {run.restart_limit}, {where}"
             log.warning("run %s: %s", run.id, note)
             self.registry.update_run(run.id, restarts=run.restarts + 1, restarts_total=run.restarts_total + 1,
                                      message=note)
@@ -200,8 +270,7 @@ class Supervisor:
             self._launch(run, run.assigned_gpus)
         else:
             self.registry.update_run(run.id, state="failed", assigned_gpus=[],
-                                     message=f"attempt {a.n} exited with code {code}; restart limit "
-                                             f"{run.restart_limit} reached")
+                                     message=f"{how}; restart limit {run.restart_limit} reached")
 
     def used_gpus(self) -> set[int]:
         return {g for r in self.registry.list(ACTIVE) for g in r.assigned_gpus}
@@ -230,10 +299,12 @@ class Supervisor:
         svc_dir.mkdir(parents=True, exist_ok=True)
         log_path, exit_path = svc_dir / f"attempt-{n}.log", svc_dir / f"attempt-{n}.exit"
         exit_path.unlink(missing_ok=True)
+        if run.attempts and self.files.get(run.id).latest_checkpoint() is None:
+            self.files.forget(run.id)  # the attempt starts over (job.overwrite): its predecessor's files go
         cmd = [self.settings.python, "-m", "service.child", str(exit_path), "--",
                *launch_command(self.settings, run, run_dir)]
         env = {**self.settings.child_environ(), "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus),
-               "TITAN_K3_RUN_ID": run.id,
+               "TITAN_K3_RUN_ID": run.id, ATTEMPT_ENV: str(exit_path),
                # torchrun signalled itself (not the service's stop, which signals the ranks) gives its workers
                # this long to save before SIGKILL; read by torch 2.13's torchrun, 30 s fixed in older ones.
                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(self.settings.stop_timeout))}
@@ -324,6 +395,8 @@ class Supervisor:
         the attempt's own group. SIGKILL goes to every group and every process ever seen in the tree.
         """
         if not process_alive(a.pid, a.pid_start_time):
+            if sig == signal.SIGKILL:
+                kill_leftovers(a)
             return
         try:
             tree = psutil.Process(a.pid).children(recursive=True)
@@ -343,6 +416,7 @@ class Supervisor:
                 os.killpg(pgid, sig)
         if sig == signal.SIGKILL:
             self._reap_leftovers(run_id, a)
+            kill_leftovers(a)
 
     def _reap_leftovers(self, run_id: str, a: Attempt) -> None:
         for p in self._doomed.pop(run_id, []):

@@ -7,7 +7,8 @@ SIGTERM also with checkpoint.save_on_stop), resume from `latest`, exit 0 after
 the stop's checkpoint ($FAKE_TRAINER_STOP_EXIT: another status, as torchrun
 gives when it is signalled itself), exit 3 after `debug.crash_at_step`, exit 2
 with one `error:` line for a configuration error (also a metrics port it
-cannot listen on). Used by the service tests that need many or fast runs;
+cannot listen on, and a reused run directory with nothing to resume unless
+job.overwrite, which then deletes the previous run's files). Used by the service tests that need many or fast runs;
 the headline flows use the real trainer.
 """
 
@@ -25,10 +26,14 @@ from pathlib import Path
 from titan_k3.config import ConfigError, config_to_toml, load_job_config
 from titan_k3.config.check import CONFIG_ERROR_EXIT
 
+# What the trainer refuses to run over without a checkpoint to resume (titan_k3.metrics.run_dir.RUN_FILES).
+RUN_FILES = ("config.toml", "manifest.json", "metrics.jsonl", "events.jsonl", "stdout.log")
+
 
 def main(argv: list[str]) -> int:
     try:
         cfg = load_job_config(argv)
+        reused_run_dir(cfg)
         endpoint = listen(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -53,6 +58,22 @@ def listen(cfg) -> socket.socket | None:
         s.close()
         raise ConfigError(f"config key 'metrics.prometheus_port' = {m.prometheus_port}: cannot listen ({e})") from None
     return s
+
+
+def reused_run_dir(cfg) -> None:
+    """As the trainer's run_dir_problem: a directory holding a previous run and no checkpoint is refused, or with
+    job.overwrite cleared of that run's files."""
+    run_dir = Path(cfg.job.dump_folder) / cfg.job.name
+    previous = [run_dir / name for name in RUN_FILES if (run_dir / name).is_file()]
+    resumes = cfg.checkpoint.enable or cfg.checkpoint.save_on_stop
+    if not previous or (resumes and (run_dir / cfg.checkpoint.folder / "latest").exists()):
+        return
+    if not cfg.job.overwrite:
+        raise ConfigError(f"config key 'job.name' = '{cfg.job.name}': {run_dir} holds a previous run "
+                          f"({previous[0].name}) and nothing to resume; choose another name, or set "
+                          "job.overwrite = true to start it over")
+    for path in previous:
+        path.unlink()
 
 
 def train(cfg) -> int:
