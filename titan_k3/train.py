@@ -39,6 +39,7 @@ from titan_k3.checkpoint import CheckpointSaveError, build_checkpointer, check_r
 from titan_k3.checkpoint.layout import META_FILE
 from titan_k3.checkpoint.verify import ResumePlan
 from titan_k3.config import ConfigError, JobConfig, load_job_config
+from titan_k3.config.errors import toml_value
 from titan_k3.config.manager import print_help
 from titan_k3.config.check import CONFIG_ERROR_EXIT, check_data, check_files, check_host
 from titan_k3.config.validate import parse_context_stages, parse_mixture, seq_len_at, warmup_updates
@@ -319,7 +320,8 @@ class Trainer:
         self.run_faults = RunFaults.from_debug(self.cfg.debug)
         on = {**active_injections(self.cfg.debug), **self.run_faults.active()}
         for key, value in on.items() if self.rank == 0 else ():
-            self.events.emit("fault_injection", f"FAULT INJECTED: {key} = {value!r}", step=self.step, key=key, value=value)
+            self.events.emit("fault_injection", f"FAULT INJECTED: {key} = {toml_value(value)}", step=self.step, key=key,
+                             value=value)
         drift = self.cfg.debug.inject_replica_drift
         if drift and self.dp_rank == self.dp_world - 1:
             moved = inject_replica_drift(self.model, drift)

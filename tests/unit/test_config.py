@@ -147,3 +147,41 @@ def test_cli_bad_input_exits_2_with_one_line_and_no_run_dir(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].startswith("error: config key 'training.seq_len' = 100")
     assert not dump.exists()
+
+
+@pytest.mark.parametrize(
+    "toml, expected",
+    [
+        ("[training]\nsteps = true", "config key 'training.steps' = true: expected an integer"),
+        ("[kernels]\nkda = false", "config key 'kernels.kda' = false: expected one of 'auto', 'triton', 'fla', 'torch'"),
+        ("[training]\nsteps = [1, true]", "config key 'training.steps' = [1, true]: expected an integer"),
+        ("[training]\nsteps = { a = 1 }", "config key 'training.steps' = { a = 1 }: expected an integer"),
+        ("[training]\nsteps = 1979-05-27", "config key 'training.steps' = 1979-05-27: expected an integer"),
+        ("[job]\nstrict = \"it's\"", "config key 'job.strict' = \"it's\": expected true or false"),
+        ("[job]\nname = 'C:\\runs'", "config key 'job.name' = 'C:\\runs': must be a plain directory name"),
+    ],
+)
+def test_errors_show_the_value_as_toml_writes_it(tmp_path, toml, expected):
+    """A message shows the value as the user wrote it in TOML: true, not Python's True; 'C:\\runs', not 'C:\\\\runs'."""
+    path = tmp_path / "x.toml"
+    path.write_text(toml + "\n")
+    with pytest.raises(ConfigError) as e:
+        load_job_config(["--job.config_file", str(path)])
+    assert expected in str(e.value)
+
+
+@pytest.mark.parametrize("value", [True, False, 3, -2.5, 1e-05, float("inf"), "a", "it's", "C:\\x", "a\nb\t'",
+                                   [1, "x", [True]], {"a": 1, "b c": "d"}])
+def test_toml_value_reads_back_as_the_same_value(value):
+    import tomli
+
+    from titan_k3.config.errors import toml_value
+
+    assert tomli.loads(f"v = {toml_value(value)}")["v"] == value
+
+
+def test_help_writes_defaults_as_toml():
+    text = help_text()
+    assert "--job.strict (true or false, default false)" in text
+    assert "--job.dump_folder (a string, default './runs')" in text
+    assert "default True" not in text and "default False" not in text

@@ -21,8 +21,9 @@ import socket
 import sys
 from pathlib import Path
 
+from titan_k3.config.errors import ConfigError, toml_value
 from titan_k3.config.job_config import JobConfig
-from titan_k3.config.manager import ConfigError, load_job_config
+from titan_k3.config.manager import load_job_config
 from titan_k3.config.validate import parse_mixture
 
 CONFIG_ERROR_EXIT = 2
@@ -59,7 +60,7 @@ def check_data(cfg: JobConfig) -> None:
     try:
         sources = open_dataset(path, verify="size").source_names
     except (OSError, ValueError) as e:
-        raise ConfigError(f"config key 'data.dataset' = {d.dataset!r}: {e}") from None
+        raise ConfigError(f"config key 'data.dataset' = {toml_value(d.dataset)}: {e}") from None
     mixture = parse_mixture(d.mixture)
     if mixture is None:
         return
@@ -67,7 +68,7 @@ def check_data(cfg: JobConfig) -> None:
     missing = sorted(set(sources) - set(mixture))
     if unknown or missing:
         what = f"unknown source(s) {unknown}" if unknown else f"no weight for source(s) {missing} (0 leaves one out)"
-        raise ConfigError(f"config key 'data.mixture' = {d.mixture!r}: {what}; the dataset has {sources}")
+        raise ConfigError(f"config key 'data.mixture' = {toml_value(d.mixture)}: {what}; the dataset has {toml_value(sources)}")
 
 
 def check_files(cfg: JobConfig) -> None:
@@ -76,7 +77,7 @@ def check_files(cfg: JobConfig) -> None:
     named += [("eval.tasks", t.strip()) for t in cfg.eval.tasks.split(",") if t.strip()]
     for key, value in named:
         if value and value != "embedded" and not Path(value).exists():
-            raise ConfigError(f"config key '{key}' = {value!r}: no such file or directory")
+            raise ConfigError(f"config key '{key}' = {toml_value(value)}: no such file or directory")
 
 
 def check_packages(cfg: JobConfig) -> None:

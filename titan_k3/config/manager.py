@@ -21,7 +21,7 @@ from typing import Any, Literal
 import tomli
 
 from titan_k3.config import job_config
-from titan_k3.config.errors import ConfigError
+from titan_k3.config.errors import ConfigError, toml_value
 from titan_k3.config.job_config import JobConfig
 
 
@@ -62,18 +62,18 @@ def _suggest(word: str, options: list[str]) -> str:
 
 def _describe(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+        return "one of " + ", ".join(toml_value(a) for a in typing.get_args(tp))
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
 
 
 def _coerce(key: str, raw: Any, tp: Any, from_cli: bool) -> Any:
     """Convert `raw` (TOML value or CLI string) to `tp`, or raise ConfigError."""
-    bad = ConfigError(f"config key '{key}' = {raw!r}: expected {_describe(tp)}")
+    bad = ConfigError(f"config key '{key}' = {toml_value(raw)}: expected {_describe(tp)}")
     if typing.get_origin(tp) is Literal:
         choices = typing.get_args(tp)
         if raw not in choices:
             hint = _suggest(str(raw), [str(c) for c in choices])
-            raise ConfigError(f"config key '{key}' = {raw!r}: expected {_describe(tp)}{hint}")
+            raise ConfigError(f"config key '{key}' = {toml_value(raw)}: expected {_describe(tp)}{hint}")
         return raw
     if tp is bool:
         if isinstance(raw, bool):
@@ -103,7 +103,7 @@ def _coerce(key: str, raw: Any, tp: Any, from_cli: bool) -> Any:
 def _in_range(key: str, value: int | float) -> int | float:
     """No config number is meaningful as inf/nan or beyond a 64-bit integer (nothing downstream could hold it)."""
     if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"config key '{key}' = {value!r}: expected a finite number")
+        raise ConfigError(f"config key '{key}' = {toml_value(value)}: expected a finite number")
     if isinstance(value, int) and not -(2**63) <= value < 2**63:
         raise ConfigError(f"config key '{key}' = {value}: out of range (a 64-bit integer)")
     return value
@@ -181,13 +181,13 @@ def load_job_config(argv: list[str] | None = None, toml_text: str | None = None,
     elif config_file:
         path = Path(config_file)
         if path.is_dir():
-            raise ConfigError(f"config key 'job.config_file' = '{config_file}': is a directory, not a TOML file")
+            raise ConfigError(f"config key 'job.config_file' = {toml_value(config_file)}: is a directory, not a TOML file")
         if not path.is_file():
-            raise ConfigError(f"config key 'job.config_file' = '{config_file}': no such file")
+            raise ConfigError(f"config key 'job.config_file' = {toml_value(config_file)}: no such file")
         try:
             text = path.read_text()
         except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config key 'job.config_file' = '{config_file}': cannot read it ({e})") from None
+            raise ConfigError(f"config key 'job.config_file' = {toml_value(config_file)}: cannot read it ({e})") from None
         _apply_toml(cfg, parse_toml_text(text, str(path)), str(path))
     for key, value in pairs:
         _set(cfg, key, value, from_cli=True)
@@ -214,7 +214,7 @@ def help_text() -> str:
         defaults = cls()
         for name, tp in _field_types(cls).items():
             default = getattr(defaults, name)
-            lines.append(f"  --{section}.{name} ({_describe(tp)}, default {default!r})")
+            lines.append(f"  --{section}.{name} ({_describe(tp)}, default {toml_value(default)})")
             lines.append(f"      {docs.get((cls.__name__, name), '')}")
         lines.append("")
     return "\n".join(lines)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import math
 
-from titan_k3.config.errors import ConfigError
+from titan_k3.config.errors import ConfigError, toml_value
 from titan_k3.config.job_config import JobConfig
 from titan_k3.spec import KDA_CHUNK, MODEL_FLAVORS, routed_experts
 
@@ -20,24 +20,24 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _positive(key: str, value: float) -> None:
-    _require(value > 0, f"config key '{key}' = {value!r}: must be > 0")
+    _require(value > 0, f"config key '{key}' = {toml_value(value)}: must be > 0")
 
 
 def _non_negative(key: str, value: float) -> None:
-    _require(value >= 0, f"config key '{key}' = {value!r}: must be >= 0")
+    _require(value >= 0, f"config key '{key}' = {toml_value(value)}: must be >= 0")
 
 
 def _one_of(key: str, value: str, allowed: list[str]) -> None:
     if value not in allowed:
         close = difflib.get_close_matches(value, allowed, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        _require(False, f"config key '{key}' = {value!r}: expected one of {', '.join(allowed)}{hint}")
+        _require(False, f"config key '{key}' = {toml_value(value)}: expected one of {', '.join(allowed)}{hint}")
 
 
 def check_run_name(name: str) -> None:
     """job.name becomes one directory inside job.dump_folder: refuse a name that is a path or leaves the folder."""
     bad = name in (".", "..") or "/" in name or "\\" in name or any(ord(c) < 32 for c in name) or name != name.strip()
-    _require(not bad, f"config key 'job.name' = {name!r}: must be a plain directory name inside job.dump_folder "
+    _require(not bad, f"config key 'job.name' = {toml_value(name)}: must be a plain directory name inside job.dump_folder "
                       "(no '/', '\\', '..', control characters or surrounding spaces)")
 
 
@@ -49,8 +49,8 @@ def parse_context_stages(spec: str) -> list[tuple[int, int]]:
         try:
             stages.append((int(start), int(seq)))
         except ValueError:
-            _require(False, f"config key 'training.context_stages' = {spec!r}: expected 'update:seq_len,...' (bad part {part!r})")
-        _require(stages[-1][1] > 0, f"config key 'training.context_stages' = {spec!r}: seq_len must be > 0")
+            _require(False, f"config key 'training.context_stages' = {toml_value(spec)}: expected 'update:seq_len,...' (bad part {toml_value(part)})")
+        _require(stages[-1][1] > 0, f"config key 'training.context_stages' = {toml_value(spec)}: seq_len must be > 0")
     return stages
 
 
@@ -65,10 +65,10 @@ def parse_mixture(spec: str) -> dict[str, float] | None:
             ok = bool(name.strip()) and math.isfinite(float(weight)) and float(weight) >= 0
         except ValueError:
             ok = False
-        _require(ok, f"config key 'data.mixture' = {spec!r}: expected 'name:weight,...' with weights >= 0, 0 excluding "
-                     f"a source (bad part {part!r})")
+        _require(ok, f"config key 'data.mixture' = {toml_value(spec)}: expected 'name:weight,...' with weights >= 0, 0 excluding "
+                     f"a source (bad part {toml_value(part)})")
         weights[name.strip()] = float(weight)
-    _require(sum(weights.values()) > 0, f"config key 'data.mixture' = {spec!r}: every weight is 0; give one source more")
+    _require(sum(weights.values()) > 0, f"config key 'data.mixture' = {toml_value(spec)}: every weight is 0; give one source more")
     return weights
 
 
@@ -101,11 +101,11 @@ def warmup_updates(s, steps: int) -> int:
 def _check_warmup(s, steps: int) -> None:
     f = s.warmup_fraction
     _require(math.isfinite(f) and 0 <= f < 1,
-             f"config key 'lr_scheduler.warmup_fraction' = {f!r}: must be in [0, 1) (0: unset, warmup_steps applies)")
+             f"config key 'lr_scheduler.warmup_fraction' = {toml_value(f)}: must be in [0, 1) (0: unset, warmup_steps applies)")
     _require(s.warmup_steps >= -1, f"config key 'lr_scheduler.warmup_steps' = {s.warmup_steps}: must be >= 0 (or -1: unset)")
     _require(
         not (f > 0 and s.warmup_steps >= 0),
-        f"config keys 'lr_scheduler.warmup_steps' = {s.warmup_steps} and 'lr_scheduler.warmup_fraction' = {f!r} are both "
+        f"config keys 'lr_scheduler.warmup_steps' = {s.warmup_steps} and 'lr_scheduler.warmup_fraction' = {toml_value(f)} are both "
         "set: give one (warmup_steps = -1 or warmup_fraction = 0 unsets it)",
     )
     _require(
@@ -133,19 +133,19 @@ def validate(cfg: JobConfig, needs_data: bool = True) -> None:
         _require(
             t.seq_len % KDA_CHUNK == 0,
             f"config key 'training.seq_len' = {t.seq_len}: must be a multiple of the KDA chunk size {KDA_CHUNK} "
-            f"when kernels.kda = {cfg.kernels.kda!r} (nearest: {max(KDA_CHUNK, round(t.seq_len / KDA_CHUNK) * KDA_CHUNK)})",
+            f"when kernels.kda = {toml_value(cfg.kernels.kda)} (nearest: {max(KDA_CHUNK, round(t.seq_len / KDA_CHUNK) * KDA_CHUNK)})",
         )
     if t.context_stages:
         stages = parse_context_stages(t.context_stages)
         starts = [start for start, _ in stages]
         _require(
             starts == sorted(set(starts)) and 1 < starts[0] and starts[-1] <= t.steps,
-            f"config key 'training.context_stages' = {t.context_stages!r}: updates must increase, within 2..training.steps = {t.steps}",
+            f"config key 'training.context_stages' = {toml_value(t.context_stages)}: updates must increase, within 2..training.steps = {t.steps}",
         )
         for _, seq in stages:
             _require(
                 cfg.kernels.kda == "torch" or seq % KDA_CHUNK == 0,
-                f"config key 'training.context_stages' = {t.context_stages!r}: seq_len {seq} is not a multiple of the KDA chunk size {KDA_CHUNK}",
+                f"config key 'training.context_stages' = {toml_value(t.context_stages)}: seq_len {seq} is not a multiple of the KDA chunk size {KDA_CHUNK}",
             )
     _non_negative("profiling.memory_peak_updates", cfg.profiling.memory_peak_updates)
     _require(cfg.profiling.memory_peak_updates <= t.steps,
@@ -161,14 +161,14 @@ def validate(cfg: JobConfig, needs_data: bool = True) -> None:
     _non_negative("optimizer.weight_decay", o.weight_decay)
     for key in ("beta1", "beta2", "momentum"):
         value = getattr(o, key)
-        _require(0 <= value < 1, f"config key 'optimizer.{key}' = {value!r}: must be in [0, 1)")
+        _require(0 <= value < 1, f"config key 'optimizer.{key}' = {toml_value(value)}: must be in [0, 1)")
     _positive("optimizer.eps", o.eps)
     _positive("optimizer.ns_steps", o.ns_steps)
     _non_negative("optimizer.ns_chunk", o.ns_chunk)
     _non_negative("optimizer.qk_clip_tau", o.qk_clip_tau)
     _check_warmup(s, t.steps)
-    _require(0 < s.decay_ratio <= 1, f"config key 'lr_scheduler.decay_ratio' = {s.decay_ratio!r}: must be in (0, 1]")
-    _require(0 <= s.min_lr_factor <= 1, f"config key 'lr_scheduler.min_lr_factor' = {s.min_lr_factor!r}: must be in [0, 1]")
+    _require(0 < s.decay_ratio <= 1, f"config key 'lr_scheduler.decay_ratio' = {toml_value(s.decay_ratio)}: must be in (0, 1]")
+    _require(0 <= s.min_lr_factor <= 1, f"config key 'lr_scheduler.min_lr_factor' = {toml_value(s.min_lr_factor)}: must be in [0, 1]")
     _positive("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree)
     _require(
         p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
@@ -179,7 +179,7 @@ def validate(cfg: JobConfig, needs_data: bool = True) -> None:
     _require(
         n_experts % p.expert_parallel_degree == 0,
         f"config key 'parallelism.expert_parallel_degree' = {p.expert_parallel_degree}: must divide the "
-        f"{n_experts} experts of flavor {cfg.model.flavor!r}",
+        f"{n_experts} experts of flavor {toml_value(cfg.model.flavor)}",
     )
     _require(
         p.expert_parallel_degree == 1 or p.expert_dispatch != "all_gather" or cfg.kernels.experts != "grouped_mm",
@@ -190,7 +190,7 @@ def validate(cfg: JobConfig, needs_data: bool = True) -> None:
     check_run_name(cfg.job.name)
     folder = cfg.checkpoint.folder
     _require(bool(folder) and not folder.startswith(("/", "\\")) and ".." not in folder.replace("\\", "/").split("/"),
-             f"config key 'checkpoint.folder' = {folder!r}: must be a relative path inside the run directory (no '..')")
+             f"config key 'checkpoint.folder' = {toml_value(folder)}: must be a relative path inside the run directory (no '..')")
     for key in ("checkpoint_write_error_at_step", "checkpoint_free_bytes"):
         _require(getattr(cfg.debug, key) >= -1, f"config key 'debug.{key}' = {getattr(cfg.debug, key)}: must be -1 (off) or >= 0")
     _non_negative("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k)
@@ -212,7 +212,7 @@ def validate(cfg: JobConfig, needs_data: bool = True) -> None:
     _positive("metrics.peak_tflops", cfg.metrics.peak_tflops)
     _require(
         0 < cfg.metrics.collapse_dead_fraction <= 1,
-        f"config key 'metrics.collapse_dead_fraction' = {cfg.metrics.collapse_dead_fraction!r}: must be in (0, 1]",
+        f"config key 'metrics.collapse_dead_fraction' = {toml_value(cfg.metrics.collapse_dead_fraction)}: must be in (0, 1]",
     )
     _positive("metrics.collapse_patience", cfg.metrics.collapse_patience)
     _positive("invariants.interval", cfg.invariants.interval)
@@ -258,7 +258,7 @@ def validate(cfg: JobConfig, needs_data: bool = True) -> None:
         _require(cfg.compile.cuda_graph, f"{share}: needs compile.cuda_graph = true (the pool is the update graph's)")
         _require(cfg.optimizer.name == "muon" and cfg.optimizer.ns_cuda_graphs,
                  f"{share}: needs optimizer.name = 'muon' and optimizer.ns_cuda_graphs = true (the graphs that join "
-                 f"the pool); got '{cfg.optimizer.name}', ns_cuda_graphs = {str(cfg.optimizer.ns_cuda_graphs).lower()}")
+                 f"the pool); got '{cfg.optimizer.name}', ns_cuda_graphs = {toml_value(cfg.optimizer.ns_cuda_graphs)}")
     _require(
         not (cfg.float8.enable and t.compute_dtype != "bfloat16"),
         "config key 'float8.enable' = true: needs training.compute_dtype = 'bfloat16'",
