@@ -23,7 +23,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from service import names
+from service import errors, names
 from service.admission import Submission, TrainerCheck, port_refusal, refusal
 from service.exporter import ServiceCollector
 from service.limits import BodySizeLimit, MethodNotAllowed
@@ -170,8 +170,14 @@ class Service:
         return run
 
     def _check_name_free(self, run_id: str) -> None:
-        if self.registry.get(run_id) is not None or (self.settings.runs_dir / run_id).exists():
-            raise HTTPException(409, f"run {run_id!r} already exists; resume it or pick another name")
+        run = self.registry.get(run_id)
+        if run is not None:
+            raise HTTPException(409, f"run {run_id!r} already exists ({run.state}); pick another name")
+        if (self.settings.runs_dir / run_id).exists():
+            # NOTE: DELETE without files=true keeps the directory: the name stays taken, and no run of the API
+            # owns it any more (a new run there would mix its files with the deleted one's).
+            raise HTTPException(409, f"run name {run_id!r} is taken: runs/{run_id} holds the files of a deleted run "
+                                     "(DELETE with files=true removes them); pick another name")
 
     def claimed_ports(self) -> dict[int, str]:
         """metrics.prometheus_port -> run, for every queued or active run."""
@@ -234,6 +240,8 @@ class Service:
             return self.out(action(run_id))
         except Conflict as e:
             raise HTTPException(409, str(e)) from None
+        except KeyError:  # deleted by a concurrent request
+            raise HTTPException(404, f"no run {run_id!r}") from None
 
     def log_lines(self, run: Run, tail: int) -> list[str]:
         """The last `tail` lines over all attempts' console logs; a header marks each attempt shown whole."""
@@ -286,12 +294,14 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="titan_k3 control service", version="0.2.0", lifespan=lifespan,
                   description="Start, watch and stop titan_k3 trainings (torchrun children) over REST.")
     app.state.service = svc
+    errors.install(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(MethodNotAllowed)
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.allowed_hosts)
 
     @app.post("/v1/runs", status_code=201, response_model=RunOut, dependencies=[Depends(require_token)],
               responses={**AUTH, 400: {"model": ErrorOut, "description": "body is not valid JSON"},
+                         415: {"model": ErrorOut, "description": "body not sent as application/json"},
                          409: {"model": ErrorOut, "description": "name taken"},
                          413: {"model": ErrorOut, "description": "body too large"},
                          422: {"description": "refused: bad config, or more than this host or the trainer allows "
@@ -300,10 +310,11 @@ def create_app(settings: Settings) -> FastAPI:
         return svc.out(svc.create(req))
 
     @app.get("/v1/runs", response_model=list[RunOut], dependencies=read, responses=read_auth)
-    async def list_runs(state: Literal[STATES] | None = Query(None)) -> Response:
+    async def list_runs(state: list[Literal[STATES]] | None = Query(
+            None, description="only runs in these states (repeat the parameter for several)")) -> Response:
         # NOTE: async (on the event loop, no worker-thread hop): answered from cached views, a rebuild is one run's
         # few stat calls and appended lines; 50 clients at once measured in benchmarks/results/service_load.md.
-        runs = svc.registry.list((state,) if state else None)
+        runs = svc.registry.list(tuple(state) if state else None)
         return Response(b"[" + b",".join(svc.view(r) for r in runs) + b"]", media_type="application/json")
 
     @app.get("/v1/runs/{run_id}", response_model=RunOut, dependencies=read, responses={**read_auth, **NOT_FOUND})

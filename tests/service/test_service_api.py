@@ -125,7 +125,7 @@ def test_listing_by_an_unknown_state_is_refused_not_answered_empty(fake_service)
     c = fake_service.client
     r = c.get("/v1/runs", params={"state": "runing"})
     assert r.status_code == 422, r.text
-    assert r.json()["detail"][0]["loc"] == ["query", "state"] and "'running'" in detail(r)
+    assert r.json()["detail"][0]["loc"][:2] == ["query", "state"] and "'running'" in detail(r)
     assert c.get("/v1/runs", params={"state": "lost"}).status_code == 200
 
 

@@ -1,0 +1,129 @@
+"""Bad requests get one clear line, the right 4xx and change nothing: a body that is not JSON (400) or not
+sent as JSON (415), names outside their rules (the rule, not a regular expression), a path no route has, a
+name still held by a deleted run's files, a run deleted while a stop or resume of it was under way; and
+the list filter takes several states."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from fastapi import HTTPException
+
+from service.app import Service
+from service.settings import Settings
+
+INLINE = '[model]\nflavor = "debug"\n[training]\nsteps = 6\nseq_len = 64\n[metrics]\nlog_freq = 1\n'
+
+
+def run_dirs(svc) -> set[str]:
+    d = svc.state_dir / "runs"
+    return {p.name for p in d.iterdir()} if d.exists() else set()
+
+
+def post_raw(svc, content: bytes, content_type: str | None) -> httpx.Response:
+    headers = {**svc.auth, **({"content-type": content_type} if content_type else {})}
+    return svc.client.post("/v1/runs", content=content, headers=headers)
+
+
+def test_a_body_that_is_not_json_is_400_naming_where(fake_service):
+    before = run_dirs(fake_service)
+    r = post_raw(fake_service, b'{"toml": "x",', "application/json")
+    assert r.status_code == 400, r.text
+    assert r.json() == {"detail": "request body is not valid JSON: Expecting property name enclosed in double quotes "
+                                  "(at character 13)"}
+    assert post_raw(fake_service, b"\xff\xfe", "application/json").status_code == 400
+    assert run_dirs(fake_service) == before
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain"])
+def test_a_json_body_not_sent_as_json_is_415(fake_service, content_type):
+    # curl -d '{...}' without -H 'content-type: application/json' sends a form
+    r = post_raw(fake_service, b'{"toml": "", "name": "form"}', content_type)
+    assert r.status_code == 415, r.text
+    assert r.json() == {"detail": f"content-type '{content_type}': the body must be sent as application/json"}
+    assert fake_service.client.get("/v1/runs/form").status_code == 404
+
+
+def test_a_missing_body_says_so(fake_service):
+    r = post_raw(fake_service, b"", "application/json")
+    assert r.status_code == 422, r.text
+    (error,) = r.json()["detail"]
+    assert error["loc"] == ["body"] and error["msg"] == "request body is missing: expected a JSON object"
+
+
+@pytest.mark.parametrize("body, loc, msg", [
+    ({"toml": INLINE, "name": "a..b"}, ["body", "name"], "run name 'a..b': expected 1-64 characters"),
+    ({"toml": INLINE, "name": "x" * 65}, ["body", "name"], "run name 'xxxx"),
+    ({"recipe": "../x"}, ["body", "recipe"], "recipe '../x': expected a name like 'smoke'"),
+    ({"toml": INLINE, "overrides": {"Training.Steps": 3}}, ["body", "overrides", "Training.Steps", "[key]"],
+     "override key 'Training.Steps': expected 'section.key'"),
+])
+def test_names_outside_their_rules_are_told_the_rule(fake_service, body, loc, msg):
+    before = run_dirs(fake_service)
+    r = fake_service.create(**body)
+    assert r.status_code == 422, r.text
+    (error,) = r.json()["detail"]
+    assert error["loc"] == loc and error["msg"].startswith(msg), error
+    assert "pattern" not in error["msg"]
+    assert run_dirs(fake_service) == before
+
+
+def test_a_run_id_outside_the_rule_in_the_path_is_told_the_rule(fake_service):
+    r = fake_service.client.get("/v1/runs/a..b")
+    assert r.status_code == 422
+    (error,) = r.json()["detail"]
+    assert error["loc"] == ["path", "run_id"] and error["msg"].startswith("run name 'a..b': expected")
+
+
+def test_a_path_no_route_has_is_named(fake_service):
+    r = fake_service.client.post("/v1/runs/x/restart", headers=fake_service.auth)
+    assert r.status_code == 404
+    assert r.json() == {"detail": "no endpoint POST /v1/runs/x/restart; the API is listed at /docs"}
+    assert fake_service.client.get("/v1/runs/nope").json() == {"detail": "no run 'nope'"}  # a run's 404 stays its own
+
+
+def test_a_name_held_by_a_deleted_runs_files_is_not_offered_a_resume(fake_service):
+    svc = fake_service
+    assert svc.create(toml=INLINE, name="kept").status_code == 201
+    svc.wait_state("kept", ("finished",))
+    r = svc.create(toml=INLINE, name="kept")
+    assert r.status_code == 409 and r.json()["detail"] == "run 'kept' already exists (finished); pick another name"
+    assert svc.client.delete("/v1/runs/kept", headers=svc.auth).status_code == 200
+    r = svc.create(toml=INLINE, name="kept")
+    assert r.status_code == 409, r.text
+    assert r.json()["detail"] == ("run name 'kept' is taken: runs/kept holds the files of a deleted run (DELETE with "
+                                  "files=true removes them); pick another name")
+    assert svc.client.post("/v1/runs/kept/resume", headers=svc.auth).status_code == 404
+
+
+def test_listing_by_several_states_answers_each(fake_service):
+    svc = fake_service
+    assert svc.create(toml=INLINE, name="done-one").status_code == 201
+    assert svc.create(toml=INLINE, name="stopped-one", overrides={"training.steps": 4000}).status_code == 201
+    svc.wait_state("done-one", ("finished",))
+    svc.client.post("/v1/runs/stopped-one/stop", headers=svc.auth)
+    svc.wait_state("stopped-one", ("stopped",))
+    r = svc.client.get("/v1/runs", params=[("state", "finished"), ("state", "stopped")])
+    assert r.status_code == 200
+    got = {run["id"]: run["state"] for run in r.json()}
+    assert got["done-one"] == "finished" and got["stopped-one"] == "stopped"
+    assert set(got.values()) <= {"finished", "stopped"}
+    only = {run["state"] for run in svc.client.get("/v1/runs", params={"state": "stopped"}).json()}
+    assert only == {"stopped"}
+
+
+def test_a_run_deleted_during_a_stop_or_resume_is_404_not_500(tmp_path):
+    svc = Service(Settings(state_dir=tmp_path, token="x", gpus=0))
+    try:
+        svc.registry.insert_run("r", "inline", {}, 1, 0, 2)
+
+        def deleted_meanwhile(run_id: str):
+            svc.registry.delete_run(run_id)  # what a concurrent DELETE does between the lookup and the action
+            raise KeyError(run_id)
+
+        with pytest.raises(HTTPException) as e:
+            svc.transition("r", deleted_meanwhile)
+        assert e.value.status_code == 404 and e.value.detail == "no run 'r'"
+    finally:
+        svc.trainer_check.close()
+        svc.registry.close()
