@@ -185,3 +185,12 @@ def test_help_writes_defaults_as_toml():
     assert "--job.strict (true or false, default false)" in text
     assert "--job.dump_folder (a string, default './runs')" in text
     assert "default True" not in text and "default False" not in text
+
+
+def test_a_true_or_false_key_alone_means_true():
+    """`--job.strict` as written in the docs (it said "option '--job.strict' needs a value")."""
+    cfg = load_job_config(["--job.strict", "--training.steps", "3", "--job.validate_only"])
+    assert (cfg.job.strict, cfg.job.validate_only, cfg.training.steps) == (True, True, 3)
+    assert load_job_config(["--job.strict", "false"]).job.strict is False
+    with pytest.raises(ConfigError, match="option '--training.steps' needs a value"):
+        load_job_config(["--training.steps", "--job.strict"])

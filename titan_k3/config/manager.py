@@ -16,7 +16,7 @@ import os
 import sys
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Collection, Literal
 
 import tomli
 
@@ -53,6 +53,12 @@ def _sections() -> dict[str, type]:
 
 def _field_types(section_cls: type) -> dict[str, Any]:
     return typing.get_type_hints(section_cls)
+
+
+def _bool_keys() -> set[str]:
+    """'section.key' of every true-or-false field."""
+    return {f"{section}.{name}" for section, cls in _sections().items()
+            for name, tp in _field_types(cls).items() if tp is bool}
 
 
 def _suggest(word: str, options: list[str]) -> str:
@@ -141,8 +147,13 @@ def parse_toml_text(text: str, origin: str = "<inline TOML>") -> dict[str, Any]:
         raise ConfigError(f"{origin}: not valid TOML ({e})") from None
 
 
-def split_overrides(argv: list[str], form: str = "--section.key value") -> list[tuple[str, str]]:
-    """['--a.b', 'v', '--c.d=w'] -> [('a.b', 'v'), ('c.d', 'w')]; `form` is how an override looks, for the error."""
+def split_overrides(argv: list[str], form: str = "--section.key value",
+                    flags: Collection[str] = ()) -> list[tuple[str, str]]:
+    """['--a.b', 'v', '--c.d=w'] -> [('a.b', 'v'), ('c.d', 'w')]; `form` is how an override looks, for the error.
+
+    flags: keys that may also stand alone, meaning 'true' (`--job.strict` as `--job.strict true`): those followed by
+    nothing or by the next `--` option.
+    """
     pairs: list[tuple[str, str]] = []
     i = 0
     while i < len(argv):
@@ -153,9 +164,15 @@ def split_overrides(argv: list[str], form: str = "--section.key value") -> list[
         if "=" in key:
             key, value = key.split("=", 1)
             i += 1
+        elif key in flags and (i + 1 >= len(argv) or argv[i + 1].startswith("--")):
+            value = "true"
+            i += 1
         else:
             if i + 1 >= len(argv):
                 raise ConfigError(f"option '--{key}' needs a value")
+            if argv[i + 1].startswith("--"):
+                raise ConfigError(f"option '--{key}' needs a value, and '{argv[i + 1]}' follows it (a value that "
+                                  f"starts with '--' is written --{key}=VALUE)")
             value = argv[i + 1]
             i += 2
         pairs.append((key, value))
@@ -173,7 +190,7 @@ def load_job_config(argv: list[str] | None = None, toml_text: str | None = None,
     """
     from titan_k3.config.validate import validate
 
-    pairs = split_overrides(list(sys.argv[1:] if argv is None else argv))
+    pairs = split_overrides(list(sys.argv[1:] if argv is None else argv), flags=_bool_keys())
     cfg = JobConfig()
     config_file = next((v for k, v in pairs if k == "job.config_file"), None)
     if toml_text is not None:
@@ -208,7 +225,8 @@ def config_to_toml(cfg: JobConfig) -> str:
 
 def help_text() -> str:
     docs = field_docs()
-    lines = ["usage: python -m titan_k3.train [--job.config_file FILE] [--section.key VALUE ...]", ""]
+    lines = ["usage: python -m titan_k3.train [--job.config_file FILE] [--section.key VALUE ...]",
+             "(a true-or-false key alone means true: --job.strict is --job.strict true)", ""]
     for section, cls in _sections().items():
         lines.append(f"[{section}]")
         defaults = cls()
