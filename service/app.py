@@ -439,7 +439,8 @@ async def _follow(svc: Service, run: Run, tail: int) -> AsyncIterator[bytes]:
     partial = b""
     while True:
         current = svc.registry.get(run.id)
-        if current is None:
+        if current is None:  # deleted meanwhile: end the stream as a run's end, not as a dropped connection
+            yield event(json.dumps({"state": "deleted", "message": f"run {run.id!r} was deleted"}), "end")
             return
         if current.attempts and current.attempts[-1].n != n:
             n, offset, partial = current.attempts[-1].n, 0, b""

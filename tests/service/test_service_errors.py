@@ -127,3 +127,13 @@ def test_a_run_deleted_during_a_stop_or_resume_is_404_not_500(tmp_path):
     finally:
         svc.trainer_check.close()
         svc.registry.close()
+
+
+def test_a_log_stream_of_a_run_deleted_meanwhile_ends_with_an_end_event(fake_service):
+    svc = fake_service
+    assert svc.create(toml=INLINE, name="streamed", overrides={"training.steps": 4000}).status_code == 201
+    svc.wait_state("streamed", ("running",))
+    with svc.client.stream("GET", "/v1/runs/streamed/logs/stream", params={"tail": 0}) as s:
+        assert svc.client.delete("/v1/runs/streamed", headers=svc.auth).status_code == 200
+        body = "".join(s.iter_text())
+    assert body.endswith('event: end\ndata: {"state": "deleted", "message": "run \'streamed\' was deleted"}\n\n'), body
