@@ -53,7 +53,7 @@ from titan_k3.invariants import InvariantRunner, InvariantViolationError
 from titan_k3.metrics.memory_peak import PeakRecorder
 from titan_k3.metrics.profile import StepProfiler
 from titan_k3.metrics.reporter import MetricsReporter
-from titan_k3.metrics.run_dir import Tee, check_run_dir, prepare_run_dir, run_dir_path
+from titan_k3.metrics.run_dir import Tee, check_run_dir, prepare_run_dir, run_dir_path, run_dir_problem
 from titan_k3.models.registry import get_model_spec
 from titan_k3.optim import LRSchedule, ParamSpec, build_optimizers
 from titan_k3.parallel import (
@@ -666,7 +666,11 @@ def _main(argv: list[str], stop: StopSignals) -> int:
         cfg = load_job_config(argv)
         if cfg.job.validate_only:
             check_host(cfg)
-            print("config ok")
+            problem = run_dir_problem(cfg)  # a reused name or a dump folder the run would refuse at its start
+            if problem:
+                raise ConfigError(problem)
+            if _first_to_report("config ok"):
+                print("config ok")
             return 0
         # NOTE: the refusals --job.validate_only and the control service give, each naming its key (the metrics
         # port is the exporter's own to bind).

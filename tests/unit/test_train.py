@@ -352,3 +352,17 @@ def test_data_and_file_refusals_name_their_key_as_validate_only_does(tmp_path, c
     assert main([*FAST, "--job.dump_folder", str(tmp_path), "--job.name", "refused", *argv]) == 2
     assert capsys.readouterr().err.startswith(line)
     assert not (tmp_path / "refused").exists()
+
+
+def test_validate_only_refuses_the_run_directory_the_run_would_refuse(tmp_path, capsys):
+    """--job.validate_only said 'config ok' for a reused name with nothing to resume and for a dump folder that is a
+    file, and the run then stopped on them."""
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.toml").write_text("")
+    (tmp_path / "afile").write_text("")
+    assert main(["--job.dump_folder", str(tmp_path), "--job.name", "old", "--job.validate_only"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: config key 'job.name' = 'old': {tmp_path}/old holds a previous run")
+    assert main(["--job.dump_folder", str(tmp_path / "afile"), "--job.validate_only"]) == 2
+    assert "config key 'job.dump_folder'" in capsys.readouterr().err
+    assert main(["--job.dump_folder", str(tmp_path), "--job.name", "new", "--job.validate_only"]) == 0
+    assert capsys.readouterr().out == "config ok\n" and not (tmp_path / "new").exists()

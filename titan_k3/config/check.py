@@ -11,7 +11,8 @@ takes the trainer's own arguments ('-' first: the TOML text on stdin instead
 of `--job.config_file`), prints 'config ok' and exits 0, or prints one line
 `error: ...` to stderr and exits CONFIG_ERROR_EXIT. Torch-free: the control
 service runs it before it accepts a run; `python -m titan_k3.train
---job.validate_only true` runs the same checks.
+--job.validate_only true` runs the same checks and the trainer's own of the
+run directory (a reused job.name with nothing to resume, a dump folder it cannot use).
 """
 
 from __future__ import annotations
