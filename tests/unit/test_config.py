@@ -194,3 +194,18 @@ def test_a_true_or_false_key_alone_means_true():
     assert load_job_config(["--job.strict", "false"]).job.strict is False
     with pytest.raises(ConfigError, match="option '--training.steps' needs a value"):
         load_job_config(["--training.steps", "--job.strict"])
+
+
+def test_a_value_of_the_toml_file_that_validation_refuses_names_the_file(tmp_path):
+    """Reading a file named it ('x.toml: config key ...'), validating its values did not."""
+    path = tmp_path / "x.toml"
+    path.write_text('[model]\nflavor = "tin"\n[lr_scheduler]\nwarmup_steps = 50\n')
+    with pytest.raises(ConfigError) as e:
+        load_job_config(["--job.config_file", str(path)])
+    assert str(e.value).startswith(f"{path}: config key 'model.flavor' = 'tin': expected one of 'debug', 'tiny', ")
+    with pytest.raises(ConfigError) as e:  # set in the file, refused for a value of the command line's
+        load_job_config(["--job.config_file", str(path), "--model.flavor", "debug", "--training.steps", "10"])
+    assert str(e.value).startswith(f"{path}: config key 'lr_scheduler.warmup_steps' = 50: must be below training.steps")
+    with pytest.raises(ConfigError) as e:  # overridden on the command line: the line is the command line's
+        load_job_config(["--job.config_file", str(path), "--model.flavor", "tin"])
+    assert str(e.value).startswith("config key 'model.flavor' = 'tin'")

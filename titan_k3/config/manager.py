@@ -13,6 +13,7 @@ import functools
 import inspect
 import math
 import os
+import re
 import sys
 import typing
 from pathlib import Path
@@ -129,7 +130,9 @@ def _set(cfg: JobConfig, key: str, raw: Any, from_cli: bool) -> None:
     setattr(getattr(cfg, section), name, _coerce(key, raw, types[name], from_cli))
 
 
-def _apply_toml(cfg: JobConfig, data: dict[str, Any], origin: str) -> None:
+def _apply_toml(cfg: JobConfig, data: dict[str, Any], origin: str) -> list[str]:
+    """Set every key of the parsed TOML `data` (from `origin`, which errors name); returns the keys set."""
+    keys = []
     for section, values in data.items():
         if not isinstance(values, dict):
             raise ConfigError(f"{origin}: top-level key '{section}' must be a [section] table")
@@ -138,6 +141,25 @@ def _apply_toml(cfg: JobConfig, data: dict[str, Any], origin: str) -> None:
                 _set(cfg, f"{section}.{name}", raw, from_cli=False)
             except ConfigError as e:
                 raise ConfigError(f"{origin}: {e}") from None
+            keys.append(f"{section}.{name}")
+    return keys
+
+
+_NAMED_KEY = re.compile(r"config keys? '([^']+)'")
+
+
+def _validate(cfg: JobConfig, needs_data: bool, from_toml: set[str], origin: str) -> None:
+    """validate(), its error prefixed by the TOML's `origin` when the key it names first was set there (and not
+    overridden on the command line), as the errors of reading that file are."""
+    from titan_k3.config.validate import validate
+
+    try:
+        validate(cfg, needs_data=needs_data)
+    except ConfigError as e:
+        named = _NAMED_KEY.match(str(e))
+        if named and named.group(1) in from_toml:
+            raise ConfigError(f"{origin}: {e}") from None
+        raise
 
 
 def parse_toml_text(text: str, origin: str = "<inline TOML>") -> dict[str, Any]:
@@ -188,13 +210,13 @@ def load_job_config(argv: list[str] | None = None, toml_text: str | None = None,
     `data.dataset` (a caller that reads no data, such as the planner).
     Raises ConfigError on any mistake.
     """
-    from titan_k3.config.validate import validate
-
     pairs = split_overrides(list(sys.argv[1:] if argv is None else argv), flags=_bool_keys())
     cfg = JobConfig()
     config_file = next((v for k, v in pairs if k == "job.config_file"), None)
+    from_toml: list[str] = []
+    origin = "<inline TOML>"
     if toml_text is not None:
-        _apply_toml(cfg, parse_toml_text(toml_text), "<inline TOML>")
+        from_toml = _apply_toml(cfg, parse_toml_text(toml_text), origin)
     elif config_file:
         path = Path(config_file)
         if path.is_dir():
@@ -205,10 +227,11 @@ def load_job_config(argv: list[str] | None = None, toml_text: str | None = None,
             text = path.read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"config key 'job.config_file' = {toml_value(config_file)}: cannot read it ({e})") from None
-        _apply_toml(cfg, parse_toml_text(text, str(path)), str(path))
+        origin = str(path)
+        from_toml = _apply_toml(cfg, parse_toml_text(text, origin), origin)
     for key, value in pairs:
         _set(cfg, key, value, from_cli=True)
-    validate(cfg, needs_data=needs_data)
+    _validate(cfg, needs_data, set(from_toml) - {key for key, _ in pairs}, origin)
     return cfg
 
 

@@ -31,7 +31,7 @@ def _one_of(key: str, value: str, allowed: list[str]) -> None:
     if value not in allowed:
         close = difflib.get_close_matches(value, allowed, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        _require(False, f"config key '{key}' = {toml_value(value)}: expected one of {', '.join(allowed)}{hint}")
+        _require(False, f"config key '{key}' = {toml_value(value)}: expected one of {', '.join(map(toml_value, allowed))}{hint}")
 
 
 def check_run_name(name: str) -> None:
