@@ -161,6 +161,9 @@ class Service:
             except DuplicateRun:
                 shutil.rmtree(run_dir, ignore_errors=True)
                 raise HTTPException(409, f"run {run_id!r} already exists") from None
+            except OSError as e:  # a full or read-only disk: the host's fault, said in one line, nothing left
+                shutil.rmtree(run_dir, ignore_errors=True)
+                raise HTTPException(507, f"cannot create run directory runs/{run_id}: {e.strerror}") from None
             except BaseException:
                 shutil.rmtree(run_dir, ignore_errors=True)
                 raise
@@ -303,6 +306,7 @@ def create_app(settings: Settings) -> FastAPI:
               responses={**AUTH, 400: {"model": ErrorOut, "description": "body is not valid JSON"},
                          415: {"model": ErrorOut, "description": "body not sent as application/json"},
                          409: {"model": ErrorOut, "description": "name taken"},
+                         507: {"model": ErrorOut, "description": "the run directory cannot be created (disk full)"},
                          413: {"model": ErrorOut, "description": "body too large"},
                          422: {"description": "refused: bad config, or more than this host or the trainer allows "
                                               "(the trainer's own one-line message in detail[0].msg)"}})

@@ -137,3 +137,29 @@ def test_a_log_stream_of_a_run_deleted_meanwhile_ends_with_an_end_event(fake_ser
         assert svc.client.delete("/v1/runs/streamed", headers=svc.auth).status_code == 200
         body = "".join(s.iter_text())
     assert body.endswith('event: end\ndata: {"state": "deleted", "message": "run \'streamed\' was deleted"}\n\n'), body
+
+
+def test_a_run_directory_the_disk_cannot_hold_is_507_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    from service.schemas import RunCreate
+
+    svc = Service(Settings(state_dir=tmp_path, token="x", gpus=0))
+    svc.trainer_check = lambda sub: None  # the host check is not what this test is about
+    write_text = Path.write_text
+
+    def full_disk(self, *args, **kwargs):
+        if self.name == "submitted.toml":
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    try:
+        with pytest.raises(HTTPException) as e:
+            svc.create(RunCreate(name="full", toml=INLINE))
+        assert e.value.status_code == 507
+        assert e.value.detail == "cannot create run directory runs/full: No space left on device"
+        assert not (tmp_path / "runs" / "full").exists() and svc.registry.get("full") is None
+    finally:
+        svc.registry.close()
