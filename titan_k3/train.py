@@ -179,7 +179,10 @@ class Trainer:
         from titan_k3.data.loader import build_dataloader
         from titan_k3.data.tokenizer import load_tokenizer
 
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        try:
+            self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        except ValueError as e:
+            raise ConfigError(f"config key 'data.tokenizer' = {toml_value(cfg.data.tokenizer)}: {e}") from None
         vocab = cfg.model.vocab_size or -(-self.tokenizer.vocab_size // 64) * 64
         if vocab < self.tokenizer.vocab_size:
             raise ConfigError(
@@ -197,6 +200,13 @@ class Trainer:
             cfg.data.dataset, self.tokenizer, t.seq_len, t.local_batch_size, data_rank, self.dp_world,
             t.seed, mixture=parse_mixture(cfg.data.mixture), prefetch=cfg.data.prefetch,
         )
+        try:  # before the model: a task file that does not parse stops the run before any work
+            self.evaluator = Evaluator(cfg, self.tokenizer, self.device, dp_rank=self.dp_rank, dp_world=self.dp_world,
+                                       dp_group=self.dp_group)
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ConfigError(f"config key 'eval.tasks' = {toml_value(cfg.eval.tasks)}: {e}") from None
 
         self.impl = self.model_spec.resolve_kernels(cfg.kernels, self.device, self.args)
         if cfg.job.strict and self.impl.fallbacks:
@@ -240,8 +250,6 @@ class Trainer:
         self.flops_per_token = self.model_spec.flops_per_token(self.args, t.seq_len)
         self._unsettled: deque = deque()
         self._fixed = None
-        self.evaluator = Evaluator(cfg, self.tokenizer, self.device, dp_rank=self.dp_rank, dp_world=self.dp_world,
-                                   dp_group=self.dp_group)
 
         resume = check_resumable(cfg, run_dir_path(cfg), model, self.optimizers)
         done_steps, done_tokens = _resumed_progress(resume)

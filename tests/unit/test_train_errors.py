@@ -61,3 +61,26 @@ def test_without_torchruns_store_every_rank_prints(monkeypatch, capsys):
         monkeypatch.setenv("RANK", str(rank))
         assert main(["--training.stepz", "3"]) == CONFIG_ERROR_EXIT
         assert capsys.readouterr().err.startswith("error: unknown config key 'training.stepz'")
+
+
+@pytest.mark.parametrize("key, kind, expected", [
+    ("data.tokenizer", "dir", "is a directory, not a file"),
+    ("eval.tasks", "dir", "is a directory, not a file"),
+    ("checkpoint.initial_load_path", "file", "not a directory (expected a checkpoint step-N directory"),
+    ("data.tokenizer", "bad", "tokenizer '{path}': not a valid HF tokenizer.json"),
+    ("eval.tasks", "bad", "task file '{path}' line 1: expected"),
+])
+def test_a_path_of_the_wrong_kind_or_content_is_one_line_naming_its_key(tmp_path, capsys, key, kind, expected):
+    """A checkpoint path that is a file was a NotADirectoryError traceback (exit 1); a tokenizer or a task file that
+    is a directory said 'no such file', and one that does not parse named no key."""
+    path = tmp_path / "x.json"
+    if kind == "dir":
+        path.mkdir()
+    else:
+        path.write_text("{}\n")
+    argv = ["--model.flavor", "debug", "--training.seq_len", "64", "--job.dump_folder", str(tmp_path / "runs")]
+    assert main([*argv, f"--{key}", str(path)]) == CONFIG_ERROR_EXIT
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: config key '{key}' = '{path}': " + expected.format(path=path)), err
+    assert err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()

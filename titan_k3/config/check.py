@@ -73,12 +73,22 @@ def check_data(cfg: JobConfig) -> None:
 
 
 def check_files(cfg: JobConfig) -> None:
-    """Files the run reads exist: tokenizer, initial checkpoint, evaluation tasks."""
-    named = [("data.tokenizer", cfg.data.tokenizer), ("checkpoint.initial_load_path", cfg.checkpoint.initial_load_path)]
-    named += [("eval.tasks", t.strip()) for t in cfg.eval.tasks.split(",") if t.strip()]
-    for key, value in named:
-        if value and value != "embedded" and not Path(value).exists():
+    """Files the run reads exist, each of its kind: tokenizer and evaluation tasks files, the initial checkpoint a
+    directory (a checkpoint, a checkpoints folder or an export)."""
+    named = [("data.tokenizer", cfg.data.tokenizer, False),
+             ("checkpoint.initial_load_path", cfg.checkpoint.initial_load_path, True)]
+    named += [("eval.tasks", t.strip(), False) for t in cfg.eval.tasks.split(",") if t.strip()]
+    for key, value, folder in named:
+        if not value or value == "embedded":
+            continue
+        path = Path(value)
+        if not path.exists():
             raise ConfigError(f"config key '{key}' = {toml_value(value)}: no such file or directory")
+        if folder and not path.is_dir():
+            raise ConfigError(f"config key '{key}' = {toml_value(value)}: not a directory (expected a checkpoint "
+                              "step-N directory, a checkpoints folder or an exported model)")
+        if not folder and path.is_dir():
+            raise ConfigError(f"config key '{key}' = {toml_value(value)}: is a directory, not a file")
 
 
 def check_packages(cfg: JobConfig) -> None:
