@@ -57,12 +57,13 @@ from titan_k3.metrics.run_dir import Tee, check_run_dir, prepare_run_dir, run_di
 from titan_k3.models.registry import get_model_spec
 from titan_k3.optim import LRSchedule, ParamSpec, build_optimizers
 from titan_k3.parallel import (
-    CompileWatch, grad_norm_and_clip_coef, init_weights, parallelize, set_microbatch_sync, setup_distributed,
+    CompileWatch, ParallelDims, grad_norm_and_clip_coef, init_weights, parallelize, set_microbatch_sync, setup_distributed,
     sum_replicated_grads,
 )
 from titan_k3.parallel.faults import active_injections, check_injections, inject_replica_drift
 from titan_k3.run_faults import RunFaults
 from titan_k3.signals import EXIT_STATUS, StopNow, StopSignals
+from titan_k3.spec import routed_experts
 from titan_k3.step_graph import StepGraph, check_capturable
 from titan_k3.train_state import TrainState
 
@@ -669,14 +670,22 @@ def main(argv: list[str] | None = None) -> int:
         stop.restore()
 
 
+def _validate_only(cfg: JobConfig) -> None:
+    """--job.validate_only: the host checks, and the trainer's own that need no model: the mesh against this
+    launch's world size (WORLD_SIZE, 1 outside torchrun) and the run directory."""
+    check_host(cfg)
+    ParallelDims.from_config(cfg.parallelism, int(os.environ.get("WORLD_SIZE", 1)),
+                             routed_experts(cfg.model.name, cfg.model.flavor))
+    problem = run_dir_problem(cfg)  # a reused name or a dump folder the run would refuse at its start
+    if problem:
+        raise ConfigError(problem)
+
+
 def _main(argv: list[str], stop: StopSignals) -> int:
     try:
         cfg = load_job_config(argv)
         if cfg.job.validate_only:
-            check_host(cfg)
-            problem = run_dir_problem(cfg)  # a reused name or a dump folder the run would refuse at its start
-            if problem:
-                raise ConfigError(problem)
+            _validate_only(cfg)
             if _first_to_report("config ok"):
                 print("config ok")
             return 0

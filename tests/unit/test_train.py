@@ -366,3 +366,13 @@ def test_validate_only_refuses_the_run_directory_the_run_would_refuse(tmp_path, 
     assert "config key 'job.dump_folder'" in capsys.readouterr().err
     assert main(["--job.dump_folder", str(tmp_path), "--job.name", "new", "--job.validate_only"]) == 0
     assert capsys.readouterr().out == "config ok\n" and not (tmp_path / "new").exists()
+
+
+def test_validate_only_checks_the_mesh_against_the_launchs_world_size(tmp_path, capsys, monkeypatch):
+    """tomls/debug/hsdp.toml (2 x 2) in one process: the run refuses it, and --job.validate_only said 'config ok'."""
+    argv = ["--job.config_file", "tomls/debug/hsdp.toml", "--job.dump_folder", str(tmp_path), "--job.validate_only"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith(
+        "error: config key 'parallelism.data_parallel_replicate_degree' = 2: must divide the world size 1")
+    monkeypatch.setenv("WORLD_SIZE", "4")  # the torchrun the recipe is for
+    assert main(argv) == 0 and capsys.readouterr().out == "config ok\n"
