@@ -13,10 +13,18 @@ not agreed between ranks (the ranks may not reach a collective); it relies on
 every rank receiving the signal, as torchrun, Slurm, the control service and a
 terminal deliver it. After the first update the ranks agree (after_step).
 
+A rank that waits inside a collective or the process group's rendezvous
+(C++ code, where Python runs no signal handler) would hold that stop until
+whoever sent it kills the process: torchrun waits 30 s after it signals the
+ranks that a peer's error left waiting, then sends SIGKILL. So `StopSignals(
+watchdog=True)` (the command line's) also has Python's C-level handler write
+each signal to a pipe that a thread reads; a stop before the hand-over that has
+not reached the main thread START_UP_GRACE_S seconds later (its handler has
+not run) ends the process from that thread, with the same line and status.
+
 Only the first signal counts; later ones are ignored. NOTE: one stop often
 arrives twice: Slurm signals every process of the step and torchrun forwards what
-it receives, and a terminal's Ctrl-C reaches torchrun and its workers alike; a
-second signal must not cut the save short.
+it receives; a second signal must not cut the save short.
 
 Exit statuses (`EXIT_STATUS`): SIGTERM 0, a stop on request that the control
 service and torchrun take as a clean end; SIGINT 130 (128 + 2, what a shell
@@ -28,9 +36,16 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from typing import Callable
 
 EXIT_STATUS = {signal.SIGTERM: 0, signal.SIGINT: 130}
+START_UP_GRACE_S = 5.0
+"""Seconds a stop before the first update has to reach the main thread before the watchdog ends the process."""
+
+
+def start_up_stop_line(signum: int) -> str:
+    return f"[stopped] {signal.Signals(signum).name} received during start-up: stopping now, nothing to save"
 
 
 def exit_on_stop_signals() -> None:
@@ -41,8 +56,7 @@ def exit_on_stop_signals() -> None:
     """
     def stop(signum: int, _frame) -> None:
         if int(os.environ.get("RANK", 0)) == 0:
-            print(f"[stopped] {signal.Signals(signum).name} received during start-up: stopping now, nothing to save",
-                  flush=True)
+            print(start_up_stop_line(signum), flush=True)
         os._exit(EXIT_STATUS[signum])
 
     for s in StopSignals.SIGNALS:
@@ -67,15 +81,21 @@ class StopSignals:
     The first signal raises StopNow in the main thread until `hand_over(sink)`, and calls `sink(signum)` after
     it (the loop stops at its next safe point); later signals are ignored.
     signum: the first signal received (None: none).
+    watchdog: a stop before the hand-over whose handler has not run START_UP_GRACE_S later (the main thread waits
+    in C++ code) ends the process from a thread (module docstring). For a process that is the trainer's own only.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self):
+    def __init__(self, watchdog: bool = False):
         self.signum: int | None = None
         self._sink: Callable[[int], None] | None = None
         self._previous: dict[int, object] = {}
+        self._announced = threading.Lock()
+        self._wakeup: int | None = None  # the pipe's write end, while the watchdog reads it
         self.install()
+        if watchdog:
+            self._start_watchdog()
 
     def install(self) -> None:
         """(Re)take both signals; the handlers before the first install are what `restore` puts back."""
@@ -84,6 +104,51 @@ class StopSignals:
         for s in self.SIGNALS:
             previous = signal.signal(s, self._handle)
             self._previous.setdefault(s, previous)
+
+    def announce(self, signum: int, say: Callable[[], None] | None = None) -> None:
+        """Say a stop before the hand-over once, whichever of the main thread and the watchdog gets there first:
+        `say()`, or (None) print the start-up stop's line on rank 0."""
+        if not self._announced.acquire(blocking=False):
+            return
+        if say is not None:
+            say()
+        elif int(os.environ.get("RANK", 0)) == 0:
+            print(start_up_stop_line(signum), flush=True)
+
+    def _start_watchdog(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        if signal.set_wakeup_fd(write_end, warn_on_full_buffer=False) != -1:
+            # NOTE: another owner of the wakeup fd (an event loop) keeps it; no watchdog then.
+            signal.set_wakeup_fd(signal.set_wakeup_fd(-1))
+            os.close(read_end)
+            os.close(write_end)
+            return
+        self._wakeup = write_end
+        threading.Thread(target=self._watch, args=(read_end,), name="stop-watchdog", daemon=True).start()
+
+    def _watch(self, read_end: int) -> None:
+        """The watchdog thread: each byte is a signal's number, written the moment the signal arrives."""
+        with os.fdopen(read_end, "rb", buffering=0) as pipe:
+            while received := pipe.read(64):
+                stops = [s for s in received if s in self.SIGNALS]
+                if not stops or self._sink is not None:
+                    continue  # after the hand-over the loop stops at its next update's end
+                # NOTE: the handler runs at the main thread's next bytecode; while it has not run, the main thread
+                # waits in C++. Once it has, the main thread is stopping (or re-raises a swallowed stop: check).
+                deadline = time.monotonic() + START_UP_GRACE_S
+                while time.monotonic() < deadline and not self._acted_on():
+                    time.sleep(0.05)
+                if self._acted_on():
+                    continue
+                self.announce(stops[0])
+                os._exit(EXIT_STATUS[signal.Signals(stops[0])])
+
+    def _acted_on(self) -> bool:
+        """Whether the main thread took the stop (its handler ran), handed over, or restored the handlers."""
+        return self.signum is not None or self._sink is not None or self._wakeup is None
 
     def check(self) -> None:
         """Raise StopNow again for a signal received before the hand-over whose StopNow did not stop the process.
@@ -112,3 +177,7 @@ class StopSignals:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(-1)
+            write_end, self._wakeup = self._wakeup, None
+            os.close(write_end)  # the watchdog reads the end of the pipe and returns

@@ -653,18 +653,21 @@ def _report_error(e: BaseException) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     """Exit status: 0 done (or stopped by SIGTERM), 1 stopped by the run's own checks, 130 stopped by SIGINT,
-    CONFIG_ERROR_EXIT bad input; a stop signal saves first (titan_k3/signals.py)."""
+    CONFIG_ERROR_EXIT bad input; a stop signal saves first (titan_k3/signals.py).
+
+    own_process: the process is the trainer's (the command line): a stop during start-up that a rank waiting in
+    C++ code (a rendezvous, a collective) cannot act on ends the process (StopSignals' watchdog).
+    """
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         return print_help()
-    stop = StopSignals()
+    stop = StopSignals(watchdog=own_process)
     try:
         return _main(argv, stop)
     except StopNow as e:  # during start-up: no trainer yet
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"[stopped] {e} during start-up: stopping now, nothing to save", flush=True)
+        stop.announce(e.signum)
         return EXIT_STATUS[e.signum]
     finally:
         stop.restore()
@@ -706,8 +709,9 @@ def _main(argv: list[str], stop: StopSignals) -> int:
         return 1
     except StopNow as e:
         where = f"checkpoint update {trainer.step}" if trainer.step else "the start"
-        trainer.events.emit("stopped", f"{e} before this session's first update finished: stopping now, nothing new "
-                            f"to save (the next start resumes from {where})", step=trainer.step)
+        stop.announce(e.signum, lambda: trainer.events.emit(
+            "stopped", f"{e} before this session's first update finished: stopping now, nothing new to save (the "
+            f"next start resumes from {where})", step=trainer.step))
         return EXIT_STATUS[e.signum]
     finally:
         trainer.close()
@@ -719,4 +723,4 @@ def _main(argv: list[str], stop: StopSignals) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(own_process=True))

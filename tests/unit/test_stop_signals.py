@@ -190,3 +190,50 @@ def test_only_rank_zero_echoes_events(tmp_path, capsys):
         log.emit("stopped", "SIGTERM received: stopping after update 3", step=3)
     assert capsys.readouterr().out.count("[stopped]") == 1
     assert quiet.counts == loud.counts == {"stopped": 1}
+
+
+_WAITS_IN_CPP = """
+from datetime import timedelta
+import torch.distributed as dist
+from titan_k3.signals import StopSignals
+
+stop = StopSignals(watchdog={watchdog})
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+print("waiting", flush=True)
+try:
+    store.get("never")  # C++ code: Python runs no signal handler until it returns, as in a rendezvous
+finally:
+    stop.restore()
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_during_start_up_ends_a_process_that_waits_in_cpp(signum):
+    """A rank that waits in the process group's rendezvous or a collective (a peer stopped on an error) held
+    torchrun's SIGTERM until torchrun's SIGKILL 30 s later; the watchdog ends it START_UP_GRACE_S after the signal."""
+    from titan_k3.signals import START_UP_GRACE_S, start_up_stop_line
+
+    proc = subprocess.Popen([sys.executable, "-c", _WAITS_IN_CPP.format(watchdog=True)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout.readline() == "waiting\n"
+    time.sleep(0.5)  # inside store.get
+    sent = time.monotonic()
+    proc.send_signal(signum)
+    assert proc.wait(START_UP_GRACE_S + 20) == EXIT_STATUS[signum]
+    assert START_UP_GRACE_S - 0.5 < time.monotonic() - sent < START_UP_GRACE_S + 20
+    assert proc.stdout.read() == start_up_stop_line(signum) + "\n"
+
+
+def test_without_the_watchdog_the_wait_holds_the_stop():
+    """What the watchdog is for (and why only the command line's process has it: an embedding one keeps control)."""
+    proc = subprocess.Popen([sys.executable, "-c", _WAITS_IN_CPP.format(watchdog=False)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout.readline() == "waiting\n"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(8)
+    finally:
+        proc.kill()
+        proc.wait()
