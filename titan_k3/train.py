@@ -141,13 +141,12 @@ def _allocator_settings(cfg: JobConfig, device: torch.device) -> None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, (current, EXPANDABLE)))
 
 
-def _resumed_progress(resume: ResumePlan) -> tuple[int, int]:
-    """(updates, input tokens) done by the checkpoint the run resumes from, as it recorded them; (0, 0) for a
-    fresh start or initial weights (checkpoint.initial_load_path: the run's own count starts at 0)."""
+def _saved_train_state(resume: ResumePlan) -> dict | None:
+    """The TrainState.state_dict() the checkpoint the run resumes from recorded; None for a fresh start or initial
+    weights (checkpoint.initial_load_path: the run's own count starts at 0)."""
     if resume.path is None or resume.initial:
-        return 0, 0
-    train = json.loads((resume.path / META_FILE).read_text())["train"]
-    return int(train["step"]), int(train["tokens_seen"])
+        return None
+    return json.loads((resume.path / META_FILE).read_text())["train"]
 
 
 def _state_field(name: str) -> property:
@@ -253,7 +252,15 @@ class Trainer:
         self._fixed = None
 
         resume = check_resumable(cfg, run_dir_path(cfg), model, self.optimizers)
-        done_steps, done_tokens = _resumed_progress(resume)
+        saved = _saved_train_state(resume)
+        if saved is not None and not t.fixed_batch:
+            # NOTE: a data position the loader refuses (another seed, a batch that does not divide it) stops the run
+            # here, before its directory's config and manifest are rewritten; the checkpointer loads it again.
+            try:
+                TrainState(data=self.loader).load_state_dict(saved)
+            except ValueError as e:
+                raise ValueError(f"checkpoint {resume.path}: {e}") from None
+        done_steps, done_tokens = (int(saved["step"]), int(saved["tokens_seen"])) if saved is not None else (0, 0)
         self.data = describe_run_data(self.loader.describe(), fixed_batch=t.fixed_batch, total_tokens=run_tokens(
             steps=t.steps, seq_len=t.seq_len, context_stages=t.context_stages, local_batch_size=t.local_batch_size,
             grad_accum=t.grad_accum, dp_world=self.dp_world, done_steps=done_steps, done_tokens=done_tokens))

@@ -40,3 +40,19 @@ def test_a_resume_at_another_rate_says_the_tokens_done_plus_the_rest(tmp_path, c
     assert manifest["dataset"]["run_tokens"] == 384
     records = [json.loads(x) for x in (tmp_path / "rate" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["tokens_seen"] == 384
+
+
+def test_a_resume_whose_data_position_does_not_fit_changes_nothing(tmp_path, capsys):
+    """A resume refused for its data position (another seed, a batch that does not divide it) had already rewritten
+    the run's config.toml and manifest.json (seed = 5 beside a checkpoint of seed 0) and appended to events.jsonl."""
+    run = [*FAST, "--job.dump_folder", str(tmp_path), "--job.name", "fit", "--checkpoint.enable", "true",
+           "--checkpoint.interval", "1", "--invariants.enable", "false", "--training.local_batch_size", "3"]
+    assert main([*run, "--training.steps", "1"]) == 0
+    files = {p.name: p.read_bytes() for p in (tmp_path / "fit").iterdir() if p.is_file()}
+    capsys.readouterr()
+    for other in (["--training.seed", "5"], ["--training.local_batch_size", "2"]):
+        assert main([*run, "--training.steps", "2", *other]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: checkpoint {tmp_path}/fit/checkpoints/step-1: data loader position does not "
+                              "fit this run: "), err
+        assert {p.name: p.read_bytes() for p in (tmp_path / "fit").iterdir() if p.is_file()} == files
