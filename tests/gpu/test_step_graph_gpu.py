@@ -114,3 +114,25 @@ def test_empty_padding_documents_leave_flash_varlen_attention_alone():
         # NOTE: the forward is deterministic; flash's backward adds dq up with atomics, in any order.
         tol = 0 if i == 0 else 2e-2
         torch.testing.assert_close(pad, plain, rtol=tol, atol=tol)
+
+
+def test_optimizer_side_stream_changes_no_number(tmp_path):
+    """optimizer.side_stream in the recipe's setting (update graph, Newton-Schulz graphs in its pool): AdamW and
+    Muon's update passes on a second stream train exactly like one stream, update for update."""
+    flags = ["--compile.enable", "true", "--compile.cuda_graph", "true", "--compile.cuda_graph_warmup", "1",
+             "--compile.cuda_graph_max_documents", "32", "--optimizer.ns_cuda_graphs", "true",
+             "--compile.cuda_graph_share_pool", "true", "--optimizer.ns_chunk", "4"]
+    one = _trainer(tmp_path, "one", *flags)
+    two = _trainer(tmp_path, "two", *flags, "--optimizer.side_stream", "true")
+    try:
+        assert [c.chosen for c in two.impl.choices if c.op == "optimizer_stream"] == ["on"]
+        assert two.optimizers.side_stream is not None and one.optimizers.side_stream is None
+        for update in range(1, 7):
+            a, b = one.train_step(), two.train_step()
+            one.step = two.step = update
+            assert (b.loss, b.grad_norm) == (a.loss, a.grad_norm), update
+        for (name, p), q in zip(one.model.named_parameters(), two.model.parameters()):
+            assert torch.equal(p, q), name
+    finally:
+        one.close()
+        two.close()

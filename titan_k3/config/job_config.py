@@ -131,6 +131,8 @@ class Optimizer:
     """Newton-Schulz over this many blocks of one shape at a time instead of all of them at once (0): the same math per block; the temporaries shrink to a chunk's and each update is written over the optimizer's own Newton-Schulz input (no output buffer: 1.6 GiB less for k3-mini's experts). A memory lever: on an H200 the k3-mini Muon step took 22.7 ms in chunks of 512 and 25.6 ms in chunks of 64 against 21.5 ms whole (benchmarks/results/muon.md); with 512 the whole update ran at the same speed with ~3 GiB less reserved (benchmarks/results/train_throughput.md)."""
     ns_cuda_graphs: bool = False
     """Replay each block shape's Newton-Schulz as a CUDA graph (CUDA; plain and FSDP2/EP-sharded parameters): one launch instead of ~25 per shape and update, for ~2x the Muon parameters this rank orthogonalises of reserved memory in the NS dtype. Pays where the host is the bottleneck (benchmarks/results/scaling.md); one GPU measured no gain (train_throughput.md)."""
+    side_stream: bool = False
+    """Run AdamW's step and Per-Head Muon's update passes (weight decay and add) on a second CUDA stream, beside Muon's momentum passes and Newton-Schulz products, which read and write other tensors: the same arithmetic, bit-identical updates. One process on a CUDA device; elsewhere a reported fallback to one stream (job.strict refuses it). See docs/performance.md for what it measured."""
     qk_clip_tau: float = 100.0
     """QK-Clip threshold on the per-head max pre-softmax logit of MLA layers; 0 disables QK-Clip."""
 

@@ -8,6 +8,7 @@ them together.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -30,10 +31,13 @@ class Optimizers:
     place, like torch.distributed.checkpoint, needs that).
     """
 
-    def __init__(self, optimizers: dict[str, torch.optim.Optimizer], names: dict[str, list[str]]) -> None:
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer], names: dict[str, list[str]],
+                 side_stream: torch.cuda.Stream | None = None) -> None:
         assert optimizers.keys() == names.keys()
         self.optimizers = optimizers
         self.names = names
+        self.side_stream = side_stream
+        """A CUDA stream for AdamW's step and Muon's update passes, beside Muon's Newton-Schulz (`step`); None: one."""
         for key, opt in optimizers.items():
             assert len(names[key]) == sum(len(g["params"]) for g in opt.param_groups)
             if isinstance(opt, PerHeadMuon):
@@ -57,22 +61,40 @@ class Optimizers:
         gradient * grad_scale (a clip coefficient), applied as each optimizer reads it, not by a pass of its own.
         Per-Head Muon takes both in its fused passes; fused AdamW takes them as found_inf and grad_scale
         (which divides, so it gets the reciprocal).
+
+        With a side stream, AdamW's step and Muon's update passes run there while Muon's momentum passes and
+        Newton-Schulz products run on the current stream; the step waits for the side stream before returning.
+        The two optimizers touch disjoint parameters and states, so the updates are bit-identical either way.
         """
-        for opt in self.optimizers.values():
+        flags = {}
+        for key, opt in self.optimizers.items():
             if isinstance(opt, PerHeadMuon):
-                flags = {"skip_if": skip_if, "grad_scale": grad_scale}
+                flags[key] = {"skip_if": skip_if, "grad_scale": grad_scale, "apply_stream": self.side_stream}
             else:
                 assert skip_if is None and grad_scale is None or opt.defaults.get("fused"), \
                     "device-side skip and scaling need fused AdamW (found_inf, grad_scale)"
-                flags = {"found_inf": None if skip_if is None else skip_if.float(),
-                         "grad_scale": None if grad_scale is None else grad_scale.float().reciprocal()}
-            for name, value in flags.items():
-                setattr(opt, name, value)
-            try:
-                opt.step()
-            finally:
-                for name in flags:
-                    setattr(opt, name, None)
+                flags[key] = {"found_inf": None if skip_if is None else skip_if.float(),
+                              "grad_scale": None if grad_scale is None else grad_scale.float().reciprocal()}
+        side = self.side_stream
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(side.device))  # the gradients and every flag above
+        try:
+            # NOTE: AdamW first: on the side stream it then runs beside Muon's first (largest) Newton-Schulz group.
+            for key in sorted(self.optimizers, key=lambda k: isinstance(self.optimizers[k], PerHeadMuon)):
+                opt = self.optimizers[key]
+                for name, value in flags[key].items():
+                    setattr(opt, name, value)
+                on_side = side is not None and not isinstance(opt, PerHeadMuon)
+                try:
+                    with torch.cuda.stream(side) if on_side else contextlib.nullcontext():
+                        opt.step()
+                finally:
+                    for name in flags[key]:
+                        setattr(opt, name, None)
+        finally:
+            if side is not None:
+                # NOTE: joined while `flags` still holds the tensors the side stream reads.
+                torch.cuda.current_stream(side.device).wait_stream(side)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers.values():
@@ -162,12 +184,15 @@ def build_optimizers(
     ns_cuda_graphs: bool = False,
     momentum_dtype: torch.dtype | None = None,
     ns_chunk: int = 0,
+    side_stream: bool = False,
 ) -> Optimizers:
     """Split the trainable parameters between Per-Head Muon and AdamW.
 
     `spec_of(name, param)` says how each parameter is optimised; parameters
     with requires_grad=False are left out. With `use_muon=False` every
-    parameter goes to AdamW (keeping its spec's weight_decay).
+    parameter goes to AdamW (keeping its spec's weight_decay). `side_stream`:
+    AdamW's step and Muon's update passes on a CUDA stream of their own
+    (`Optimizers.step`); the parameters must be on a CUDA device.
     """
     if not lr >= 0:
         raise ValueError(f"build_optimizers: lr={lr}; must be >= 0")
@@ -219,7 +244,13 @@ def build_optimizers(
         # found_inf input that lets the trainer skip an update without reading a flag on the host.
         optimizers["adamw"] = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
         names["adamw"] = [n for _, m in adamw_members for n, _ in m]
-    return Optimizers(optimizers, names)
+    stream = None
+    if side_stream:
+        device = next(p.device for p in (p for o in optimizers.values() for g in o.param_groups for p in g["params"]))
+        if device.type != "cuda":
+            raise ValueError(f"build_optimizers: side_stream needs parameters on a CUDA device; they are on {device}")
+        stream = torch.cuda.Stream(device)
+    return Optimizers(optimizers, names, stream)
 
 
 @torch.no_grad()

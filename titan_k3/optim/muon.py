@@ -70,6 +70,11 @@ class PerHeadMuon(torch.optim.Optimizer):
     parameters' device that multiplies every gradient as the momentum pass
     reads it, e.g. a trainer's clip coefficient, so clipping needs no pass
     over the gradients of its own.
+    `apply_stream` (attribute, default None): a CUDA stream for the update
+    passes (weight decay and add) of unsharded parameters: each group's pass
+    runs there beside the next group's Newton-Schulz, and the step waits for
+    it before returning. The same arithmetic on the same tensors: the result is
+    bit-identical to running every pass on the current stream.
     """
 
     def __init__(
@@ -106,6 +111,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         self.skip_if: torch.Tensor | None = None
         self._layouts: dict[torch.Tensor, tuple[bool, ParamSpec | None]] = {}
         self.grad_scale: torch.Tensor | None = None
+        self.apply_stream: torch.cuda.Stream | None = None
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps, num_heads=1, per_expert=False,
@@ -223,9 +229,7 @@ class PerHeadMuon(torch.optim.Optimizer):
                     update = graphs.momentum_orthogonalise(key, [grads[i] for i in idx], [bufs[i] for i in idx],
                                                            shape, momentum, nesterov, ns_steps, ns_dtype, flags,
                                                            self.ns_chunk)
-                    with record_function("muon.apply"):
-                        decay_add_multi_([views[i] for i in idx], update, 1.0 - lr * wd, -lr, skip_if=skip,
-                                         table=decay_tables[g])
+                    self._apply([views[i] for i in idx], update, 1.0 - lr * wd, -lr, skip, decay_tables[g])
                     continue
                 if graphs is not None:
                     stacked = graphs.input(key, shape, ns_dtype, params[0].device)
@@ -239,9 +243,30 @@ class PerHeadMuon(torch.optim.Optimizer):
                                                                                      self.ns_chunk, scratch=True))
                 else:
                     update = orthogonalise_stacked(stacked, ns_steps, ns_dtype, self.ns_chunk, scratch=True)
-                with record_function("muon.apply"):
-                    decay_add_multi_([views[i] for i in idx], update, 1.0 - lr * wd, -lr, skip_if=skip,
-                                     table=decay_tables[g])
+                self._apply([views[i] for i in idx], update, 1.0 - lr * wd, -lr, skip, decay_tables[g])
+        if self.apply_stream is not None:
+            # NOTE: joined before the tables and flags this call sent go out of scope (their blocks return to the
+            # current stream's cache), and before anything after the step reads a parameter.
+            torch.cuda.current_stream(self.apply_stream.device).wait_stream(self.apply_stream)
+
+    def _apply(self, params: list[torch.Tensor], update: torch.Tensor, decay: float, alpha: float,
+               skip: torch.Tensor | None, table) -> None:
+        """One group's update pass (params <- decay * params + alpha * update), on `apply_stream` when set.
+
+        On the apply stream the pass starts once the work queued so far (this group's Newton-Schulz) is done and
+        runs beside the next group's momentum pass and Newton-Schulz, which read and write other tensors.
+        """
+        stream = self.apply_stream
+        with record_function("muon.apply"):
+            if stream is None:
+                decay_add_multi_(params, update, decay, alpha, skip_if=skip, table=table)
+                return
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+            # NOTE: an eager group's update is a temporary freed when the loop moves on; its block must not be
+            # handed to the next group's Newton-Schulz before this pass has read it.
+            update.record_stream(stream)
+            with torch.cuda.stream(stream):
+                decay_add_multi_(params, update, decay, alpha, skip_if=skip, table=table)
 
     def _step_sharded(self, items: list, skip: torch.Tensor | None, scale: torch.Tensor | None) -> None:
         """Muon on dim-0-sharded DTensors (FSDP2, EP), working on local shards only.
