@@ -39,3 +39,12 @@ def test_help_into_a_closed_pipe_exits_0_without_a_traceback():
         os.close(write_end)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
+
+
+def test_under_torchrun_rank_zero_alone_prints_the_help():
+    """`torchrun --nproc_per_node N -m titan_k3.train --help` printed the help N times."""
+    for rank, printed in (("1", False), ("0", True)):
+        proc = subprocess.run([sys.executable, "-m", "titan_k3.train", "--help"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "RANK": rank, "WORLD_SIZE": "2"})
+        assert proc.returncode == 0 and proc.stderr == ""
+        assert proc.stdout.startswith("usage: python -m titan_k3.train") is printed

@@ -262,7 +262,11 @@ def help_text() -> str:
 
 
 def print_help() -> int:
-    """Write `help_text()` to stdout and return exit status 0, also when the reader closes the pipe early (`| head`)."""
+    """Write `help_text()` to stdout and return exit status 0, also when the reader closes the pipe early (`| head`).
+
+    Under torchrun rank 0 alone writes it: every rank answers --help, with the same text."""
+    if int(os.environ.get("RANK", 0)) != 0:
+        return 0
     try:
         sys.stdout.write(help_text() + "\n")
         sys.stdout.flush()
