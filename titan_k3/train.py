@@ -158,6 +158,21 @@ def _allocator_settings(cfg: JobConfig, device: torch.device) -> None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, (current, EXPANDABLE)))
 
 
+def _tokenizer_and_vocab(cfg: JobConfig):
+    """(data.tokenizer loaded, the model's vocabulary: model.vocab_size, or 0's the tokenizer's rounded up to 64)."""
+    from titan_k3.data.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+    except ValueError as e:
+        raise ConfigError(f"config key 'data.tokenizer' = {toml_value(cfg.data.tokenizer)}: {e}") from None
+    vocab = cfg.model.vocab_size or -(-tokenizer.vocab_size // 64) * 64
+    if vocab < tokenizer.vocab_size:
+        raise ConfigError(f"config key 'model.vocab_size' = {vocab}: below the tokenizer's vocabulary of "
+                          f"{tokenizer.vocab_size}")
+    return tokenizer, vocab
+
+
 def _saved_train_state(resume: ResumePlan) -> dict | None:
     """The TrainState.state_dict() the checkpoint the run resumes from recorded; None for a fresh start or initial
     weights (checkpoint.initial_load_path: the run's own count starts at 0)."""
@@ -194,17 +209,7 @@ class Trainer:
         t = cfg.training
 
         from titan_k3.data.loader import build_dataloader
-        from titan_k3.data.tokenizer import load_tokenizer
-
-        try:
-            self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        except ValueError as e:
-            raise ConfigError(f"config key 'data.tokenizer' = {toml_value(cfg.data.tokenizer)}: {e}") from None
-        vocab = cfg.model.vocab_size or -(-self.tokenizer.vocab_size // 64) * 64
-        if vocab < self.tokenizer.vocab_size:
-            raise ConfigError(
-                f"config key 'model.vocab_size' = {vocab}: below the tokenizer's vocabulary of {self.tokenizer.vocab_size}"
-            )
+        self.tokenizer, vocab = _tokenizer_and_vocab(cfg)
         self.model_spec = get_model_spec(cfg.model.name)
         self.args = self.model_spec.args(cfg.model.flavor, vocab)
         self.dist = setup_distributed(cfg.parallelism, self.device, self.model_spec.routed_experts(self.args))
@@ -701,11 +706,15 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
 
 
 def _validate_only(cfg: JobConfig) -> None:
-    """--job.validate_only: the host checks, and the trainer's own that need no model: the mesh against this
-    launch's world size (WORLD_SIZE, 1 outside torchrun) and the run directory."""
+    """--job.validate_only: the host checks, and the trainer's own that need no model: the device, the tokenizer's
+    vocabulary, the mesh against this launch's world size (WORLD_SIZE, 1 outside torchrun) and the fault injections
+    it allows, the run directory."""
     check_host(cfg)
-    ParallelDims.from_config(cfg.parallelism, int(os.environ.get("WORLD_SIZE", 1)),
-                             routed_experts(cfg.model.name, cfg.model.flavor))
+    _device(cfg)
+    _tokenizer_and_vocab(cfg)
+    dims = ParallelDims.from_config(cfg.parallelism, int(os.environ.get("WORLD_SIZE", 1)),
+                                    routed_experts(cfg.model.name, cfg.model.flavor))
+    check_injections(cfg.debug, dims.dp)
     problem = run_dir_problem(cfg)  # a reused name or a dump folder the run would refuse at its start
     if problem:
         raise ConfigError(problem)

@@ -376,3 +376,16 @@ def test_validate_only_checks_the_mesh_against_the_launchs_world_size(tmp_path, 
         "error: config key 'parallelism.data_parallel_replicate_degree' = 2: must divide the world size 1")
     monkeypatch.setenv("WORLD_SIZE", "4")  # the torchrun the recipe is for
     assert main(argv) == 0 and capsys.readouterr().out == "config ok\n"
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--model.vocab_size", "10"], "error: config key 'model.vocab_size' = 10: below the tokenizer's vocabulary of"),
+    (["--training.device", "cuda"], "error: config key 'training.device' = 'cuda': no CUDA device is visible"),
+    (["--debug.inject_same_data", "true"], "error: config key 'debug.inject_same_data' = "),
+])
+def test_validate_only_refuses_what_the_trainer_refuses_before_its_model(tmp_path, capsys, argv, line):
+    """--job.validate_only said 'config ok' to each, and the run then stopped on it."""
+    if argv[1] == "cuda" and torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    assert main(["--job.dump_folder", str(tmp_path), "--job.validate_only", *argv]) == 2
+    assert capsys.readouterr().err.startswith(line)
