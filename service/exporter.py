@@ -7,7 +7,8 @@ Service metrics
   titan_k3_service_runs{state}                    runs in each state
   titan_k3_service_queue_length                   runs waiting for GPUs / a slot
   titan_k3_service_restarts_total                 automatic relaunches after crashes, all runs
-  titan_k3_service_gpus_total, titan_k3_service_gpus_used
+  titan_k3_service_gpus                           GPUs the queue schedules
+  titan_k3_service_gpus_used                      GPUs assigned to active runs
   titan_k3_service_run_state{run,state}           1 for the run's current state
   titan_k3_service_run_restarts_total{run}        relaunches of this run
   titan_k3_service_run_attempts{run}              attempts launched
@@ -96,7 +97,7 @@ LABELLED = (
 
 SERVICE_NAMES = (
     "titan_k3_service_runs", "titan_k3_service_queue_length", "titan_k3_service_restarts",
-    "titan_k3_service_gpus_total", "titan_k3_service_gpus_used", "titan_k3_service_run_state",
+    "titan_k3_service_gpus", "titan_k3_service_gpus_used", "titan_k3_service_run_state",
     "titan_k3_service_run_restarts", "titan_k3_service_run_attempts",
     "titan_k3_run_events", "titan_k3_run_invariant_violations",
 )
@@ -127,7 +128,7 @@ class ServiceCollector(Collector):
                                 value=sum(r.state == "queued" for r in runs))
         yield CounterMetricFamily("titan_k3_service_restarts", "Automatic relaunches after a crash, all runs",
                                   value=sum(r.restarts_total for r in runs))
-        yield GaugeMetricFamily("titan_k3_service_gpus_total", "GPUs the queue schedules", value=self.gpus_total)
+        yield GaugeMetricFamily("titan_k3_service_gpus", "GPUs the queue schedules", value=self.gpus_total)
         yield GaugeMetricFamily("titan_k3_service_gpus_used", "GPUs assigned to active runs",
                                 value=sum(len(r.assigned_gpus) for r in runs if r.state in ACTIVE))
 

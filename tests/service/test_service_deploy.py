@@ -67,8 +67,8 @@ def contract_record() -> dict[str, float]:
     return {_fill(key): float(i + 1) for i, key in enumerate(TRAINER_KEYS)}
 
 
-def service_emitted(tmp_path: Path) -> set[str]:
-    """Every sample name /metrics shows for a run whose files hold the whole trainer contract."""
+def service_families(tmp_path: Path) -> list:
+    """The metric families /metrics shows for a run whose files hold the whole trainer contract."""
     runs = tmp_path / "runs"
     run_dir = runs / "r"
     run_dir.mkdir(parents=True)
@@ -85,7 +85,19 @@ def service_emitted(tmp_path: Path) -> set[str]:
     prom.register(ServiceCollector(reg, RunFilesCache(runs), gpus_total=2, finished_series_seconds=600.0))
     text = generate_latest(prom).decode()
     reg.close()
-    return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return list(text_string_to_metric_families(text))
+
+
+def service_emitted(tmp_path: Path) -> set[str]:
+    """Every sample name /metrics shows for a run whose files hold the whole trainer contract."""
+    return {s.name for fam in service_families(tmp_path) for s in fam.samples}
+
+
+def test_service_gauges_are_not_named_like_counters(tmp_path):
+    """promtool's lint without promtool: only a counter's name ends in _total (a gauge so named reads as one)."""
+    gauges = {fam.name for fam in service_families(tmp_path) if fam.type == "gauge"}
+    assert "titan_k3_service_gpus" in gauges
+    assert not {name for name in gauges if name.endswith("_total")}
 
 
 def trainer_exporter_names() -> set[str]:
