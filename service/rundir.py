@@ -3,6 +3,8 @@
     <runs>/<id>/config.toml manifest.json metrics.jsonl events.jsonl stdout.log
                 checkpoints/latest checkpoints/step-N/
                 service/attempt-N.log service/attempt-N.exit     (written by the service)
+                service/attempt-N/       attempt N's trainer files, moved aside before a later attempt
+                                         started over without a checkpoint
 
 JSONL files are followed incrementally (byte offset + partial line), and
 the small files (config.toml, checkpoints/latest) are parsed again only when

@@ -143,6 +143,31 @@ def kill_leftovers(a: Attempt, timeout: float = 10.0) -> int:
     return len(procs)
 
 
+# What a trainer run writes at the top of its run directory, which its job.overwrite deletes (the trainer's
+# titan_k3.metrics.run_dir RUN_FILES, RUN_FILE_PATTERNS and tensorboard/; that module imports torch).
+TRAINER_RUN_FILES = ("config.toml", "manifest.json", "metrics.jsonl", "events.jsonl", "stdout.log")
+TRAINER_RUN_FILE_PATTERNS = ("profile-rank*.txt", "trace-rank*.json*", "events.out.tfevents.*")
+TRAINER_RUN_FOLDERS = ("tensorboard",)
+
+
+def set_aside_records(run_dir: Path, n: int) -> list[str]:
+    """Move attempt `n`'s trainer records out of `run_dir` into `run_dir/service/attempt-<n>/`; the names moved.
+
+    NOTE: the next attempt starts over (no checkpoint) under job.overwrite, which deletes them: the metrics,
+    events and console output of a crashed attempt are what tells why it crashed. OSError when they cannot move.
+    """
+    found = [run_dir / name for name in TRAINER_RUN_FILES if (run_dir / name).is_file()]
+    found += sorted(p for pattern in TRAINER_RUN_FILE_PATTERNS for p in run_dir.glob(pattern) if p.is_file())
+    found += [run_dir / name for name in TRAINER_RUN_FOLDERS if (run_dir / name).is_dir()]
+    if not found:
+        return []
+    dest = run_dir / "service" / f"attempt-{n}"
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in found:
+        os.replace(path, dest / path.name)
+    return [p.name for p in found]
+
+
 def read_exit(path: str) -> int | None:
     try:
         return int(Path(path).read_text().strip())
@@ -299,8 +324,20 @@ class Supervisor:
         svc_dir.mkdir(parents=True, exist_ok=True)
         log_path, exit_path = svc_dir / f"attempt-{n}.log", svc_dir / f"attempt-{n}.exit"
         exit_path.unlink(missing_ok=True)
+        kept = ""
         if run.attempts and self.files.get(run.id).latest_checkpoint() is None:
-            self.files.forget(run.id)  # the attempt starts over (job.overwrite): its predecessor's files go
+            # The attempt starts over (job.overwrite): its predecessor's records move aside first.
+            prev = run.attempts[-1].n
+            try:
+                moved = set_aside_records(run_dir, prev)
+            except OSError as e:
+                self.registry.update_run(run.id, state="failed", assigned_gpus=[],
+                                         message=f"not relaunched: attempt {prev}'s records could not be moved "
+                                                 f"aside (the relaunch would delete them): {e}")
+                return
+            self.files.forget(run.id)
+            if moved:
+                kept = f"attempt {prev}'s {', '.join(moved)} moved to service/attempt-{prev}/"
         cmd = [self.settings.python, "-m", "service.child", str(exit_path), "--",
                *launch_command(self.settings, run, run_dir)]
         env = {**self.settings.child_environ(), "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus),
@@ -310,6 +347,9 @@ class Supervisor:
                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(self.settings.stop_timeout))}
         try:
             with open(log_path, "ab") as out:
+                if kept:
+                    out.write(f"service: no checkpoint, attempt {n} starts over at update 0; {kept}\n".encode())
+                    out.flush()
                 proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                         cwd=run_dir, env=env, start_new_session=True, close_fds=True)
             start_time = psutil.Process(proc.pid).create_time()
@@ -320,7 +360,8 @@ class Supervisor:
         self.registry.add_attempt(Attempt(
             run_id=run.id, n=n, pid=proc.pid, pid_start_time=start_time, started_at=time.time(), ended_at=None,
             exit_code=None, assigned_gpus=gpus, log_path=str(log_path), exit_path=str(exit_path)))
-        self.registry.update_run(run.id, state="running", assigned_gpus=gpus)
+        self.registry.update_run(run.id, state="running", assigned_gpus=gpus,
+                                 **({"message": f"{run.message}; {kept}"} if kept else {}))
         log.info("run %s attempt %d started: pid %d, CUDA_VISIBLE_DEVICES=%s", run.id, n, proc.pid, gpus)
 
     # ---- requests --------------------------------------------------------------------------------

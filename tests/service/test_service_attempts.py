@@ -5,6 +5,7 @@ and the signal under torchrun)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +16,8 @@ import psutil
 from service.registry import Attempt, Registry
 from service.rundir import RunFilesCache
 from service.settings import Settings
-from service.supervisor import ATTEMPT_ENV, Supervisor, describe_exit
+from service.supervisor import (ATTEMPT_ENV, TRAINER_RUN_FILE_PATTERNS, TRAINER_RUN_FILES, Supervisor, describe_exit,
+                                set_aside_records)
 from service_harness import gone, wait_until
 
 INLINE = '[model]\nflavor = "debug"\n[training]\nsteps = 6\nseq_len = 64\n[metrics]\nlog_freq = 5\n'
@@ -30,6 +32,51 @@ def test_a_crash_before_any_checkpoint_is_relaunched_from_update_0(fake_service)
     assert run["message"] == "attempt 2 exited with code 3; restart limit 1 reached"
 
 
+def test_a_relaunch_from_update_0_keeps_the_crashed_attempts_records(fake_service):
+    """job.overwrite deletes the earlier attempt's metrics, events and console output; the service moves them into
+    service/attempt-<n>/ first, and the new attempt's log and the run's message say so."""
+    body = {"toml": INLINE, "name": "kept", "restart_limit": 1,
+            "overrides": {"debug.crash_at_step": 2, "metrics.log_freq": 1}}
+    assert fake_service.create(**body).status_code == 201
+    run = fake_service.wait_state("kept", ("failed",))
+    assert run["exit_codes"] == [3, 3], run["message"]
+    run_dir = fake_service.state_dir / "runs" / "kept"
+    kept = run_dir / "service" / "attempt-1"
+    assert sorted(p.name for p in kept.iterdir()) == ["config.toml", "events.jsonl", "manifest.json",
+                                                      "metrics.jsonl", "stdout.log"]
+    assert [json.loads(line)["step"] for line in (kept / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert "crashing at step 2" in (kept / "stdout.log").read_text()
+    assert "kernel_report" in (kept / "events.jsonl").read_text()
+    # the top-level files are attempt 2's alone
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert (run_dir / "stdout.log").read_text().count("crashing at step 2") == 1
+    where = "attempt 1's config.toml, manifest.json, metrics.jsonl, events.jsonl, stdout.log moved to service/attempt-1/"
+    first = (run_dir / "service" / "attempt-2.log").read_text().splitlines()[0]
+    assert first == f"service: no checkpoint, attempt 2 starts over at update 0; {where}"
+    logs = fake_service.client.get("/v1/runs/kept/logs", params={"tail": 1000}, headers=fake_service.auth).text
+    assert where in logs
+    assert not (run_dir / "service" / "attempt-2").exists()  # the last attempt's records stay where they are
+
+
+def test_set_aside_moves_every_file_the_trainers_overwrite_deletes(tmp_path):
+    from titan_k3.metrics import run_dir as trainer_run_dir
+
+    assert TRAINER_RUN_FILES == trainer_run_dir.RUN_FILES
+    assert TRAINER_RUN_FILE_PATTERNS == trainer_run_dir.RUN_FILE_PATTERNS
+    names = [*TRAINER_RUN_FILES, "profile-rank0.txt", "trace-rank1.json.gz", "events.out.tfevents.1.host"]
+    for name in names:
+        (tmp_path / name).write_text(name)
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "submitted.toml").write_text("")  # the service's own file stays
+    (tmp_path / "checkpoints").mkdir()
+    assert trainer_run_dir.previous_run_files(tmp_path)
+    assert sorted(set_aside_records(tmp_path, 3)) == sorted([*names, "tensorboard"])
+    assert trainer_run_dir.previous_run_files(tmp_path) == [] and not (tmp_path / "tensorboard").exists()
+    assert sorted(p.name for p in (tmp_path / "service" / "attempt-3").iterdir()) == sorted([*names, "tensorboard"])
+    assert (tmp_path / "submitted.toml").exists() and (tmp_path / "checkpoints").is_dir()
+    assert set_aside_records(tmp_path, 4) == [] and not (tmp_path / "service" / "attempt-4").exists()
+
+
 def test_resume_of_a_run_that_never_completed_an_update_starts_it(fake_service):
     body = {"toml": INLINE, "name": "resume-fresh", "restart_limit": 0, "overrides": {"debug.crash_at_step": 1}}
     assert fake_service.create(**body).status_code == 201
@@ -39,6 +86,7 @@ def test_resume_of_a_run_that_never_completed_an_update_starts_it(fake_service):
     wait_until(lambda: len(fake_service.run("resume-fresh")["exit_codes"]) == 2, 30, "the resumed attempt to end")
     run = fake_service.run("resume-fresh")
     assert run["exit_codes"] == [3, 3] and "configuration error" not in run["message"], run["message"]
+    assert (fake_service.state_dir / "runs" / "resume-fresh" / "service" / "attempt-1" / "stdout.log").is_file()
 
 
 def test_a_killed_wrapper_leaves_no_trainer_beside_the_next_attempt(fake_service):
