@@ -209,3 +209,12 @@ def test_a_value_of_the_toml_file_that_validation_refuses_names_the_file(tmp_pat
     with pytest.raises(ConfigError) as e:  # overridden on the command line: the line is the command line's
         load_job_config(["--job.config_file", str(path), "--model.flavor", "tin"])
     assert str(e.value).startswith("config key 'model.flavor' = 'tin'")
+
+
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_the_check_command_answers_help(flag):
+    """`python -m titan_k3.config.check --help` said "option '--help' needs a value" (exit 2)."""
+    out = subprocess.run([sys.executable, "-m", "titan_k3.config.check", flag], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and out.stderr == ""
+    assert out.stdout.startswith("usage: python -m titan_k3.config.check [-] [--section.key value ...]")

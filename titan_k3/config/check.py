@@ -11,8 +11,9 @@ takes the trainer's own arguments ('-' first: the TOML text on stdin instead
 of `--job.config_file`), prints 'config ok' and exits 0, or prints one line
 `error: ...` to stderr and exits CONFIG_ERROR_EXIT. Torch-free: the control
 service runs it before it accepts a run; `python -m titan_k3.train
---job.validate_only true` runs the same checks and the trainer's own of the
-run directory (a reused job.name with nothing to resume, a dump folder it cannot use).
+--job.validate_only` runs the same checks and the trainer's own that need no
+model (the device, the tokenizer's vocabulary, the mesh against the launch's
+world size, the run directory).
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from titan_k3.config.errors import ConfigError, toml_value
 from titan_k3.config.job_config import JobConfig
 from titan_k3.config.manager import load_job_config
 from titan_k3.config.validate import parse_mixture
+
+USAGE = """usage: python -m titan_k3.config.check [-] [--section.key value ...]
+
+Checks the trainer's arguments on this host ('-' first: the TOML text on stdin instead of --job.config_file):
+prints 'config ok' and exits 0, or one line 'error: ...' on stderr and exits 2. The keys: python -m titan_k3.train --help"""
 
 CONFIG_ERROR_EXIT = 2
 """Exit status of the trainer (and of this check) for a configuration error: retrying cannot help."""
@@ -117,6 +123,9 @@ def config_error(argv: list[str], toml_text: str | None = None) -> str | None:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
     toml_text = None
     if argv[:1] == ["-"]:
         argv, toml_text = argv[1:], sys.stdin.read()
