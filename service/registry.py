@@ -11,6 +11,8 @@ Run states:
   running -> stopping -> stopped          (POST stop)
   running -> running (next attempt)       (crash within the restart limit)
   running/stopping -> lost                (service restarted, process gone, no exit record)
+  queued -> running | finished | lost     (service restarted after it recorded an attempt but before it marked
+                                           the run running: the attempt is re-adopted or settled, never relaunched)
   stopped | failed | lost -> queued       (POST resume; refused when the run trained and kept no checkpoint)
   any -> (gone)                           (DELETE; an active run's processes are killed first)
 """

@@ -129,18 +129,33 @@ def attempt_processes(a: Attempt) -> list[psutil.Process]:
     return found
 
 
+def processes_by_attempt() -> dict[str, list[psutil.Process]]:
+    """Every running process that carries ATTEMPT_ENV, by its value (an attempt's exit file), in one scan."""
+    found: dict[str, list[psutil.Process]] = {}
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):  # exited meanwhile, or another user's process
+            tag = p.environ().get(ATTEMPT_ENV)
+            if tag:
+                found.setdefault(tag, []).append(p)
+    return found
+
+
+def kill_processes(procs: list[psutil.Process], timeout: float = 10.0) -> int:
+    """SIGKILL `procs` and wait for them to go; how many there were."""
+    for p in procs:
+        with contextlib.suppress(psutil.Error):  # exited between the scan and the kill
+            p.kill()
+    psutil.wait_procs(procs, timeout=timeout)
+    return len(procs)
+
+
 def kill_leftovers(a: Attempt, timeout: float = 10.0) -> int:
     """SIGKILL what is left of attempt `a` and wait for it to go; the number of processes killed.
 
     NOTE: a wrapper or torchrun killed from outside leaves its ranks running, reparented: the next attempt
     (a relaunch, a resume) would train beside them in the same run directory.
     """
-    procs = attempt_processes(a)
-    for p in procs:
-        with contextlib.suppress(psutil.Error):  # exited between the scan and the kill
-            p.kill()
-    psutil.wait_procs(procs, timeout=timeout)
-    return len(procs)
+    return kill_processes(attempt_processes(a), timeout)
 
 
 # What a trainer run writes at the top of its run directory, which its job.overwrite deletes (the trainer's
@@ -213,25 +228,76 @@ class Supervisor:
             self._wake.clear()
 
     def recover(self) -> None:
-        """After a (re)start: re-adopt live attempts, settle the ones that ended while we were away."""
+        """After a (re)start: re-adopt live attempts, settle the ones that ended while we were away.
+
+        NOTE: a launch starts the attempt, records it, then marks the run running. A service that died after
+        the record left a queued run with a started attempt: it is re-adopted (or settled) here as a running
+        one, never launched a second time beside it. One that died before the record left an attempt log and
+        maybe processes tagged with that attempt's exit file: they are killed, and the attempt is recorded as
+        ended, so the launch that follows is the next attempt (and keeps its files, as after any crash).
+        """
         with self.registry.lock:
             for run in self.registry.list(ACTIVE):
+                self._recover_active(run)
+            tagged: dict[str, list[psutil.Process]] | None = None
+            for run in self.registry.list(("queued",)):
                 a = run.last_attempt
-                if a is not None and a.ended_at is None and process_alive(a.pid, a.pid_start_time):
-                    log.info("re-adopted run %s (pid %d, attempt %d)", run.id, a.pid, a.n)
-                    continue
-                code = read_exit(a.exit_path) if a is not None else None
-                killed = kill_leftovers(a) if a is not None else 0
                 if a is not None and a.ended_at is None:
-                    self.registry.end_attempt(run.id, a.n, code)
-                if code == 0 or (code is not None and run.stop_requested_at is not None):
-                    state = "stopped" if run.stop_requested_at is not None else "finished"
-                    self.registry.update_run(run.id, state=state, assigned_gpus=[],
-                                             message=f"ended with exit code {code} while the service was down")
-                else:
-                    left = f" ({killed} leftover process(es) of it killed)" if killed else ""
-                    self.registry.update_run(run.id, state="lost", assigned_gpus=[],
-                                             message=f"process gone after a service restart{left}; resume to continue")
+                    self._recover_active(run, adopt_from_queue=True)
+                    continue
+                n = len(run.attempts) + 1
+                log_path, exit_path = self.attempt_files(run.id, n)
+                if not log_path.exists():
+                    continue
+                if tagged is None:
+                    tagged = processes_by_attempt()
+                self._settle_unrecorded(run, n, tagged.get(str(exit_path), []))
+
+    def _settle_unrecorded(self, run: Run, n: int, procs: list[psutil.Process]) -> None:
+        """Kill and record attempt `n` of queued `run`: started before a service restart, never recorded."""
+        log_path, exit_path = self.attempt_files(run.id, n)
+        wrapper, start = 0, log_path.stat().st_mtime
+        for p in procs:
+            with contextlib.suppress(psutil.Error):  # exited meanwhile
+                if "service.child" in p.cmdline():
+                    wrapper, start = p.pid, p.create_time()
+        killed = kill_processes(procs)
+        code = read_exit(exit_path)
+        self.registry.add_attempt(Attempt(run_id=run.id, n=n, pid=wrapper, pid_start_time=start, started_at=start,
+                                          ended_at=None, exit_code=None, assigned_gpus=[], log_path=str(log_path),
+                                          exit_path=str(exit_path)))
+        self.registry.end_attempt(run.id, n, code)
+        left = f"{killed} process(es) of it killed" if killed else "it had ended"
+        note = f"attempt {n} started as the service went down and was never recorded ({left}); queued again"
+        log.warning("run %s: %s", run.id, note)
+        self.registry.update_run(run.id, message=note)
+
+    def _recover_active(self, run: Run, adopt_from_queue: bool = False) -> None:
+        a = run.last_attempt
+        if a is not None and a.ended_at is None and process_alive(a.pid, a.pid_start_time):
+            log.info("re-adopted run %s (pid %d, attempt %d)", run.id, a.pid, a.n)
+            if adopt_from_queue:
+                self.registry.update_run(run.id, state="running", assigned_gpus=a.assigned_gpus,
+                                         message=f"attempt {a.n} re-adopted after a service restart (it had started "
+                                                 "as the service went down)")
+            return
+        code = read_exit(a.exit_path) if a is not None else None
+        killed = kill_leftovers(a) if a is not None else 0
+        if a is not None and a.ended_at is None:
+            self.registry.end_attempt(run.id, a.n, code)
+        if code == 0 or (code is not None and run.stop_requested_at is not None):
+            state = "stopped" if run.stop_requested_at is not None else "finished"
+            self.registry.update_run(run.id, state=state, assigned_gpus=[],
+                                     message=f"ended with exit code {code} while the service was down")
+        else:
+            left = f" ({killed} leftover process(es) of it killed)" if killed else ""
+            self.registry.update_run(run.id, state="lost", assigned_gpus=[],
+                                     message=f"process gone after a service restart{left}; resume to continue")
+
+    def attempt_files(self, run_id: str, n: int) -> tuple[Path, Path]:
+        """Attempt `n`'s console log and exit file (its path is the attempt's ATTEMPT_ENV tag)."""
+        svc_dir = self.settings.runs_dir / run_id / "service"
+        return svc_dir / f"attempt-{n}.log", svc_dir / f"attempt-{n}.exit"
 
     # ---- one pass --------------------------------------------------------------------------------
 
@@ -320,9 +386,8 @@ class Supervisor:
     def _launch(self, run: Run, gpus: list[int]) -> None:
         run_dir = self.settings.runs_dir / run.id
         n = len(run.attempts) + 1
-        svc_dir = run_dir / "service"
-        svc_dir.mkdir(parents=True, exist_ok=True)
-        log_path, exit_path = svc_dir / f"attempt-{n}.log", svc_dir / f"attempt-{n}.exit"
+        log_path, exit_path = self.attempt_files(run.id, n)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
         exit_path.unlink(missing_ok=True)
         kept = ""
         if run.attempts and self.files.get(run.id).latest_checkpoint() is None:

@@ -1,0 +1,146 @@
+"""A service that dies inside a launch never leaves a run to be launched twice.
+
+A launch starts the attempt's processes, records the attempt, then marks the run running. The service is made to
+die at each of those points (the registry write raises), and a new supervisor over the same state dir takes over:
+a recorded attempt is re-adopted, not launched again beside itself; an unrecorded one is killed and recorded, and
+the next attempt is launched in its place.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from service.registry import Registry
+from service.rundir import RunFilesCache
+from service.settings import Settings
+from service.supervisor import Supervisor, processes_by_attempt
+from service_harness import HERE, gone, wait_until
+
+INLINE = '[model]\nflavor = "debug"\n[training]\nsteps = {steps}\nseq_len = 64\n[metrics]\nlog_freq = 1\n'
+
+
+class ServiceDied(BaseException):
+    """The service process ending at this point (nothing after it runs)."""
+
+
+@pytest.fixture
+def settings(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(HERE))  # the fake trainer
+    monkeypatch.setenv("FAKE_TRAINER_STEP_SECONDS", "0.05")
+    (tmp_path / "state").mkdir()
+    return Settings(state_dir=tmp_path / "state", token="x", gpus=0, launcher="python", trainer_module="fake_trainer")
+
+
+def submit(settings: Settings, reg: Registry, run_id: str, steps: int) -> None:
+    run_dir = settings.runs_dir / run_id
+    run_dir.mkdir(parents=True)
+    (run_dir / "submitted.toml").write_text(INLINE.format(steps=steps))
+    reg.insert_run(run_id, "inline", {}, 1, 0, 2)
+
+
+def die_at(monkeypatch, reg: Registry, method: str, when=lambda *a, **kw: True) -> None:
+    real = getattr(reg, method)
+
+    def dying(*args, **kwargs):
+        if when(*args, **kwargs):
+            raise ServiceDied(method)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reg, method, dying)
+
+
+def tagged(settings: Settings, run_id: str) -> dict[str, list]:
+    """The live processes of each of the run's attempts, by attempt file name."""
+    prefix = str(settings.runs_dir / run_id)
+    return {tag.rsplit("/", 1)[1]: procs for tag, procs in processes_by_attempt().items() if tag.startswith(prefix)}
+
+
+def finish(sup: Supervisor, run_id: str, timeout: float = 60) -> None:
+    def done():
+        sup.tick()
+        return sup.registry.get(run_id).state not in ("queued", "running")
+    wait_until(done, timeout, f"run {run_id} to end", interval=0.1)
+
+
+def test_died_after_recording_the_attempt_readopts_it(settings, monkeypatch):
+    reg = Registry(settings.state_dir / "registry.sqlite3")
+    submit(settings, reg, "r", steps=40)
+    die_at(monkeypatch, reg, "update_run", lambda run_id, **f: f.get("state") == "running")
+    with pytest.raises(ServiceDied):
+        Supervisor(settings, reg, RunFilesCache(settings.runs_dir)).tick()
+    reg.close()
+    assert list(tagged(settings, "r")) == ["attempt-1.exit"]
+
+    reg = Registry(settings.state_dir / "registry.sqlite3")  # the restarted service
+    try:
+        assert reg.get("r").state == "queued" and len(reg.get("r").attempts) == 1
+        sup = Supervisor(settings, reg, RunFilesCache(settings.runs_dir))
+        sup.recover()
+        run = reg.get("r")
+        assert run.state == "running" and "attempt 1 re-adopted" in run.message, run.message
+        sup.tick()  # the scheduler: nothing queued to launch
+        assert len(reg.get("r").attempts) == 1 and list(tagged(settings, "r")) == ["attempt-1.exit"]
+        finish(sup, "r")
+        run = reg.get("r")
+        assert run.state == "finished" and [a.exit_code for a in run.attempts] == [0], run.message
+        steps = [json.loads(line)["step"] for line in (settings.runs_dir / "r" / "metrics.jsonl").read_text().splitlines()]
+        assert steps == list(range(1, 41))  # one training, never a second one beside it
+    finally:
+        for procs in tagged(settings, "r").values():
+            for p in procs:
+                p.kill()
+        reg.close()
+
+
+def test_died_before_recording_the_attempt_kills_it_and_launches_the_next(settings, monkeypatch):
+    reg = Registry(settings.state_dir / "registry.sqlite3")
+    submit(settings, reg, "u", steps=20)
+    die_at(monkeypatch, reg, "add_attempt")
+    with pytest.raises(ServiceDied):
+        Supervisor(settings, reg, RunFilesCache(settings.runs_dir)).tick()
+    reg.close()
+    run_dir = settings.runs_dir / "u"
+    wait_until(lambda: "step 2 " in (run_dir / "stdout.log").read_text() if (run_dir / "stdout.log").exists()
+               else False, 60, "the unrecorded attempt to train")
+    orphans = tagged(settings, "u")["attempt-1.exit"]
+    assert len(orphans) == 2  # the attempt wrapper and the trainer
+
+    reg = Registry(settings.state_dir / "registry.sqlite3")
+    try:
+        assert reg.get("u").state == "queued" and reg.get("u").attempts == []
+        sup = Supervisor(settings, reg, RunFilesCache(settings.runs_dir))
+        sup.recover()
+        assert all(gone(p.pid, 10) for p in orphans)
+        run = reg.get("u")
+        assert run.state == "queued" and [(a.n, a.ended_at is not None) for a in run.attempts] == [(1, True)]
+        assert run.message == "attempt 1 started as the service went down and was never recorded " \
+                              "(2 process(es) of it killed); queued again", run.message
+        assert run.attempts[0].pid == min(p.pid for p in orphans)  # the wrapper, started first
+        finish(sup, "u")
+        run = reg.get("u")
+        assert run.state == "finished" and [a.exit_code for a in run.attempts] == [None, 0], run.message
+        # attempt 2 started over in the run directory; what attempt 1 wrote was moved aside, not deleted
+        assert "step 2 " in (run_dir / "service" / "attempt-1" / "stdout.log").read_text()
+        steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert steps == list(range(1, 21))
+    finally:
+        for procs in tagged(settings, "u").values():
+            for p in procs:
+                p.kill()
+        reg.close()
+
+
+def test_a_queued_run_never_launched_is_left_alone_by_recover(settings):
+    reg = Registry(settings.state_dir / "registry.sqlite3")
+    try:
+        submit(settings, reg, "q", steps=2)
+        t0 = time.time()
+        Supervisor(settings, reg, RunFilesCache(settings.runs_dir)).recover()
+        run = reg.get("q")
+        assert run.state == "queued" and run.attempts == [] and run.message == ""
+        assert time.time() - t0 < 5
+    finally:
+        reg.close()
