@@ -410,6 +410,7 @@ class Supervisor:
                # torchrun signalled itself (not the service's stop, which signals the ranks) gives its workers
                # this long to save before SIGKILL; read by torch 2.13's torchrun, 30 s fixed in older ones.
                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(self.settings.stop_timeout))}
+        proc = None
         try:
             with open(log_path, "ab") as out:
                 if kept:
@@ -419,7 +420,10 @@ class Supervisor:
                                         cwd=run_dir, env=env, start_new_session=True, close_fds=True)
             start_time = psutil.Process(proc.pid).create_time()
         except (OSError, psutil.Error) as e:
-            self.registry.update_run(run.id, state="failed", assigned_gpus=[], message=f"launch failed: {e}")
+            if proc is None:  # nothing started: a restarted service must not take the log for an unrecorded attempt
+                log_path.unlink(missing_ok=True)
+            self.registry.update_run(run.id, state="failed", assigned_gpus=[],
+                                     message=f"launch failed: {e}" + (f"; {kept}" if kept else ""))
             return
         self._children[run.id] = proc
         self.registry.add_attempt(Attempt(

@@ -144,3 +144,20 @@ def test_a_queued_run_never_launched_is_left_alone_by_recover(settings):
         assert time.time() - t0 < 5
     finally:
         reg.close()
+
+
+def test_a_launch_that_started_nothing_leaves_no_log_for_recover_to_mistake(settings):
+    settings.python = str(settings.state_dir / "no-such-python")
+    reg = Registry(settings.state_dir / "registry.sqlite3")
+    try:
+        submit(settings, reg, "nolaunch", steps=2)
+        sup = Supervisor(settings, reg, RunFilesCache(settings.runs_dir))
+        sup.tick()
+        run = reg.get("nolaunch")
+        assert run.state == "failed" and run.message.startswith("launch failed: "), run.message
+        assert not (settings.runs_dir / "nolaunch" / "service" / "attempt-1.log").exists()
+        sup.resume("nolaunch")
+        Supervisor(settings, reg, RunFilesCache(settings.runs_dir)).recover()  # a restart before the launch
+        assert reg.get("nolaunch").attempts == []
+    finally:
+        reg.close()
