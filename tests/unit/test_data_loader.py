@@ -251,3 +251,44 @@ def test_token_ids_outside_the_vocabulary_stop_on_the_host():
     batch.input_ids[0, 1] = IGNORE_INDEX  # an input id is never "ignored"
     with pytest.raises(ValueError, match=r"input_ids\[0, 1\] = -100"):
         check_token_ids(batch, 8)
+
+
+def test_a_position_from_another_dataset_is_refused(tmp_path):
+    """Two datasets with the same source names: a position saved in one would read other documents in the other,
+    so loading it stops with a line naming both hashes and changes nothing."""
+    for name, seed in (("a", 1), ("b", 2)):
+        (tmp_path / name).mkdir()
+        tok, _ = make_dataset(tmp_path / name, {"code": lengths(20, 10, 90, seed), "web": lengths(20, 10, 90, seed + 5)})
+    first = build_dataloader(str(tmp_path / "a"), tok, 16, 2, 0, 1, seed=0, prefetch=0)
+    take(first, 3)
+    saved = first.state_dict()
+    again = build_dataloader(str(tmp_path / "a"), tok, 16, 2, 0, 1, seed=0, prefetch=0)
+    again.load_state_dict(saved)  # the same dataset resumes
+    other = build_dataloader(str(tmp_path / "b"), tok, 16, 2, 0, 1, seed=0, prefetch=0)
+    fresh = other.state_dict()
+    with pytest.raises(ValueError, match=r"^loader state is a position in dataset sha256 \w{12}\.\.\., this run reads "
+                                         r"dataset sha256 \w{12}\.\.\. \(another dataset"):
+        other.load_state_dict(saved)
+    assert other.state_dict() == fresh
+    legacy = {k: v for k, v in saved.items() if k != "dataset_sha256"}  # saved before the hash was recorded
+    other.load_state_dict(legacy)
+    assert other.state_dict()["seq_index"] == saved["seq_index"]
+
+
+def test_prepared_weights_naming_a_source_without_documents(tmp_path):
+    """prepare records a weight for every configured source, also one that yielded no document (an empty file, all
+    filtered out): the run stops naming it and the way out, instead of blaming a data.mixture nobody set."""
+    docs = {"code": lengths(20, 10, 90, 1), "web": lengths(20, 10, 90, 2)}
+    (tmp_path / "empty").mkdir()
+    tok, _ = make_dataset(tmp_path / "empty", docs, mixture={"code": 0.3, "web": 0.6, "nothing": 0.1})
+    with pytest.raises(ValueError, match=r"prepared with weights for source\(s\) 'nothing' \(weight 0.1\) that have "
+                                         r"no documents in split 'train'; set data.mixture to weights of the sources it "
+                                         r"has: \['code', 'web'\]"):
+        build_dataloader(str(tmp_path / "empty"), tok, 16, 2, 0, 1, seed=0)
+    given = build_dataloader(str(tmp_path / "empty"), tok, 16, 2, 0, 1, seed=0, mixture={"code": 1, "web": 3})
+    assert given.weights == pytest.approx({"code": 0.25, "web": 0.75})
+    (tmp_path / "zero").mkdir()  # a weight of 0 asks for nothing of it
+    tok, _ = make_dataset(tmp_path / "zero", docs, mixture={"code": 0.3, "web": 0.6, "nothing": 0.0})
+    loader = build_dataloader(str(tmp_path / "zero"), tok, 16, 2, 0, 1, seed=0)
+    assert loader.weights == pytest.approx({"code": 1 / 3, "web": 2 / 3})
+    assert loader.describe()["mixture_from"] == "prepared"

@@ -23,9 +23,11 @@ so each rank's mix tracks the weights too. Every rank computes the whole schedul
 disjoint and their union is exactly the single-rank global batch.
 
 State. `state_dict()` describes what the consumer has received (the prefetch thread
-may be ahead): global sequence index, per-source positions, T. It is the same on
-every rank; `load_state_dict` makes the next batch exactly the one an uninterrupted
-loader would have yielded.
+may be ahead): global sequence index, per-source positions, T, and the dataset's
+content hash. It is the same on every rank; `load_state_dict` makes the next batch
+exactly the one an uninterrupted loader would have yielded, and refuses a position
+taken in another dataset (the same source names over other documents would read
+other tokens at the same positions, and train on without a word).
 """
 
 from __future__ import annotations
@@ -158,8 +160,9 @@ def _uniform(seed: int, first: int, rows: int, cols: int) -> np.ndarray:
 class _Core:
     """The synchronous producer: state + `next_batch`. Not thread-safe; one owner at a time."""
 
-    def __init__(self, streams, weights, seq_len, local_batch_size, dp_rank, dp_world, seed):
+    def __init__(self, streams, weights, seq_len, local_batch_size, dp_rank, dp_world, seed, dataset_sha256=""):
         self.streams = streams
+        self.dataset_sha256 = dataset_sha256
         self.weights = np.asarray(weights, dtype=np.float64)
         self.B, self.rank, self.world, self.seed = local_batch_size, dp_rank, dp_world, seed
         self.seq_len = seq_len
@@ -230,6 +233,7 @@ class _Core:
         return {
             "version": _STATE_VERSION,
             "seed": self.seed,
+            "dataset_sha256": self.dataset_sha256,
             "seq_len": self.seq_len,
             "seq_index": self.seq_index,
             "sources": [s.name for s in self.streams],
@@ -247,6 +251,14 @@ class _Core:
             raise ValueError(f"loader state sources {state['sources']}: this dataset has {names}")
         if state["seed"] != self.seed:
             raise ValueError(f"loader state seed {state['seed']}: this loader has seed {self.seed}")
+        # NOTE: states saved before the hash was recorded carry none; they are taken as they were.
+        saved_sha = state.get("dataset_sha256") or ""
+        if saved_sha and self.dataset_sha256 and saved_sha != self.dataset_sha256:
+            raise ValueError(
+                f"loader state is a position in dataset sha256 {saved_sha[:12]}..., this run reads dataset sha256 "
+                f"{self.dataset_sha256[:12]}... (another dataset: the same positions would be other documents); "
+                "train the other dataset as a new run, from these weights with checkpoint.initial_load_path"
+            )
         if state["seq_index"] % (self.B * self.world):
             raise ValueError(
                 f"loader state seq_index {state['seq_index']}: not a multiple of local_batch_size x dp_world "
@@ -420,6 +432,23 @@ def prepared_mixture(index: dict) -> dict[str, float] | None:
     return dict(recorded)
 
 
+def _prepared_weights_of_split(mixture: dict[str, float], by_source: dict, path: Path, split: str) -> dict[str, float]:
+    """The prepare weights of the sources `split` has documents of; ValueError when a source weighted above 0 has none.
+
+    NOTE: prepare records a weight for every configured source, also one whose documents were all filtered out
+    (or whose files were empty). Spreading its weight over the others would train on a mixture nobody asked for;
+    the run stops instead and says how to choose one.
+    """
+    empty = {name: w for name, w in mixture.items() if name not in by_source and w > 0}
+    if empty:
+        listed = ", ".join(f"{name!r} (weight {w:g})" for name, w in sorted(empty.items()))
+        raise ValueError(
+            f"dataset {str(path)!r} was prepared with weights for source(s) {listed} that have no documents in "
+            f"split {split!r}; set data.mixture to weights of the sources it has: {sorted(by_source)}"
+        )
+    return {name: w for name, w in mixture.items() if name in by_source}
+
+
 def build_dataloader(
     dataset: str,
     tokenizer: Tokenizer,
@@ -464,8 +493,11 @@ def build_dataloader(
     if mixture is None:
         mixture = prepared_mixture(ds.index) if prepared_weights else None
         origin = "natural" if mixture is None else "prepared"
+        if mixture is not None:
+            mixture = _prepared_weights_of_split(mixture, by_source, path, split)
     weights = _normalise_mixture(ds, split, mixture, streams)
-    core = _Core(streams, weights, seq_len, local_batch_size, dp_rank, dp_world, seed)
+    sha = content_sha256(ds.index)
+    core = _Core(streams, weights, seq_len, local_batch_size, dp_rank, dp_world, seed, dataset_sha256=sha)
     info = {"dataset": dataset, "path": str(path), "name": ds.index.get("name", path.name),
-            "sha256": content_sha256(ds.index), "split": split, "mixture_from": origin}
+            "sha256": sha, "split": split, "mixture_from": origin}
     return DataLoader(core, prefetch, info)
