@@ -52,6 +52,14 @@ def test_one_epoch_or_less_is_said_and_more_warns():
     assert "python -m titan_k3.data.prepare" in warning and "\n" not in warning
 
 
+def test_a_probe_reads_its_small_share_of_an_epoch():
+    """A probe of 2,560 tokens of the embedded corpus's 1.09M said '= 0.00 epochs'."""
+    line, _ = report_lines(describe_run_data({"dataset": "d", "sha256": "0" * 64, "tokens": 1_086_904,
+                                              "tokens_per_source": {"a": 1_086_904}, "weights": {"a": 1.0}},
+                                             total_tokens=2560, fixed_batch=False))
+    assert line.endswith("the run trains on 2,560 tokens = 0.0024 epochs"), line
+
+
 def test_the_line_says_when_the_mixture_is_the_datasets_prepare_weights():
     line, _ = report_lines(_dataset(100, mixture_from="prepared"))
     assert line.endswith("| mixture: the dataset's prepare weights (a 0.5, b 0.5; data.mixture overrides them)")

@@ -67,6 +67,11 @@ def describe_run_data(dataset: dict[str, Any], *, total_tokens: int, fixed_batch
     return out
 
 
+def _epochs(x: float) -> str:
+    """Epochs for the start-up line: two decimals, or two significant digits below 0.01 (a probe's 0.0024 read 0.00)."""
+    return f"{x:,.2f}" if x >= 0.01 or x == 0 else f"{x:.2g}"
+
+
 def report_lines(data: dict[str, Any]) -> tuple[str, str | None]:
     """(the start-up line, the warning when the run reads a source more than once, else None)."""
     sources = ", ".join(f"{k} {v:,}" for k, v in data["tokens_per_source"].items())
@@ -76,7 +81,7 @@ def report_lines(data: dict[str, Any]) -> tuple[str, str | None]:
         return line + " of one repeated batch (training.fixed_batch)", None
     per_source = data["epochs_per_source"]
     uneven = len(set(per_source.values())) > 1
-    line += f" = {data['epochs']:,.2f} epochs" + (" (" + ", ".join(f"{k} {v:,.2f}" for k, v in per_source.items())
+    line += f" = {_epochs(data['epochs'])} epochs" + (" (" + ", ".join(f"{k} {_epochs(v)}" for k, v in per_source.items())
                                                    + " by the mixture)" if uneven else "")
     if data.get("mixture_from") == "prepared":
         line += (" | mixture: the dataset's prepare weights (" + ", ".join(f"{k} {w:.3g}" for k, w in data["weights"].items())
