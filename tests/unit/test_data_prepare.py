@@ -314,3 +314,61 @@ def test_word_hash_pipeline_is_stable():
     tri = ngram_hashes(wh, 3)
     assert len(tri) == 6 and tri[0] == tri[4] and len(np.unique(tri)) == 4
     assert word_hashes(["fox"])[0] == word_hashes(["fox"])[0] != word_hashes(["box"])[0]
+
+
+def test_invalid_utf8_in_a_jsonl_line_is_replaced_as_in_text_files(tmp_path, tokenizer_path):
+    """Text is decoded as UTF-8 with invalid bytes replaced, whatever the format (a plain .jsonl line stopped the
+    whole prepare with a UnicodeDecodeError naming neither file nor line)."""
+    texts = [prose(80, 900 + i).replace("\n", " ") for i in range(3)]  # one line: no JSON escapes
+    lines = [json.dumps({"id": i, "text": t}).encode() for i, t in enumerate(texts)]
+    at = len(json.dumps({"id": 1, "text": ""})) - 2 + 30  # 30 characters into the text
+    lines[1] = lines[1][:at] + b"\xff\xfe" + lines[1][at:]
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    (tmp_path / "in" / "b.txt").write_bytes(texts[1][:30].encode() + b"\xff\xfe" + texts[1][30:].encode())
+    _, d = run(tmp_path, tokenizer_path, [SourceConfig("a", str(tmp_path / "in"))], filters__min_chars=10)
+    assert d["0"]["decision"] == d["1"]["decision"] == d["2"]["decision"] == "accepted"
+    # the same bytes, replaced the same way in both formats
+    assert d["b.txt"]["decision"] == "exact_duplicate" and d["b.txt"]["reason"] == {"duplicate_of": "a/1"}
+
+
+def test_a_parquet_text_column_that_is_not_text_stops_before_any_work(tmp_path, tokenizer_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"text": [1, 2, 3]}), tmp_path / "pq" / "ints.parquet")
+    with pytest.raises(ValueError, match=r"ints.parquet: column 'text' holds int64, expected strings"):
+        run(tmp_path, tokenizer_path, [SourceConfig("p", str(tmp_path / "pq"))])
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "pq" / "ints.parquet")
+    with pytest.raises(ValueError, match=r"ints.parquet: no column 'text'; columns are \['body'\]"):
+        run(tmp_path, tokenizer_path, [SourceConfig("p", str(tmp_path / "pq"))])
+    assert not (tmp_path / "out").exists()  # the output directory was not created
+    pq.write_table(pa.table({"text": pa.array([prose(80, 7)]).dictionary_encode()}), tmp_path / "pq" / "ints.parquet")
+    _, d = run(tmp_path, tokenizer_path, [SourceConfig("p", str(tmp_path / "pq"))])
+    assert d["ints.parquet#0"]["decision"] == "accepted"
+
+
+def test_an_output_that_is_a_source_or_someone_elses_folder_is_refused_and_kept(tmp_path, tokenizer_path):
+    """--force deletes the output directory: pointed at a source it deleted the inputs; a folder of one's own
+    files is refused too, and a prepared dataset is still replaced."""
+    sources = _corpus(tmp_path)
+    web = Path(sources[0].path)
+    before = sorted(p.name for p in web.iterdir())
+    for out, what in ((web, "is"), (web / "ds", "lies inside"), (tmp_path / "in", "holds")):
+        with pytest.raises(ValueError, match=rf"output='{re.escape(str(out))}' {what} source 'web'"):
+            prepare(PrepareConfig(output=str(out), tokenizer=tokenizer_path, workers=1, sources=sources), force=True,
+                    log=lambda *_: None)
+    assert sorted(p.name for p in web.iterdir()) == before and not (web / "ds").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.md").write_text("keep me")
+    with pytest.raises(ValueError, match=r"holds files a prepare did not write \(notes.md\); choose a new or empty "
+                                         r"directory \(--force deletes only"):
+        prepare(PrepareConfig(output=str(mine), tokenizer=tokenizer_path, workers=1, sources=sources), force=True,
+                log=lambda *_: None)
+    assert (mine / "notes.md").read_text() == "keep me" and sorted(p.name for p in mine.iterdir()) == ["notes.md"]
+    out, _ = run(tmp_path, tokenizer_path, sources, out="ds")
+    again = prepare(PrepareConfig(output=str(out), tokenizer=tokenizer_path, workers=1, sources=sources,
+                                  validation_fraction=0.2), force=True, log=lambda *_: None)
+    assert json.loads((again / "index.json").read_text())["splits"]["validation"]["shards"]

@@ -105,7 +105,7 @@ class DecontaminationConfig:
 @dataclass
 class PrepareConfig:
     output: str = "data/prepared"
-    """Output dataset directory (index.json, shards, decisions.jsonl, report.md)."""
+    """Output dataset directory (index.json, shards, decisions.jsonl, report.md): new or empty, apart from the sources."""
     tokenizer: str = "embedded"
     """'embedded', an HF tokenizer.json or a tiktoken BPE file."""
     workers: int = 2

@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import time
@@ -319,19 +320,21 @@ def _prepare(cfg: PrepareConfig, force: bool, log, pool) -> Path:
             raise ValueError(f"output={str(out)!r} holds a dataset prepared with another config; choose another output or --force")
         log(f"prepare: {out} is already complete")
         return out
+    _check_output(cfg, out, force)
+    # Everything that can refuse the inputs comes before the output directory is created or changed.
+    tok = load_tokenizer(cfg.tokenizer)
+    BenchmarkNgrams(cfg.decontamination.benchmarks, cfg.decontamination.n)  # bad benchmark files fail before any work
+    units = [u for s in cfg.sources for u in plan_units(s, int(cfg.unit_mb * 1e6))]
+    inputs = _input_signature(units)
+    cfg_path = work / "config.json"
+    if not force and cfg_path.is_file() and json.loads(cfg_path.read_text())["fingerprint"] != fingerprint:
+        raise ValueError(f"output={str(out)!r} holds an unfinished prepare with another config; choose another output or --force")
     if force and out.exists():
         shutil.rmtree(out)
     (work / "a").mkdir(parents=True, exist_ok=True)
     (work / "c").mkdir(exist_ok=True)
     for stale in [*out.glob("*.tmp*"), *(work / "a").glob("*.tmp*"), *(work / "c").glob("*.tmp*")]:
         stale.unlink()  # a killed run's partial files: their tasks are redone below
-    cfg_path = work / "config.json"
-    if cfg_path.is_file() and json.loads(cfg_path.read_text())["fingerprint"] != fingerprint:
-        raise ValueError(f"output={str(out)!r} holds an unfinished prepare with another config; choose another output or --force")
-    tok = load_tokenizer(cfg.tokenizer)
-    BenchmarkNgrams(cfg.decontamination.benchmarks, cfg.decontamination.n)  # bad benchmark files fail before any work
-    units = [u for s in cfg.sources for u in plan_units(s, int(cfg.unit_mb * 1e6))]
-    inputs = _input_signature(units)
     if cfg_path.is_file() and json.loads(cfg_path.read_text()).get("inputs") != inputs:
         raise ValueError(f"output={str(out)!r}: the input files changed since the unfinished prepare; rerun with --force")
     _write_text(cfg_path, json.dumps({"fingerprint": fingerprint, "inputs": inputs, "config": asdict(cfg)}, indent=1))
@@ -396,6 +399,34 @@ def _prepare(cfg: PrepareConfig, force: bool, log, pool) -> Path:
     shutil.rmtree(work)
     log(f"prepare: wrote {out} ({sum(tokens.values())} tokens); report: {out / 'report.md'}")
     return out
+
+
+# What a prepare writes into its output directory (besides its shards); anything else there is someone else's.
+_OUTPUT_FILES = (INDEX_NAME, "decisions.jsonl", "report.md", "stats.json", WORK_DIR)
+_SHARD_FILE = re.compile(r"^(train|validation)-.+-\d{5}\.(bin|idx\.npy|docs\.jsonl)(\.tmp\d+)?$|^decisions\.jsonl\.tmp\d+$")
+
+
+def _check_output(cfg: PrepareConfig, out: Path, force: bool) -> None:
+    """Refuse an output that is, holds or lies inside a source, or holds files a prepare did not write.
+
+    NOTE: --force deletes the output directory whole: pointed at a source (or at any folder of one's own) it
+    deleted the inputs, and without it a rerun read its own shards as input.
+    """
+    resolved = out.resolve()
+    for src in cfg.sources:
+        path = Path(src.path).resolve()
+        if resolved == path or resolved in path.parents or path in resolved.parents:
+            where = "is" if resolved == path else ("holds" if resolved in path.parents else "lies inside")
+            raise ValueError(f"output={str(out)!r} {where} source {src.name!r} (path {src.path!r}); write the dataset "
+                             "to a directory apart from its inputs")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output={str(out)!r} is a file, not a directory")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in _OUTPUT_FILES and not _SHARD_FILE.match(p.name)) \
+        if out.is_dir() else []
+    if foreign:
+        listed = ", ".join(foreign[:3]) + (f" (+{len(foreign) - 3} more)" if len(foreign) > 3 else "")
+        raise ValueError(f"output={str(out)!r} holds files a prepare did not write ({listed}); choose a new or empty "
+                         "directory" + (" (--force deletes only a prepared dataset or an unfinished prepare)" if force else ""))
 
 
 def _stage_timing(results: list[dict], wall: float) -> dict:

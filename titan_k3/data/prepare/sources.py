@@ -42,8 +42,29 @@ def _files(src: SourceConfig) -> tuple[Path, list[Path]]:
     return root, files
 
 
+def _check_parquet(path: Path, text_key: str) -> None:
+    """A Parquet file's text column exists and holds strings: read from the footer, before any work."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{path}: reading Parquet needs the 'pyarrow' package (pip install pyarrow)") from None
+    try:
+        schema = pq.read_schema(path)
+    except (OSError, pa.ArrowException) as e:
+        raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
+    if text_key not in schema.names:
+        raise ValueError(f"{path}: no column {text_key!r}; columns are {schema.names}")
+    typ = schema.field(text_key).type
+    if pa.types.is_dictionary(typ):
+        typ = typ.value_type
+    if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or getattr(pa.types, "is_string_view", bool)(typ)):
+        raise ValueError(f"{path}: column {text_key!r} holds {typ}, expected strings (text_key names the text column)")
+
+
 def plan_units(src: SourceConfig, unit_bytes: int) -> list[dict]:
-    """The source's work units, in a fixed order."""
+    """The source's work units, in a fixed order. A Parquet file whose text column is missing or not text
+    is a ValueError here, before any work."""
     root, files = _files(src)
     units: list[dict] = []
     group: list[str] = []
@@ -68,6 +89,8 @@ def plan_units(src: SourceConfig, unit_bytes: int) -> list[dict]:
             for start in range(0, max(size, 1), unit_bytes):
                 units.append({"kind": kind, "root": str(root), "files": [rel], "start": start, "end": min(start + unit_bytes, size)})
         else:
+            if kind == "parquet":
+                _check_parquet(f, src.text_key)
             units.append({"kind": kind, "root": str(root), "files": [rel]})
     flush()
     for k, u in enumerate(units):
@@ -77,6 +100,10 @@ def plan_units(src: SourceConfig, unit_bytes: int) -> list[dict]:
 
 def _record(line: bytes | str, where: str, text_key: str, id_key: str, default_id: str) -> tuple[str, str]:
     """(id, text) of one JSONL line; `where` names the line in errors, `default_id` stands in for a missing id."""
+    if isinstance(line, bytes):
+        # NOTE: json.loads of bytes decodes strictly: one invalid byte stopped the whole prepare with a
+        # UnicodeDecodeError naming neither file nor line, where text files and .jsonl.zst replace it.
+        line = line.decode("utf-8", errors="replace")
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
