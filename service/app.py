@@ -25,7 +25,7 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from service import errors, names
 from service.admission import Submission, TrainerCheck, port_refusal, refusal
-from service.exporter import ServiceCollector
+from service.exporter import TRAINER_KEYS, ServiceCollector, is_trainer_key
 from service.limits import BodySizeLimit, MethodNotAllowed
 from service.registry import ACTIVE, STATES, TERMINAL, DuplicateRun, Registry, Run
 from service.rundir import RunFilesCache, tail_lines
@@ -295,7 +295,8 @@ def create_app(settings: Settings) -> FastAPI:
         svc.registry.close()
 
     app = FastAPI(title="titan_k3 control service", version="0.2.0", lifespan=lifespan,
-                  description="Start, watch and stop titan_k3 trainings (torchrun children) over REST.")
+                  description="Start, watch and stop titan_k3 trainings (torchrun children) over REST.",
+                  dependencies=[Depends(errors.reject_unknown_query)])
     app.state.service = svc
     errors.install(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
@@ -373,8 +374,16 @@ def create_app(settings: Settings) -> FastAPI:
                                              description="comma-separated metric keys (step is always included)")
                     ) -> JSONResponse:
         run = svc.get(run_id)
-        wanted = [k for k in keys.split(",") if k] if keys else None
-        return JSONResponse(_finite(svc.files.get(run.id).history(tail, wanted)))
+        files = svc.files.get(run.id)
+        wanted = [k.strip() for k in keys.split(",") if k.strip()] if keys else None
+        if wanted:
+            recorded = files.recorded_keys()
+            unknown = next((k for k in wanted if k not in recorded and not is_trainer_key(k)), None)
+            if unknown is not None:
+                have = (f"run {run.id!r} records {', '.join(sorted(recorded))}" if recorded else
+                        f"run {run.id!r} has recorded none yet; the trainer writes {', '.join(TRAINER_KEYS)}")
+                raise unprocessable(f"unknown metric key {unknown!r} in 'keys': {have}", "query", "keys")
+        return JSONResponse(_finite(files.history(tail, wanted)))
 
     @app.get("/v1/recipes", response_model=list[str], dependencies=read, responses=read_auth)
     def list_recipes() -> list[str]:

@@ -2,9 +2,11 @@
 
 FastAPI's defaults answer a body that is not JSON with 422 'JSON decode error', a JSON body sent as a
 form (curl's `-d` without a content type) with 'Input should be a valid dictionary', a name outside its
-pattern with the regular expression, and a path no route has with 'Not Found'. Here: 400 for a body
-that is not JSON, 415 for a body that is not sent as JSON, the names' own rules (service/names.py), and
-404 naming the method and path. Every other 422 keeps FastAPI's list shape.
+pattern with the regular expression, a path no route has with 'Not Found', and they ignore a query
+parameter the route does not take (`?tial=5`: the default tail, silently). Here: 400 for a body that is not
+JSON, 415 for a body that is not sent as JSON, the names' own rules (service/names.py), 404 naming the
+method and path, and 422 naming an unknown query parameter (or a one-value one given twice) with the ones
+the route takes, as its OpenAPI document lists them. Every other 422 keeps FastAPI's list shape.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from email.message import Message
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
@@ -74,6 +76,43 @@ async def not_found(request: Request, exc: StarletteHTTPException) -> Response:
         return JSONResponse({"detail": f"no endpoint {request.method} {request.url.path}; the API is listed at "
                                        "/docs"}, status_code=404)
     return await http_exception_handler(request, exc)
+
+
+def _takes_many(schema: Any) -> bool:
+    """Whether a parameter's JSON schema is an array (a list parameter, repeated in the query)."""
+    if isinstance(schema, dict):
+        return schema.get("type") == "array" or any(_takes_many(s) for s in schema.get("anyOf", ()))
+    return False
+
+
+def _query_parameters(app: FastAPI, path: str, method: str) -> dict[str, bool] | None:
+    """name -> takes several values, for the query parameters the OpenAPI document lists for this route; None for a
+    route it does not list (the web page)."""
+    operation = app.openapi().get("paths", {}).get(path, {}).get(method.lower())
+    if operation is None:
+        return None
+    return {p["name"]: _takes_many(p.get("schema")) for p in operation.get("parameters", []) if p.get("in") == "query"}
+
+
+async def reject_unknown_query(request: Request) -> None:
+    """Every route's dependency: 422 for a query parameter the route does not take, or a one-value parameter
+    given more than once (FastAPI would ignore the first, or the parameter, without a word)."""
+    route = request.scope.get("route")
+    if route is None or not request.query_params:
+        return
+    path = getattr(route, "path_format", request.url.path)
+    taken = _query_parameters(request.app, path, request.method)
+    if taken is None:
+        return
+    allowed = f"it takes {', '.join(taken)}" if taken else "it takes none"
+    for name in dict.fromkeys(request.query_params.keys()):
+        if name not in taken:
+            msg = f"unknown query parameter {name!r} for {request.method} {path}; {allowed}"
+            raise HTTPException(422, [{"loc": ["query", name], "msg": msg, "type": "extra_forbidden"}])
+        given = len(request.query_params.getlist(name))
+        if given > 1 and not taken[name]:
+            msg = f"query parameter {name!r} given {given} times for {request.method} {path}; it takes one value"
+            raise HTTPException(422, [{"loc": ["query", name], "msg": msg, "type": "value_error"}])
 
 
 def install(app: FastAPI) -> None:

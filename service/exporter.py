@@ -56,16 +56,25 @@ RUN_PREFIX = "titan_k3_run_"
 RECENT_FINISHED_RUNS = 50
 """Runs not queued or active are exported only while among the most recently updated (bounded series)."""
 
-# Numeric keys of the trainer's metrics.jsonl lines ('<layer>', '<group>', '<source>' stand for any name);
-# memory_peak_allocated_gib appears on CUDA only.
+# Numeric keys of the trainer's metrics.jsonl lines ('<layer>', '<group>', '<source>', '<check>', '<task>' stand
+# for any name without '/'); memory_peak_*_gib appear on CUDA only, val_* and eval/* on evaluation steps.
 TRAINER_KEYS = (
     "step", "loss", "lr", "grad_norm", "tokens_per_second_training", "tokens_per_second_session", "mfu",
-    "memory_peak_allocated_gib", "tokens_seen", "skipped_updates", "grad_norm/<group>",
+    "memory_peak_allocated_gib", "memory_peak_reserved_gib", "tokens_seen", "skipped_updates", "grad_norm/<group>",
     "moe/<layer>/dead_fraction", "moe/<layer>/maxvio", "moe/<layer>/load_cv", "moe/<layer>/entropy",
-    "tokens_per_source/<source>", "host_rss_gib", "data_wait_fraction",
+    "moe/<layer>/qb_range", "tokens_per_source/<source>", "host_rss_gib", "data_wait_fraction",
+    "nonfinite_events", "training_seconds", "session_seconds", "session_start", "session_tokens",
+    "session_first_step", "session_first_loss", "invariant_violations", "invariant_checked_updates",
+    "invariant_violations/<check>", "val_loss", "val_tokens", "eval/<task>/acc", "eval/<task>/acc_norm",
 )
 # List-valued keys the trainer writes (one number per expert).
 TRAINER_LIST_KEYS = ("moe/<layer>/load",)
+_TRAINER_KEY = re.compile("|".join(re.sub(r"<[a-z]+>", "[^/]+", re.escape(k)) for k in TRAINER_KEYS))
+
+
+def is_trainer_key(key: str) -> bool:
+    """Whether `key` is one of TRAINER_KEYS (a numeric key the trainer may write, whether or not it has yet)."""
+    return _TRAINER_KEY.fullmatch(key) is not None
 EXPERT_LOAD = "titan_k3_run_moe_expert_load"
 _EXPERT_LOAD_KEY = re.compile(r"^moe/([^/]+)/load$")
 

@@ -127,6 +127,7 @@ class RunFiles:
         self._events = JsonlFollower(run_dir / "events.jsonl")
         self._history: deque[dict[str, float]] = deque(maxlen=HISTORY_POINTS)
         self._latest: dict[str, float] = {}
+        self._keys: set[str] = set()
         self._latest_vectors: dict[str, list[float]] = {}
         self._event_counts: Counter[str] = Counter()
         self._violations: Counter[str] = Counter()
@@ -139,6 +140,7 @@ class RunFiles:
                 values = numeric(rec)
                 if values:
                     self._history.append(values)
+                    self._keys.update(values)
                     self._latest = values
                     self._latest_vectors = vectors(rec)
             for ev in self._events.poll():
@@ -161,6 +163,12 @@ class RunFiles:
         self.refresh()
         with self._lock:
             return dict(self._latest_vectors)
+
+    def recorded_keys(self) -> set[str]:
+        """Every numeric key some metrics record of the run has held."""
+        self.refresh()
+        with self._lock:
+            return set(self._keys)
 
     def history(self, tail: int, keys: list[str] | None) -> list[dict[str, float]]:
         self.refresh()

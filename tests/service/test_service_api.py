@@ -299,3 +299,51 @@ def test_prometheus_service_discovery_lists_live_trainer_endpoints(fake_service)
         fake_service.client.post(f"/v1/runs/{name}/stop", headers=fake_service.auth)
         fake_service.wait_state(name, ("stopped",))
     assert fake_service.client.get("/v1/prometheus/targets").json() == []
+
+
+# ---- query parameters and keys= the endpoints do not take ------------------------------------------
+
+@pytest.mark.parametrize("method, path, params, name, allowed", [
+    ("GET", "/v1/runs", {"stat": "running"}, "stat", "it takes state"),
+    ("GET", "/v1/runs/q-run/logs", {"tial": "5"}, "tial", "it takes tail"),
+    ("GET", "/v1/runs/q-run/metrics", {"tail": "5", "key": "loss"}, "key", "it takes tail, keys"),
+    ("GET", "/v1/runs/q-run", {"verbose": "1"}, "verbose", "it takes none"),
+    ("DELETE", "/v1/runs/q-run", {"file": "true"}, "file", "it takes files"),
+    ("POST", "/v1/runs/q-run/stop", {"force": "1"}, "force", "it takes none"),
+    ("GET", "/metrics", {"name[]": "x"}, "name[]", "it takes none"),
+])
+def test_an_unknown_query_parameter_is_refused_naming_it_and_the_allowed_ones(fake_service, method, path, params,
+                                                                               name, allowed):
+    if fake_service.client.get("/v1/runs/q-run").status_code == 404:
+        assert fake_service.create(toml=INLINE, name="q-run").status_code == 201
+    r = fake_service.client.request(method, path, params=params, headers=fake_service.auth)
+    assert r.status_code == 422, r.text
+    (error,) = r.json()["detail"]
+    assert error["loc"] == ["query", name]
+    assert error["msg"].startswith(f"unknown query parameter {name!r} for {method} ") and error["msg"].endswith(allowed)
+    assert "\n" not in error["msg"]
+    assert fake_service.client.get("/v1/runs/q-run").status_code == 200  # the DELETE did nothing
+
+
+def test_a_one_value_query_parameter_given_twice_is_refused_and_a_list_one_is_not(fake_service):
+    c = fake_service.client
+    r = c.get("/v1/runs", params=[("state", "running"), ("state", "queued")])
+    assert r.status_code == 200, r.text
+    r = c.get("/v1/runs/none/logs", params=[("tail", "5"), ("tail", "6")])
+    assert r.status_code == 422 and detail(r) == ("query parameter 'tail' given 2 times for GET /v1/runs/{run_id}/logs; "
+                                                  "it takes one value"), r.text
+
+
+def test_an_unknown_metric_key_is_refused_naming_it_and_the_runs_keys(fake_service):
+    assert fake_service.create(toml=CKPT, name="keys-run").status_code == 201
+    fake_service.wait_state("keys-run", ("finished",))
+    c = fake_service.client
+    r = c.get("/v1/runs/keys-run/metrics", params={"keys": "loss,lossx"})
+    assert r.status_code == 422, r.text
+    (error,) = r.json()["detail"]
+    assert error["loc"] == ["query", "keys"]
+    assert error["msg"].startswith("unknown metric key 'lossx' in 'keys': run 'keys-run' records ")
+    assert "grad_norm/muon, " in error["msg"] and ", loss, " in error["msg"]
+    # a key of the trainer's this run has not written (CUDA memory, an evaluation) is an empty column, not an error
+    rows = c.get("/v1/runs/keys-run/metrics", params={"keys": "loss,memory_peak_reserved_gib,val_loss"}).json()
+    assert rows and set(rows[-1]) == {"step", "loss"}

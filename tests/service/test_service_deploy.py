@@ -27,7 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ports import free_port
 from service_harness import REPO, wait_until
-from service.exporter import EXPERT_LOAD, LABELLED, TRAINER_KEYS, TRAINER_LIST_KEYS, ServiceCollector, generic_name
+from service.exporter import (EXPERT_LOAD, LABELLED, SERVICE_NAMES, TRAINER_KEYS, TRAINER_LIST_KEYS, ServiceCollector,
+                              generic_name, is_trainer_key)
 from service.registry import Attempt, Registry
 from service.rundir import RunFilesCache
 from titan_k3.config import load_job_config
@@ -58,7 +59,8 @@ def test_every_yaml_and_json_in_deploy_parses():
 
 
 def _fill(key: str) -> str:
-    for hole, value in {"<group>": "muon", "<layer>": "3", "<source>": "code"}.items():
+    for hole, value in {"<group>": "muon", "<layer>": "3", "<source>": "code", "<check>": "replicas.checksums",
+                        "<task>": "hellaswag"}.items():
         key = key.replace(hole, value)
     return key
 
@@ -100,6 +102,20 @@ def test_service_gauges_are_not_named_like_counters(tmp_path):
     assert not {name for name in gauges if name.endswith("_total")}
 
 
+def test_trainer_keys_name_every_key_a_real_trainer_writes(tmp_path):
+    """TRAINER_KEYS (what keys= accepts before a run writes it, what the dashboard can query) against a real record."""
+    out = subprocess.run([sys.executable, "-m", "titan_k3.train", "--model.flavor", "debug", "--training.steps", "1",
+                          "--training.seq_len", "64", "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_path),
+                          "--job.name", "keys"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    (record,) = [json.loads(line) for line in (tmp_path / "keys" / "metrics.jsonl").read_text().splitlines()]
+    lists = {k for k, v in record.items() if isinstance(v, list)}
+    list_key = re.compile("|".join(re.sub(r"<[a-z]+>", "[^/]+", re.escape(k)) for k in TRAINER_LIST_KEYS))
+    assert lists and all(list_key.fullmatch(k) for k in lists), sorted(lists)
+    assert sorted(k for k in record if k not in lists and not is_trainer_key(k)) == []
+
+
 def trainer_exporter_names() -> set[str]:
     """Names the trainer's rank-0 endpoint exposes (its one NAMES table), when the trainer has one."""
     try:
@@ -135,8 +151,9 @@ def queried_names() -> dict[str, set[str]]:
 
 def test_dashboard_and_alerts_query_only_emitted_metrics(tmp_path):
     emitted = service_emitted(tmp_path)
-    # The mapping is what the docstring says: one gauge per contract key, the labelled families.
-    assert {generic_name(k) for k in contract_record()} <= emitted
+    # The mapping is what the docstring says: one gauge per contract key (but a name the service's own families
+    # hold: the trainer's invariant_violations total is the events' counter), the labelled families.
+    assert {generic_name(k) for k in contract_record()} - set(SERVICE_NAMES) <= emitted
     assert {lab.name for lab in LABELLED} | {EXPERT_LOAD} <= emitted
     trainer = trainer_exporter_names()
     queried = queried_names()
