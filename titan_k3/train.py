@@ -685,16 +685,50 @@ def _report_error(e: BaseException) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+class _OutlivesItsReader:
+    """A standard stream that keeps taking writes after its reader has gone (`| head`, a `| tee` that was killed, a
+    closed session): its file descriptor then points to /dev/null, and the run trains on (stdout.log keeps every line).
+
+    NOTE: Python ignores SIGPIPE, so a write to a closed pipe raises BrokenPipeError wherever the trainer prints:
+    a training run ended with a traceback at its next log line, without its stop's checkpoint.
+    """
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+
+    def _to_devnull(self) -> None:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
 def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     """Exit status: 0 done (or stopped by SIGTERM), 1 stopped by the run's own checks, 130 stopped by SIGINT,
     CONFIG_ERROR_EXIT bad input; a stop signal saves first (titan_k3/signals.py).
 
     own_process: the process is the trainer's (the command line): a stop during start-up that a rank waiting in
-    C++ code (a rendezvous, a collective) cannot act on ends the process (StopSignals' watchdog).
+    C++ code (a rendezvous, a collective) cannot act on ends the process (StopSignals' watchdog), and stdout and
+    stderr outlive their readers (_OutlivesItsReader).
     """
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         return print_help()
+    if own_process:
+        sys.stdout, sys.stderr = _OutlivesItsReader(sys.stdout), _OutlivesItsReader(sys.stderr)
     stop = StopSignals(watchdog=own_process)
     try:
         return _main(argv, stop)

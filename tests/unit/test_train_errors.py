@@ -84,3 +84,26 @@ def test_a_path_of_the_wrong_kind_or_content_is_one_line_naming_its_key(tmp_path
     assert err.startswith(f"error: config key '{key}' = '{path}': " + expected.format(path=path)), err
     assert err.count("\n") == 1
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_run_whose_stdout_reader_has_gone_trains_on(tmp_path):
+    """`python -m titan_k3.train ... | head` ended the run with a BrokenPipeError traceback at its next line (exit 1,
+    no metrics); it trains on, and stdout.log keeps every line."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # gone before the first line, so the first write fails for certain
+    try:
+        proc = subprocess.run([sys.executable, "-m", "titan_k3.train", "--model.flavor", "debug", "--training.seq_len",
+                               "64", "--training.steps", "2", "--job.dump_folder", str(tmp_path), "--job.name", "p"],
+                              cwd=Path(__file__).resolve().parents[2], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, timeout=600)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+    assert '"step": 2,' in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()[-1]
+    assert "files: " in (tmp_path / "p" / "stdout.log").read_text()
