@@ -213,3 +213,40 @@ def test_an_output_path_that_is_a_file_is_one_line(checkpoint, tmp_path, capsys)
     (tmp_path / "afile").write_text("")
     assert main(["--checkpoint", str(step_dir), "--out", str(tmp_path / "afile")]) == 2
     assert "afile" in capsys.readouterr().err
+
+
+def test_an_export_stopped_midway_over_an_earlier_one_is_no_export(checkpoint, tmp_path, monkeypatch):
+    """Re-exporting into a directory and failing after the first shard left the earlier index and config beside
+    a mix of new and old shards, which imported as one model without a word."""
+    import safetensors.torch
+
+    step_dir, _ = checkpoint
+    out = tmp_path / "out"
+    export_checkpoint(step_dir, out, max_shard_bytes=2**16)
+    real, calls = safetensors.torch.save_file, []
+
+    def fail_on_second(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", fail_on_second)
+    with pytest.raises(OSError):
+        export_checkpoint(step_dir, out, dtype="float32", max_shard_bytes=2**16)
+    with pytest.raises(ValueError, match=r"config.json: not a readable export file"):
+        import_state_dict(out)
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    export_checkpoint(step_dir, out, dtype="float32", max_shard_bytes=2**16)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+    import_state_dict(out)
+
+
+def test_an_export_into_its_own_checkpoint_is_refused(checkpoint, capsys):
+    """Shards and config.json written into the step dir made the checkpoint fail its checksums at the next start."""
+    step_dir, _ = checkpoint
+    before = sorted(p.name for p in step_dir.iterdir())
+    for out in (step_dir, step_dir / "hf"):
+        assert main(["--checkpoint", str(step_dir), "--out", str(out)]) == 2
+        assert "is inside the checkpoint" in capsys.readouterr().err
+    assert sorted(p.name for p in step_dir.iterdir()) == before

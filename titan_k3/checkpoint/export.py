@@ -8,7 +8,7 @@ damaged one is named and nothing is written). The export reads the DCP
 checkpoint shard by shard (peak memory is one output shard, not the model),
 maps names with hf.NAME_MAP, and writes
 `model-0000i-of-0000n.safetensors`, `model.safetensors.index.json` and
-`config.json`. `import_state_dict(DIR)` returns (K3Args, titan_k3 state dict in
+`config.json` (last: a directory without it holds no complete export). `import_state_dict(DIR)` returns (K3Args, titan_k3 state dict in
 float32), which `K3Model.load_state_dict` and `checkpoint.initial_load_path` take.
 """
 
@@ -72,7 +72,16 @@ def export_checkpoint(checkpoint: Path, out: Path, *, dtype: str = "bfloat16", m
         shards[-1].append(key)
         used += nbytes
 
+    resolved = Path(out).resolve()
+    if resolved == checkpoint.resolve() or checkpoint.resolve() in resolved.parents:
+        raise ValueError(f"--out {str(out)!r} is inside the checkpoint {str(checkpoint)!r}: its files would no longer "
+                         "match its checksums.json; export to a directory of its own")
     out.mkdir(parents=True, exist_ok=True)
+    # NOTE: an export into a directory holding an earlier one overwrites its shards one by one; were it stopped
+    # midway, the earlier index and config beside a mix of new and old shards would import as one model. Without
+    # them the directory reads as no export until this one writes its own, config.json last.
+    for name in ("config.json", INDEX_FILE):
+        (out / name).unlink(missing_ok=True)
     weight_map, total = {}, 0
     n = len(shards)
     for i, keys in enumerate(shards, start=1):
