@@ -274,6 +274,12 @@ def test_shipped_prometheus_config_passes_promtool_check_config(tmp_path):
                              capture_output=True, text=True, cwd=cwd, timeout=60)
         assert out.returncode == 0, out.stdout + out.stderr
         assert "1 rule files found" in out.stdout and f"{len(alert_names())} rules found" in out.stdout, out.stdout
+    # The service's targets name the run the trainer's own `run` label names: kept, not doubled as exported_run.
+    jobs = {job["job_name"]: job for job in yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())
+            ["scrape_configs"]}
+    assert jobs["k3-trainer"].get("honor_labels") is True
+    from titan_k3.metrics.prometheus import NAMES
+    assert NAMES and all("run" not in labels for _, labels, _ in NAMES.values())  # `run` is added to every one
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     mounts = dict(v.split(":")[:2] for v in compose["services"]["prometheus"]["volumes"] if v.startswith("./"))
     config_dir = Path(mounts["./prometheus/prometheus.yml"]).parent
