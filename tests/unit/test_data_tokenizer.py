@@ -79,3 +79,27 @@ def test_hf_json_invalid(tmp_path):
 def test_train_bpe_rejects_tiny_vocab(tmp_path):
     with pytest.raises(ValueError, match="vocab_size=100"):
         train_bpe(TEXTS, vocab_size=100, out_path=tmp_path / "t.json")
+
+
+def _tiktoken_lines(path, pairs):
+    path.write_text("".join(f"{base64.b64encode(tok).decode()} {rank}\n" for tok, rank in pairs))
+    return path
+
+
+@pytest.mark.parametrize("extra, match", [
+    ([(b"ab", 256), (b"cd", 256)], r"line 258: rank 256 again \(first on line 257\)"),  # tiktoken panicked in Rust
+    ([(b"ab", 256), (b"ab", 257)], r"line 258: token b'ab' again \(first on line 257\)"),  # the last one won silently
+    ([(b"ab", -5)], r"line 257: rank -5 is negative"),  # an OverflowError traceback
+])
+def test_a_tiktoken_table_tiktoken_would_take_wrongly_names_the_line(tmp_path, extra, match):
+    path = _tiktoken_lines(tmp_path / "bad.tiktoken", [(bytes([i]), i) for i in range(256)] + extra)
+    with pytest.raises(ValueError, match=rf"bad\.tiktoken' {match}"):
+        load_tokenizer(path)
+
+
+def test_a_tiktoken_table_without_every_byte_is_refused_at_load(tmp_path):
+    """tiktoken panics in Rust (PanicException, past `except Exception`) at the first text holding a byte the table
+    lacks: during prepare's stage C, long after the start."""
+    path = _tiktoken_lines(tmp_path / "bytes.tiktoken", [(bytes([i]), i) for i in range(256) if i != ord("c")])
+    with pytest.raises(ValueError, match=r"bytes\.tiktoken': no token for 1 of the 256 single bytes \(first b'c'\)"):
+        load_tokenizer(path)

@@ -127,6 +127,11 @@ class TiktokenTokenizer(Tokenizer):
 
         path = Path(path)
         ranks: dict[bytes, int] = {}
+        # NOTE: tiktoken takes a malformed table without a word and then panics in Rust (a PanicException that
+        # no `except Exception` stops) at load or at the first text that needs a missing byte, or silently keeps
+        # the last of a repeated token; each is refused here, naming the line.
+        token_line: dict[bytes, int] = {}
+        rank_line: dict[int, int] = {}
         with open(path, "rb") as f:
             for lineno, line in enumerate(f, 1):
                 line = line.strip()
@@ -138,13 +143,26 @@ class TiktokenTokenizer(Tokenizer):
                         f"tokenizer {str(path)!r} line {lineno}: expected '<base64 token> <rank>', got {line[:60]!r}"
                     )
                 try:
-                    ranks[base64.b64decode(parts[0], validate=True)] = int(parts[1])
+                    token, rank = base64.b64decode(parts[0], validate=True), int(parts[1])
                 except (ValueError, base64.binascii.Error) as e:
                     raise ValueError(
                         f"tokenizer {str(path)!r} line {lineno}: not a base64 token and integer rank ({e})"
                     ) from None
+                where = f"tokenizer {str(path)!r} line {lineno}"
+                if rank < 0 or not token:
+                    raise ValueError(f"{where}: {'rank ' + str(rank) + ' is negative' if rank < 0 else 'empty token'}")
+                if token in token_line:
+                    raise ValueError(f"{where}: token {token!r} again (first on line {token_line[token]})")
+                if rank in rank_line:
+                    raise ValueError(f"{where}: rank {rank} again (first on line {rank_line[rank]})")
+                token_line[token], rank_line[rank] = lineno, lineno
+                ranks[token] = rank
         if not ranks:
             raise ValueError(f"tokenizer {str(path)!r}: empty tiktoken file")
+        missing = [b for b in range(256) if bytes([b]) not in ranks]
+        if missing:
+            raise ValueError(f"tokenizer {str(path)!r}: no token for {len(missing)} of the 256 single bytes (first "
+                             f"{bytes([missing[0]])!r}); a byte-level BPE must encode every byte")
         n_ranks = max(ranks.values()) + 1
         n_total = -(-(n_ranks + 1) // 256) * 256
         specials = {EOS_TOKEN: n_ranks}
