@@ -100,6 +100,11 @@ GOOD = json.dumps({"context": "c", "choices": ["a", "b"], "gold": 1})
     (json.dumps({"context": "c", "choices": ["a", "b"], "gold": 2}), "gold = 2 with 2 choices"),
     (json.dumps({"context": "c", "choices": ["a"], "gold": 0}), "need >= 2 choices"),
     (json.dumps({"context": "", "choices": ["a", "b"], "gold": 0}), "empty context"),
+    # str() made these the texts "None" and "2", and true the gold index 1, without a word
+    (json.dumps({"context": None, "choices": ["a", "b"], "gold": 0}), "context not a string"),
+    (json.dumps({"context": "c", "choices": ["a", None], "gold": 0}), "choices not a list of strings"),
+    (json.dumps({"context": "c", "choices": ["a", 2], "gold": 0}), "choices not a list of strings"),
+    (json.dumps({"context": "c", "choices": ["a", "b"], "gold": True}), "gold not an integer"),
 ])
 def test_bad_task_lines_name_the_file_and_line(tmp_path, bad, why):
     path = _write(tmp_path / "t.jsonl", [GOOD, "", bad])

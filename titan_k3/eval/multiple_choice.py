@@ -39,9 +39,14 @@ def load_task(path: str | Path) -> list[Example]:
         where = f"task file {str(path)!r} line {n}"
         try:
             rec = json.loads(line)
-            if not isinstance(rec, dict) or not isinstance(rec["choices"], list) or not isinstance(rec["gold"], int):
-                raise TypeError("not an object, or choices not a list, or gold not an integer")
-            ex = Example(str(rec["context"]), tuple(str(c) for c in rec["choices"]), rec["gold"])
+            # NOTE: str() of a null context or choice scored the text "None" without a word (and decontamination,
+            # which reads the same files, refuses it); true counted as gold 1.
+            if not isinstance(rec, dict) or not isinstance(rec["context"], str) or not isinstance(rec["choices"], list) \
+                    or not all(isinstance(c, str) for c in rec["choices"]) \
+                    or not isinstance(rec["gold"], int) or isinstance(rec["gold"], bool):
+                raise TypeError("not an object, or context not a string, or choices not a list of strings, "
+                                "or gold not an integer")
+            ex = Example(rec["context"], tuple(rec["choices"]), rec["gold"])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where}: expected {{\"context\": str, \"choices\": [str, ...], \"gold\": int}} ({e})") from None
         if len(ex.choices) < 2 or not 0 <= ex.gold < len(ex.choices):
