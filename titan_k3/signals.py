@@ -1,4 +1,4 @@
-"""SIGTERM and SIGINT (Ctrl-C): honoured at the next safe point, never held by a long first update.
+"""SIGTERM, SIGINT (Ctrl-C) and SIGHUP: honoured at the next safe point, never held by a long first update.
 
 A safe point is the end of an update: the checkpointer saves there and the loop
 exits (CheckpointManager.after_step, whose stop flag this module sets). Before
@@ -26,9 +26,15 @@ Only the first signal counts; later ones are ignored. NOTE: one stop often
 arrives twice: Slurm signals every process of the step and torchrun forwards what
 it receives; a second signal must not cut the save short.
 
+SIGHUP (the terminal or ssh session that started the run closed; torchrun
+forwards it to its workers, which it killed before their save) stops the run as
+the others do. A process started with SIGHUP ignored (`nohup`) keeps it ignored,
+as it does any stop signal ignored at its start.
+
 Exit statuses (`EXIT_STATUS`): SIGTERM 0, a stop on request that the control
-service and torchrun take as a clean end; SIGINT 130 (128 + 2, what a shell
-reports for Ctrl-C). Both after the save, or at once before the first update.
+service and torchrun take as a clean end; SIGINT 130 and SIGHUP 129 (128 + the
+signal's number, what a shell reports). All after the save, or at once before
+the first update.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import threading
 import time
 from typing import Callable
 
-EXIT_STATUS = {signal.SIGTERM: 0, signal.SIGINT: 130}
+EXIT_STATUS = {signal.SIGTERM: 0, signal.SIGINT: 130, signal.SIGHUP: 129}
 START_UP_GRACE_S = 5.0
 """Seconds a stop before the first update has to reach the main thread before the watchdog ends the process."""
 
@@ -60,7 +66,8 @@ def exit_on_stop_signals() -> None:
         os._exit(EXIT_STATUS[signum])
 
     for s in StopSignals.SIGNALS:
-        signal.signal(s, stop)
+        if signal.getsignal(s) is not signal.SIG_IGN:
+            signal.signal(s, stop)
 
 
 class StopNow(BaseException):
@@ -76,7 +83,8 @@ class StopNow(BaseException):
 
 
 class StopSignals:
-    """Handlers for SIGTERM and SIGINT, installed from the main thread (elsewhere: none, the caller's own stay).
+    """Handlers for SIGTERM, SIGINT and SIGHUP, installed from the main thread (elsewhere: none, the caller's own
+    stay); a signal ignored when the first install comes stays ignored (`nohup`).
 
     The first signal raises StopNow in the main thread until `hand_over(sink)`, and calls `sink(signum)` after
     it (the loop stops at its next safe point); later signals are ignored.
@@ -85,12 +93,13 @@ class StopSignals:
     in C++ code) ends the process from a thread (module docstring). For a process that is the trainer's own only.
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
     def __init__(self, watchdog: bool = False):
         self.signum: int | None = None
         self._sink: Callable[[int], None] | None = None
         self._previous: dict[int, object] = {}
+        self._ignored: set[int] = set()
         self._announced = threading.Lock()
         self._wakeup: int | None = None  # the pipe's write end, while the watchdog reads it
         self.install()
@@ -102,6 +111,10 @@ class StopSignals:
         if threading.current_thread() is not threading.main_thread():
             return
         for s in self.SIGNALS:
+            if s not in self._previous and signal.getsignal(s) is signal.SIG_IGN:
+                self._ignored.add(s)
+            if s in self._ignored:
+                continue
             previous = signal.signal(s, self._handle)
             self._previous.setdefault(s, previous)
 

@@ -9,6 +9,7 @@ AdamW, apply QK-Clip, advance the LR schedule, report.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -687,7 +688,8 @@ def _report_error(e: BaseException) -> None:
 
 class _OutlivesItsReader:
     """A standard stream that keeps taking writes after its reader has gone (`| head`, a `| tee` that was killed, a
-    closed session): its file descriptor then points to /dev/null, and the run trains on (stdout.log keeps every line).
+    closed terminal): its file descriptor then points to /dev/null, and the run trains on, or saves on the SIGHUP of
+    its closed terminal (stdout.log keeps every line).
 
     NOTE: Python ignores SIGPIPE, so a write to a closed pipe raises BrokenPipeError wherever the trainer prints:
     a training run ended with a traceback at its next log line, without its stop's checkpoint.
@@ -699,17 +701,19 @@ class _OutlivesItsReader:
     def write(self, text: str) -> int:
         try:
             return self.stream.write(text)
-        except BrokenPipeError:
-            self._to_devnull()
+        except OSError as e:
+            self._to_devnull(e)
             return len(text)
 
     def flush(self) -> None:
         try:
             self.stream.flush()
-        except BrokenPipeError:
-            self._to_devnull()
+        except OSError as e:
+            self._to_devnull(e)
 
-    def _to_devnull(self) -> None:
+    def _to_devnull(self, e: OSError) -> None:
+        if e.errno not in (errno.EPIPE, errno.EIO):  # EIO: the terminal it wrote to has closed (SIGHUP's)
+            raise e
         os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
 
     def __getattr__(self, name: str):
@@ -717,8 +721,8 @@ class _OutlivesItsReader:
 
 
 def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
-    """Exit status: 0 done (or stopped by SIGTERM), 1 stopped by the run's own checks, 130 stopped by SIGINT,
-    CONFIG_ERROR_EXIT bad input; a stop signal saves first (titan_k3/signals.py).
+    """Exit status: 0 done (or stopped by SIGTERM), 1 stopped by the run's own checks, 130 stopped by SIGINT, 129
+    by SIGHUP, CONFIG_ERROR_EXIT bad input; a stop signal saves first (titan_k3/signals.py).
 
     own_process: the process is the trainer's (the command line): a stop during start-up that a rank waiting in
     C++ code (a rendezvous, a collective) cannot act on ends the process (StopSignals' watchdog), and stdout and

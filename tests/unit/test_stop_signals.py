@@ -237,3 +237,30 @@ def test_without_the_watchdog_the_wait_holds_the_stop():
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.slow
+def test_sighup_saves_after_the_update_and_exits_129(tmp_path):
+    """A closed terminal's SIGHUP (torchrun forwards it to its workers) killed the run without its checkpoint."""
+    run = Trainer("--training.steps", "20000", "--checkpoint.enable", "true", "--checkpoint.interval", "100000",
+                  "--job.dump_folder", str(tmp_path), "--job.name", "hup")
+    run.wait_for("step      1 |")
+    run.proc.send_signal(signal.SIGHUP)
+    assert run.finish() == EXIT_STATUS[signal.SIGHUP] == 129
+    (stopped,) = run.printed("[stopped]")
+    assert "SIGHUP received: stopping after update" in stopped and "with a checkpoint" in stopped
+    assert (tmp_path / "hup/checkpoints/latest").is_file()
+
+
+def test_a_stop_signal_ignored_at_the_start_stays_ignored():
+    """`nohup python -m titan_k3.train ...`: closing the terminal must not stop the run."""
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        stop = StopSignals()
+        stop.install()  # the trainer takes the signals again after the checkpointer's handler
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == stop._handle
+        stop.restore()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
