@@ -174,6 +174,16 @@ def _tokenizer_and_vocab(cfg: JobConfig):
     return tokenizer, vocab
 
 
+def _resolve_kernels(cfg: JobConfig, spec, device: torch.device, args):
+    """The model's kernel choices on `device`; job.strict refuses the first fallback among them."""
+    impl = spec.resolve_kernels(cfg.kernels, device, args)
+    if cfg.job.strict and impl.fallbacks:
+        first = impl.fallbacks[0]
+        raise ConfigError(f"job.strict = true and {first.op} falls back to '{first.chosen}' (asked "
+                          f"'{first.requested}'): {first.reason}")
+    return impl
+
+
 def _saved_train_state(resume: ResumePlan) -> dict | None:
     """The TrainState.state_dict() the checkpoint the run resumes from recorded; None for a fresh start or initial
     weights (checkpoint.initial_load_path: the run's own count starts at 0)."""
@@ -231,12 +241,7 @@ class Trainer:
         except ValueError as e:
             raise ConfigError(f"config key 'eval.tasks' = {toml_value(cfg.eval.tasks)}: {e}") from None
 
-        self.impl = self.model_spec.resolve_kernels(cfg.kernels, self.device, self.args)
-        if cfg.job.strict and self.impl.fallbacks:
-            first = self.impl.fallbacks[0]
-            raise ConfigError(
-                f"job.strict = true and {first.op} falls back to '{first.chosen}' (asked '{first.requested}'): {first.reason}"
-            )
+        self.impl = _resolve_kernels(cfg, self.model_spec, self.device, self.args)
         self._graph_choice = None
         if cfg.compile.cuda_graph:
             self._graph_choice = check_capturable(cfg, self.device, self.world_size, self.impl.choices,
@@ -745,11 +750,13 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
 
 def _validate_only(cfg: JobConfig) -> None:
     """--job.validate_only: the host checks, and the trainer's own that need no model: the device, the tokenizer's
-    vocabulary, the mesh against this launch's world size (WORLD_SIZE, 1 outside torchrun) and the fault injections
-    it allows, the run directory."""
+    vocabulary, job.strict against the kernels' fallbacks, the mesh against this launch's world size (WORLD_SIZE, 1
+    outside torchrun) and the fault injections it allows, the run directory."""
     check_host(cfg)
-    _device(cfg)
-    _tokenizer_and_vocab(cfg)
+    device = _device(cfg)
+    _, vocab = _tokenizer_and_vocab(cfg)
+    spec = get_model_spec(cfg.model.name)
+    _resolve_kernels(cfg, spec, device, spec.args(cfg.model.flavor, vocab))
     dims = ParallelDims.from_config(cfg.parallelism, int(os.environ.get("WORLD_SIZE", 1)),
                                     routed_experts(cfg.model.name, cfg.model.flavor))
     check_injections(cfg.debug, dims.dp)

@@ -382,10 +382,11 @@ def test_validate_only_checks_the_mesh_against_the_launchs_world_size(tmp_path, 
     (["--model.vocab_size", "10"], "error: config key 'model.vocab_size' = 10: below the tokenizer's vocabulary of"),
     (["--training.device", "cuda"], "error: config key 'training.device' = 'cuda': no CUDA device is visible"),
     (["--debug.inject_same_data", "true"], "error: config key 'debug.inject_same_data' = "),
+    (["--job.strict", "true"], "error: job.strict = true and kda falls back to 'torch' (asked 'auto')"),
 ])
 def test_validate_only_refuses_what_the_trainer_refuses_before_its_model(tmp_path, capsys, argv, line):
     """--job.validate_only said 'config ok' to each, and the run then stopped on it."""
-    if argv[1] == "cuda" and torch.cuda.is_available():
+    if argv[0] in ("--training.device", "--job.strict") and torch.cuda.is_available():
         pytest.skip("a CUDA device is visible")
     assert main(["--job.dump_folder", str(tmp_path), "--job.validate_only", *argv]) == 2
     assert capsys.readouterr().err.startswith(line)
