@@ -372,3 +372,18 @@ def test_an_output_that_is_a_source_or_someone_elses_folder_is_refused_and_kept(
     again = prepare(PrepareConfig(output=str(out), tokenizer=tokenizer_path, workers=1, sources=sources,
                                   validation_fraction=0.2), force=True, log=lambda *_: None)
     assert json.loads((again / "index.json").read_text())["splits"]["validation"]["shards"]
+
+
+def test_a_source_without_an_accepted_document_is_said_at_the_end(tmp_path, tokenizer_path):
+    """Its weight is recorded with the others, so a run on the prepared weights stops on it: prepare says so."""
+    sources = _corpus(tmp_path)
+    (tmp_path / "empty.jsonl").write_text("")
+    lines = []
+    prepare(PrepareConfig(output=str(tmp_path / "ds"), tokenizer=tokenizer_path, workers=1,
+                          sources=sources + [SourceConfig("empty", str(tmp_path / "empty.jsonl"), weight=0.2)]),
+            log=lines.append)
+    assert lines[-1] == ("prepare: warning: source 'empty' (weight 0.2) has no accepted document; a training run on "
+                         "this dataset needs data.mixture over the other sources")
+    assert not any("warning" in line for line in lines[:-1])
+    with pytest.raises(ValueError, match=r"source\(s\) 'empty' \(weight 0.2\) that have no documents"):
+        build_dataloader(str(tmp_path / "ds"), load_tokenizer(tokenizer_path), 32, 2, 0, 1, seed=0)

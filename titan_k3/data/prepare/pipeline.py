@@ -398,6 +398,12 @@ def _prepare(cfg: PrepareConfig, force: bool, log, pool) -> Path:
     )
     shutil.rmtree(work)
     log(f"prepare: wrote {out} ({sum(tokens.values())} tokens); report: {out / 'report.md'}")
+    for src in cfg.sources:
+        if src.weight > 0 and not tokens[src.name]:
+            # NOTE: its weight is recorded with the others, and a training run that takes the prepared weights
+            # stops on it; said here, where the inputs can still be fixed.
+            log(f"prepare: warning: source {src.name!r} (weight {src.weight:g}) has no accepted document; a training "
+                "run on this dataset needs data.mixture over the other sources")
     return out
 
 
