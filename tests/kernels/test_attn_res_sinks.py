@@ -220,9 +220,10 @@ def test_the_model_with_gradients_in_place_trains_like_without(ac_mode):
 
 
 @pytest.mark.parametrize("lever", ["attn_res_grad_in_place", "attn_res_norm_in_mix"])
-def test_a_lever_of_the_triton_mix_without_it_is_refused_before_any_work(lever):
+def test_a_lever_of_the_triton_mix_is_refused_with_the_reference_and_falls_back_with_auto(lever):
     """Both levers of the mixes (gradients in place; the pre-norms in the mixes, tests/kernels/test_attn_res_norm.py)
-    need the Triton mix: asked of the torch reference, or of auto without CUDA, they stop in one line."""
+    need the Triton mix: asked of the torch reference they stop in one line; asked of auto without CUDA they fall back
+    with the mix, reported."""
     from titan_k3.config import load_job_config
     from titan_k3.models.k3.impl import resolve_impl
 
@@ -230,6 +231,12 @@ def test_a_lever_of_the_triton_mix_without_it_is_refused_before_any_work(lever):
     with pytest.raises(ValueError, match=rf"'kernels.{lever}' = true: needs the Triton mix, but this "
                                          r"run's attn_res is the torch reference \(kernels.attn_res = 'torch'\)"):
         resolve_impl(cfg.kernels, torch.device("cpu"))
-    cfg = load_job_config([f"--kernels.{lever}", "true"])
-    with pytest.raises(ValueError, match=r"kernels.attn_res = 'auto': no CUDA device"):
-        resolve_impl(cfg.kernels, torch.device("cpu"))
+    # NOTE: auto without CUDA runs the reference mix, a reported fallback; the lever falls back with it (as a GPU
+    # recipe run on a CPU does), reported too, so job.strict refuses both.
+    impl = resolve_impl(load_job_config([f"--kernels.{lever}", "true"]).kernels, torch.device("cpu"))
+    op, on, off = {"attn_res_grad_in_place": ("attn_res_grads", "in_place", "autograd"),
+                   "attn_res_norm_in_mix": ("pre_norms", "in_mix", "in_sublayer")}[lever]
+    [choice] = [c for c in impl.choices if c.op == op]
+    assert (choice.requested, choice.chosen, choice.fallback) == (on, off, True)
+    assert choice.reason.startswith(f"kernels.{lever} needs the Triton mix; attn_res fell back: no CUDA device")
+    assert not impl.attn_res_sinks and not impl.attn_res_norm

@@ -397,8 +397,14 @@ def test_experts_cast_in_kernel_is_our_kernels_lever_and_refused_without_them():
     plain = resolve_impl(load_job_config(["--kernels.experts", "triton"]).kernels, torch.device(DEVICE))
     assert plain.experts is moe_experts
     assert [(c.op, c.chosen) for c in plain.choices if c.op == "expert_weights"] == [("expert_weights", "cast_pass")]
-    for experts in ("torch", "auto"):  # auto without CUDA: the reference
-        cfg = load_job_config(["--kernels.experts", experts, "--kernels.experts_cast_in_kernel", "true"])
-        with pytest.raises(ValueError, match=rf"'kernels.experts_cast_in_kernel' = true: needs our Triton experts, but "
-                                             rf"this run's experts is the torch reference \(kernels.experts = '{experts}'"):
-            resolve_impl(cfg.kernels, torch.device("cpu"))
+    cfg = load_job_config(["--kernels.experts", "torch", "--kernels.experts_cast_in_kernel", "true"])
+    with pytest.raises(ValueError, match=r"'kernels.experts_cast_in_kernel' = true: needs our Triton experts, but "
+                                         r"this run's experts is the torch reference \(kernels.experts = 'torch'\)"):
+        resolve_impl(cfg.kernels, torch.device("cpu"))
+    # NOTE: auto without CUDA runs the reference, a reported fallback; the lever falls back with it (as a GPU recipe
+    # run on a CPU does), reported too, so job.strict refuses both.
+    impl = resolve_impl(load_job_config(["--kernels.experts_cast_in_kernel", "true"]).kernels, torch.device("cpu"))
+    assert impl.experts is reference.moe_experts
+    [lever] = [c for c in impl.choices if c.op == "expert_weights"]
+    assert (lever.requested, lever.chosen, lever.fallback) == ("cast_in_kernel", "cast_pass", True)
+    assert lever.reason.startswith("kernels.experts_cast_in_kernel needs our Triton experts; experts fell back: no CUDA")

@@ -187,10 +187,9 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
         experts, c_exp = _pick(
             "experts", kernels_cfg.experts, on_cuda, ("kernels.grouped_gemm", "moe_experts", "triton"), gg_reference.moe_experts
         )
-    weights = "cast_in_kernel" if kernels_cfg.experts_cast_in_kernel else "cast_pass"
-    c_weights = KernelChoice("expert_weights", weights, weights, False)
-    if kernels_cfg.experts_cast_in_kernel:
-        _require_triton("kernels.experts_cast_in_kernel", c_exp, "our Triton experts")
+    c_weights = _lever("kernels.experts_cast_in_kernel", kernels_cfg.experts_cast_in_kernel, c_exp, "our Triton experts",
+                       KernelChoice("expert_weights", "cast_in_kernel", "cast_in_kernel", False), "cast_pass")
+    if c_weights.chosen == "cast_in_kernel":
         experts = functools.partial(experts, cast_in_kernel=True)
     # NOTE: under compile too: in the compiled k3-mini step the Triton mix measured 223.0 ms against 236.1 ms for
     # inductor's fusion of the reference (benchmarks/results/train_throughput.md), although the reference
@@ -202,14 +201,10 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
         if kernels_cfg.attn_res == "triton":
             raise ValueError(f"config key 'kernels.attn_res' = 'triton': {why}")
         attn_res, c_res = pseudo_query_mix_reference, KernelChoice("attn_res", "auto", "torch", True, why)
-    sums = "in_place" if kernels_cfg.attn_res_grad_in_place else "autograd"
-    c_sums = KernelChoice("attn_res_grads", sums, sums, False)
-    if kernels_cfg.attn_res_grad_in_place:
-        _require_triton("kernels.attn_res_grad_in_place", c_res, "the Triton mix")
-    norms = "in_mix" if kernels_cfg.attn_res_norm_in_mix else "in_sublayer"
-    c_norms = KernelChoice("pre_norms", norms, norms, False)
-    if kernels_cfg.attn_res_norm_in_mix:
-        _require_triton("kernels.attn_res_norm_in_mix", c_res, "the Triton mix")
+    c_sums = _lever("kernels.attn_res_grad_in_place", kernels_cfg.attn_res_grad_in_place, c_res, "the Triton mix",
+                    KernelChoice("attn_res_grads", "in_place", "in_place", False), "autograd")
+    c_norms = _lever("kernels.attn_res_norm_in_mix", kernels_cfg.attn_res_norm_in_mix, c_res, "the Triton mix",
+                     KernelChoice("pre_norms", "in_mix", "in_mix", False), "in_sublayer")
     router, c_router = _pick("router", kernels_cfg.router, on_cuda, ("kernels.router", "top_k_rows", "triton"),
                              top_k_rows_reference)
     max_logit, c_max = _pick("max_logit", kernels_cfg.max_logit, on_cuda,
@@ -217,10 +212,26 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
     conv, c_conv = _pick("conv", kernels_cfg.conv, on_cuda, ("kernels.short_conv", "causal_conv_silu", "triton"),
                          causal_conv_silu_reference)
     backends, c_attn = _attention_backends(kernels_cfg.attention, on_cuda)
-    return Impl(kda, experts, loss, backends, attn_res=attn_res, attn_res_sinks=kernels_cfg.attn_res_grad_in_place,
-                attn_res_norm=kernels_cfg.attn_res_norm_in_mix, router=router, max_logit=max_logit, conv=conv,
+    return Impl(kda, experts, loss, backends, attn_res=attn_res, attn_res_sinks=c_sums.chosen == "in_place",
+                attn_res_norm=c_norms.chosen == "in_mix", router=router, max_logit=max_logit, conv=conv,
                 choices=[c_kda, c_exp, c_weights, c_loss, c_grads, c_res, c_sums, c_norms, c_router, c_max, c_conv,
                          c_attn])
+
+
+def _lever(key: str, asked: bool, choice: KernelChoice, what: str, on: KernelChoice, off: str) -> KernelChoice:
+    """The kernel report's line for config key `key`, a lever of our Triton kernel for `choice.op` (`what`).
+
+    Not asked: `off`. Asked, with that kernel running: `on`. Asked where the kernel fell back (kernels.<op> = 'auto'
+    on a machine it cannot run on, as a GPU recipe run on a CPU): `off` too, as a fallback of its own that job.strict
+    refuses, as the kernel's is. Asked of a kernel the config itself turned away (kernels.<op> = 'torch' or 'fla'):
+    a ValueError naming both keys, before any work.
+    """
+    if not asked:
+        return KernelChoice(on.op, off, off, False)
+    if choice.chosen != "triton" and choice.fallback:
+        return KernelChoice(on.op, on.requested, off, True, f"{key} needs {what}; {choice.op} fell back: {choice.reason}")
+    _require_triton(key, choice, what)
+    return on
 
 
 def _require_triton(key: str, choice: KernelChoice, what: str) -> None:
