@@ -178,3 +178,44 @@ def test_initial_load_path_is_verified_too(tmp_path):
     # A damaged step dir named directly: one line, nothing loaded.
     with pytest.raises(ValueError, match=r"initial_load_path' = '.*step-4': damaged: .*step-4/__0_0.distcp: bytes"):
         _run(tmp_path / "dst2", enable=False, initial_load_path=str(folder / "step-4")).manager.load()
+
+
+def test_step_dirs_without_metadata_are_damaged_not_absent(tmp_path):
+    """A `step-N` dir is renamed into place only after .metadata exists: one without it is damaged."""
+    _train(tmp_path, steps=6)
+    folder = tmp_path / "checkpoints"
+    (folder / "step-6" / layout.DCP_METADATA).unlink()
+    (folder / layout.LATEST).unlink()
+    fresh = _run(tmp_path, seed=1)
+    assert fresh.manager.load() == 4
+    fallback = [e for e in _events(tmp_path) if e["kind"] == "checkpoint_fallback"]
+    assert "step-6/.metadata: missing: damaged, passed over" in fallback[-1]["message"]
+    fresh.close()
+
+    for step in (2, 4):
+        (folder / f"step-{step}" / layout.DCP_METADATA).unlink()
+    with pytest.raises(ValueError) as e:
+        _run(tmp_path, seed=1).manager.load()
+    message = str(e.value)
+    assert "\n" not in message and "no intact checkpoint to load" in message and "move the damaged step dirs aside" in message
+    assert all(f"step-{s}/.metadata: missing" in message for s in (2, 4, 6))
+
+
+def test_overwrite_never_starts_over_on_damaged_step_dirs(tmp_path, capsys):
+    from titan_k3.train import main
+
+    args = ["--model.flavor", "debug", "--training.seq_len", "64", "--metrics.log_freq", "1", "--training.steps", "2",
+            "--checkpoint.enable", "true", "--checkpoint.interval", "1", "--job.dump_folder", str(tmp_path),
+            "--job.name", "r"]
+    assert main(args) == 0
+    folder = tmp_path / "r" / "checkpoints"
+    for step_dir in layout.complete_steps(folder).values():
+        (step_dir / layout.DCP_METADATA).unlink()
+    (folder / layout.LATEST).unlink()
+    before = {p: p.read_bytes() for p in sorted((tmp_path / "r").rglob("*")) if p.is_file()}
+    capsys.readouterr()
+    assert main([*args, "--job.overwrite", "true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no intact checkpoint to load" in err[0], err
+    assert f"{folder / 'step-2' / layout.DCP_METADATA}: missing" in err[0] and "step-1/.metadata: missing" in err[0]
+    assert {p: p.read_bytes() for p in sorted((tmp_path / "r").rglob("*")) if p.is_file()} == before

@@ -55,6 +55,23 @@ def complete_steps(folder: Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
+def incomplete_steps(folder: Path) -> dict[int, Path]:
+    """{step: dir} of the `step-N` dirs without DCP's .metadata, ascending.
+
+    A save is renamed to `step-N` only after .metadata is written, so each of
+    these is a damaged checkpoint (a file deleted, a copy cut short), never a
+    save in progress: a start names them rather than taking them for absent.
+    """
+    if not folder.is_dir():
+        return {}
+    found = {}
+    for p in folder.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir() and not is_complete(p):
+            found[int(m.group(1))] = p
+    return dict(sorted(found.items()))
+
+
 def read_latest(folder: Path) -> str | None:
     """The step dir name `latest` holds, or None without a `latest` file."""
     try:

@@ -198,33 +198,41 @@ def choose(folder: Path, load_step: int, group=None) -> ResumePlan:
     """The newest intact checkpoint of `folder` (load_step -1: `latest` first), else a fresh plan.
 
     load_step >= 0 takes exactly that step: damaged, it stops (ValueError). All
-    checkpoints damaged: ValueError naming each one's damaged file.
+    checkpoints damaged: ValueError naming each one's damaged file. A `step-N`
+    dir without .metadata is a damaged checkpoint too (layout.incomplete_steps):
+    one newer than the checkpoint loaded is named as passed over, and one alone
+    stops the start, so a run never takes it for absent and saves over it.
     """
     rank, _, _ = _dist_ctx(group)
-    found: tuple[list[str], str] | str = ([], "")
+    found: tuple[list[str], str, dict[int, str]] | str = ([], "", {})
     if rank == 0:
         try:
             paths, note = layout.candidates(folder, load_step)
-            found = ([p.name for p in paths], note)
+            incomplete = {s: p.name for s, p in layout.incomplete_steps(folder).items()} if load_step < 0 else {}
+            found = ([p.name for p in paths], note, incomplete)
         except ValueError as e:
             found = str(e)
     found = _from_rank0(found, group)
     if isinstance(found, str):
         raise ValueError(found)
-    names, note = found
-    if not names and note:
+    names, note, incomplete = found
+    missing = {s: f"{folder / name / layout.DCP_METADATA}: missing" for s, name in incomplete.items()}
+    if not names and note and not missing:
         raise ValueError(f"{folder}: {note}")
     damaged = []
     for name in names:
         problem, unverified = verify(folder / name, group)
         if problem is None:
             notes = [note] if note else []
-            if damaged:
-                notes.append(f"{'; '.join(damaged)}: damaged, passed over; loading the newest intact checkpoint, {name}")
+            step = int(name.removeprefix("step-"))
+            passed = [m for s, m in sorted(missing.items(), reverse=True) if s > step] + damaged
+            if passed:
+                notes.append(f"{'; '.join(passed)}: damaged, passed over; loading the newest intact checkpoint, {name}")
             return ResumePlan(folder / name, notes=notes, unverified=unverified)
         damaged.append(problem)
     if damaged and load_step >= 0:
         raise ValueError(f"config key 'checkpoint.load_step' = {load_step}: that checkpoint is damaged: {damaged[0]}")
+    damaged += [m for _, m in sorted(missing.items(), reverse=True)]
     if damaged:
         raise ValueError(f"{folder}: no intact checkpoint to load: {'; '.join(damaged)} (restore the files, or move "
                          "the damaged step dirs aside to start without them)")
