@@ -32,7 +32,7 @@ from titan_k3.checkpoint.hf import (
     read_dcp_tensors,
     to_hf,
 )
-from titan_k3.checkpoint.layout import META_FILE
+from titan_k3.checkpoint.layout import META_FILE, TOKENIZER_KEY
 from titan_k3.checkpoint.verify import verify
 from titan_k3.models.k3.args import K3Args
 
@@ -96,7 +96,10 @@ def export_checkpoint(checkpoint: Path, out: Path, *, dtype: str = "bfloat16", m
             total += t.numel() * t.element_size()
     index = {"metadata": {"total_size": total, "source_step": meta["step"]}, "weight_map": weight_map}
     _write_json(out / INDEX_FILE, index)
-    _write_json(out / "config.json", hf_config(args, dtype=dtype, qb_eta=meta.get("qb_eta")))
+    config = hf_config(args, dtype=dtype, qb_eta=meta.get("qb_eta"))
+    if meta.get("tokenizer_sha256"):
+        config[TOKENIZER_KEY] = {"name": meta.get("tokenizer", ""), "sha256": meta["tokenizer_sha256"]}
+    _write_json(out / "config.json", config)
     # NOTE: safetensors writes each shard through a private (0600) temporary file; the shards get the mode the
     # process gives its other files (config.json's), so whoever can read the config can read the weights.
     mode = (out / "config.json").stat().st_mode & 0o777

@@ -28,6 +28,9 @@ _TMP_RE = re.compile(r"^step-(\d+)\.(tmp|old)-[0-9a-f]+$")
 # DCP's coordinator writes this file last, after every rank's data files are written.
 DCP_METADATA = ".metadata"
 META_FILE = "meta.json"
+# meta.json's "tokenizer" / "tokenizer_sha256" and an export config.json's TOKENIZER_KEY ({"name", "sha256"}) record
+# the tokenizer the weights were trained with; a weights-only load (initial_load_path) compares it with the run's.
+TOKENIZER_KEY = "titan_k3_tokenizer"
 
 
 def step_dir_name(step: int) -> str:

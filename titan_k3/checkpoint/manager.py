@@ -8,8 +8,9 @@ What one checkpoint (`checkpoints/step-N/`) holds:
                             "optim.*"  Optimizers.state_dict(): {"muon"|"adamw": {"state": {param name:
                                        {...}}, "param_groups": [...]}}, keyed by parameter name
     meta.json               the TrainState (step, tokens seen, skipped updates, sequence length, and the data
-                            loader's position), LR schedule state, model args, world sizes (rank 0;
-                            human-readable; the exporter reads the model args from it)
+                            loader's position), LR schedule state, model args, the tokenizer's name and
+                            sha256 (a weights-only load checks it), world sizes (rank 0; human-readable; the
+                            exporter reads the model args from it)
     rank-R.pt               per rank R: the torch CPU/CUDA and Python RNG states
     checksums.json          size and CRC-32 per 64 MiB block of every other file (integrity.py)
 
@@ -380,6 +381,7 @@ class CheckpointManager:
             self._barrier()
             plan = plan_start(self.cfg, self.folder, group=self.group)
             plan.discarded = discarded
+            check_tokenizer(plan, self.meta.get("tokenizer", ""), self.meta.get("tokenizer_sha256", ""))
         if self.rank == 0:
             if plan.discarded:
                 self.events.emit("checkpoint_discarded", f"removed {len(plan.discarded)} incomplete save(s) of an "
@@ -392,6 +394,8 @@ class CheckpointManager:
         if plan.path is None:
             return None
         if plan.initial:
+            if plan.tokenizer_unchecked and self.rank == 0:
+                self.events.emit("tokenizer_unchecked", plan.tokenizer_unchecked, step=0, path=str(plan.path))
             load_model_weights(self.model, plan.path, process_group=self.dcp_group)
             self.events.emit("initial_load", f"model weights initialised from {plan.path} (optimizer and data "
                              "start fresh)", step=0, path=str(plan.path))
@@ -544,7 +548,49 @@ def check_resumable(cfg, run_dir: Path, model: torch.nn.Module, optimizers) -> R
         _check_export_shapes(plan.path, get_model_state_dict(model), export_shapes(plan.path))
     else:
         check_compatible(plan.path, {"model": get_model_state_dict(model)}, model_only=True)
+    if plan.initial:
+        from titan_k3.data.tokenizer import tokenizer_identity
+
+        check_tokenizer(plan, *tokenizer_identity(cfg.data.tokenizer))
     return plan
+
+
+def saved_tokenizer(path: Path) -> tuple[str, str]:
+    """(name, sha256) of the tokenizer checkpoint dir or export directory `path` was trained with; sha256 is ""
+    when it does not record one (saved before checkpoints recorded the hash)."""
+    if (path / "config.json").is_file():
+        record = json.loads((path / "config.json").read_text()).get(layout.TOKENIZER_KEY) or {}
+        return record.get("name", ""), record.get("sha256", "")
+    meta = json.loads((path / META_FILE).read_text())
+    return meta.get("tokenizer", ""), meta.get("tokenizer_sha256", "")
+
+
+def check_tokenizer(plan: ResumePlan, name: str, sha256: str) -> None:
+    """Refuse initial_load_path weights trained with another tokenizer than this run's (`name`, `sha256`).
+
+    A full resume needs no check: the data position carries the dataset's hash, which covers its tokenizer.
+    Weights alone carry token ids only: another tokenizer of the same vocabulary size loads without a shape
+    mismatch and trains on ids that mean other text. A checkpoint that does not record its tokenizer's hash
+    loads, with the reason in plan.tokenizer_unchecked.
+    """
+    if plan.path is None or not plan.initial or not sha256:
+        return
+    try:
+        saved_name, saved_sha = saved_tokenizer(plan.path)
+    except (OSError, ValueError) as e:
+        plan.tokenizer_unchecked = f"{plan.path}: tokenizer not checked: its record is unreadable ({e})"
+        return
+    if not saved_sha:
+        plan.tokenizer_unchecked = (
+            f"{plan.path} does not record its tokenizer's sha256 (saved before checkpoints did"
+            + (f"; its tokenizer's name: {saved_name!r}" if saved_name else "")
+            + f"): the tokenizer could not be checked against this run's {name!r} (sha256 {sha256[:12]}...)")
+        return
+    if saved_sha != sha256:
+        raise ValueError(
+            f"checkpoint.initial_load_path {plan.path} was trained with tokenizer {saved_name!r} "
+            f"(sha256 {saved_sha[:12]}...), but this run's data.tokenizer is {name!r} (sha256 {sha256[:12]}...): "
+            "its token ids would mean other text; use the checkpoint's tokenizer, or start without initial_load_path")
 
 
 def _check_export_shapes(src: Path, current: dict[str, torch.Tensor], got: dict[str, tuple[int, ...]]) -> None:
@@ -580,7 +626,7 @@ def build_checkpointer(trainer) -> CheckpointManager:
     """The trainer's CheckpointManager (reads the trainer's attributes; see Trainer.__init__)."""
     cfg = trainer.cfg
     meta = {"flavor": cfg.model.flavor, "model_args": asdict(trainer.args), "qb_eta": cfg.model.qb_eta,
-            "tokenizer": getattr(trainer.tokenizer, "name", "")}
+            "tokenizer": getattr(trainer.tokenizer, "name", ""), "tokenizer_sha256": getattr(trainer.tokenizer, "sha256", "")}
     return CheckpointManager(
         cfg.checkpoint, trainer.run_dir / cfg.checkpoint.folder, model=trainer.model, optimizers=trainer.optimizers,
         schedule=trainer.schedule, train_state=trainer.state, meta=meta, events=trainer.events,

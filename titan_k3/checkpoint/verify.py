@@ -148,6 +148,7 @@ class ResumePlan:
     notes: how path was chosen when not plainly (damaged checkpoints passed over, a stale 'latest').
     unverified: path was saved before checksums existed.
     discarded: tmp dirs of interrupted saves removed at start-up (rank 0).
+    tokenizer_unchecked: why initial_load_path's tokenizer could not be compared with this run's ("" when it was).
     """
 
     path: Path | None = None
@@ -155,6 +156,7 @@ class ResumePlan:
     notes: list[str] = field(default_factory=list)
     unverified: bool = False
     discarded: list[str] = field(default_factory=list)
+    tokenizer_unchecked: str = ""
 
     def discard_leftovers(self, folder: Path) -> None:
         """Remove interrupted saves' tmp dirs (rank 0, before anything new is written: they may fill the disk)."""

@@ -52,3 +52,10 @@ def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
         f"tokenizer {str(path)!r}: unknown file type {path.suffix!r}; expected .json (HF) "
         "or .tiktoken / .model (tiktoken BPE)"
     )
+
+
+def tokenizer_identity(spec: str | os.PathLike) -> tuple[str, str]:
+    """(name, sha256) of the tokenizer `spec` names, as `load_tokenizer(spec)` would give them, without building it."""
+    if str(spec) == "embedded":
+        return embedded_name(), file_sha256(ensure_embedded_dataset() / "tokenizer.json")
+    return Path(spec).name, file_sha256(spec)
