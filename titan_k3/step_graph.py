@@ -17,6 +17,9 @@ The first `compile.cuda_graph_warmup` updates run eagerly through the same fixed
 autotuning and lazy initialisation are done before the capture. A micro-batch with more documents than the graph
 holds doubles what it holds (an event says so), and a new batch shape (a context-length stage) drops the graph: in
 both cases the warm-up and the capture run again.
+
+`side_stream_choice` reports the other execution option that only one process on a GPU takes, optimizer.side_stream,
+the same way: a reported fallback where the run lands without it.
 """
 
 from __future__ import annotations
@@ -64,6 +67,22 @@ def check_capturable(cfg, device: torch.device, world_size: int, kernel_choices:
         raise ConfigError(f"{key}: flex attention builds its block mask on the host every forward; use "
                           "kernels.attention = 'varlen' or 'auto'")
     return KernelChoice("cuda_graph", "on", "on", False, "forward + backward of each update")
+
+
+def side_stream_choice(cfg, device: torch.device, world_size: int) -> KernelChoice | None:
+    """The kernel report's `optimizer_stream` line for optimizer.side_stream = true; job.strict refuses a fallback."""
+    if not cfg.optimizer.side_stream:
+        return None
+    off = None
+    if device.type != "cuda":
+        off = f"a second stream needs a CUDA device (this run trains on {device.type})"
+    elif world_size > 1:
+        off = f"one process only; this run has {world_size} (measured on one GPU, not beside FSDP's own streams)"
+    if off is None:
+        return KernelChoice("optimizer_stream", "on", "on", False, "AdamW and Muon's update passes beside Newton-Schulz")
+    if cfg.job.strict:
+        raise ConfigError(f"job.strict = true and optimizer.side_stream falls back to 'off': {off}")
+    return KernelChoice("optimizer_stream", "on", "off", True, off)
 
 
 def max_documents(cfg_value: int, batch: int, seq_len: int) -> int:

@@ -55,7 +55,6 @@ from titan_k3.metrics.memory_peak import PeakRecorder
 from titan_k3.metrics.profile import StepProfiler
 from titan_k3.metrics.reporter import MetricsReporter
 from titan_k3.metrics.run_dir import Tee, check_run_dir, prepare_run_dir, run_dir_path, run_dir_problem
-from titan_k3.models.k3.impl import KernelChoice
 from titan_k3.models.registry import get_model_spec
 from titan_k3.optim import LRSchedule, ParamSpec, build_optimizers
 from titan_k3.parallel import (
@@ -66,7 +65,7 @@ from titan_k3.parallel.faults import active_injections, check_injections, inject
 from titan_k3.run_faults import RunFaults
 from titan_k3.signals import EXIT_STATUS, StopNow, StopSignals
 from titan_k3.spec import routed_experts
-from titan_k3.step_graph import StepGraph, check_capturable
+from titan_k3.step_graph import StepGraph, check_capturable, side_stream_choice
 from titan_k3.train_state import TrainState
 
 IGNORE_INDEX = -100
@@ -119,22 +118,6 @@ def _device(cfg: JobConfig) -> torch.device:
     if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-
-
-def _side_stream_choice(cfg: JobConfig, device: torch.device, world_size: int) -> KernelChoice | None:
-    """The kernel report's `optimizer_stream` line for optimizer.side_stream = true; job.strict refuses a fallback."""
-    if not cfg.optimizer.side_stream:
-        return None
-    off = None
-    if device.type != "cuda":
-        off = f"a second stream needs a CUDA device (this run trains on {device.type})"
-    elif world_size > 1:
-        off = f"one process only; this run has {world_size} (measured on one GPU, not beside FSDP's own streams)"
-    if off is None:
-        return KernelChoice("optimizer_stream", "on", "on", False, "AdamW and Muon's update passes beside Newton-Schulz")
-    if cfg.job.strict:
-        raise ConfigError(f"job.strict = true and optimizer.side_stream falls back to 'off': {off}")
-    return KernelChoice("optimizer_stream", "on", "off", True, off)
 
 
 EXPANDABLE = "expandable_segments:True"
@@ -252,7 +235,7 @@ class Trainer:
         self.impl.choices += parallelize(model, self.dist.dims, self.dist.mesh, cfg, self.device)
         if self._graph_choice is not None:
             self.impl.choices.append(self._graph_choice)
-        stream_choice = _side_stream_choice(cfg, self.device, self.world_size)
+        stream_choice = side_stream_choice(cfg, self.device, self.world_size)
         if stream_choice is not None:
             self.impl.choices.append(stream_choice)
         model.to_empty(device=self.device)

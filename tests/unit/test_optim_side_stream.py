@@ -12,7 +12,8 @@ import torch
 from titan_k3.config import ConfigError, load_job_config
 from titan_k3.models.k3.impl import KernelChoice
 from titan_k3.optim import ParamSpec, build_optimizers
-from titan_k3.train import Trainer, _side_stream_choice
+from titan_k3.step_graph import side_stream_choice
+from titan_k3.train import Trainer
 
 
 @pytest.mark.parametrize("device, world, reason", [
@@ -21,21 +22,21 @@ from titan_k3.train import Trainer, _side_stream_choice
 ])
 def test_a_side_stream_where_none_can_run_is_a_reported_fallback(device, world, reason):
     cfg = load_job_config(["--optimizer.side_stream", "true"])
-    choice = _side_stream_choice(cfg, torch.device(device), world)
+    choice = side_stream_choice(cfg, torch.device(device), world)
     assert (choice.op, choice.requested, choice.chosen, choice.fallback) == ("optimizer_stream", "on", "off", True)
     assert choice.reason.startswith(reason)
 
 
 def test_one_gpu_process_takes_the_side_stream_and_none_is_asked_by_default():
-    assert _side_stream_choice(load_job_config([]), torch.device("cuda", 0), 1) is None
-    choice = _side_stream_choice(load_job_config(["--optimizer.side_stream", "true"]), torch.device("cuda", 0), 1)
+    assert side_stream_choice(load_job_config([]), torch.device("cuda", 0), 1) is None
+    choice = side_stream_choice(load_job_config(["--optimizer.side_stream", "true"]), torch.device("cuda", 0), 1)
     assert (choice.chosen, choice.fallback) == ("on", False)
 
 
 def test_strict_refuses_a_side_stream_that_falls_back():
     cfg = load_job_config(["--optimizer.side_stream", "true", "--job.strict", "true"])
     with pytest.raises(ConfigError, match="job.strict = true and optimizer.side_stream falls back to 'off': a second"):
-        _side_stream_choice(cfg, torch.device("cpu"), 1)
+        side_stream_choice(cfg, torch.device("cpu"), 1)
 
 
 def test_build_optimizers_refuses_a_side_stream_for_cpu_parameters():
