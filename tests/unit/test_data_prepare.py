@@ -302,7 +302,7 @@ def test_cli_and_config_errors(tmp_path, tokenizer_path, capsys):
     assert "no such file or directory" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"context": "a", "choices": [], "gold": 0}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: expected"):
+    with pytest.raises(ValueError, match=r"bad.jsonl' line 1: expected .*\(gold = 0 with 0 choices\)"):
         run(tmp_path, tokenizer_path, sources, out="bad", decontamination__benchmarks=[str(bad)])
     assert not (tmp_path / "bad" / "index.json").exists()
 

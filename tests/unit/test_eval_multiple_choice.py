@@ -1,12 +1,15 @@
 """Multiple-choice scoring: forced answers from known log-likelihoods, the model's own log-likelihood, task files."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from titan_k3.eval.multiple_choice import Example, load_task, model_loglikelihood, score_task
+from titan_k3.eval.multiple_choice import load_task, model_loglikelihood, score_task
 from titan_k3.eval.runner import load_tasks
+from titan_k3.eval.tasks import Example
 from titan_k3.models.k3.args import get_flavor
 from titan_k3.models.k3.impl import reference_impl
 from titan_k3.models.k3.model import K3Model
@@ -112,6 +115,54 @@ def test_bad_task_lines_name_the_file_and_line(tmp_path, bad, why):
         load_task(path)
     message = str(e.value)
     assert f"'{path}' line 3" in message and why in message and "\n" not in message
+
+
+BAD_FOR_BOTH = [
+    ("{not json", "not JSON: Expecting property name enclosed in double quotes at column 2"),
+    ("[1, 2]", "a JSON list, not an object"),
+    (json.dumps({"context": "c", "choices": ["a", "b"]}), "no 'gold'"),
+    (json.dumps({"context": None, "choices": ["a", "b"], "gold": 0}), "context not a string"),
+    (json.dumps({"context": "c", "choices": ["a", None], "gold": 0}), "choices not a list of strings"),
+    (json.dumps({"context": "c", "choices": ["a", "b"], "gold": True}), "gold not an integer"),
+    (json.dumps({"context": "c", "choices": ["a", "b"], "gold": 2}), "gold = 2 with 2 choices"),
+    (json.dumps({"context": "c", "choices": ["a", "b"], "gold": -1}), "gold = -1 with 2 choices"),
+]
+
+
+def test_decontamination_and_eval_refuse_the_same_lines_even_under_python_O(tmp_path):
+    """Decontamination checked benchmark lines with `assert`, which -O drops: gold -1 then planted the last choice
+    as the gold answer's n-grams, gold 2 an IndexError traceback, a null context the word 'none'."""
+    paths = [_write(tmp_path / f"bench{i}.jsonl", [GOOD, "", bad]) for i, (bad, _) in enumerate(BAD_FOR_BOTH)]
+    paths.append(tmp_path / "latin1.jsonl")
+    paths[-1].write_bytes(GOOD.encode() + b"\n" + json.dumps({"context": "caf\u00e9", "choices": ["a", "b"], "gold": 0},
+                                                               ensure_ascii=False).encode("latin-1") + b"\n")
+    script = (
+        "import sys\n"
+        "from titan_k3.data.prepare.dedup import BenchmarkNgrams\n"
+        "from titan_k3.eval.multiple_choice import load_task\n"
+        "for p in sys.argv[1:]:\n"
+        "    for read in (lambda: BenchmarkNgrams([p], 2), lambda: load_task(p)):\n"
+        "        try:\n"
+        "            read()\n"
+        "            print('accepted')\n"
+        "        except ValueError as e:\n"
+        "            print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-O", "-c", script, *map(str, paths)], capture_output=True, text=True,
+                         timeout=300, check=True).stdout.splitlines()
+    expected = [(3, why) for _, why in BAD_FOR_BOTH] + [(2, "not UTF-8 (byte 17 of the line is 0xe9)")]
+    assert len(out) == 2 * len(paths)
+    for k, (path, (n, why)) in enumerate(zip(paths, expected)):
+        for line in out[2 * k: 2 * k + 2]:
+            assert line.startswith(f"task file '{path}' line {n}: ") and why in line, (why, line)
+
+
+def test_a_task_line_may_hold_line_separators_inside_its_strings(tmp_path):
+    # NOTE: json.dumps(ensure_ascii=False) writes U+2028 and U+0085 raw; str.splitlines() cut the line there.
+    line = json.dumps({"context": "one\u2028two\x85three\x0cfour", "choices": ["a", "b"], "gold": 0}, ensure_ascii=False)
+    path = tmp_path / "t.jsonl"
+    path.write_text(line + "\n", encoding="utf-8")
+    assert load_task(path) == [Example("one\u2028two\x85three\x0cfour", ("a", "b"), 0)]
 
 
 def test_task_files_missing_empty_or_twice_named(tmp_path):

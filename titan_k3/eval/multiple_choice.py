@@ -1,7 +1,7 @@
 """Multiple-choice benchmarks scored by log-likelihood (the lm-eval conventions).
 
 A task is a JSONL file, one example per line: {"context": str, "choices": [str],
-"gold": int}. Each choice is scored by the summed log-probability of its tokens
+"gold": int} (read by tasks.py). Each choice is scored by the summed log-probability of its tokens
 given the context (context and choice tokenised separately, then joined);
 `acc` takes the highest sum, `acc_norm` the highest sum per character of the
 choice text (lm-eval's length normalisation). Ties go to the first choice. The
@@ -10,58 +10,30 @@ same files feed the data pipeline's decontamination.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from titan_k3.eval.tasks import Example, iter_examples, where
+
 IGNORE_INDEX = -100
 
 
-@dataclass(frozen=True)
-class Example:
-    context: str
-    choices: tuple[str, ...]
-    gold: int
-
-
 def load_task(path: str | Path) -> list[Example]:
-    """Read and check a task file; a bad line stops with its file and line number."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"task file {str(path)!r}: no such file")
+    """Read and check a task file (tasks.iter_examples), with at least two non-empty choices per line given a
+    non-empty context; a bad line stops with its file and line number."""
     examples = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"task file {str(path)!r} line {n}"
-        try:
-            rec = json.loads(line)
-            # NOTE: str() of a null context or choice scored the text "None" without a word (and decontamination,
-            # which reads the same files, refuses it); true counted as gold 1.
-            if not isinstance(rec, dict) or not isinstance(rec["context"], str) or not isinstance(rec["choices"], list) \
-                    or not all(isinstance(c, str) for c in rec["choices"]) \
-                    or not isinstance(rec["gold"], int) or isinstance(rec["gold"], bool):
-                raise TypeError("not an object, or context not a string, or choices not a list of strings, "
-                                "or gold not an integer")
-            ex = Example(rec["context"], tuple(rec["choices"]), rec["gold"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{where}: expected {{\"context\": str, \"choices\": [str, ...], \"gold\": int}} ({e})") from None
-        if len(ex.choices) < 2 or not 0 <= ex.gold < len(ex.choices):
-            raise ValueError(f"{where}: gold = {ex.gold} with {len(ex.choices)} choices (need >= 2 choices, 0 <= gold < choices)")
+    for n, ex in iter_examples(path):
+        if len(ex.choices) < 2:
+            raise ValueError(f"{where(path, n)}: gold = {ex.gold} with {len(ex.choices)} choices (need >= 2 choices, "
+                             "0 <= gold < choices)")
         if not ex.context or not all(ex.choices):
-            raise ValueError(f"{where}: empty context or choice (a choice is scored given a non-empty context)")
+            raise ValueError(f"{where(path, n)}: empty context or choice (a choice is scored given a non-empty context)")
         examples.append(ex)
     if not examples:
         raise ValueError(f"task file {str(path)!r}: no examples")
     return examples
-
-
-def task_name(path: str | Path) -> str:
-    """The name a task's metrics carry: its file name without `.jsonl`."""
-    return Path(path).name.removesuffix(".jsonl")
 
 
 LogLikelihood = Callable[[Sequence[int], Sequence[Sequence[int]]], list[float]]

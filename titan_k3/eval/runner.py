@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from titan_k3.config import ConfigError, JobConfig
-from titan_k3.eval.multiple_choice import Example, load_task, model_loglikelihood, score_task, task_name
+from titan_k3.eval.multiple_choice import load_task, model_loglikelihood, score_task
+from titan_k3.eval.tasks import Example, task_name
 from titan_k3.eval.validation import validation_batches, validation_loss, validation_split_tokens
 from titan_k3.models.registry import get_model_spec
 from titan_k3.spec import KDA_CHUNK

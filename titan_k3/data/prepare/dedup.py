@@ -12,13 +12,13 @@ Both work on the word hashes of `quality.words` / `quality.word_hashes`:
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import numpy as np
 from datasketch import LeanMinHash, MinHash, MinHashLSH
 
 from titan_k3.data.prepare.quality import ngram_hashes, word_hashes, words
+from titan_k3.eval.tasks import iter_examples
 
 _MINHASH_SEED = 1
 _CHUNK = 4096  # shingles per update_batch call: bounds its [chunk, num_perm] temporary
@@ -68,7 +68,8 @@ class NearDuplicateIndex:
 
 
 class BenchmarkNgrams:
-    """The n-gram hashes of benchmark files ({"context", "choices", "gold"} per JSONL line)."""
+    """The n-gram hashes of benchmark files: the evaluator's task files, read as it reads them
+    (titan_k3/eval/tasks.py: a bad line stops with its file and line)."""
 
     def __init__(self, paths: list[str], n: int):
         self.n = n
@@ -91,24 +92,13 @@ class BenchmarkNgrams:
 
     def _load(self, path: Path) -> tuple[np.ndarray, int, int]:
         grams, n_examples, n_short = [], 0, 0
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    ex = json.loads(line)
-                    context, choices, gold = ex["context"], ex["choices"], ex["gold"]
-                    assert isinstance(context, str) and isinstance(choices, list) and 0 <= gold < len(choices)
-                except (json.JSONDecodeError, KeyError, TypeError, AssertionError):
-                    raise ValueError(
-                        f"{path}:{lineno}: expected {{\"context\": str, \"choices\": [str], \"gold\": int index}}"
-                    ) from None
-                n_examples += 1
-                pieces = [f"{context} {choices[gold]}"] + [str(c) for c in choices]
-                found = [ngram_hashes(word_hashes(words(t)), self.n) for t in pieces]
-                if not any(len(g) for g in found):
-                    n_short += 1
-                grams.extend(found)
+        for _, ex in iter_examples(path):
+            n_examples += 1
+            pieces = [f"{ex.context} {ex.choices[ex.gold]}", *ex.choices]
+            found = [ngram_hashes(word_hashes(words(t)), self.n) for t in pieces]
+            if not any(len(g) for g in found):
+                n_short += 1
+            grams.extend(found)
         out = np.unique(np.concatenate(grams)) if grams else np.zeros(0, np.uint64)
         return out, n_examples, n_short
 
