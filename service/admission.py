@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from service.settings import Settings
 from titan_k3.config import JobConfig
 from titan_k3.config.check import config_error
+from titan_k3.config.errors import toml_value
 from titan_k3.models.k3.args import count_params, get_flavor
 from titan_k3.plan.search import refusal as plan_refusal
 from titan_k3.plan.search import resolve_layout
@@ -64,7 +65,7 @@ def host_refusal(settings: Settings, sub: Submission) -> str | None:
     flavor = sub.cfg.model.flavor
     params = count_params(get_flavor(flavor)).total
     if params > CPU_MAX_PARAMS:
-        return (f"config key 'model.flavor' = {flavor!r}: {params / 1e9:.2f}B parameters cannot train on CPU "
+        return (f"config key 'model.flavor' = {toml_value(flavor)}: {params / 1e9:.2f}B parameters cannot train on CPU "
                 f"(at most {CPU_MAX_PARAMS / 1e6:.0f}M); ask for gpus >= 1{none_here}")
     return None
 

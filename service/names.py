@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from titan_k3.config.errors import toml_value
+
 # NOTE: dots only between other characters' runs, so no '..' (a pattern without look-around: the OpenAPI
 # schema carries it too, and schema validators do not all support look-around).
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*\.?$"
@@ -60,7 +62,7 @@ def check_relative_subpath(key: str, value: str) -> None:
     """A folder the trainer creates inside the run directory: relative, no '..'."""
     p = Path(value)
     if p.is_absolute() or ".." in p.parts or "\\" in value:
-        raise ValueError(f"config key '{key}' = {value!r}: must be a relative path inside the run directory (no '..')")
+        raise ValueError(f"config key '{key}' = {toml_value(value)}: must be a relative path inside the run directory (no '..')")
 
 
 def check_readable_path(key: str, value: str, roots: list[Path]) -> None:
@@ -72,4 +74,4 @@ def check_readable_path(key: str, value: str, roots: list[Path]) -> None:
     if path.is_absolute() and any(resolved.is_relative_to(r.resolve()) for r in roots):
         return
     allowed = ", ".join(str(r) for r in roots) or "none configured (--data-root)"
-    raise ValueError(f"config key '{key}' = {value!r}: must be 'embedded' or an absolute path under a data root ({allowed})")
+    raise ValueError(f"config key '{key}' = {toml_value(value)}: must be 'embedded' or an absolute path under a data root ({allowed})")

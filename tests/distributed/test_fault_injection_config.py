@@ -27,16 +27,17 @@ def test_bad_values_stop_with_one_line(argv, words):
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("argv, key", [
-    (["--debug.inject_same_data", "true"], "debug.inject_same_data"),
-    (["--debug.inject_replica_drift", "1e-3"], "debug.inject_replica_drift"),
-    (["--debug.inject_grad_scale", "fsdp_average"], "debug.inject_grad_scale"),
+@pytest.mark.parametrize("argv, key, shown", [
+    (["--debug.inject_same_data", "true"], "debug.inject_same_data", "true"),
+    (["--debug.inject_replica_drift", "1e-3"], "debug.inject_replica_drift", "0.001"),
+    (["--debug.inject_grad_scale", "fsdp_average"], "debug.inject_grad_scale", "'fsdp_average'"),
 ])
-def test_an_injection_needs_two_data_parallel_ranks(argv, key):
+def test_an_injection_needs_two_data_parallel_ranks(argv, key, shown):
     cfg = load_job_config(CPU + argv)
     assert list(active_injections(cfg.debug)) == [key]
     check_injections(cfg.debug, dp_world=2)
-    with pytest.raises(ConfigError, match=f"config key '{key}' = .*: a fault injection needs 2 or more data-parallel ranks"):
+    # NOTE: the value as the TOML file would hold it (true, not Python's True).
+    with pytest.raises(ConfigError, match=f"^config key '{key}' = {shown}: a fault injection needs 2 or more data-parallel ranks"):
         check_injections(cfg.debug, dp_world=1)
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from titan_k3.checkpoint import layout
 from titan_k3.config import JobConfig, config_to_toml, load_job_config
+from titan_k3.config.errors import toml_value
 
 # What a trainer run writes at the top of its run directory (checkpoints live in their own folder).
 RUN_FILES = ("config.toml", "manifest.json", "metrics.jsonl", "events.jsonl", "stdout.log")
@@ -122,19 +123,19 @@ def run_dir_problem(cfg: JobConfig) -> str | None:
     dump = Path(cfg.job.dump_folder)
     why = _unusable_folder(dump)
     if why:
-        return f"config key 'job.dump_folder' = '{cfg.job.dump_folder}': {why}"
+        return f"config key 'job.dump_folder' = {toml_value(cfg.job.dump_folder)}: {why}"
     path = run_dir_path(cfg)
     if path.exists() and not path.is_dir():
-        return f"config key 'job.name' = '{cfg.job.name}': {path} is a file, not a run directory"
+        return f"config key 'job.name' = {toml_value(cfg.job.name)}: {path} is a file, not a run directory"
     if path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
-        return f"config key 'job.name' = '{cfg.job.name}': run directory {path} is not writable by this user"
+        return f"config key 'job.name' = {toml_value(cfg.job.name)}: run directory {path} is not writable by this user"
     previous = previous_run_files(path)
     # NOTE: a torchrun restart continues its own job, whose earlier attempt wrote these files: with no checkpoint
     # it starts again at update 0 and appends (the summary keeps the later attempt's rows of a redone update).
     if previous and not cfg.job.overwrite and not has_checkpoint(cfg, path) and not is_torchrun_restart():
         why = "checkpoints are off (checkpoint.enable = false)" if not cfg.checkpoint.enable and not getattr(
             cfg.checkpoint, "save_on_stop", False) else f"no complete checkpoint in {path / cfg.checkpoint.folder}"
-        return (f"config key 'job.name' = '{cfg.job.name}': {path} holds a previous run ({previous[0].name}) and "
+        return (f"config key 'job.name' = {toml_value(cfg.job.name)}: {path} holds a previous run ({previous[0].name}) and "
                 f"nothing to resume: {why}; choose another name, or set job.overwrite = true to start it over")
     return None
 

@@ -8,6 +8,7 @@ the first, tests/unit/test_model_registry.py the second.
 
 from __future__ import annotations
 
+from titan_k3.config.errors import toml_value
 from titan_k3.models.k3.bundle import K3_MODEL_SPEC
 from titan_k3.models.model_spec import ModelSpec
 from titan_k3.spec import MODEL_FLAVORS
@@ -27,7 +28,7 @@ def register_model(spec: ModelSpec) -> None:
 
 def get_model_spec(name: str) -> ModelSpec:
     if name not in _REGISTRY:
-        raise ValueError(f"config key 'model.name' = {name!r}: no such model; registered: {', '.join(sorted(_REGISTRY))}")
+        raise ValueError(f"config key 'model.name' = {toml_value(name)}: no such model; registered: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from titan_k3.config import ConfigError
+from titan_k3.config.errors import toml_value
 
 
 def active_injections(debug_cfg) -> dict[str, object]:
@@ -33,7 +34,7 @@ def check_injections(debug_cfg, dp_world: int) -> None:
     on = active_injections(debug_cfg)
     if on and dp_world < 2:
         key, value = next(iter(on.items()))
-        raise ConfigError(f"config key '{key}' = {value!r}: a fault injection needs 2 or more data-parallel ranks "
+        raise ConfigError(f"config key '{key}' = {toml_value(value)}: a fault injection needs 2 or more data-parallel ranks "
                           f"(this run has {dp_world}); launch with torchrun --nproc_per_node 2 or more")
 
 
