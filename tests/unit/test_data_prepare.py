@@ -387,3 +387,50 @@ def test_a_source_without_an_accepted_document_is_said_at_the_end(tmp_path, toke
     assert not any("warning" in line for line in lines[:-1])
     with pytest.raises(ValueError, match=r"source\(s\) 'empty' \(weight 0.2\) that have no documents"):
         build_dataloader(str(tmp_path / "ds"), load_tokenizer(tokenizer_path), 32, 2, 0, 1, seed=0)
+
+
+def test_a_null_text_is_a_no_text_decision_in_every_format(tmp_path, tokenizer_path):
+    """A null text field is recorded in decisions.jsonl with its place (a Parquet null was skipped without a
+    line, a JSONL null stopped the prepare)."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    zstd = pytest.importorskip("zstandard")
+
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"text": [prose(80, 700), None, prose(80, 701)], "id": ["p0", "p1", None]}),
+                   tmp_path / "in" / "a.parquet")
+    pq.write_table(pa.table({"text": [None, prose(80, 702)]}), tmp_path / "in" / "b.parquet")
+    lines = [json.dumps({"id": "j0", "text": prose(80, 703)}), json.dumps({"text": None}),
+             json.dumps({"id": "j2", "text": None})]
+    (tmp_path / "in" / "c.jsonl").write_text("\n".join(lines) + "\n")
+    zst = [line.replace('"j', '"z') for line in lines]
+    (tmp_path / "in" / "d.jsonl.zst").write_bytes(zstd.ZstdCompressor().compress("\n".join(zst).encode() + b"\n"))
+    out, d = run(tmp_path, tokenizer_path, [SourceConfig("s", str(tmp_path / "in"))], unit_mb=0.0005)
+    at = len(lines[0]) + 1
+    no_text = {k: v["reason"]["at"] for k, v in d.items() if v["decision"] == "no_text"}
+    assert no_text == {"p1": "a.parquet#1", "b.parquet#0": "b.parquet#0", f"c.jsonl@{at}": f"c.jsonl@{at}",
+                       "j2": f"c.jsonl@{at + len(lines[1]) + 1}", "d.jsonl.zst:2": "d.jsonl.zst:2", "z2": "d.jsonl.zst:3"}
+    assert all(d[k]["reason"]["field"] == "text" and d[k]["source"] == "s" for k in no_text)
+    assert d["a.parquet#2"]["decision"] == d["p0"]["decision"] == d["j0"]["decision"] == "accepted"
+    assert json.loads((out / "stats.json").read_text())["counts"]["s"]["no_text"] == 6
+    assert "no_text" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_bad_json_is_named_by_line_and_column(tmp_path, tokenizer_path, compressed):
+    lines = [json.dumps({"id": f"j{i}", "text": prose(40, 800 + i)}) for i in range(6)]
+    lines[4] = '{"id": "j4", "text": "a" "b"}'
+    data = ("\n".join(lines) + "\n").encode()
+    (tmp_path / "in").mkdir()
+    name = "c.jsonl.zst" if compressed else "c.jsonl"
+    if compressed:
+        data = pytest.importorskip("zstandard").ZstdCompressor().compress(data)
+    (tmp_path / "in" / name).write_bytes(data)
+    with pytest.raises(ValueError) as e:
+        run(tmp_path, tokenizer_path, [SourceConfig("s", str(tmp_path / "in"))], unit_mb=0.0004)  # several units
+    assert str(e.value) == f"{tmp_path / 'in' / name} line 5 column 26: invalid JSON (Expecting ',' delimiter)"
+    lines[4] = json.dumps({"id": "j4", "text": 7})
+    (tmp_path / "in" / "c.jsonl").write_text("\n".join(lines) + "\n")
+    if not compressed:
+        with pytest.raises(ValueError, match=r"c.jsonl line 5: expected a JSON object with a string \(or null\) field"):
+            run(tmp_path, tokenizer_path, [SourceConfig("s", str(tmp_path / "in"))], unit_mb=0.0004, out="out2")

@@ -49,7 +49,8 @@ from titan_k3.data.prepare.sources import plan_units, read_unit
 from titan_k3.data.shards import INDEX_NAME, token_dtype, write_index, write_shard
 from titan_k3.data.tokenizer import load_tokenizer
 
-DECISIONS = ("accepted", "too_short", "low_quality", "exact_duplicate", "near_duplicate", "contaminated")
+# no_text: a record whose text field is null (JSONL or Parquet), recorded with its place (sources.py).
+DECISIONS = ("accepted", "no_text", "too_short", "low_quality", "exact_duplicate", "near_duplicate", "contaminated")
 WORK_DIR = ".prepare-work"
 _CRASH_ENV = "TITAN_K3_PREPARE_CRASH_AFTER"
 
@@ -94,8 +95,12 @@ def stage_a_unit(unit: dict, cfg: dict, out_stem: str) -> dict:
     bytes_in = 0
     cpu0 = time.process_time()
     t = time.perf_counter()
-    for doc_id, raw in read_unit(unit):
+    for doc_id, raw, where in read_unit(unit):
         t = _tick(clock, "read", t)
+        if raw is None:
+            metas.append({"id": doc_id, "sha256": None, "chars": 0, "decision": "no_text",
+                          "reason": {"at": where, "field": unit["text_key"]}})
+            continue
         bytes_in += len(raw.encode("utf-8"))
         text = normalize(raw)
         t = _tick(clock, "normalize", t)

@@ -11,7 +11,7 @@ from pathlib import Path
 from titan_k3.data.prepare.config import PrepareConfig
 from titan_k3.data.prepare.quality import LOW_QUALITY_RULES, TOO_SHORT_RULES
 
-_DECISIONS = ("accepted", "too_short", "low_quality", "exact_duplicate", "near_duplicate", "contaminated")
+_DECISIONS = ("accepted", "no_text", "too_short", "low_quality", "exact_duplicate", "near_duplicate", "contaminated")
 
 
 def _table(header: list[str], rows: list[list]) -> list[str]:

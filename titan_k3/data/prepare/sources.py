@@ -9,6 +9,13 @@ Document ids: the JSONL/Parquet ``id_key`` field when present, else ``<file>:<li
 (zstd), ``<file>@<byte offset>`` (plain JSONL), ``<file>#<row>`` (Parquet), or the
 file's path relative to the source (text files). Text is decoded as UTF-8 with
 invalid bytes replaced.
+
+A record whose text field is null (a JSONL `null`, a Parquet null) is a document
+without text: the pipeline records it in decisions.jsonl as `no_text`, with its
+place, and reads on. A JSONL line that is not JSON, not an object, lacks the
+field or holds something else than a string or null stops the prepare with one
+line naming the file and line (and the column of bad JSON); so does a Parquet
+text column that is missing or not strings (before any work).
 """
 
 from __future__ import annotations
@@ -19,6 +26,10 @@ from pathlib import Path
 from typing import Iterator
 
 from titan_k3.data.prepare.config import SourceConfig
+
+# (document id, raw text or None for a null text field, where: "<file>@<byte>", "<file>:<line>", "<file>#<row>", or
+# the text file's path).
+Document = tuple[str, "str | None", str]
 
 
 def _kind(path: Path) -> str:
@@ -98,8 +109,10 @@ def plan_units(src: SourceConfig, unit_bytes: int) -> list[dict]:
     return units
 
 
-def _record(line: bytes | str, where: str, text_key: str, id_key: str, default_id: str) -> tuple[str, str]:
-    """(id, text) of one JSONL line; `where` names the line in errors, `default_id` stands in for a missing id."""
+def _record(line: bytes | str, where, text_key: str, id_key: str, default_id: str) -> tuple[str, str | None]:
+    """(id, text) of one JSONL line, text None when the line's text field is null; `where()` names the line in
+    errors ("FILE line N": called only on an error, as naming a plain JSONL line costs counting the lines before it),
+    `default_id` stands in for a missing id."""
     if isinstance(line, bytes):
         # NOTE: json.loads of bytes decodes strictly: one invalid byte stopped the whole prepare with a
         # UnicodeDecodeError naming neither file nor line, where text files and .jsonl.zst replace it.
@@ -107,14 +120,27 @@ def _record(line: bytes | str, where: str, text_key: str, id_key: str, default_i
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: invalid JSON ({e})") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
-        raise ValueError(f"{where}: expected a JSON object with a string field {text_key!r}")
+        raise ValueError(f"{where()} column {e.colno}: invalid JSON ({e.msg})") from None
+    if not isinstance(obj, dict) or text_key not in obj or not (obj[text_key] is None or isinstance(obj[text_key], str)):
+        raise ValueError(f"{where()}: expected a JSON object with a string (or null) field {text_key!r}")
     doc_id = obj.get(id_key)
     return (str(doc_id) if doc_id is not None else default_id), obj[text_key]
 
 
-def _jsonl_range(path: Path, rel: str, start: int, end: int, text_key: str, id_key: str) -> Iterator[tuple[str, str]]:
+def _line_of(path: Path, offset: int) -> int:
+    """The 1-based number of the line starting at byte `offset` of `path` (counts the newlines before it)."""
+    newlines, left = 0, offset
+    with open(path, "rb") as f:
+        while left > 0:
+            chunk = f.read(min(left, 1 << 20))
+            if not chunk:
+                break
+            newlines += chunk.count(b"\n")
+            left -= len(chunk)
+    return newlines + 1
+
+
+def _jsonl_range(path: Path, rel: str, start: int, end: int, text_key: str, id_key: str) -> Iterator[Document]:
     with open(path, "rb") as f:
         pos = start
         if start > 0:
@@ -128,11 +154,13 @@ def _jsonl_range(path: Path, rel: str, start: int, end: int, text_key: str, id_k
             if not line:
                 break
             if line.strip():
-                yield _record(line, f"{path}@{pos}", text_key, id_key, f"{rel}@{pos}")
+                doc_id, text = _record(line, lambda: f"{path} line {_line_of(path, pos)}", text_key, id_key,
+                                       f"{rel}@{pos}")
+                yield doc_id, text, f"{rel}@{pos}"
             pos += len(line)
 
 
-def _jsonl_zst(path: Path, rel: str, text_key: str, id_key: str) -> Iterator[tuple[str, str]]:
+def _jsonl_zst(path: Path, rel: str, text_key: str, id_key: str) -> Iterator[Document]:
     try:
         import zstandard
     except ImportError:
@@ -141,10 +169,11 @@ def _jsonl_zst(path: Path, rel: str, text_key: str, id_key: str) -> Iterator[tup
         reader = io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(raw), encoding="utf-8", errors="replace")
         for lineno, line in enumerate(reader, 1):
             if line.strip():
-                yield _record(line, f"{path}:{lineno}", text_key, id_key, f"{rel}:{lineno}")
+                doc_id, text = _record(line, lambda: f"{path} line {lineno}", text_key, id_key, f"{rel}:{lineno}")
+                yield doc_id, text, f"{rel}:{lineno}"
 
 
-def _parquet(path: Path, rel: str, text_key: str, id_key: str) -> Iterator[tuple[str, str]]:
+def _parquet(path: Path, rel: str, text_key: str, id_key: str) -> Iterator[Document]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -158,18 +187,18 @@ def _parquet(path: Path, rel: str, text_key: str, id_key: str) -> Iterator[tuple
         texts = batch.column(text_key).to_pylist()
         ids = batch.column(id_key).to_pylist() if len(columns) == 2 else [None] * len(texts)
         for doc_id, text in zip(ids, texts):
-            if text is not None:
-                yield (str(doc_id) if doc_id is not None else f"{rel}#{row}"), text
+            yield (str(doc_id) if doc_id is not None else f"{rel}#{row}"), text, f"{rel}#{row}"
             row += 1
 
 
-def read_unit(unit: dict) -> Iterator[tuple[str, str]]:
-    """Yield (document id, raw text) for every document of a work unit, in order."""
+def read_unit(unit: dict) -> Iterator[Document]:
+    """Yield (document id, raw text, where) for every document of a work unit, in order; text is None for a
+    null text field (JSONL or Parquet), which the pipeline records as a `no_text` decision."""
     root = Path(unit["root"])
     for rel in unit["files"]:
         path = root / rel
         if unit["kind"] == "text":
-            yield rel, path.read_bytes().decode("utf-8", errors="replace")
+            yield rel, path.read_bytes().decode("utf-8", errors="replace"), rel
         elif unit["kind"] == "jsonl":
             yield from _jsonl_range(path, rel, unit["start"], unit["end"], unit["text_key"], unit["id_key"])
         elif unit["kind"] == "jsonl.zst":
