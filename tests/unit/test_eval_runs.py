@@ -113,3 +113,28 @@ def test_offline_eval_refuses_a_damaged_checkpoint(run, tmp_path, capsys):
     for line in errors:
         assert "step-2' is damaged" in line and "__0_0.distcp" in line and "changed since the save" in line
     assert not (copy / "eval_table.md").exists()
+
+
+def test_offline_eval_names_a_step_dir_without_metadata_and_another_tokenizer(run, tmp_path, capsys):
+    """--runs left a step dir without .metadata out of its table without a word; a checkpoint trained with
+    another tokenizer than the run's data.tokenizer now loads was scored on other token ids."""
+    import shutil
+
+    from titan_k3.checkpoint import verify
+
+    run_dir, _ = run
+    copy = tmp_path / "ev"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("eval_table.md"))
+    (copy / "checkpoints" / "step-1" / ".metadata").unlink()
+    assert eval_main(["--runs", str(copy), "--val-steps", "0", "--device", "cpu"]) == 2
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "step-1' is damaged: no .metadata" in error[0]
+    assert not (copy / "eval_table.md").exists()
+
+    step = copy / "checkpoints" / "step-2"
+    meta = json.loads((step / "meta.json").read_text())
+    (step / "meta.json").write_text(json.dumps({**meta, "tokenizer": "other.json", "tokenizer_sha256": "ab" * 32}))
+    verify.seal(step, None)
+    assert eval_main(["--checkpoint", str(step), "--val-steps", "0", "--device", "cpu"]) == 2
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "trained with tokenizer 'other.json' (sha256 abababababab...)" in error[0]

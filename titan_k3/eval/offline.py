@@ -10,7 +10,9 @@ evaluated reproduces the val_loss it logged (same seed, same sequences, one
 process). `--runs` evaluates every complete checkpoint of the run, oldest
 first, and writes RUN_DIR/eval_table.md: the benchmarks across tokens.
 Every checkpoint's files are checked against its checksums.json first, as
-the trainer's load does: a damaged one is named and nothing is evaluated.
+the trainer's load does: a damaged one (a step dir without .metadata included)
+is named and nothing is evaluated; so is one trained with another tokenizer
+than the one the run's data.tokenizer loads now.
 Prints a table (or JSON with `--json`). Exit status 2 with one line on bad input.
 """
 
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 
 from titan_k3.checkpoint import layout, load_model_weights, verify
+from titan_k3.checkpoint.manager import saved_tokenizer
 from titan_k3.config import JobConfig
 from titan_k3.eval.runner import Evaluator, task_names
 from titan_k3.metrics.run_dir import load_run_config
@@ -80,6 +83,18 @@ def _check_intact(step_dir: Path, note) -> None:
         note(f"note: checkpoint {step_dir} was saved before checksums existed (meta.json version 1): not verified")
 
 
+def _check_tokenizer(step_dir: Path, tokenizer, note) -> None:
+    """Stop when the run's data.tokenizer is no longer the tokenizer the checkpoint was trained with (the file at
+    its path replaced, 'embedded' rebuilt): its scores would be of other token ids."""
+    name, sha256 = saved_tokenizer(step_dir)
+    if not sha256:
+        note(f"note: checkpoint {step_dir} does not record its tokenizer's sha256 (saved before checkpoints did): "
+             f"the tokenizer {tokenizer.name!r} could not be checked")
+    elif sha256 != tokenizer.sha256:
+        raise ValueError(f"checkpoint {str(step_dir)!r} was trained with tokenizer {name!r} (sha256 {sha256[:12]}...), "
+                         f"but the run's data.tokenizer now loads {tokenizer.name!r} (sha256 {tokenizer.sha256[:12]}...)")
+
+
 def evaluate_checkpoints(step_dirs: list[Path], cfg: JobConfig, device: torch.device, *, tasks: str | None,
                          val_steps: int | None, note=print) -> list[dict]:
     """One row per checkpoint: {"step", "tokens", "checkpoint", **metrics}. Every checkpoint is checked (complete,
@@ -90,6 +105,8 @@ def evaluate_checkpoints(step_dirs: list[Path], cfg: JobConfig, device: torch.de
     model, tokenizer, fallbacks = build_model(cfg, device)
     for choice in fallbacks:
         note(f"note: kernel {choice.op}: {choice.chosen} (fallback from '{choice.requested}': {choice.reason})")
+    for step_dir in step_dirs:
+        _check_tokenizer(step_dir, tokenizer, note)
     evaluator = Evaluator(cfg, tokenizer, device, val_steps=val_steps, tasks=tasks, offline=True)
     rows = []
     for step_dir in step_dirs:
@@ -148,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = args.runs
             cfg = load_run_config(run_dir)
             step_dirs = list(layout.complete_steps(run_dir / cfg.checkpoint.folder).values())
+            incomplete = layout.incomplete_steps(run_dir / cfg.checkpoint.folder)
+            if incomplete:
+                # NOTE: left out, the table would show a run without that checkpoint and say nothing.
+                raise ValueError(f"checkpoint {str(next(iter(incomplete.values())))!r} is damaged: no "
+                                 f"{layout.DCP_METADATA} (damaged step dirs: "
+                                 f"{', '.join(p.name for p in incomplete.values())}; move them aside to evaluate the rest)")
             if not step_dirs:
                 raise ValueError(f"run directory {str(run_dir)!r}: no complete checkpoint under {cfg.checkpoint.folder}/")
         cfg = load_run_config(run_dir)
