@@ -376,7 +376,7 @@ class Trainer:
         if data_warning:
             self.events.emit("data_epochs", data_warning, step=0, epochs=self.data["epochs"],
                              dataset=self.data["dataset"], sha256=self.data["sha256"])
-        print(f"optimizers: {self.optimizers.param_groups_summary()}")
+        print(f"optimizers: {self.optimizers.summary_line()}")
         self.reporter.report_kernels(self.impl.choices)
 
     def _log(self, result: StepResult, window: dict, evals: dict | None = None) -> None:

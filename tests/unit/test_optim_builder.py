@@ -47,6 +47,11 @@ def test_routes_params_and_summarises():
     summary = opts.param_groups_summary()
     assert summary["muon"] == {"tensors": 3, "numel": 128 + 128 + 384, "no_decay_tensors": 0, "no_decay_numel": 0}
     assert summary["adamw"]["tensors"] == 5 and summary["adamw"]["no_decay_numel"] == 10
+    # NOTE: the trainer's start-up line: words, not a Python dict.
+    line = opts.summary_line()
+    assert line.startswith("muon 3 tensors, 640 parameters; adamw 5 tensors, ") and "{" not in line
+    assert line.endswith(f"({summary['adamw']['no_decay_numel']:,} of them in {summary['adamw']['no_decay_tensors']} "
+                         "tensors without weight decay)")
     groups = {(g["num_heads"], g["per_expert"]) for g in opts.muon.param_groups}
     assert groups == {(2, False), (1, False), (1, True)}
     sd = opts.state_dict()  # complete before any step, keyed by name

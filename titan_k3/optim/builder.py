@@ -167,6 +167,17 @@ class Optimizers:
             summary[key] = row
         return summary
 
+    def summary_line(self) -> str:
+        """`param_groups_summary` in words, e.g. 'muon 57 tensors, 215,424 parameters; adamw 46 tensors,
+        20,976,966 parameters (1,606 of them in 32 tensors without weight decay)'."""
+        parts = []
+        for key, row in self.param_groups_summary().items():
+            text = f"{key} {row['tensors']} tensors, {row['numel']:,} parameters"
+            if row["no_decay_tensors"]:
+                text += f" ({row['no_decay_numel']:,} of them in {row['no_decay_tensors']} tensors without weight decay)"
+            parts.append(text)
+        return "; ".join(parts)
+
 
 def build_optimizers(
     named_params: Iterable[tuple[str, torch.nn.Parameter]],
