@@ -26,7 +26,7 @@ from pathlib import Path
 from titan_k3.config.errors import ConfigError, toml_value
 from titan_k3.config.job_config import JobConfig
 from titan_k3.config.manager import load_job_config
-from titan_k3.config.validate import parse_mixture
+from titan_k3.config.validate import parse_context_stages, parse_mixture
 
 USAGE = """usage: python -m titan_k3.config.check [-] [--section.key value ...]
 
@@ -54,7 +54,9 @@ def check_port(cfg: JobConfig) -> None:
 
 
 def check_data(cfg: JobConfig) -> None:
-    """The dataset opens (index and shard sizes) and `data.mixture` weighs exactly its sources."""
+    """The dataset opens (index and shard sizes), `data.mixture` weighs exactly its sources, the loader takes the
+    training split as the run will (the prepare weights it falls back on name sources with documents there), and the
+    longest sequence the run asks for fits in that split."""
     from titan_k3.data.shards import open_dataset
 
     d = cfg.data
@@ -65,17 +67,34 @@ def check_data(cfg: JobConfig) -> None:
     else:
         path = Path(d.dataset)
     try:
-        sources = open_dataset(path, verify="size").source_names
+        ds = open_dataset(path, verify="size")
     except (OSError, ValueError) as e:
         raise ConfigError(f"config key 'data.dataset' = {toml_value(d.dataset)}: {e}") from None
+    sources = ds.source_names
     mixture = parse_mixture(d.mixture)
-    if mixture is None:
-        return
-    unknown = sorted(set(mixture) - set(sources))
-    missing = sorted(set(sources) - set(mixture))
-    if unknown or missing:
-        what = f"unknown source(s) {unknown}" if unknown else f"no weight for source(s) {missing} (0 leaves one out)"
-        raise ConfigError(f"config key 'data.mixture' = {toml_value(d.mixture)}: {what}; the dataset has {toml_value(sources)}")
+    if mixture is not None:
+        unknown = sorted(set(mixture) - set(sources))
+        missing = sorted(set(sources) - set(mixture))
+        if unknown or missing:
+            what = f"unknown source(s) {unknown}" if unknown else f"no weight for source(s) {missing} (0 leaves one out)"
+            raise ConfigError(f"config key 'data.mixture' = {toml_value(d.mixture)}: {what}; the dataset has "
+                              f"{toml_value(sources)}")
+    t = cfg.training
+    try:
+        # NOTE: what the run's loader takes of the training split (titan_k3/data/loader.py), read here without torch.
+        by_source = ds.sources_with_documents("train")
+        if mixture is None:
+            ds.prepared_weights("train")
+    except ValueError as e:
+        raise ConfigError(f"config key 'data.dataset' = {toml_value(d.dataset)}: {e}") from None
+    tokens = sum(int(shard.offsets[-1] - shard.offsets[0]) for shards in by_source.values() for shard in shards)
+    key, longest = "training.seq_len", t.seq_len
+    if t.context_stages and (stage := max(s for _, s in parse_context_stages(t.context_stages))) > longest:
+        key, longest = "training.context_stages", stage
+    if longest >= tokens:
+        value = toml_value(t.context_stages) if key == "training.context_stages" else longest
+        raise ConfigError(f"config key '{key}' = {value}: a row of {longest + 1:,} tokens is longer than the "
+                          f"training split of data.dataset = {toml_value(d.dataset)} ({tokens:,} tokens)")
 
 
 def check_files(cfg: JobConfig) -> None:

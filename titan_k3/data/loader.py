@@ -419,36 +419,6 @@ def _normalise_mixture(dataset: Dataset, split: str, mixture: dict[str, float] |
     return [mixture[n] / total for n in names]
 
 
-def prepared_mixture(index: dict) -> dict[str, float] | None:
-    """The source weights `python -m titan_k3.data.prepare` recorded in the index (its config's [[sources]] weight),
-    or None where it recorded none or all alike (prepare's default weight is 1.0 for every source).
-
-    NOTE: an empty data.mixture trains on these, so that weights written in the prepare config are not dropped without
-    a word; weights all alike say nothing, and those datasets keep their natural token proportions.
-    """
-    recorded = index.get("mixture")
-    if not recorded or len(set(recorded.values())) <= 1:
-        return None
-    return dict(recorded)
-
-
-def _prepared_weights_of_split(mixture: dict[str, float], by_source: dict, path: Path, split: str) -> dict[str, float]:
-    """The prepare weights of the sources `split` has documents of; ValueError when a source weighted above 0 has none.
-
-    NOTE: prepare records a weight for every configured source, also one whose documents were all filtered out
-    (or whose files were empty). Spreading its weight over the others would train on a mixture nobody asked for;
-    the run stops instead and says how to choose one.
-    """
-    empty = {name: w for name, w in mixture.items() if name not in by_source and w > 0}
-    if empty:
-        listed = ", ".join(f"{name!r} (weight {w:g})" for name, w in sorted(empty.items()))
-        raise ValueError(
-            f"dataset {str(path)!r} was prepared with weights for source(s) {listed} that have no documents in "
-            f"split {split!r}; set data.mixture to weights of the sources it has: {sorted(by_source)}"
-        )
-    return {name: w for name, w in mixture.items() if name in by_source}
-
-
 def build_dataloader(
     dataset: str,
     tokenizer: Tokenizer,
@@ -464,7 +434,7 @@ def build_dataloader(
 ) -> DataLoader:
     """A `DataLoader` over ``"embedded"`` or a prepared dataset directory (with index.json).
 
-    mixture: {source: weight}; None takes the weights the dataset was prepared with (`prepared_mixture`; not with
+    mixture: {source: weight}; None takes the weights the dataset was prepared with (`Dataset.prepared_weights`; not with
     prepared_weights=False), else the sources' natural token proportions. `describe()["mixture_from"]` says which.
 
     Raises ValueError, before any work, for a tokenizer other than the dataset's, a
@@ -482,19 +452,12 @@ def build_dataloader(
     else:
         path = Path(dataset)
     ds = open_dataset(path, tokenizer)
-    by_source: dict[str, list] = {}
-    for shard in ds.split_shards(split):
-        if shard.n_docs:
-            by_source.setdefault(shard.source, []).append(shard)
-    if not by_source:
-        raise ValueError(f"split={split!r} of dataset {str(path)!r}: no documents")
+    by_source = ds.sources_with_documents(split)
     streams = [_SourceStream(name, by_source[name], seed) for name in sorted(by_source)]
     origin = "data.mixture"
     if mixture is None:
-        mixture = prepared_mixture(ds.index) if prepared_weights else None
+        mixture = ds.prepared_weights(split) if prepared_weights else None
         origin = "natural" if mixture is None else "prepared"
-        if mixture is not None:
-            mixture = _prepared_weights_of_split(mixture, by_source, path, split)
     weights = _normalise_mixture(ds, split, mixture, streams)
     sha = content_sha256(ds.index)
     core = _Core(streams, weights, seq_len, local_batch_size, dp_rank, dp_world, seed, dataset_sha256=sha)

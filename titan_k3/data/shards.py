@@ -170,6 +170,40 @@ class Dataset:
             raise ValueError(f"split={split!r}: not in dataset {str(self.path)!r}; have {sorted(self.shards)}")
         return self.shards[split]
 
+    def sources_with_documents(self, split: str) -> dict[str, list[Shard]]:
+        """{source: its shards holding documents} of `split`; ValueError when the split holds none."""
+        by_source: dict[str, list[Shard]] = {}
+        for shard in self.split_shards(split):
+            if shard.n_docs:
+                by_source.setdefault(shard.source, []).append(shard)
+        if not by_source:
+            raise ValueError(f"split={split!r} of dataset {str(self.path)!r}: no documents")
+        return by_source
+
+    def prepared_weights(self, split: str) -> dict[str, float] | None:
+        """The source weights `python -m titan_k3.data.prepare` recorded (its config's [[sources]] weight) for the
+        sources `split` has documents of, or None where it recorded none or all alike (prepare's default weight is
+        1.0 for every source); ValueError when a source weighted above 0 has no documents in `split`.
+
+        NOTE: an empty data.mixture trains on these, so that weights written in the prepare config are not dropped
+        without a word; weights all alike say nothing, and those datasets keep their natural token proportions.
+        Prepare records a weight for every configured source, also one whose documents were all filtered out (or
+        whose files were empty): spreading its weight over the others would train on a mixture nobody asked for,
+        so the run stops instead and says how to choose one.
+        """
+        recorded = self.index.get("mixture")
+        if not recorded or len(set(recorded.values())) <= 1:
+            return None
+        by_source = self.sources_with_documents(split)
+        empty = {name: w for name, w in recorded.items() if name not in by_source and w > 0}
+        if empty:
+            listed = ", ".join(f"{name!r} (weight {w:g})" for name, w in sorted(empty.items()))
+            raise ValueError(
+                f"dataset {str(self.path)!r} was prepared with weights for source(s) {listed} that have no documents "
+                f"in split {split!r}; set data.mixture to weights of the sources it has: {sorted(by_source)}"
+            )
+        return {name: w for name, w in recorded.items() if name in by_source}
+
 
 def _open_shard(root: Path, rec: dict, dtype: np.dtype, verify_sha: bool) -> Shard:
     name = rec["file"]
