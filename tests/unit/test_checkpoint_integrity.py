@@ -219,3 +219,9 @@ def test_overwrite_never_starts_over_on_damaged_step_dirs(tmp_path, capsys):
     assert len(err) == 1 and "no intact checkpoint to load" in err[0], err
     assert f"{folder / 'step-2' / layout.DCP_METADATA}: missing" in err[0] and "step-1/.metadata: missing" in err[0]
     assert {p: p.read_bytes() for p in sorted((tmp_path / "r").rglob("*")) if p.is_file()} == before
+    # NOTE: without job.overwrite the first line already names the damage (it offered job.overwrite as the way out).
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds only damaged checkpoints (step-1/.metadata, step-2/.metadata: missing)" in err[0], err
+    assert "job.overwrite" not in err[0]
+    assert {p: p.read_bytes() for p in sorted((tmp_path / "r").rglob("*")) if p.is_file()} == before

@@ -133,6 +133,12 @@ def run_dir_problem(cfg: JobConfig) -> str | None:
     # NOTE: a torchrun restart continues its own job, whose earlier attempt wrote these files: with no checkpoint
     # it starts again at update 0 and appends (the summary keeps the later attempt's rows of a redone update).
     if previous and not cfg.job.overwrite and not has_checkpoint(cfg, path) and not is_torchrun_restart():
+        damaged = layout.incomplete_steps(path / cfg.checkpoint.folder)
+        if damaged and (cfg.checkpoint.enable or getattr(cfg.checkpoint, "save_on_stop", False)):
+            # NOTE: damaged, not absent: job.overwrite would not start over on them either (the start refuses that).
+            named = ", ".join(f"{d.name}/{layout.DCP_METADATA}" for d in damaged.values())
+            return (f"config key 'job.name' = {toml_value(cfg.job.name)}: {path} holds only damaged checkpoints "
+                    f"({named}: missing); restore their files, or move them aside to start over")
         why = "checkpoints are off (checkpoint.enable = false)" if not cfg.checkpoint.enable and not getattr(
             cfg.checkpoint, "save_on_stop", False) else f"no complete checkpoint in {path / cfg.checkpoint.folder}"
         return (f"config key 'job.name' = {toml_value(cfg.job.name)}: {path} holds a previous run ({previous[0].name}) and "
