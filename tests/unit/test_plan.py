@@ -224,3 +224,12 @@ def test_the_table_names_every_collective_in_full(capsys):
                  "Quantile Balancing histograms all-reduce (fp64)", "loss, token count, grad-norm all-reduces",
                  "HSDP all-reduce (fp32 gradient shards)"):
         assert f"    {name} " in out, name
+
+
+def test_a_true_or_false_key_alone_means_true_as_for_the_trainer(capsys):
+    """`--compile.enable` alone is `--compile.enable true` on the trainer's command line; the planner said it needs
+    a value."""
+    alone = main(["--model.flavor", "debug", "--compile.enable", "--json"])
+    plain = capsys.readouterr().out
+    spelled = main(["--model.flavor", "debug", "--compile.enable", "true", "--json"])
+    assert alone == spelled == 0 and plain == capsys.readouterr().out

@@ -56,7 +56,7 @@ def _field_types(section_cls: type) -> dict[str, Any]:
     return typing.get_type_hints(section_cls)
 
 
-def _bool_keys() -> set[str]:
+def bool_keys() -> set[str]:
     """'section.key' of every true-or-false field."""
     return {f"{section}.{name}" for section, cls in _sections().items()
             for name, tp in _field_types(cls).items() if tp is bool}
@@ -210,7 +210,7 @@ def load_job_config(argv: list[str] | None = None, toml_text: str | None = None,
     `data.dataset` (a caller that reads no data, such as the planner).
     Raises ConfigError on any mistake.
     """
-    pairs = split_overrides(list(sys.argv[1:] if argv is None else argv), flags=_bool_keys())
+    pairs = split_overrides(list(sys.argv[1:] if argv is None else argv), flags=bool_keys())
     cfg = JobConfig()
     config_file = next((v for k, v in pairs if k == "job.config_file"), None)
     from_toml: list[str] = []

@@ -18,6 +18,7 @@ import json
 import sys
 
 from titan_k3.config import ConfigError, load_job_config, split_overrides
+from titan_k3.config.manager import bool_keys
 from titan_k3.models.k3.args import count_params, get_flavor
 from titan_k3.plan.cluster import cluster_from_overrides
 from titan_k3.plan.costs import DEFAULT_TABLE, CostTable
@@ -38,7 +39,9 @@ def parse(argv: list[str]):
             raise ValueError("option '--table' needs a value")
         table = rest[i + 1]
         rest = rest[:i] + rest[i + 2:]
-    pairs = split_overrides(rest, form="--section.key value, --cluster.key value, --json, --smallest or --table PATH")
+    # NOTE: a true-or-false key alone means true, as the trainer's command line takes it (--compile.enable).
+    pairs = split_overrides(rest, form="--section.key value, --cluster.key value, --json, --smallest or --table PATH",
+                            flags=bool_keys())
     cluster = cluster_from_overrides([(k, v) for k, v in pairs if k.startswith("cluster.")])
     trainer_argv = [x for k, v in pairs if not k.startswith("cluster.") for x in (f"--{k}", v)]
     # NOTE: a plan reads no data, so a recipe is planned before its dataset is prepared.
