@@ -146,3 +146,17 @@ def test_a_mismatched_initial_load_path_leaves_no_run_directory(tmp_path, capsys
                      "--checkpoint.initial_load_path", str(source)]) == 2
         assert "tok_embeddings.weight" in _one_error_line(capsys)
         assert not dump.exists()
+
+
+def test_a_run_directory_the_system_will_not_create_names_the_dump_folder(tmp_path, monkeypatch):
+    """As root every path reads as writable (/proc too), so the checks before can pass a folder the mkdir then
+    refuses: that line names job.dump_folder too (it named a bare path)."""
+    cfg = load_job_config(["--job.dump_folder", str(tmp_path / "runs"), "--job.name", "r"])
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(1, "Operation not permitted", str(self))
+
+    monkeypatch.setattr(run_dir.Path, "mkdir", refuse)
+    with pytest.raises(ValueError, match=rf"^config key 'job.dump_folder' = '{tmp_path / 'runs'}': cannot create the run "
+                                         rf"directory {tmp_path / 'runs' / 'r'} \(Operation not permitted\)$"):
+        run_dir.prepare_run_dir(cfg, {})

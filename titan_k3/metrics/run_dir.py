@@ -187,7 +187,9 @@ def prepare_run_dir(cfg: JobConfig, manifest_extra: dict[str, Any], resuming: bo
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"run directory {path}: cannot create it ({e.strerror})") from None
+        # NOTE: a folder the checks before took for creatable (as root every path reads as writable, /proc too).
+        raise ValueError(f"config key 'job.dump_folder' = {toml_value(cfg.job.dump_folder)}: cannot create the run "
+                         f"directory {path} ({e.strerror})") from None
     overwrote = _clear_previous_run(path) if cfg.job.overwrite and not resuming else []
     if overwrote:
         print(f"job.overwrite = true: removed the previous run's {', '.join(overwrote)} from {path}", flush=True)
