@@ -37,6 +37,14 @@ def test_grad_norm_audit_and_normaliser_in_one_process():
     assert v.metric == 0.5
 
 
+def test_loss_normaliser_takes_a_float32_count_past_2_to_the_24():
+    """The trainer counts targets in float32: a 16,777,217-target update is divided by 16,777,216.0, which is right."""
+    targets = 2**24 + 1
+    assert C.check_loss_normaliser(float(torch.tensor(float(targets), dtype=torch.float32)), targets, None) == []
+    (v,) = C.check_loss_normaliser(targets / 2, targets, None)
+    assert v.metric == pytest.approx(0.5) and "rank(s) [0]" in v.message and "never by a local count" in v.message
+
+
 def test_ep_counts_in_one_process():
     assert C.check_ep_token_counts(torch.tensor([8]), torch.tensor([8]), routed_tokens=4, top_k=2, group=None) == []
     (v,) = C.check_ep_token_counts(torch.tensor([7]), torch.tensor([7]), routed_tokens=4, top_k=2, group=None)

@@ -231,17 +231,29 @@ def check_grad_norm_audit(reported: float, gathered: float, rtol: float = 1e-3) 
     )]
 
 
-def check_loss_normaliser(normaliser: float, local_valid: int, group) -> list[Violation]:
-    """The loss divisor must be the count of valid targets of this update summed over every rank."""
-    total = torch.tensor([float(local_valid)], dtype=torch.float64)
-    total = all_reduce_small(total, group)
-    expected = float(total)
-    if normaliser == expected or expected == 0:  # an update without targets is clamped to 1; nothing to compare
+def check_loss_normaliser(normaliser: float, local_valid: int, group, rtol: float = 1e-5) -> list[Violation]:
+    """The loss divisor must be the count of valid targets of this update summed over every rank.
+
+    NOTE: the trainer counts and all-reduces in float32, exact only up to 2^24 targets: past that (a 16M-token
+    update) the divisor is the true count rounded, off by ~1e-7 relative. A wrong divisor is off by a factor
+    (a local count: 1/W), so the comparison is relative.
+    """
+    mine = torch.tensor([float(normaliser), float(local_valid)], dtype=torch.float64)
+    all_W2 = mine[None] if group is None else all_gather_small(mine, group)
+    expected = float(all_W2[:, 1].sum())
+    if expected == 0:  # an update without targets is clamped to 1; nothing to compare
         return []
+    wrong = ((all_W2[:, 0] - expected).abs() > rtol * expected).nonzero().flatten().tolist()
+    if not wrong:
+        return []
+    first = float(all_W2[wrong[0], 0])
+    local = first == float(all_W2[wrong[0], 1])
     return [Violation(
-        "gradient_scale.loss_normaliser", normaliser / expected if expected else float("inf"),
-        f"loss divided by {normaliser:g} valid targets, but the update has {expected:g} over all ranks "
-        f"(is it a local count instead of the global one?)",
+        "gradient_scale.loss_normaliser", first / expected,
+        f"data-parallel rank(s) {wrong} divided the loss by {first:g} valid targets, but the update has {expected:g} "
+        f"over all ranks" + (" (that is the rank's own count)" if local else "") + ": divide every micro-batch's "
+        "summed loss by the update's valid targets all-reduced over the data-parallel group, never by a local count",
+        {"ranks": wrong, "normaliser": first, "expected": expected},
     )]
 
 
