@@ -122,7 +122,9 @@ def trainer_exporter_names() -> set[str]:
         from titan_k3.metrics.prometheus import NAMES
     except ImportError:
         return set()
-    return set(NAMES)
+    # NOTE: a histogram is queried through its series (_bucket, _sum, _count).
+    return set(NAMES) | {n + s for n, (kind, _, _) in NAMES.items() if kind == "histogram"
+                         for s in ("_bucket", "_sum", "_count")}
 
 
 def queried_names() -> dict[str, set[str]]:
