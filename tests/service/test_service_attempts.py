@@ -63,7 +63,10 @@ def test_set_aside_moves_every_file_the_trainers_overwrite_deletes(tmp_path):
 
     assert TRAINER_RUN_FILES == trainer_run_dir.RUN_FILES
     assert TRAINER_RUN_FILE_PATTERNS == trainer_run_dir.RUN_FILE_PATTERNS
-    names = [*TRAINER_RUN_FILES, "profile-rank0.txt", "trace-rank1.json.gz", "events.out.tfevents.1.host"]
+    # NOTE: memory-peak-rank0.md too (profiling.memory_peak_updates): a previous run's peak report left beside an
+    # overwritten run would read as the new run's.
+    names = [*TRAINER_RUN_FILES, "profile-rank0.txt", "trace-rank1.json.gz", "memory-peak-rank0.md",
+             "events.out.tfevents.1.host"]
     for name in names:
         (tmp_path / name).write_text(name)
     (tmp_path / "tensorboard").mkdir()

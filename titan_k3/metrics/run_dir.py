@@ -30,7 +30,7 @@ from titan_k3.config.errors import toml_value
 
 # What a trainer run writes at the top of its run directory (checkpoints live in their own folder).
 RUN_FILES = ("config.toml", "manifest.json", "metrics.jsonl", "events.jsonl", "stdout.log")
-RUN_FILE_PATTERNS = ("profile-rank*.txt", "trace-rank*.json*", "events.out.tfevents.*")
+RUN_FILE_PATTERNS = ("profile-rank*.txt", "trace-rank*.json*", "memory-peak-rank*.md", "events.out.tfevents.*")
 
 
 def run_dir_path(cfg: JobConfig) -> Path:
