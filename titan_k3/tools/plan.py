@@ -7,8 +7,10 @@
 Reads the TOML and overrides exactly as the trainer does, plus `--cluster.*` keys (titan_k3/plan/cluster.py;
 H200 defaults). Prints per-rank memory, every collective of an update, the update's time for the layout the
 config asks on the whole cluster, then the best layout the search found and why the others lose.
-`--smallest` doubles the node count from `--cluster.nodes` until some layout fits. `--json` prints one JSON
-object instead (`configured_fits` is what the control service checks). Bad input: one line, exit status 2.
+`--smallest` doubles the node count from `--cluster.nodes` until some layout fits, then bisects down to the
+fewest nodes that fit. `--json` prints one JSON object instead (`configured_fits`: the layout as configured fits
+the usable memory; the control service asks `titan_k3.plan.search.refusal` instead, which refuses only beyond the
+15% calibration tolerance). Bad input: one line, exit status 2.
 Torch-free.
 """
 
