@@ -45,6 +45,20 @@ def test_loss_normaliser_takes_a_float32_count_past_2_to_the_24():
     assert v.metric == pytest.approx(0.5) and "rank(s) [0]" in v.message and "never by a local count" in v.message
 
 
+def test_each_violation_says_what_to_do():
+    (mix,) = C.check_source_mix({"code": 9000, "prose": 1000}, {"code": 0.5, "prose": 0.5}, None, slack_tokens=64)
+    assert "check data.mixture" in mix.message
+    (audit,) = C.check_grad_norm_audit(2.5, 5.0)
+    assert "the clipping path" in audit.message
+    (ep,) = C.check_ep_token_counts(torch.tensor([7]), torch.tensor([7]), routed_tokens=4, top_k=2, group=None)
+    assert "parallelism.expert_dispatch" in ep.message
+    ref = {"w": torch.ones(4)}
+    (probe,) = C.check_probe_reference({"w": torch.full((4,), 0.5)}, ref, None)
+    assert "a gradient reduction is missing, doubled or over the wrong group" in probe.message
+    (expert,) = C.check_expert_grad_scale({"w": torch.full((4,), 0.5)}, ref, None)
+    assert "over the wrong group" in expert.message
+
+
 def test_ep_counts_in_one_process():
     assert C.check_ep_token_counts(torch.tensor([8]), torch.tensor([8]), routed_tokens=4, top_k=2, group=None) == []
     (v,) = C.check_ep_token_counts(torch.tensor([7]), torch.tensor([7]), routed_tokens=4, top_k=2, group=None)

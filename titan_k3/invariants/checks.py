@@ -68,7 +68,8 @@ def check_disjoint_sequences(fingerprints: torch.Tensor, group) -> list[Violatio
     return [Violation(
         "data.disjoint_sequences", float(len(shared)),
         f"{len(shared)} of {len(owner)} sequences of this update are trained on by more than one data-parallel rank "
-        f"(ranks {ranks}): the ranks read overlapping data",
+        f"(ranks {ranks}): the ranks read overlapping data; build each rank's loader with its data-parallel rank and "
+        "size (not the global rank, not 0), and do not trust this run's updates since its last clean check",
         {"ranks": ranks},
     )]
 
@@ -92,12 +93,17 @@ def check_source_mix(source_tokens: dict[str, int], weights: dict[str, float], g
     share = (off[worst] + weights[worst] * total) / total
     return [Violation(
         "data.source_mix", abs(bad[worst]) / total,
-        f"source '{worst}' is {100 * share:.1f}% of the {total:,.0f} tokens trained on, configured {100 * weights[worst]:.1f}%",
+        f"source '{worst}' is {100 * share:.1f}% of the {total:,.0f} tokens trained on, configured {100 * weights[worst]:.1f}%: "
+        "check data.mixture against the dataset's sources and that every rank's loader samples every source",
         {"deviation_tokens": bad},
     )]
 
 
 # ---------------------------------------------------------------------------- replicas
+
+_DRIFT_REMEDY = ("the replicas have drifted apart and will diverge further: resume from the last checkpoint saved "
+                 "before the first violation, and look for state one rank updates alone (a rank-dependent branch, a "
+                 "replicated gradient that is not all-reduced)")
 
 _BIT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
@@ -127,7 +133,7 @@ def check_replicas(named: dict[str, torch.Tensor], group) -> list[Violation]:
     return [Violation(
         "replicas.checksums", float(len(bad)),
         f"{len(bad)} replicated tensors differ across ranks (rank(s) {ranks} disagree with rank 0): {', '.join(bad[:6])}"
-        + (" ..." if len(bad) > 6 else ""),
+        + (" ..." if len(bad) > 6 else "") + "; " + _DRIFT_REMEDY,
         {"tensors": bad, "ranks": ranks},
     )]
 
@@ -162,12 +168,23 @@ def check_replicated_shards(groups: list[tuple[dist.ProcessGroup, dict[str, torc
     return [Violation(
         "replicas.checksums", float(len(bad)),
         f"{len(bad)} replicated shards differ between their replicas (data-parallel rank(s) {ranks} disagree with "
-        f"the first replica of their group): {', '.join(bad[:6])}" + (" ..." if len(bad) > 6 else ""),
+        f"the first replica of their group): {', '.join(bad[:6])}" + (" ..." if len(bad) > 6 else "") + "; " + _DRIFT_REMEDY,
         {"tensors": bad, "ranks": ranks},
     )]
 
 
 # ---------------------------------------------------------------------------- gradient scale
+
+
+def _scale_remedy(ratio: float, group) -> str:
+    """What to do about gradients `ratio` x the single-process ones, over a group of W ranks."""
+    world = 1 if group is None else dist.get_world_size(group)
+    if world > 1 and abs(ratio * world - 1) < 0.05:
+        return (f"1/{world} of the right gradient: a reduction averages over the {world} ranks where it must sum "
+                "(the loss is already divided by the update's targets: FSDP2's gradient divide factor must be 1)")
+    if world > 1 and abs(ratio / world - 1) < 0.05:
+        return f"{world}x the right gradient: a gradient is summed over the ranks twice"
+    return "a gradient reduction is missing, doubled or over the wrong group: compare the parallel plan with one process"
 
 
 def check_grad_norm_agreement(grad_norm: float, group, rtol: float = 1e-6) -> list[Violation]:
@@ -181,7 +198,8 @@ def check_grad_norm_agreement(grad_norm: float, group, rtol: float = 1e-6) -> li
         return []
     return [Violation(
         "gradient_scale.grad_norm_agreement", spread / scale,
-        f"ranks clipped with different global grad norms {[round(x, 6) for x in norms.tolist()]}",
+        f"ranks clipped with different global grad norms {[round(x, 6) for x in norms.tolist()]} (by data-parallel rank): "
+        "the norm must be reduced over every shard on every rank, not taken over local gradients",
     )]
 
 
@@ -227,7 +245,7 @@ def check_grad_norm_audit(reported: float, gathered: float, rtol: float = 1e-3) 
     return [Violation(
         "gradient_scale.grad_norm_audit", err,
         f"global grad norm {reported:.6g} differs from the norm recomputed from every rank's shards {gathered:.6g} "
-        f"({100 * err:.2f}%)",
+        f"({100 * err:.2f}%): the clipping path sums a replicated dim twice or misses a sharded one",
     )]
 
 
@@ -275,7 +293,8 @@ def check_ep_token_counts(send_counts_W: torch.Tensor, recv_counts_W: torch.Tens
     return [Violation(
         "gradient_scale.ep_token_counts", float(max(abs(dispatched - expected), abs(received - expected))),
         f"expert dispatch lost or duplicated rows: dispatched {dispatched}, received {received}, "
-        f"k x routed = {expected}" + (f"; sender->receiver pairs disagreeing: {mismatched[:4]}" if mismatched else ""),
+        f"k x routed = {expected}" + (f"; sender->receiver pairs disagreeing: {mismatched[:4]}" if mismatched else "")
+        + ": the expert-parallel split sizes or the combine are wrong (parallelism.expert_dispatch)",
     )]
 
 
@@ -305,7 +324,7 @@ def check_expert_grad_scale(grads: dict[str, torch.Tensor], reference: dict[str,
     return [Violation(
         "gradient_scale.expert_grad_scale", ratio,
         f"expert gradients are {ratio:.4g}x the single-process gradients (worst relative error {float(flag):.3g}"
-        + (f" in {worst}" if worst_err == float(flag) and worst else "") + ")",
+        + (f" in {worst}" if worst_err == float(flag) and worst else "") + "): " + _scale_remedy(ratio, group),
     )]
 
 
@@ -337,6 +356,6 @@ def check_probe_reference(grads: dict[str, torch.Tensor], reference: dict[str, t
     return [Violation(
         "gradient_scale.probe_reference", ratio,
         f"on a probe batch the parallel gradient is {ratio:.4g}x the single-process gradient "
-        f"(worst tensor {worst}: {worst_ratio:.4g}x, relative error {worst_err:.3g} > {rtol:g})",
+        f"(worst tensor {worst}: {worst_ratio:.4g}x, relative error {worst_err:.3g} > {rtol:g}): " + _scale_remedy(ratio, group),
         {"worst_tensor": worst, "worst_relative_error": worst_err},
     )]
