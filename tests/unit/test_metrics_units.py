@@ -179,3 +179,25 @@ def test_a_busy_prometheus_port_is_a_config_error():
         cfg = load_job_config(["--metrics.prometheus_port", str(s.getsockname()[1])])
         with pytest.raises(ConfigError, match="metrics.prometheus_port"):
             MetricsReporter(cfg, rank=0, device=torch.device("cpu"), flops_per_token=1.0)
+
+
+def test_mfu_reads_against_the_devices_own_peak(monkeypatch):
+    """MFU against another device's peak is a wrong number that looks right: an A100 read against the H100's 989
+    TFLOP/s showed a third of its utilisation. 0 (the default) takes the device's datasheet figure."""
+    from titan_k3.metrics import peaks
+
+    names = {"NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H100 PCIe": 756.0,
+             "NVIDIA H100 NVL": 835.0, "NVIDIA H200": 989.0, "NVIDIA L40S": 362.0, "NVIDIA L4": 121.0}
+    for name, tflops in names.items():
+        monkeypatch.setattr(peaks.torch.cuda, "get_device_name", lambda _device, name=name: name)
+        got, source = peaks.device_peak(0.0, torch.device("cuda", 0))
+        assert got == tflops and source == f"the {name}'s dense bf16 datasheet peak", name
+    monkeypatch.setattr(peaks.torch.cuda, "get_device_name", lambda _device: "NVIDIA Future GPU")
+    got, source = peaks.device_peak(0.0, torch.device("cuda", 0))
+    assert got == 989.0 and "not in titan_k3/metrics/peaks.py's table" in source and "metrics.peak_tflops" in source
+    assert peaks.device_peak(500.0, torch.device("cuda", 0)) == (500.0, "metrics.peak_tflops")
+    got, source = peaks.device_peak(0.0, torch.device("cpu"))
+    assert got == 989.0 and source.startswith("a cpu has no datasheet bf16 peak")
+    reporter = MetricsReporter(load_job_config(["--metrics.peak_tflops", "100"]), rank=0, device=torch.device("cpu"),
+                               flops_per_token=1.0)
+    assert reporter.peak_tflops == 100.0

@@ -229,8 +229,8 @@ class Metrics:
     """Port for rank 0's Prometheus endpoint; 0 disables it."""
     prometheus_host: str = "127.0.0.1"
     """Address rank 0's Prometheus endpoint listens on: loopback unless set ('0.0.0.0' for every interface, so a scraper on another host can reach it)."""
-    peak_tflops: float = 989.0
-    """Datasheet dense bf16 peak per device for MFU (989 for H100/H200 SXM)."""
+    peak_tflops: float = 0.0
+    """Dense bf16 peak per device for MFU, in TFLOP/s. 0: the device's datasheet peak (titan_k3/metrics/peaks.py: H100 SXM and H200 989, H100 NVL 835, H100 PCIe 756, A100 312, L40S 362, L4 121); a device the table does not know, and a CPU, read MFU against 989 and the start-up line says so."""
     enable_tensorboard: bool = False
     """Also write TensorBoard event files into the run directory."""
     collapse_dead_fraction: float = 0.5

@@ -209,7 +209,7 @@ def validate(cfg: JobConfig, needs_data: bool = True) -> None:
         cfg.metrics.prometheus_port == 0 or 1024 <= cfg.metrics.prometheus_port <= 65535,
         f"config key 'metrics.prometheus_port' = {cfg.metrics.prometheus_port}: must be 0 (off) or in 1024..65535",
     )
-    _positive("metrics.peak_tflops", cfg.metrics.peak_tflops)
+    _non_negative("metrics.peak_tflops", cfg.metrics.peak_tflops)
     _require(
         0 < cfg.metrics.collapse_dead_fraction <= 1,
         f"config key 'metrics.collapse_dead_fraction' = {toml_value(cfg.metrics.collapse_dead_fraction)}: must be in (0, 1]",

@@ -22,7 +22,7 @@ NAMES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "titan_k3_loss": ("gauge", (), "Training loss (mean over valid targets) at the last log step."),
     "titan_k3_learning_rate": ("gauge", (), "Learning rate of the last update."),
     "titan_k3_tokens_per_second": ("gauge", ("clock",), "Tokens/s: clock=training (last window) or session (since start)."),
-    "titan_k3_mfu": ("gauge", (), "Model FLOP utilisation of the last window against metrics.peak_tflops."),
+    "titan_k3_mfu": ("gauge", (), "Model FLOP utilisation of the last window against the device's dense bf16 peak (metrics.peak_tflops, or its datasheet figure)."),
     "titan_k3_grad_norm": ("gauge", ("group",), "Gradient L2 norm before clipping; group=global or a parameter group."),
     "titan_k3_memory_bytes": ("gauge", ("kind",), "Memory: kind=peak_allocated, peak_reserved (accelerator) or host_rss."),
     "titan_k3_tokens_total": ("counter", (), "Tokens trained on (all data-parallel ranks)."),

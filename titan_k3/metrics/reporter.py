@@ -22,6 +22,7 @@ from titan_k3.metrics.events import EventLog
 from titan_k3.metrics.grad_norms import grad_norms_by_group
 from titan_k3.metrics.memory import GIB, memory_stats
 from titan_k3.metrics.moe_stats import CollapseAlarm, expert_load_stats
+from titan_k3.metrics.peaks import device_peak
 from titan_k3.metrics.prometheus import PrometheusExporter
 from titan_k3.parallel.distributed import all_reduce_small
 
@@ -50,6 +51,7 @@ class MetricsReporter:
         m = cfg.metrics
         self.cfg, self.rank, self.device, self.group = cfg, rank, device, group
         self.flops_per_token, self.n_devices = flops_per_token, n_devices
+        self.peak_tflops, self.peak_source = device_peak(m.peak_tflops, device)
         self.alarm = CollapseAlarm(m.collapse_dead_fraction, m.collapse_patience)
         self._writer_cls = _tensorboard_writer_class() if m.enable_tensorboard and rank == 0 else None
         self.exporter: PrometheusExporter | None = None
@@ -68,6 +70,8 @@ class MetricsReporter:
     def start(self, run_dir: Path, events: EventLog) -> None:
         self.events = events
         self.metrics_path = Path(run_dir) / "metrics.jsonl"
+        if self.rank == 0:
+            print(f"metrics: MFU against {self.peak_tflops:g} TFLOP/s per device ({self.peak_source})", flush=True)
         if self._writer_cls is not None:
             self.writer = self._writer_cls(log_dir=str(Path(run_dir) / "tensorboard"))
 
@@ -170,7 +174,7 @@ class MetricsReporter:
             "tokens_per_second_session": clocks.session_tokens / max(session_seconds, 1e-9),
             "data_wait_fraction": window["data_wait"] / win_seconds,
         }
-        peak = self.cfg.metrics.peak_tflops * 1e12 * self.n_devices
+        peak = self.peak_tflops * 1e12 * self.n_devices
         record["mfu"] = record["tokens_per_second_training"] * self.flops_per_token / peak
         for group, value in self.grad_norms.items():
             if group != "global":
