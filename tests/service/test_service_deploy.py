@@ -280,6 +280,7 @@ def test_shipped_prometheus_config_passes_promtool_check_config(tmp_path):
     jobs = {job["job_name"]: job for job in yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())
             ["scrape_configs"]}
     assert jobs["k3-trainer"].get("honor_labels") is True
+    assert jobs["k3-trainer-external"].get("honor_labels") is True  # a trainer's own run label, wherever it runs
     from titan_k3.metrics.prometheus import NAMES
     assert NAMES and all("run" not in labels for _, labels, _ in NAMES.values())  # `run` is added to every one
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
