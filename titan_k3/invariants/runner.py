@@ -126,7 +126,8 @@ class InvariantRunner:
                              float(normaliser), int(local_valid), self.group)
         found += self._timed("replicas.checksums", C.check_replicas,
                              replicated_state(model, optimizers, qk_clip_max_logits), self.group)
-        found += self._timed("replicas.shards", C.check_replicated_shards, replicated_shards(model), self.group)
+        # NOTE: the shards' half of the same check: its violations and its cost go under the check's one name.
+        found += self._timed("replicas.checksums", C.check_replicated_shards, replicated_shards(model), self.group)
         for dispatcher in expert_dispatchers(model):
             found += self._timed("gradient_scale.ep_token_counts", C.check_ep_token_counts, dispatcher.sent_W,
                                  dispatcher.received_W, int(dispatcher.routed_tokens), dispatcher.top_k, dispatcher.group)
