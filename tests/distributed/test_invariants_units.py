@@ -91,3 +91,18 @@ def test_abort_raises_after_reporting(tmp_path):
         runner.after_clip(C.layout_grad_norm([p.grad for p in model.parameters()]))
     assert counted == ["gradient_scale.loss_normaliser"]
     assert '"check": "gradient_scale.loss_normaliser"' in (tmp_path / "events.jsonl").read_text()
+
+
+def test_probes_beside_a_replica_drift_point_at_the_drift():
+    """Replicas that drifted apart make the probes fire too (~1.00x, a few percent off), and their own advice (a
+    wrong reduction) sent the user after a bug that was not there: beside replicas.checksums they say so."""
+    from titan_k3.invariants.runner import blame_drift
+
+    drift = C.Violation("replicas.checksums", 1.0, "1 replicated tensors differ across ranks")
+    probe = C.Violation("gradient_scale.probe_reference", 0.05, "gradients off the reference: check the reduction")
+    other = C.Violation("data.source_mix", 0.2, "source web off its weight")
+    alone = blame_drift([probe, other])
+    assert [v.message for v in alone] == [probe.message, other.message]
+    both = blame_drift([probe, drift, other])
+    assert both[0].message.startswith(probe.message) and "replicas.checksums fired in this update too" in both[0].message
+    assert both[1] is drift and both[2] is other

@@ -15,6 +15,7 @@ and with `invariants.abort` raises InvariantViolationError.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
@@ -134,7 +135,7 @@ class InvariantRunner:
             dispatcher.reset_counts()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         gathered = self._timed("gradient_scale.grad_norm_audit", C.layout_grad_norm, grads)
-        self._pending = {"step": step, "found": found, "gathered": gathered}
+        self._pending = {"step": step, "found": blame_drift(found), "gathered": gathered}
 
     def after_clip(self, grad_norm: float) -> list[C.Violation]:
         """Called right after clipping with the norm the update was clipped with; reports and maybe aborts."""
@@ -168,6 +169,23 @@ class InvariantRunner:
         if found and self.cfg.abort:
             raise InvariantViolationError(
                 f"invariant {found[0].check} violated at step {step} (invariants.abort = true): {found[0].message}")
+
+
+PROBES = ("gradient_scale.probe_reference", "gradient_scale.expert_grad_scale")
+
+
+def blame_drift(found: list[C.Violation]) -> list[C.Violation]:
+    """`found` with the probes' violations pointing at replicas.checksums when that check fired in the same update.
+
+    NOTE: the probe compares the ranks' gradients with a single-process reference built from rank 0's weights;
+    replicas that drifted apart give other gradients on the other ranks, so the probes fire too (at ~1.00x with a
+    few percent error) and their own advice, a wrong reduction, would send the user after a bug that is not there.
+    """
+    if not any(v.check == "replicas.checksums" for v in found):
+        return found
+    why = (" (replicas.checksums fired in this update too: drifted replicas alone make the ranks' gradients differ "
+           "from the reference; fix the drift first, then read this check again)")
+    return [dataclasses.replace(v, message=v.message + why) if v.check in PROBES else v for v in found]
 
 
 def expert_dispatchers(model: torch.nn.Module) -> list:
