@@ -45,6 +45,7 @@ import tomli
 import tomli_w
 
 from titan_k3.config import JobConfig, config_to_dict, load_job_config
+from titan_k3.config.errors import toml_value
 from titan_k3.metrics.run_dir import load_run_config, read_jsonl
 
 # NOTE: kernels.loss_grad_fp8 trades precision in the loss's gradients for speed: whether a run's loss notices is
@@ -124,13 +125,13 @@ def check_family(members: list[Member], knob: str | None = None) -> str:
     if extra:
         a, b = _first_pair_differing(members, flats, extra[0])
         keys = " and ".join([knob, *extra] if knob in differing else extra)
-        raise SweepError(f"configs differ in {keys} ({extra[0]}: {a.origin} {_value(a, extra[0])!r} vs "
-                         f"{b.origin} {_value(b, extra[0])!r}); a sweep varies only the declared knob {knob}")
+        raise SweepError(f"configs differ in {keys} ({extra[0]}: {a.origin} {toml_value(_value(a, extra[0]))} vs "
+                         f"{b.origin} {toml_value(_value(b, extra[0]))}); a sweep varies only the declared knob {knob}")
     if knob not in differing:
         raise SweepError(f"configs do not differ in the declared knob {knob}")
     values = [repr(f[knob]) for f in flats]
     if len(set(values)) < len(values):
-        raise SweepError(f"two configs have the same {knob}: {', '.join(values)}")
+        raise SweepError(f"two configs have the same {knob}: {', '.join(toml_value(f[knob]) for f in flats)}")
     names = [m.name for m in members]
     if len(set(names)) < len(names):
         raise SweepError(f"two configs share the run name {min(n for n in names if names.count(n) > 1)!r} "
@@ -179,12 +180,12 @@ def generate(base: Path, knob: str, values: list[str]) -> list[Member]:
         if knob in TOKEN_KNOBS:
             per_update = tokens_per_update(cfg)
             if budget % per_update:
-                raise SweepError(f"--values {raw}: {knob} = {value} gives {per_update:,} tokens per update, which does "
+                raise SweepError(f"--values {raw}: {knob} = {toml_value(value)} gives {per_update:,} tokens per update, which does "
                                  f"not divide the base token budget of {budget:,}; pick values that do")
             data.setdefault("training", {})["steps"] = budget // per_update
             note = f"; training.steps = {budget // per_update} keeps the token budget at {budget:,}"
         name = f"{stem}-{key}-{_name_part(raw)}"
-        data.setdefault("job", {}).update(name=name, description=f"sweep {stem}: {knob} = {value}{note}")
+        data.setdefault("job", {}).update(name=name, description=f"sweep {stem}: {knob} = {toml_value(value)}{note}")
         data["job"].pop("config_file", None)
         text = tomli_w.dumps(data)
         try:
@@ -533,7 +534,7 @@ def _print_family(members: list[Member], paths: list[Path], knob: str) -> None:
           + (" (training.steps keeps the token budget equal)" if knob in TOKEN_KNOBS else ""))
     section, key = knob.split(".")
     for m, path in zip(members, paths):
-        print(f"  {m.name}: {knob} = {getattr(getattr(m.cfg, section), key)}, training.steps = {m.cfg.training.steps}, "
+        print(f"  {m.name}: {knob} = {toml_value(getattr(getattr(m.cfg, section), key))}, training.steps = {m.cfg.training.steps}, "
               f"{token_budget(m.cfg):,} tokens  [{path}]")
 
 
