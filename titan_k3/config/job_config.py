@@ -218,7 +218,7 @@ class Checkpoint:
     initial_load_path: str = ""
     """Checkpoint to initialise the model from (model weights only) when the run has none of its own."""
     save_on_stop: bool = False
-    """Save a checkpoint on a stop signal (SIGTERM) and resume from the latest one, even with enable = false (no periodic saves); the control service sets it for every run it launches."""
+    """Save a checkpoint on a stop signal (SIGTERM, SIGINT or SIGHUP) and resume from the latest one, even with enable = false (no periodic saves); the control service sets it for every run it launches."""
 
 
 @dataclass

@@ -223,7 +223,8 @@ def validate(cfg: JobConfig, needs_data: bool = True) -> None:
     _require(
         bool(cfg.data.dataset) or not needs_data,
         "config key 'data.dataset' is empty: this recipe trains on a prepared dataset, not the embedded probe corpus; "
-        "build one with `python -m titan_k3.data.prepare --config data.toml` and pass --data.dataset <its output directory>",
+        "build one with `python -m titan_k3.data.prepare --source NAME=PATH --output DIR` (or --config with a TOML like "
+        "the example in titan_k3/data/prepare/config.py) and pass --data.dataset DIR",
     )
     parse_mixture(cfg.data.mixture)
     _require(
