@@ -733,15 +733,18 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
 
 def _validate_only(cfg: JobConfig) -> None:
     """--job.validate_only: the host checks, and the trainer's own that need no model: the device, the tokenizer's
-    vocabulary, job.strict against the kernels' fallbacks, the mesh against this launch's world size (WORLD_SIZE, 1
+    vocabulary, job.strict against the kernels', the CUDA graph's and the side stream's fallbacks, the mesh against this launch's world size (WORLD_SIZE, 1
     outside torchrun) and the fault injections it allows, the run directory."""
     check_host(cfg)
     device = _device(cfg)
     _, vocab = _tokenizer_and_vocab(cfg)
     spec = get_model_spec(cfg.model.name)
-    _resolve_kernels(cfg, spec, device, spec.args(cfg.model.flavor, vocab))
-    dims = ParallelDims.from_config(cfg.parallelism, int(os.environ.get("WORLD_SIZE", 1)),
-                                    routed_experts(cfg.model.name, cfg.model.flavor))
+    impl = _resolve_kernels(cfg, spec, device, spec.args(cfg.model.flavor, vocab))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if cfg.compile.cuda_graph:  # what the config chose against a capture, and job.strict against its fallback
+        check_capturable(cfg, device, world, impl.choices, spec.graph_inputs)
+    side_stream_choice(cfg, device, world)  # job.strict against its fallback
+    dims = ParallelDims.from_config(cfg.parallelism, world, routed_experts(cfg.model.name, cfg.model.flavor))
     check_injections(cfg.debug, dims.dp)
     problem = run_dir_problem(cfg)  # a reused name or a dump folder the run would refuse at its start
     if problem:

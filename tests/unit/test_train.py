@@ -390,3 +390,20 @@ def test_validate_only_refuses_what_the_trainer_refuses_before_its_model(tmp_pat
         pytest.skip("a CUDA device is visible")
     assert main(["--job.dump_folder", str(tmp_path), "--job.validate_only", *argv]) == 2
     assert capsys.readouterr().err.startswith(line)
+
+
+REFERENCE_KERNELS = ["--kernels.kda", "torch", "--kernels.experts", "torch", "--kernels.loss", "torch",
+                     "--kernels.attn_res", "torch", "--kernels.router", "torch", "--kernels.max_logit", "torch",
+                     "--kernels.conv", "torch", "--kernels.attention", "math"]
+"""Every kernel asked as the reference: none falls back on a CPU, so job.strict reaches the checks after them."""
+
+
+def test_validate_only_refuses_a_side_stream_that_job_strict_refuses(tmp_path, capsys):
+    """optimizer.side_stream falls back on a CPU (and under torchrun), which the run's start refuses under job.strict;
+    --job.validate_only said 'config ok'."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    argv = ["--job.dump_folder", str(tmp_path), "--job.validate_only", "--job.strict", *REFERENCE_KERNELS]
+    assert main(argv) == 0 and capsys.readouterr().out == "config ok\n"
+    assert main([*argv, "--optimizer.side_stream", "true"]) == 2
+    assert capsys.readouterr().err.startswith("error: job.strict = true and optimizer.side_stream falls back to 'off'")
