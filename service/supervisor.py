@@ -160,9 +160,9 @@ def kill_leftovers(a: Attempt, timeout: float = 10.0) -> int:
 
 # What a trainer run writes at the top of its run directory, which its job.overwrite deletes (the trainer's
 # titan_k3.metrics.run_dir RUN_FILES, RUN_FILE_PATTERNS and tensorboard/; that module imports torch).
-TRAINER_RUN_FILES = ("config.toml", "manifest.json", "metrics.jsonl", "events.jsonl", "stdout.log")
+TRAINER_RUN_FILES = ("config.toml", "manifest.json", "metrics.jsonl", "events.jsonl", "stdout.log", "eval_table.md")
 TRAINER_RUN_FILE_PATTERNS = ("profile-rank*.txt", "trace-rank*.json*", "memory-peak-rank*.md", "events.out.tfevents.*")
-TRAINER_RUN_FOLDERS = ("tensorboard",)
+TRAINER_RUN_FOLDERS = ("tensorboard", "summary")
 
 
 def set_aside_records(run_dir: Path, n: int) -> list[str]:

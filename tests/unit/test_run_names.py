@@ -117,11 +117,18 @@ def test_reusing_a_name_with_nothing_to_resume_stops_untouched_or_overwrites(tmp
     assert f"{run} holds a previous run" in line and "job.overwrite = true" in line
     assert _files(run) == before
 
+    # NOTE: what the tools wrote of the previous run (offline evaluation's table, summarize's folder) goes too:
+    # left beside the new run they read as its own.
+    (run / "eval_table.md").write_text("| step | acc |\n")
+    (run / "summary").mkdir()
+    (run / "summary" / "summary.md").write_text("old")
     assert main([*args, "--job.overwrite", "true"]) == 0
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert len([x for x in (run / "events.jsonl").read_text().splitlines() if '"kind": "startup"' in x]) == 1
     overwrote = json.loads((run / "manifest.json").read_text())["overwrote"]
-    assert {"config.toml", "manifest.json", "metrics.jsonl", "events.jsonl", "stdout.log"} <= set(overwrote)
+    assert {"config.toml", "manifest.json", "metrics.jsonl", "events.jsonl", "stdout.log", "eval_table.md",
+            "summary"} <= set(overwrote)
+    assert not (run / "eval_table.md").exists() and not (run / "summary").exists()
 
 
 def _checkpoint_of_another_shape(folder: Path) -> Path:

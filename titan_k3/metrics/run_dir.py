@@ -29,8 +29,11 @@ from titan_k3.config import JobConfig, config_to_toml, load_job_config
 from titan_k3.config.errors import toml_value
 
 # What a trainer run writes at the top of its run directory (checkpoints live in their own folder).
-RUN_FILES = ("config.toml", "manifest.json", "metrics.jsonl", "events.jsonl", "stdout.log")
+RUN_FILES = ("config.toml", "manifest.json", "metrics.jsonl", "events.jsonl", "stdout.log", "eval_table.md")
 RUN_FILE_PATTERNS = ("profile-rank*.txt", "trace-rank*.json*", "memory-peak-rank*.md", "events.out.tfevents.*")
+RUN_FOLDERS = ("tensorboard", "summary")
+"""What a run (and the tools that read it: offline evaluation's eval_table.md, summarize's summary/) writes at the top
+of its run directory: job.overwrite removes all of it, so nothing of the previous run reads as the new one's."""
 
 
 def run_dir_path(cfg: JobConfig) -> Path:
@@ -169,10 +172,10 @@ def _clear_previous_run(path: Path) -> list[str]:
     for p in previous_run_files(path):
         p.unlink(missing_ok=True)
         removed.append(p.name)
-    tensorboard = path / "tensorboard"
-    if tensorboard.is_dir():
-        shutil.rmtree(tensorboard, ignore_errors=True)
-        removed.append(tensorboard.name)
+    for folder in (path / name for name in RUN_FOLDERS):
+        if folder.is_dir():
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder.name)
     return removed
 
 
