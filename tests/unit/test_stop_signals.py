@@ -30,13 +30,36 @@ BASE = ["--job.config_file", "tomls/smoke.toml", "--model.flavor", "debug", "--t
         "--training.device", "cpu", "--metrics.log_freq", "1", "--kernels.precompile_threads", "0"]
 
 
+def _default_stops() -> None:
+    """In each child before exec: the stop signals at their defaults.
+
+    NOTE: a test run started by `nohup` or with `&` from a script hands its children SIGHUP / SIGINT ignored, and
+    the trainer keeps an ignored stop signal ignored (as a shell user expects of nohup); these tests are about a
+    process started as a terminal or a scheduler starts one.
+    """
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_DFL)
+
+
+@pytest.fixture(autouse=True)
+def _stops_at_their_defaults_here():
+    """The same for this process's own in-process tests (Python maps a default SIGINT to KeyboardInterrupt)."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGHUP)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
 class Trainer:
     """`python -m titan_k3.train` in a subprocess; its output collected line by line as it comes."""
 
     def __init__(self, *args: str):
         self.lines: list[str] = []
         self.proc = subprocess.Popen([sys.executable, "-u", "-m", "titan_k3.train", *BASE, *args], cwd=REPO,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     preexec_fn=_default_stops)
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self._reader.start()
 
@@ -121,7 +144,8 @@ def test_a_stop_during_the_imports_exits_at_once_with_its_status_and_one_line(tm
     """Ctrl-C in the seconds `import torch` takes printed a KeyboardInterrupt traceback (SIGTERM: killed, -15)."""
     proc = subprocess.Popen([sys.executable, "-u", "-X", "importtime", "-m", "titan_k3.train", *BASE,
                              "--job.dump_folder", str(tmp_path), "--job.name", "early"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_default_stops)
     lines = []
     for line in proc.stdout:  # -X importtime: a line as each module is imported
         lines.append(line)
@@ -214,7 +238,8 @@ def test_a_stop_during_start_up_ends_a_process_that_waits_in_cpp(signum):
     from titan_k3.signals import START_UP_GRACE_S, start_up_stop_line
 
     proc = subprocess.Popen([sys.executable, "-c", _WAITS_IN_CPP.format(watchdog=True)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_default_stops)
     assert proc.stdout.readline() == "waiting\n"
     time.sleep(0.5)  # inside store.get
     sent = time.monotonic()
@@ -227,7 +252,8 @@ def test_a_stop_during_start_up_ends_a_process_that_waits_in_cpp(signum):
 def test_without_the_watchdog_the_wait_holds_the_stop():
     """What the watchdog is for (and why only the command line's process has it: an embedding one keeps control)."""
     proc = subprocess.Popen([sys.executable, "-c", _WAITS_IN_CPP.format(watchdog=False)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_default_stops)
     try:
         assert proc.stdout.readline() == "waiting\n"
         time.sleep(0.5)
