@@ -28,6 +28,8 @@ SAME = {
     "titan_k3_run_tokens_by_source": "titan_k3_tokens_by_source_total",
     "titan_k3_run_moe_maxvio_by_layer": "titan_k3_expert_maxvio",
     "titan_k3_run_moe_dead_fraction_by_layer": "titan_k3_dead_expert_fraction",
+    "titan_k3_run_moe_load_cv_by_layer": "titan_k3_expert_load_cv",
+    "titan_k3_run_moe_entropy_by_layer": "titan_k3_expert_load_entropy",
     "titan_k3_run_data_wait_fraction": "titan_k3_data_wait_fraction",
 }
 

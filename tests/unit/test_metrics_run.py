@@ -13,10 +13,12 @@ import subprocess
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from titan_k3.config import load_job_config
 from titan_k3.metrics.clocks import TwoClocks
+from titan_k3.metrics.moe_stats import expert_load_stats
 from titan_k3.metrics.prometheus import NAMES
 from titan_k3.tools.summarize import main as summarize_main
 from titan_k3.tools.summarize import summarize
@@ -161,6 +163,16 @@ def test_endpoint_serves_parseable_exposition_during_the_run(run):
     for name, (kind, _, _) in NAMES.items():
         if name != "titan_k3_invariant_violations_total":
             assert (name + "_count" if kind == "histogram" else name) in exposed, name
+    # Each layer's load statistics are the ones moe_stats computes from that layer's loads (the record's shares
+    # give the same CV and entropy as the counts they came from).
+    layers = sorted(int(k.split("/")[1]) for k in records[-1] if k.startswith("moe/") and k.endswith("/load"))
+    assert layers
+    for layer in layers:
+        stats = expert_load_stats(torch.tensor(records[-1][f"moe/{layer}/load"]), torch.zeros(1))
+        for name, stat in (("titan_k3_expert_load_cv", "load_cv"), ("titan_k3_expert_load_entropy", "entropy"),
+                           ("titan_k3_expert_maxvio", "maxvio"), ("titan_k3_dead_expert_fraction", "dead_fraction")):
+            assert value(name, layer=str(layer)) == pytest.approx(records[-1][f"moe/{layer}/{stat}"], abs=1e-12), name
+            assert value(name, layer=str(layer)) == pytest.approx(stats[stat], rel=1e-6, abs=1e-9), name
     # Every expert of a layer is observed once per log step, relative to the uniform share.
     n_experts = len(records[-1]["moe/1/load"])
     assert value("titan_k3_expert_relative_load_count", layer="1") == n_experts * len(scrapes_logged(records))
@@ -177,4 +189,6 @@ def test_promtool_accepts_the_exposition(run):
     assert subprocess.run(["promtool", "check", "metrics"], input=scrapes[0], capture_output=True, text=True,
                           timeout=60).returncode == 0
     out = subprocess.run(["promtool", "check", "metrics"], input=scrapes[-1], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
+    # No lint finding either (promtool prints them, and exits 3 for them alone).
+    assert out.returncode == 0 and not (out.stdout + out.stderr).strip(), out.stdout + out.stderr
+    assert "titan_k3_expert_load_cv{" in scrapes[-1] and "titan_k3_expert_load_entropy{" in scrapes[-1]

@@ -31,6 +31,10 @@ NAMES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "titan_k3_expert_load_fraction": ("gauge", ("layer", "expert"), "Share of routed selections per expert in the last window."),
     "titan_k3_dead_expert_fraction": ("gauge", ("layer",), "Fraction of experts under 10% of the uniform share."),
     "titan_k3_expert_maxvio": ("gauge", ("layer",), "Max expert load over the mean load, minus 1."),
+    "titan_k3_expert_load_cv": ("gauge", ("layer",),
+                                "Coefficient of variation of the experts' loads (std / mean; 0 = balanced) in the last window."),
+    "titan_k3_expert_load_entropy": ("gauge", ("layer",),
+                                     "Entropy of the experts' load shares over log(experts) (1 = balanced) in the last window."),
     "titan_k3_invariant_violations_total": ("counter", ("check",), "Invariant violations by check."),
     "titan_k3_kernel_fallback": ("gauge", ("op",), "1 when the op runs a fallback instead of the fast path asked for."),
     "titan_k3_data_wait_fraction": ("gauge", (), "Share of the training clock spent waiting for batches."),
@@ -44,7 +48,11 @@ NAMES: dict[str, tuple[str, tuple[str, ...], str]] = {
 # NOTE: a collapse shows as mass below 0.1 (dead experts) and a tail above 2; balance as a peak at 1.
 RELATIVE_LOAD_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2.0, 4.0, float("inf"))
 
-_MOE_KEY = re.compile(r"^moe/(\d+)/(load|dead_fraction|maxvio)$")
+# metrics.jsonl's per-layer statistic (moe_stats.expert_load_stats) -> its gauge; the list-valued `load` feeds
+# titan_k3_expert_load_fraction and the relative-load histogram.
+_MOE_GAUGES = {"dead_fraction": "titan_k3_dead_expert_fraction", "maxvio": "titan_k3_expert_maxvio",
+               "load_cv": "titan_k3_expert_load_cv", "entropy": "titan_k3_expert_load_entropy"}
+_MOE_KEY = re.compile(rf"^moe/(\d+)/(load|{'|'.join(_MOE_GAUGES)})$")
 
 
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
@@ -164,7 +172,5 @@ class PrometheusExporter:
                 for expert, share in enumerate(value):
                     self._m("titan_k3_expert_load_fraction", layer=layer, expert=str(expert)).set(share)
                     histogram.observe(share * len(value))
-            elif stat == "dead_fraction":
-                self._m("titan_k3_dead_expert_fraction", layer=layer).set(value)
             else:
-                self._m("titan_k3_expert_maxvio", layer=layer).set(value)
+                self._m(_MOE_GAUGES[stat], layer=layer).set(value)
