@@ -75,7 +75,7 @@ class Service:
         settings.runs_dir.mkdir(parents=True, exist_ok=True)
         self.token = settings.ensure_token()
         self.registry = Registry(settings.state_dir / "registry.sqlite3")
-        self.files = RunFilesCache(settings.runs_dir)
+        self.files = RunFilesCache(settings.runs_dir, self.registry.carried)
         self.supervisor = Supervisor(settings, self.registry, self.files)
         self.trainer_check = TrainerCheck(settings)
         self.metrics = CollectorRegistry(auto_describe=False)

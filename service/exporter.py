@@ -6,7 +6,7 @@ Grafana dashboard test imports it).
 Service metrics
   titan_k3_service_runs{state}                    runs in each state
   titan_k3_service_queue_length                   runs waiting for GPUs / a slot
-  titan_k3_service_restarts_total                 automatic relaunches after crashes, all runs
+  titan_k3_service_restarts_total                 automatic relaunches after crashes, all runs (deleted ones too)
   titan_k3_service_gpus                           GPUs the queue schedules
   titan_k3_service_gpus_used                      GPUs assigned to active runs
   titan_k3_service_run_state{run,state}           1 for the run's current state
@@ -27,9 +27,13 @@ Per-run trainer metrics, read from the latest line of <run>/metrics.jsonl
   titan_k3_run_moe_entropy_by_layer{run,layer}         moe/<layer>/entropy
   titan_k3_run_tokens_by_source{run,source}            tokens_per_source/<source>
   titan_k3_run_moe_expert_load{run,layer,expert}       moe/<layer>/load (a list: each expert's share)
-From <run>/events.jsonl
+From <run>/events.jsonl, plus the counts of earlier attempts' events.jsonl that a start over moved to
+<run>/service/attempt-<n>/ (kept in the registry: service/registry.py)
   titan_k3_run_events_total{run,kind}             events by kind
   titan_k3_run_invariant_violations_total{run,check}
+
+Every counter above is read from the registry or counts every attempt: none goes down while its run is in the
+registry, whether an attempt starts over or the service restarts.
 
 Which runs appear
   titan_k3_service_run_state, _run_restarts_total, _run_attempts: every queued or active run and the
@@ -136,7 +140,7 @@ class ServiceCollector(Collector):
         yield GaugeMetricFamily("titan_k3_service_queue_length", "Runs waiting to start",
                                 value=sum(r.state == "queued" for r in runs))
         yield CounterMetricFamily("titan_k3_service_restarts", "Automatic relaunches after a crash, all runs",
-                                  value=sum(r.restarts_total for r in runs))
+                                  value=sum(r.restarts_total for r in runs) + self.registry.deleted_restarts())
         yield GaugeMetricFamily("titan_k3_service_gpus", "GPUs the queue schedules", value=self.gpus_total)
         yield GaugeMetricFamily("titan_k3_service_gpus_used", "GPUs assigned to active runs",
                                 value=sum(len(r.assigned_gpus) for r in runs if r.state in ACTIVE))

@@ -15,6 +15,14 @@ Run states:
                                            the run running: the attempt is re-adopted or settled, never relaunched)
   stopped | failed | lost -> queued       (POST resume; refused when the run trained and kept no checkpoint)
   any -> (gone)                           (DELETE; an active run's processes are killed first)
+
+Counts that must never go down (Prometheus reads a drop as a counter reset) are rows here, not memory:
+  runs.restarts_total             relaunches after a crash (runs.restarts, the one the limit reads, resets on resume)
+  attempts                        one row per attempt launched
+  carried                         what an attempt's events.jsonl counted (events by kind, invariant violations by
+                                  check) once that file moved to service/attempt-<n>/ (the next attempt started
+                                  over): the run's counts are these plus its current events.jsonl
+  totals['deleted_restarts']      restarts_total of the runs DELETE forgot (the service-wide total keeps them)
 """
 
 from __future__ import annotations
@@ -64,6 +72,17 @@ CREATE TABLE IF NOT EXISTS attempts (
     exit_path TEXT NOT NULL,
     PRIMARY KEY (run_id, n)
 );
+CREATE TABLE IF NOT EXISTS carried (
+    run_id TEXT NOT NULL REFERENCES runs(id),
+    attempt INTEGER NOT NULL,
+    events TEXT NOT NULL,
+    violations TEXT NOT NULL,
+    PRIMARY KEY (run_id, attempt)
+);
+CREATE TABLE IF NOT EXISTS totals (
+    name TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+);
 """
 
 
@@ -101,6 +120,8 @@ class Run:
     prometheus_port: int = 0
     """metrics.prometheus_port of the resolved config (0: none): no two live runs may claim one."""
     attempts: list[Attempt] = field(default_factory=list)
+    carried_attempts: frozenset[int] = frozenset()
+    """Attempts whose events.jsonl the registry has counted (`Registry.carry`)."""
 
     @property
     def last_attempt(self) -> Attempt | None:
@@ -118,6 +139,7 @@ class Registry:
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
         self._db.row_factory = sqlite3.Row
         self._snapshot: list[Run] | None = None
+        self._deleted_restarts = 0
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
@@ -166,6 +188,10 @@ class Registry:
             self._snapshot = None
             self._db.execute("BEGIN")
             try:
+                self._db.execute(
+                    "INSERT INTO totals (name, value) SELECT 'deleted_restarts', restarts_total FROM runs WHERE id = ?"
+                    " ON CONFLICT (name) DO UPDATE SET value = value + excluded.value", (run_id,))
+                self._db.execute("DELETE FROM carried WHERE run_id = ?", (run_id,))
                 self._db.execute("DELETE FROM attempts WHERE run_id = ?", (run_id,))
                 self._db.execute("DELETE FROM runs WHERE id = ?", (run_id,))
             except BaseException:
@@ -183,6 +209,28 @@ class Registry:
     def end_attempt(self, run_id: str, n: int, exit_code: int | None) -> None:
         self._write("UPDATE attempts SET ended_at = ?, exit_code = ? WHERE run_id = ? AND n = ?",
                     (time.time(), exit_code, run_id, n))
+
+    def carry(self, run_id: str, attempt: int, events: dict[str, int], violations: dict[str, int]) -> None:
+        """Record what attempt `attempt`'s events.jsonl counted, now that it moved aside (again: the same counts)."""
+        self._write("INSERT OR REPLACE INTO carried (run_id, attempt, events, violations) VALUES (?, ?, ?, ?)",
+                    (run_id, attempt, json.dumps(events), json.dumps(violations)))
+
+    def carried(self, run_id: str) -> tuple[dict[str, int], dict[str, int]]:
+        """Events by kind and invariant violations by check of the run's attempts set aside, summed."""
+        events: dict[str, int] = {}
+        violations: dict[str, int] = {}
+        with self._lock:
+            rows = self._db.execute("SELECT events, violations FROM carried WHERE run_id = ?", (run_id,)).fetchall()
+        for row in rows:
+            for total, counts in ((events, json.loads(row["events"])), (violations, json.loads(row["violations"]))):
+                for key, n in counts.items():
+                    total[key] = total.get(key, 0) + n
+        return events, violations
+
+    def deleted_restarts(self) -> int:
+        """Relaunches after a crash of the runs DELETE forgot."""
+        self._all()
+        return self._deleted_restarts
 
     def get(self, run_id: str) -> Run | None:
         return next((r for r in self._all() if r.id == run_id), None)
@@ -203,7 +251,12 @@ class Registry:
         attempts: dict[str, list[Attempt]] = {r["id"]: [] for r in rows}
         for a in self._db.execute("SELECT * FROM attempts ORDER BY run_id, n"):
             attempts[a["run_id"]].append(_attempt(a))
-        return [_run(r, attempts[r["id"]]) for r in rows]
+        carried: dict[str, set[int]] = {r["id"]: set() for r in rows}
+        for c in self._db.execute("SELECT run_id, attempt FROM carried"):
+            carried[c["run_id"]].add(c["attempt"])
+        total = self._db.execute("SELECT value FROM totals WHERE name = 'deleted_restarts'").fetchone()
+        self._deleted_restarts = total["value"] if total else 0
+        return [_run(r, attempts[r["id"]], frozenset(carried[r["id"]])) for r in rows]
 
 
 def _attempt(r: sqlite3.Row) -> Attempt:
@@ -214,11 +267,12 @@ def _attempt(r: sqlite3.Row) -> Attempt:
     )
 
 
-def _run(r: sqlite3.Row, attempts: list[Attempt]) -> Run:
+def _run(r: sqlite3.Row, attempts: list[Attempt], carried: frozenset[int]) -> Run:
     return Run(
         id=r["id"], seq=r["seq"], state=r["state"], recipe=r["recipe"], overrides=json.loads(r["overrides"]),
         nproc_per_node=r["nproc_per_node"], gpus=r["gpus"], assigned_gpus=json.loads(r["assigned_gpus"]),
         restart_limit=r["restart_limit"], restarts=r["restarts"], restarts_total=r["restarts_total"],
         stop_requested_at=r["stop_requested_at"], message=r["message"], created_at=r["created_at"],
         updated_at=r["updated_at"], prometheus_port=r["prometheus_port"], attempts=attempts,
+        carried_attempts=carried,
     )

@@ -114,10 +114,37 @@ def _read_text(path: Path) -> str:
         return ""
 
 
-class RunFiles:
-    """Cached, incremental reads of one run directory."""
+def tally_events(path: Path) -> tuple[dict[str, int], dict[str, int]]:
+    """Events by kind and invariant violations by check in an events.jsonl file (empty when it is absent)."""
+    kinds: Counter[str] = Counter()
+    checks: Counter[str] = Counter()
+    for ev in JsonlFollower(path).poll():
+        _count(ev, kinds, checks)
+    return dict(kinds), dict(checks)
 
-    def __init__(self, run_dir: Path):
+
+def _count(ev: dict[str, Any], kinds: Counter[str], checks: Counter[str]) -> bool:
+    """Count one event by kind (and by check when it is an invariant violation); whether it was one."""
+    kind = str(ev.get("kind", "unknown"))
+    kinds[kind] += 1
+    if kind == "invariant_violation":
+        checks[str(ev.get("check", "unknown"))] += 1
+        return True
+    return False
+
+
+Carried = Callable[[str], "tuple[dict[str, int], dict[str, int]]"]
+"""run id -> (events by kind, violations by check) of its attempts whose events.jsonl moved aside."""
+
+
+class RunFiles:
+    """Cached, incremental reads of one run directory.
+
+    Event and violation counts start from `carried` (what earlier attempts' events.jsonl counted before it moved
+    to service/attempt-<n>/) and add the current events.jsonl: they count the whole run, and never go down.
+    """
+
+    def __init__(self, run_dir: Path, carried: tuple[dict[str, int], dict[str, int]] = ({}, {})):
         self.dir = run_dir
         self._lock = threading.Lock()
         self._config = StatCache(run_dir / "config.toml", _read_toml)
@@ -129,8 +156,8 @@ class RunFiles:
         self._latest: dict[str, float] = {}
         self._keys: set[str] = set()
         self._latest_vectors: dict[str, list[float]] = {}
-        self._event_counts: Counter[str] = Counter()
-        self._violations: Counter[str] = Counter()
+        self._event_counts: Counter[str] = Counter(carried[0])
+        self._violations: Counter[str] = Counter(carried[1])
         self._recent_events: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
         self._recent_violations: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
 
@@ -147,11 +174,8 @@ class RunFiles:
                 step = ev.get("step")
                 if _is_number(step) and math.isfinite(step):
                     self._max_event_step = max(self._max_event_step, int(step))
-                kind = str(ev.get("kind", "unknown"))
-                self._event_counts[kind] += 1
                 self._recent_events.append(ev)
-                if kind == "invariant_violation":
-                    self._violations[str(ev.get("check", "unknown"))] += 1
+                if _count(ev, self._event_counts, self._violations):
                     self._recent_violations.append(ev)
 
     def latest_metrics(self) -> dict[str, float]:
@@ -257,10 +281,12 @@ class RunFiles:
 
 
 class RunFilesCache:
-    """One RunFiles per run id, shared by the API and the exporter."""
+    """One RunFiles per run id, shared by the API and the exporter; `carried` gives each its earlier attempts'
+    counts when it is made (after a set-aside, `forget` makes the next one read them again)."""
 
-    def __init__(self, runs_dir: Path):
+    def __init__(self, runs_dir: Path, carried: Carried | None = None):
         self.runs_dir = runs_dir
+        self._carried = carried
         self._lock = threading.Lock()
         self._files: dict[str, RunFiles] = {}
 
@@ -268,7 +294,8 @@ class RunFilesCache:
         with self._lock:
             files = self._files.get(run_id)
             if files is None:
-                files = self._files[run_id] = RunFiles(self.runs_dir / run_id)
+                carried = self._carried(run_id) if self._carried is not None else ({}, {})
+                files = self._files[run_id] = RunFiles(self.runs_dir / run_id, carried)
             return files
 
     def forget(self, run_id: str) -> None:

@@ -76,8 +76,9 @@ class RunOut(BaseModel):
     checkpoint_step: int | None = Field(description="Update held by checkpoints/latest; null without one.")
     latest_checkpoint: str | None
     latest_metrics: dict[str, float | None]
-    invariant_violations: dict[str, Any]
-    events: dict[str, int]
+    invariant_violations: dict[str, Any] = Field(description="total and by_check over every attempt of the run; "
+                                                             "recent: the current attempt's latest")
+    events: dict[str, int] = Field(description="Events by kind over every attempt of the run.")
 
 
 class Health(BaseModel):

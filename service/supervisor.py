@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 
 from service.registry import ACTIVE, RESUMABLE, Attempt, Registry, Run
-from service.rundir import RunFilesCache, tail_lines
+from service.rundir import RunFilesCache, tail_lines, tally_events
 from service.settings import Settings
 from titan_k3.config.check import CONFIG_ERROR_EXIT
 
@@ -237,6 +237,8 @@ class Supervisor:
         ended, so the launch that follows is the next attempt (and keeps its files, as after any crash).
         """
         with self.registry.lock:
+            for run in self.registry.list():
+                self._carry_uncounted(run)
             for run in self.registry.list(ACTIVE):
                 self._recover_active(run)
             tagged: dict[str, list[psutil.Process]] | None = None
@@ -252,6 +254,24 @@ class Supervisor:
                 if tagged is None:
                     tagged = processes_by_attempt()
                 self._settle_unrecorded(run, n, tagged.get(str(exit_path), []))
+
+    def _carry(self, run_id: str, n: int) -> None:
+        """Count attempt `n`'s events.jsonl, set aside in service/attempt-<n>/, into the registry.
+
+        NOTE: the run's event and violation counters are the registry's carried counts plus the current
+        events.jsonl; the file moving aside must not take its counts with it (Prometheus would read a reset).
+        """
+        path = self.settings.runs_dir / run_id / "service" / f"attempt-{n}" / "events.jsonl"
+        self.registry.carry(run_id, n, *tally_events(path))
+
+    def _carry_uncounted(self, run: Run) -> None:
+        """Carry the counts of attempts set aside but not counted (the service died between the move and the write)."""
+        for d in (self.settings.runs_dir / run.id / "service").glob("attempt-*"):
+            n = d.name.removeprefix("attempt-")
+            if d.is_dir() and n.isdigit() and int(n) not in run.carried_attempts:
+                log.info("run %s: counting the events of attempt %s, set aside before a service restart", run.id, n)
+                self._carry(run.id, int(n))
+                self.files.forget(run.id)
 
     def _settle_unrecorded(self, run: Run, n: int, procs: list[psutil.Process]) -> None:
         """Kill and record attempt `n` of queued `run`: started before a service restart, never recorded."""
@@ -400,9 +420,10 @@ class Supervisor:
                                          message=f"not relaunched: attempt {prev}'s records could not be moved "
                                                  f"aside (the relaunch would delete them): {e}")
                 return
-            self.files.forget(run.id)
             if moved:
+                self._carry(run.id, prev)
                 kept = f"attempt {prev}'s {', '.join(moved)} moved to service/attempt-{prev}/"
+            self.files.forget(run.id)
         cmd = [self.settings.python, "-m", "service.child", str(exit_path), "--",
                *launch_command(self.settings, run, run_dir)]
         env = {**self.settings.child_environ(), "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus),
