@@ -2,9 +2,11 @@
 
 The fixture drives the trainer's clocks with a fake `now`: every update costs
 exactly 2 s, every report 1 s and every checkpoint hook 5 s (standing in for
-evaluation and checkpointing, which run outside the training clock). The
-records must show exactly that accounting, and the summarizer's steady rate
-must be the exact arithmetic over the recorded windows.
+evaluation and checkpointing, which run outside the training clock), and the
+invariant checks of every second update 3 s inside that update (their own time,
+kept off the training clock). The records must show exactly that accounting,
+and the summarizer's steady rate must be the exact arithmetic over the recorded
+windows.
 """
 
 import json
@@ -26,6 +28,7 @@ from titan_k3.tools.summarize import summarize
 from ports import free_port
 
 STEPS, LOG_FREQ, SEQ, STEP_S, REPORT_S, HOOK_S = 4, 2, 64, 2.0, 1.0, 5.0
+CHECK_EVERY, CHECK_S = 2, 3.0
 
 
 class FakeNow:
@@ -45,11 +48,12 @@ def run(tmp_path_factory):
     cfg = load_job_config([
         "--job.config_file", "tomls/smoke.toml", "--model.flavor", "debug", "--training.seq_len", str(SEQ),
         "--training.steps", str(STEPS), "--metrics.log_freq", str(LOG_FREQ), "--job.dump_folder", str(root),
-        "--job.name", "clocked", "--metrics.prometheus_port", str(port),
+        "--job.name", "clocked", "--metrics.prometheus_port", str(port), "--invariants.interval", str(CHECK_EVERY),
     ])
     trainer = Trainer(cfg)
+    wired = trainer.invariants.clocks is trainer.clocks
     now = FakeNow()
-    trainer.clocks = TwoClocks(now=now)
+    trainer.clocks = trainer.invariants.clocks = TwoClocks(now=now)
     scrapes = []
     step, log, hook = trainer.train_step, trainer._log, trainer.checkpointer.after_step
 
@@ -67,33 +71,61 @@ def run(tmp_path_factory):
         now.t += HOOK_S
         return hook(*a, **kw)
 
+    def timed_check(*a, **kw):  # one check of each check update, inside the update
+        now.t += CHECK_S
+        return check(*a, **kw)
+
     trainer.train_step, trainer._log, trainer.checkpointer.after_step = timed_step, timed_log, timed_hook
     scrapes.append(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)  # before the first update
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+    with pytest.MonkeyPatch.context() as patch:
+        from titan_k3.invariants import checks
+
+        check = checks.check_loss_normaliser
+        patch.setattr(checks, "check_loss_normaliser", timed_check)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
     run_dir = root / "clocked"
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return run_dir, records, scrapes
+    return run_dir, records, scrapes, wired
 
 
 def test_training_clock_excludes_reporting_and_hooks_session_clock_includes_them(run):
-    _, records, _ = run
+    _, records, _, _ = run
     assert [r["step"] for r in records] == [2, 4]
     tokens_per_step = SEQ
     for r in records:
         s = r["step"]
         assert r["training_seconds"] == pytest.approx(STEP_S * s)
-        # At the report of step s: s updates, the s-1 hooks before it, and the earlier reports.
-        session = STEP_S * s + HOOK_S * (s - 1) + REPORT_S * (s // LOG_FREQ - 1)
+        # At the report of step s: s updates, the s-1 hooks before it, the earlier reports and the checks so far.
+        session = STEP_S * s + HOOK_S * (s - 1) + REPORT_S * (s // LOG_FREQ - 1) + CHECK_S * (s // CHECK_EVERY)
         assert r["session_seconds"] == pytest.approx(session)
         assert r["tokens_per_second_training"] == pytest.approx(tokens_per_step / STEP_S)
         assert r["tokens_per_second_session"] == pytest.approx(tokens_per_step * s / session)
 
 
+def test_invariant_checks_time_is_their_own_not_the_training_clocks(run):
+    """Every window here holds a check update: its tokens/s is the updates' own (the check's seconds used to land on
+    the training clock and dip it), and the checks' seconds are reported apart (counter, cost line)."""
+    run_dir, records, scrapes, _ = run
+    assert [r["invariant_checked_updates"] for r in records] == [1, 2]
+    samples = {s.name: s.value for f in text_string_to_metric_families(scrapes[-1]) for s in f.samples}
+    assert samples["titan_k3_invariant_seconds_total"] == pytest.approx(CHECK_S * STEPS // CHECK_EVERY)
+    lines = [x for x in (run_dir / "stdout.log").read_text().splitlines() if x.startswith("invariants at step ")]
+    assert [x.split(":")[0] for x in lines] == ["invariants at step 2", "invariants at step 4"]
+    # The yardstick is the update before the check on the training clock (2 s), not the wall time between updates.
+    assert all(", off the training clock (" in x and f"% of a {1e3 * STEP_S:.0f} ms update, " in x for x in lines), lines
+
+
+@pytest.mark.xfail(strict=True, reason="titan_k3/train.py does not hand its clocks to the InvariantRunner yet "
+                   "(the one-line hunk: InvariantRunner(..., clocks=self.clocks)); remove this mark once it does")
+def test_the_trainer_hands_its_clocks_to_the_invariant_checks(run):
+    assert run[3], "Trainer builds its InvariantRunner without clocks=self.clocks: check time stays on the training clock"
+
+
 def test_records_hold_every_promised_key(run):
-    _, records, _ = run
+    _, records, _, _ = run
     r = records[-1]
     for key in ("step", "loss", "lr", "grad_norm", "tokens_seen", "skipped_updates", "training_seconds", "session_seconds",
                 "tokens_per_second_training", "tokens_per_second_session", "data_wait_fraction", "mfu", "host_rss_gib",
@@ -112,7 +144,7 @@ def test_records_hold_every_promised_key(run):
 
 
 def test_summarizer_steady_rate_is_the_window_arithmetic(run, tmp_path):
-    run_dir, records, _ = run
+    run_dir, records, _, _ = run
     _, numbers = summarize(run_dir, warmup_step=2)
     # Only the window 2 -> 4 starts at or after step 2.
     expected = (records[1]["tokens_seen"] - records[0]["tokens_seen"]) / (records[1]["training_seconds"] - records[0]["training_seconds"])
@@ -128,7 +160,7 @@ def test_summarizer_steady_rate_is_the_window_arithmetic(run, tmp_path):
 def test_run_counters_are_exposed_at_zero_before_the_first_update(run):
     """A skip before the first log step must show as an increase (K3SkippedUpdates), not as a series born at 1; the
     update count is there from the start too."""
-    _, _, scrapes = run
+    _, _, scrapes, _ = run
     samples = {s.name: s.value for f in text_string_to_metric_families(scrapes[0]) for s in f.samples}
     assert samples["titan_k3_skipped_updates_total"] == 0
     assert samples["titan_k3_tokens_total"] == 0
@@ -136,7 +168,7 @@ def test_run_counters_are_exposed_at_zero_before_the_first_update(run):
 
 
 def test_endpoint_serves_parseable_exposition_during_the_run(run):
-    _, records, scrapes = run
+    _, records, scrapes, _ = run
     scrapes = scrapes[1:]
     assert len(scrapes) == 2
     families = {f.name: f for f in text_string_to_metric_families(scrapes[-1])}
@@ -185,7 +217,7 @@ def scrapes_logged(records):
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed (system dependency)")
 def test_promtool_accepts_the_exposition(run):
-    _, _, scrapes = run
+    _, _, scrapes, _ = run
     assert subprocess.run(["promtool", "check", "metrics"], input=scrapes[0], capture_output=True, text=True,
                           timeout=60).returncode == 0
     out = subprocess.run(["promtool", "check", "metrics"], input=scrapes[-1], capture_output=True, text=True, timeout=60)

@@ -5,8 +5,14 @@ update's first forward: the gradient-scale probe of probe.py), `before_clip(...)
 (after backward, before clipping: data, loss normaliser, replicas, and the
 norm recomputed from the shards' layout for the audit) and `after_clip(grad_norm)`
 (norm agreement, audit, then the report of everything found this update). Each check is timed; the cost line says how much of
-a step the whole set took, so "well under 1%" is something one reads in the
+an update the whole set took, so "well under 1%" is something one reads in the
 log rather than assumes.
+
+The checks' time is their own, not training: given the trainer's clocks, each
+call runs under `clocks.outside_training("invariants")`, so a check update's
+tokens/s counts only the update's own work, and the session's seconds spent in
+checks are `clocks.own_seconds["invariants"]` (the Prometheus counter
+titan_k3_invariant_seconds_total).
 
 A violation is written to events.jsonl as `invariant_violation` (with the
 check's name and metric), counted in the Prometheus counter, printed loudly,
@@ -17,12 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from titan_k3.invariants import checks as C
+from titan_k3.metrics.clocks import TwoClocks
 
 
 class InvariantViolationError(RuntimeError):
@@ -43,13 +51,16 @@ class InvariantRunner:
     bf16 autocast differs between the sharded model and its float32 copy by a few percent).
     last_step: the run's last update, checked whatever the interval (a run's end state is always checked, and a run
     shorter than the interval is checked once); None: only the interval.
+    clocks: the trainer's clocks; the checks' time runs outside their training clock (None: nothing to keep it off,
+    and the cost line's yardstick is the wall time between updates).
     """
 
     def __init__(self, cfg, events, *, group: dist.ProcessGroup | None, rank: int, device: torch.device,
                  on_violation: Callable[[str], None] | None = None, probe_rtol: float = 1e-3,
-                 last_step: int | None = None):
+                 last_step: int | None = None, clocks: TwoClocks | None = None):
         self.cfg, self.events, self.group, self.rank, self.device = cfg, events, group, rank, device
         self.last_step = last_step
+        self.clocks = clocks
         self.on_violation = on_violation
         self.probe_rtol = probe_rtol
         self.total_violations = 0
@@ -60,9 +71,9 @@ class InvariantRunner:
         """Violations so far by check name (every check present from the start)."""
         self._pending: dict | None = None
         self._probed: tuple[int, list[C.Violation]] | None = None
-        self._last_call = 0.0
+        self._last_call: float | None = None
         self.step_seconds = 0.0
-        """Wall time between the last two steps (the cost line's yardstick)."""
+        """The previous update's seconds on the training clock (the cost line's yardstick; 0 before one is known)."""
         self.last_costs: dict[str, float] = {}
 
     def due(self, step: int) -> bool:
@@ -72,6 +83,14 @@ class InvariantRunner:
     def pending(self) -> bool:
         """Whether `before_clip` ran checks this update that `after_clip` must finish (with the clipped norm)."""
         return self._pending is not None
+
+    @contextmanager
+    def _own_time(self):
+        """The checks' own time: outside the trainer's training clock, after the update's work so far has finished."""
+        _sync(self.device)  # the update's GPU work up to here is training: it stays on the training clock
+        with self.clocks.outside_training("invariants") if self.clocks is not None else nullcontext():
+            yield
+            _sync(self.device)
 
     def _timed(self, name: str, fn, *args, **kwargs) -> list[C.Violation]:
         _sync(self.device)
@@ -86,6 +105,11 @@ class InvariantRunner:
         """Before the update's first forward: the gradient-scale probe (probe.py) on `batch`, data-parallel rank 0's."""
         if not self.due(step) or self.group is None:
             return
+        with self._own_time():
+            self._probe(step, batch, model=model, build_copy=build_copy, autocast=autocast)
+
+    def _probe(self, step: int, batch, *, model: torch.nn.Module, build_copy: Callable[[], torch.nn.Module],
+               autocast: Callable) -> None:
         from titan_k3.invariants.probe import probe_gradients
 
         self.last_costs = {}
@@ -104,10 +128,18 @@ class InvariantRunner:
     def before_clip(self, step: int, *, batches, model: torch.nn.Module, optimizers, normaliser: torch.Tensor,
                     local_valid: torch.Tensor, loader=None, qk_clip_max_logits: dict | None = None) -> None:
         """Called after backward, before clipping, with the update's microbatches and the loss divisor used."""
-        now = time.perf_counter()
-        self.step_seconds, self._last_call = now - self._last_call if self._last_call else 0.0, now
+        # NOTE: the training clock has counted every update before this one: the difference between two calls is the
+        # previous update's training time (its checks left out), whatever ran between the updates.
+        now = self.clocks.training_seconds if self.clocks is not None else time.perf_counter()
+        self.step_seconds, self._last_call = now - self._last_call if self._last_call is not None else 0.0, now
         if not self.due(step):
             return
+        with self._own_time():
+            self._before_clip(step, batches=batches, model=model, optimizers=optimizers, normaliser=normaliser,
+                              local_valid=local_valid, loader=loader, qk_clip_max_logits=qk_clip_max_logits)
+
+    def _before_clip(self, step: int, *, batches, model: torch.nn.Module, optimizers, normaliser: torch.Tensor,
+                     local_valid: torch.Tensor, loader, qk_clip_max_logits: dict | None) -> None:
         probed, self._probed = self._probed, None
         found: list[C.Violation] = []
         if probed is not None and probed[0] == step:
@@ -142,10 +174,11 @@ class InvariantRunner:
         if self._pending is None:
             return []
         pending, self._pending = self._pending, None
-        found = pending["found"]
-        found += self._timed("gradient_scale.grad_norm_agreement", C.check_grad_norm_agreement, grad_norm, self.group)
-        found += C.check_grad_norm_audit(grad_norm, pending["gathered"])
-        self.report(pending["step"], found)
+        with self._own_time():
+            found = pending["found"]
+            found += self._timed("gradient_scale.grad_norm_agreement", C.check_grad_norm_agreement, grad_norm, self.group)
+            found += C.check_grad_norm_audit(grad_norm, pending["gathered"])
+            self.report(pending["step"], found)
         return found
 
     def report(self, step: int, found: list[C.Violation]) -> None:
@@ -154,9 +187,10 @@ class InvariantRunner:
         if self.rank == 0 and self.last_costs:
             total = sum(self.last_costs.values())
             parts = ", ".join(f"{name} {1e3 * s:.2f} ms" for name, s in self.last_costs.items())
-            share = (f"{100 * total / self.step_seconds:.2f}% of a {1e3 * self.step_seconds:.0f} ms step, "
+            share = (f"{100 * total / self.step_seconds:.2f}% of a {1e3 * self.step_seconds:.0f} ms update, "
                      f"{100 * total / self.step_seconds / self.cfg.interval:.3f}% amortised; ") if self.step_seconds else ""
-            print(f"invariants at step {step}: {len(self.last_costs)} checks in {1e3 * total:.2f} ms ({share}{parts}); "
+            where = ", off the training clock" if self.clocks is not None else ""
+            print(f"invariants at step {step}: {len(self.last_costs)} checks in {1e3 * total:.2f} ms{where} ({share}{parts}); "
                   f"{len(found)} violation(s)", flush=True)
         for v in found:
             self.total_violations += 1

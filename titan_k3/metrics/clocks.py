@@ -1,7 +1,10 @@
 """Two clocks: the training clock (batch fetch + forward/backward/step) and the session clock (wall time).
 
 Evaluation, checkpointing and reporting run outside `training()` and so count
-only on the session clock. `now` is injectable so tests can drive the clocks.
+only on the session clock. Work that runs inside an update but is not training
+(the invariant checks) runs under `outside_training(kind)`: its seconds are its
+own (`own_seconds[kind]`), taken off the training clock, and still on the
+session clock. `now` is injectable so tests can drive the clocks.
 
 Both clocks belong to this session (this process): a resumed run starts them at
 zero, and `session_tokens` counts only the tokens this session trained on, so a
@@ -47,6 +50,10 @@ class TwoClocks:
         self.started_unix = time.time()
         self.training_seconds = 0.0
         self.session_tokens = 0
+        self.own_seconds: dict[str, float] = {}
+        """Seconds of this session's work inside updates that is not training, by kind ("invariants")."""
+        self._own_total = 0.0
+        self._own_since: float | None = None
 
     def add_tokens(self, n: int) -> None:
         """Count `n` tokens trained on in this session (once per update)."""
@@ -54,11 +61,25 @@ class TwoClocks:
 
     @contextmanager
     def training(self):
-        t0 = self.now()
+        """Time on the training clock, less what ran under `outside_training` meanwhile."""
+        t0, own0 = self.now(), self._own_total
         try:
             yield
         finally:
-            self.training_seconds += self.now() - t0
+            self.training_seconds += self.now() - t0 - (self._own_total - own0)
+
+    @contextmanager
+    def outside_training(self, kind: str):
+        """Time that is `kind`'s own (own_seconds[kind]), never the training clock's, even inside `training()`."""
+        assert self._own_since is None, "outside_training does not nest"
+        self._own_since = self.now()
+        try:
+            yield
+        finally:
+            seconds = self.now() - self._own_since
+            self._own_since = None
+            self.own_seconds[kind] = self.own_seconds.get(kind, 0.0) + seconds
+            self._own_total += seconds
 
     @property
     def session_seconds(self) -> float:

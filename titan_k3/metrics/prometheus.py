@@ -36,6 +36,8 @@ NAMES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "titan_k3_expert_load_entropy": ("gauge", ("layer",),
                                      "Entropy of the experts' load shares over log(experts) (1 = balanced) in the last window."),
     "titan_k3_invariant_violations_total": ("counter", ("check",), "Invariant violations by check."),
+    "titan_k3_invariant_seconds_total": ("counter", (), "Seconds this session spent in invariant checks (their own time, "
+                                         "kept off the training clock), as of the last log step."),
     "titan_k3_kernel_fallback": ("gauge", ("op",), "1 when the op runs a fallback instead of the fast path asked for."),
     "titan_k3_data_wait_fraction": ("gauge", (), "Share of the training clock spent waiting for batches."),
     "titan_k3_startup_seconds": ("gauge", ("phase",), "Seconds from the process start to the end of its first update: "
@@ -130,6 +132,7 @@ class PrometheusExporter:
         """
         self._advance("titan_k3_tokens_total", tokens_seen)
         self._advance("titan_k3_skipped_updates_total", skipped_updates)
+        self._advance("titan_k3_invariant_seconds_total", 0.0)
         self._m("titan_k3_step").set(step)
 
     def declare_checks(self, checks) -> None:
@@ -139,6 +142,10 @@ class PrometheusExporter:
 
     def violation(self, check: str) -> None:
         self._m("titan_k3_invariant_violations_total", check=check).inc()
+
+    def invariant_seconds(self, total: float) -> None:
+        """The session's seconds in invariant checks so far (TwoClocks.own_seconds["invariants"])."""
+        self._advance("titan_k3_invariant_seconds_total", total)
 
     def update(self, record: dict) -> None:
         """Set every metric from one metrics.jsonl record (the keys MetricsReporter writes)."""

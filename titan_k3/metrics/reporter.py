@@ -195,6 +195,8 @@ class MetricsReporter:
         record.update(extra or {})
         if self.rank == 0:
             self._write(record)
+            if self.exporter is not None:
+                self.exporter.invariant_seconds(clocks.own_seconds.get("invariants", 0.0))
         return record
 
     def _write(self, record: dict) -> None:
