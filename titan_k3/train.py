@@ -13,6 +13,7 @@ import errno
 import json
 import math
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -33,6 +34,7 @@ if __name__ == "__main__":
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
 from kernels.device import host_to_device
 from kernels.specializations import Precompile
@@ -645,15 +647,18 @@ class Trainer:
         ])
 
 
-def _first_to_report(line: str) -> bool:
+def _first_to_report(line: str, wait_s: float = 0.0) -> bool:
     """Whether this rank is the first of its torchrun job to report `line` (True outside torchrun).
+
+    wait_s: how long to wait, at most, for every rank of the job to have reported the same line before answering.
 
     NOTE: every rank validates the same arguments, so a bad key would print one line per rank. The ranks count each
     line in torchrun's own key-value store (on MASTER_ADDR:MASTER_PORT from before the workers start, kept by
     torchrun's agent) and the first to count it prints it: a line only some ranks raise, a file missing on one host,
     is still printed by its rank. Where the store cannot answer, every rank prints.
     """
-    if int(os.environ.get("WORLD_SIZE", 1)) == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return True
     import hashlib
     from datetime import timedelta
@@ -662,16 +667,62 @@ def _first_to_report(line: str) -> bool:
     try:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=timedelta(seconds=10))
-        return store.add(key, 1) == 1
+        first = store.add(key, 1) == 1
+        deadline = time.monotonic() + wait_s
+        while store.add(key, 0) < world and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return first
     except (KeyError, ValueError, RuntimeError):  # RuntimeError: torch's DistStoreError and connection failures
         return True
 
 
-def _report_error(e: BaseException) -> None:
-    """`error: <e>` on stderr, one line, once per torchrun job (`_first_to_report`)."""
+def _report_error(e: BaseException, wait_s: float = 0.0) -> None:
+    """`error: <e>` on stderr, one line, once per torchrun job (`_first_to_report`), and in every rank's error file."""
     line = "error: " + " ".join(str(e).split())
-    if _first_to_report(line):
+    _write_error_file(line)
+    if _first_to_report(line, wait_s):
         print(line, file=sys.stderr, flush=True)
+
+
+CONFIG_ERROR_PEERS_S = 2.0
+"""Seconds a rank refusing its configuration waits, at most, for the job's other ranks to refuse it too."""
+
+
+def _exit_on_config_error(e: BaseException) -> None:
+    """The command line's end on a configuration error: `error: <e>` and status CONFIG_ERROR_EXIT, on every rank.
+
+    NOTE: once one rank has exited, torchrun sends SIGTERM to the others. A rank still on its way to the same refusal
+    then ended as a stop (status 0, and a [stopped] line) or, in the interpreter's shutdown, by the signal itself
+    (-15): torchrun's failure summary no longer said every rank refused its configuration, which is how the control
+    service knows not to relaunch it. So the ranks wait for each other (CONFIG_ERROR_PEERS_S), take no stop signal
+    from here on, and end at once; there is nothing to save or close before any work.
+    """
+    for s in StopSignals.SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    _report_error(e, wait_s=CONFIG_ERROR_PEERS_S)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(CONFIG_ERROR_EXIT)
+
+
+def _write_error_file(line: str) -> None:
+    """`line` as this rank's failure in torchrun's failure summary: its `traceback :` field shows it in place of a
+    link to torch's documentation.
+
+    NOTE: torchrun's agent names a file per worker in TORCHELASTIC_ERROR_FILE and reads it when the worker fails. The
+    JSON is the one torch.distributed.elastic's ErrorHandler.record_exception writes, less the `py_callstack` the
+    summary would show in its place (a mistake in the input has no traceback worth showing); torch 2.11 and 2.13 read
+    it alike. Unwritable, the summary shows torch's link, and the `error:` line still says what went wrong.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    failure = {"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(failure, f)
+    except OSError:
+        pass
 
 
 class _OutlivesItsReader:
@@ -723,10 +774,15 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
         sys.stdout, sys.stderr = _OutlivesItsReader(sys.stdout), _OutlivesItsReader(sys.stderr)
     stop = StopSignals(watchdog=own_process)
     try:
-        return _main(argv, stop)
+        return _main(argv, stop, own_process)
     except StopNow as e:  # during start-up: no trainer yet
         stop.announce(e.signum)
         return EXIT_STATUS[e.signum]
+    except Exception as e:
+        # A bug, not a refusal: torchrun's failure summary shows its traceback (TORCHELASTIC_ERROR_FILE; nothing
+        # outside torchrun). As torch's own @record does, which main's status codes rule out.
+        get_error_handler().record_exception(e)
+        raise
     finally:
         stop.restore()
 
@@ -751,7 +807,7 @@ def _validate_only(cfg: JobConfig) -> None:
         raise ConfigError(problem)
 
 
-def _main(argv: list[str], stop: StopSignals) -> int:
+def _main(argv: list[str], stop: StopSignals, own_process: bool = False) -> int:
     try:
         cfg = load_job_config(argv)
         if cfg.job.validate_only:
@@ -765,6 +821,8 @@ def _main(argv: list[str], stop: StopSignals) -> int:
         check_data(cfg)
         trainer = Trainer(cfg, stop)
     except (ConfigError, ValueError, FileNotFoundError) as e:
+        if own_process:
+            _exit_on_config_error(e)
         _report_error(e)
         return CONFIG_ERROR_EXIT  # the control service does not retry it
     try:

@@ -1,7 +1,9 @@
-"""A configuration error under the real torchrun (2 CPU ranks): one `error:` line, every rank exits 2."""
+"""A configuration error under the real torchrun (2 CPU ranks): one `error:` line, every rank exits 2, and torchrun's
+failure summary shows that line for each rank."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,23 +14,43 @@ import torch.distributed as dist
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+            "--monitor-interval", "0.2"]
 
 
-@pytest.mark.parametrize("bad", [
-    ["--training.stepz", "3"],  # the TOML / CLI validation
-    ["--parallelism.data_parallel_shard_degree", "3"],  # the mesh, refused before the process group
+@pytest.mark.parametrize("bad, line", [
+    (["--training.stepz", "3"], "error: unknown config key 'training.stepz'; did you mean 'training.steps'?"),
+    # the mesh, refused before the process group
+    (["--parallelism.data_parallel_shard_degree", "3"], "error: config key 'parallelism.data_parallel_shard_degree'"),
 ])
-def test_a_config_error_is_printed_once_and_every_rank_exits_2(tmp_path, bad):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-           "--monitor-interval", "0.2", "-m", "titan_k3.train", "--training.device", "cpu",
+def test_a_config_error_is_printed_once_and_every_rank_exits_2(tmp_path, bad, line):
+    cmd = [*TORCHRUN, "-m", "titan_k3.train", "--model.flavor", "tiny", "--training.device", "cpu",
            "--job.dump_folder", str(tmp_path), *bad]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    errors = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and bad[0][2:] in errors[0], out.stdout + out.stderr
-    assert out.returncode != 0
-    # torchrun's summary lists the failed ranks; each exited with the configuration error's status.
-    assert (out.stderr.count("exitcode  : 2 ") >= 1 and "exitcode  : 1 " not in out.stderr), out.stderr
+    text = out.stdout + out.stderr
+    errors = [e for e in text.splitlines() if e.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(line), text
+    # torchrun exits 1 whenever a worker failed; its summary lists both ranks, each with the configuration error's
+    # status (none ended by torchrun's SIGTERM to the other) and our line where a traceback would be.
+    assert out.returncode == 1, text
+    assert re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", out.stderr, re.MULTILINE) == ["2", "2"], text
+    assert out.stderr.count(f"  traceback : {errors[0]}\n") == 2, text
+    assert "To enable traceback" not in text and "titan_k3/" not in text, text  # no frame of ours
     assert not list(tmp_path.iterdir())
+
+
+def test_a_crash_shows_its_traceback_in_torchruns_summary(tmp_path):
+    """A bug (not a refusal) keeps its traceback: the summary shows it, as torch's @record would."""
+    wrapper = tmp_path / "crashes.py"
+    wrapper.write_text("import runpy, titan_k3.config\n"
+                       "def crash(*a, **k):\n    raise RuntimeError('a bug in the loader')\n"
+                       "titan_k3.config.load_job_config = crash\n"
+                       "runpy.run_module('titan_k3.train', run_name='__main__', alter_sys=True)\n")
+    out = subprocess.run([*TORCHRUN, str(wrapper), "--training.device", "cpu"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 1, out.stderr
+    assert "traceback : Traceback (most recent call last):" in out.stderr, out.stderr
+    assert "RuntimeError: a bug in the loader" in out.stderr.split("Root Cause")[1], out.stderr
 
 
 def test_an_error_of_one_rank_ends_the_job_without_torchruns_sigkill(tmp_path):
@@ -39,8 +61,7 @@ def test_an_error_of_one_rank_ends_the_job_without_torchruns_sigkill(tmp_path):
                        "if os.environ['RANK'] == '1':\n"
                        f"    sys.argv.append('--data.tokenizer={tmp_path}/missing.json')\n"
                        "runpy.run_module('titan_k3.train', run_name='__main__', alter_sys=True)\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-           "--monitor-interval", "0.2", str(wrapper), "--model.flavor", "debug", "--training.device", "cpu",
+    cmd = [*TORCHRUN, str(wrapper), "--model.flavor", "debug", "--training.device", "cpu",
            "--job.dump_folder", str(tmp_path / "runs")]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     text = out.stdout + out.stderr
