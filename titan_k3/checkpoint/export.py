@@ -10,6 +10,14 @@ maps names with hf.NAME_MAP, and writes
 `model-0000i-of-0000n.safetensors`, `model.safetensors.index.json` and
 `config.json` (last: a directory without it holds no complete export). `import_state_dict(DIR)` returns (K3Args, titan_k3 state dict in
 float32), which `K3Model.load_state_dict` and `checkpoint.initial_load_path` take.
+
+Beside them, what evaluating the export needs (`python -m titan_k3.eval --checkpoint DIR`):
+the tokenizer file the weights were trained with (`tokenizer.json`, or
+`tiktoken.model` for a tiktoken BPE; config.json's `titan_k3_tokenizer` names it
+with its sha256), the source run's resolved config as `titan_k3_config.toml`
+(the settings its evaluation used), and `checksums.json` (integrity.py's format)
+over every file the export wrote, config.json included. config.json's
+`titan_k3_export` records this layout's version, the source step and its tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from titan_k3.checkpoint import integrity
 from titan_k3.checkpoint.hf import (
     args_from_dict,
     args_from_hf_config,
@@ -37,6 +46,12 @@ from titan_k3.checkpoint.verify import verify
 from titan_k3.models.k3.args import K3Args
 
 INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+RUN_CONFIG_FILE = "titan_k3_config.toml"
+# config.json's record of this layout: {"version", "step", "tokens_seen", "run_config"}. Version 2 added the
+# checksums, the tokenizer file and the run config; an export without the key is of version 1.
+EXPORT_KEY = "titan_k3_export"
+EXPORT_VERSION = 2
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -80,7 +95,7 @@ def export_checkpoint(checkpoint: Path, out: Path, *, dtype: str = "bfloat16", m
     # NOTE: an export into a directory holding an earlier one overwrites its shards one by one; were it stopped
     # midway, the earlier index and config beside a mix of new and old shards would import as one model. Without
     # them the directory reads as no export until this one writes its own, config.json last.
-    for name in ("config.json", INDEX_FILE):
+    for name in (CONFIG_FILE, integrity.CHECKSUMS_FILE, INDEX_FILE):
         (out / name).unlink(missing_ok=True)
     weight_map, total = {}, 0
     n = len(shards)
@@ -97,13 +112,32 @@ def export_checkpoint(checkpoint: Path, out: Path, *, dtype: str = "bfloat16", m
     index = {"metadata": {"total_size": total, "source_step": meta["step"]}, "weight_map": weight_map}
     _write_json(out / INDEX_FILE, index)
     config = hf_config(args, dtype=dtype, qb_eta=meta.get("qb_eta"))
+    written = set(weight_map.values())
+    files = [*sorted(written), INDEX_FILE]
+    run_config = checkpoint.resolve().parent.parent / "config.toml"
+    if run_config.is_file():
+        _copy(run_config, out / RUN_CONFIG_FILE)
+        files.append(RUN_CONFIG_FILE)
     if meta.get("tokenizer_sha256"):
         config[TOKENIZER_KEY] = {"name": meta.get("tokenizer", ""), "sha256": meta["tokenizer_sha256"]}
-    _write_json(out / "config.json", config)
+        source = _tokenizer_source(run_config, meta["tokenizer_sha256"])
+        if source is not None:
+            name = "tokenizer.json" if source.suffix == ".json" else "tiktoken.model"
+            _copy(source, out / name)
+            config[TOKENIZER_KEY]["file"] = name
+            files.append(name)
+    config[EXPORT_KEY] = {"version": EXPORT_VERSION, "step": meta["step"],
+                          "tokens_seen": (meta.get("train") or {}).get("tokens_seen"),
+                          "run_config": RUN_CONFIG_FILE if RUN_CONFIG_FILE in files else None}
+    config_text = json.dumps(config, indent=2) + "\n"
+    # NOTE: config.json comes last (its presence marks a whole export), so its CRC is taken from the text, not the file.
+    _write_checksums(out, files, config_text.encode())
+    tmp = out / (CONFIG_FILE + ".tmp")
+    tmp.write_text(config_text)
+    os.replace(tmp, out / CONFIG_FILE)
     # NOTE: safetensors writes each shard through a private (0600) temporary file; the shards get the mode the
     # process gives its other files (config.json's), so whoever can read the config can read the weights.
-    mode = (out / "config.json").stat().st_mode & 0o777
-    written = set(weight_map.values())
+    mode = (out / CONFIG_FILE).stat().st_mode & 0o777
     for name in written:
         os.chmod(out / name, mode)
     # NOTE: an earlier export into `out` with another shard count left shards this index does not name; loaders
@@ -112,6 +146,73 @@ def export_checkpoint(checkpoint: Path, out: Path, *, dtype: str = "bfloat16", m
         if _SHARD_NAME.fullmatch(stale.name) and stale.name not in written:
             stale.unlink()
     return index
+
+
+def _tokenizer_source(run_config: Path, sha256: str) -> Path | None:
+    """The tokenizer file of the run's data.tokenizer when it is still the one the checkpoint records, else None."""
+    import tomli
+
+    from titan_k3.data.corpus import cache_root, embedded_name
+    from titan_k3.data.tokenizer import file_sha256
+
+    try:
+        spec = tomli.loads(run_config.read_text()).get("data", {}).get("tokenizer", "embedded")
+    except (OSError, ValueError):
+        return None
+    # NOTE: the cached embedded tokenizer only: an export does not build the corpus.
+    path = cache_root() / embedded_name() / "tokenizer.json" if spec == "embedded" else Path(spec)
+    try:
+        return path if path.is_file() and file_sha256(path) == sha256 else None
+    except OSError:
+        return None
+
+
+def _copy(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(dst.name + ".tmp")
+    tmp.write_bytes(src.read_bytes())
+    os.replace(tmp, dst)
+
+
+def _write_checksums(out: Path, files: list[str], config: bytes) -> None:
+    """checksums.json over `files` of `out` and config.json's text `config` (not yet written)."""
+    import zlib
+
+    sizes = {name: (out / name).stat().st_size for name in files}
+    blocks = integrity.blocks_of(sizes)
+    crcs = dict(zip(blocks, integrity.hash_blocks(out, blocks)))
+    sizes[CONFIG_FILE] = len(config)
+    for i, start in enumerate(range(0, len(config), integrity.BLOCK_BYTES)):
+        chunk = config[start:start + integrity.BLOCK_BYTES]
+        crcs[integrity.Block(CONFIG_FILE, i, start, len(chunk))] = zlib.crc32(chunk)
+    integrity.write(out, integrity.build(sizes, crcs))
+
+
+def is_export_dir(path: Path) -> bool:
+    """Whether `path` holds an export, whole or partial (a config.json, an index or a shard): a step dir has none."""
+    path = Path(path)
+    return path.is_dir() and ((path / CONFIG_FILE).exists() or (path / INDEX_FILE).exists()
+                              or any(_SHARD_NAME.fullmatch(p.name) for p in path.glob("model-*.safetensors")))
+
+
+def export_record(src: Path) -> dict:
+    """config.json's EXPORT_KEY record ({} for a version-1 export); a missing or unreadable config.json is a
+    ValueError naming it (an export writes it last, so without it the export is partial)."""
+    path = Path(src) / CONFIG_FILE
+    if not path.is_file():
+        raise ValueError(f"export {str(src)!r} is incomplete: no {CONFIG_FILE} (an export writes it last: this one "
+                         "was stopped or damaged; export the checkpoint again)")
+    record = _read_json(path).get(EXPORT_KEY) or {}
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: {EXPORT_KEY} is not an object")
+    return record
+
+
+def verify_export(src: Path, group=None) -> tuple[str | None, bool]:
+    """(the first problem found, or None; whether `src` predates export checksums), as verify.verify for a step dir."""
+    record = export_record(src)
+    if int(record.get("version") or 1) < 2:
+        return None, True
+    return verify(Path(src), group)
 
 
 def import_state_dict(src: Path) -> tuple[K3Args, dict[str, torch.Tensor]]:
@@ -187,6 +288,14 @@ def main(argv: list[str] | None = None) -> int:
     files = sorted(set(index["weight_map"].values()))
     print(f"exported {a.checkpoint} -> {a.out}: {len(index['weight_map'])} tensors, "
           f"{index['metadata']['total_size'] / 2**20:.1f} MiB in {len(files)} file(s), {a.dtype}")
+    config = json.loads((a.out / CONFIG_FILE).read_text())
+    if config[EXPORT_KEY]["run_config"] is None:
+        print(f"note: no run config.toml two levels above {a.checkpoint}: the export holds no {RUN_CONFIG_FILE}, "
+              "so its evaluation takes the default settings", file=sys.stderr)
+    tokenizer = config.get(TOKENIZER_KEY)
+    if tokenizer and "file" not in tokenizer:
+        print(f"note: the tokenizer {tokenizer['name']!r} (sha256 {tokenizer['sha256'][:12]}...) was not found where "
+              "the run's data.tokenizer points: the export records its name and hash only", file=sys.stderr)
     return 0
 
 

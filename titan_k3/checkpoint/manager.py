@@ -511,8 +511,16 @@ def plan_start(c, folder: Path, group=None) -> ResumePlan:
     if not c.initial_load_path:
         return ResumePlan(notes=notes)
     src, key = Path(c.initial_load_path), f"config key 'checkpoint.initial_load_path' = '{c.initial_load_path}'"
-    if (src / "config.json").is_file():
-        return ResumePlan(src, initial=True, notes=notes)
+    from titan_k3.checkpoint.export import is_export_dir, verify_export
+
+    if is_export_dir(src):
+        try:
+            problem, unverified = verify_export(src, group)
+        except ValueError as e:
+            raise ValueError(f"{key}: {e}") from None
+        if problem is not None:
+            raise ValueError(f"{key}: damaged: {problem}")
+        return ResumePlan(src, initial=True, notes=notes, unverified=unverified)
     if (src / layout.DCP_METADATA).is_file():
         problem, unverified = verify.verify(src, group)
         if problem is not None:

@@ -1,6 +1,7 @@
-"""Evaluate saved checkpoints: `python -m titan_k3.eval`.
+"""Evaluate saved checkpoints and exports: `python -m titan_k3.eval`.
 
     python -m titan_k3.eval --checkpoint RUN_DIR/checkpoints/step-N [--tasks a.jsonl,b.jsonl] [--val-steps K] [--json]
+    python -m titan_k3.eval --checkpoint EXPORT_DIR [--tasks ...] [--val-steps K] [--json]
     python -m titan_k3.eval --runs RUN_DIR [--tasks ...] [--val-steps K] [--json]
 
 The model is rebuilt from the run's resolved `config.toml` (the run directory
@@ -13,6 +14,16 @@ Every checkpoint's files are checked against its checksums.json first, as
 the trainer's load does: a damaged one (a step dir without .metadata included)
 is named and nothing is evaluated; so is one trained with another tokenizer
 than the one the run's data.tokenizer loads now.
+
+An export directory (`python -m titan_k3.checkpoint.export --out EXPORT_DIR`)
+is evaluated as the checkpoint it came from: the model from its config.json,
+the weights from its shards, the tokenizer from the file it holds, the
+settings from the source run's config it holds (titan_k3_config.toml), so a
+float32 export scores what its checkpoint scores. Its files are checked
+against its checksums.json; one without config.json (written last) is partial
+and refused. An export made before exports held these files is evaluated with
+the default settings and the default data.tokenizer (checked against the
+sha256 its config.json records), unverified, and says so.
 Prints a table (or JSON with `--json`). Exit status 2 with one line on bad input.
 """
 
@@ -26,6 +37,16 @@ from pathlib import Path
 import torch
 
 from titan_k3.checkpoint import layout, load_model_weights, verify
+from titan_k3.checkpoint.export import (
+    CONFIG_FILE,
+    EXPORT_KEY,
+    INDEX_FILE,
+    RUN_CONFIG_FILE,
+    export_record,
+    is_export_dir,
+    verify_export,
+)
+from titan_k3.checkpoint.layout import TOKENIZER_KEY
 from titan_k3.checkpoint.manager import saved_tokenizer
 from titan_k3.config import JobConfig
 from titan_k3.eval.runner import Evaluator, task_names
@@ -39,20 +60,21 @@ def run_dir_of(checkpoint: Path) -> Path:
     return checkpoint.resolve().parent.parent
 
 
-def build_model(cfg: JobConfig, device: torch.device):
+def build_model(cfg: JobConfig, device: torch.device, args=None):
     """(model, tokenizer, kernel fallbacks) as the trainer builds them, on one device, weights not loaded.
 
     The model comes from the registry by `model.name` (titan_k3/models/registry.py), as in the trainer:
-    its flavor, kernel choice and build are the family's `ModelSpec`.
+    its flavor, kernel choice and build are the family's `ModelSpec`. `args` (an export's) stands in for the flavor's.
     """
     from titan_k3.data.tokenizer import load_tokenizer
     from titan_k3.models.registry import get_model_spec
 
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    # NOTE: the trainer's rule for the vocabulary (titan_k3/train.py): the tokenizer's, rounded up to 64.
-    vocab = cfg.model.vocab_size or -(-tokenizer.vocab_size // 64) * 64
     spec = get_model_spec(cfg.model.name)
-    args = spec.args(cfg.model.flavor, vocab)
+    if args is None:
+        # NOTE: the trainer's rule for the vocabulary (titan_k3/train.py): the tokenizer's, rounded up to 64.
+        vocab = cfg.model.vocab_size or -(-tokenizer.vocab_size // 64) * 64
+        args = spec.args(cfg.model.flavor, vocab)
     impl = spec.resolve_kernels(cfg.kernels, device, args)
     with torch.device(device):
         model = spec.build(args, impl, cfg.model)
@@ -69,8 +91,9 @@ def _checkpoint_tokens(step_dir: Path) -> int | None:
 def _step_of(step_dir: Path) -> int:
     name = step_dir.name
     if not layout.is_complete(step_dir):
-        raise ValueError(f"checkpoint {str(step_dir)!r}: not a complete step-N checkpoint directory (--checkpoint takes "
-                         "RUN_DIR/checkpoints/step-N; --runs RUN_DIR evaluates every checkpoint of a run)")
+        raise ValueError(f"checkpoint {str(step_dir)!r}: not a complete step-N checkpoint directory nor an export (--checkpoint "
+                         "takes RUN_DIR/checkpoints/step-N or an export directory; --runs RUN_DIR evaluates every "
+                         "checkpoint of a run)")
     return int(name.split("-", 1)[1])
 
 
@@ -83,7 +106,7 @@ def _check_intact(step_dir: Path, note) -> None:
         note(f"note: checkpoint {step_dir} was saved before checksums existed (meta.json version 1): not verified")
 
 
-def _check_tokenizer(step_dir: Path, tokenizer, note) -> None:
+def _check_tokenizer(step_dir: Path, tokenizer, note, loaded_by: str = "the run's data.tokenizer now loads") -> None:
     """Stop when the run's data.tokenizer is no longer the tokenizer the checkpoint was trained with (the file at
     its path replaced, 'embedded' rebuilt): its scores would be of other token ids."""
     name, sha256 = saved_tokenizer(step_dir)
@@ -92,7 +115,7 @@ def _check_tokenizer(step_dir: Path, tokenizer, note) -> None:
              f"the tokenizer {tokenizer.name!r} could not be checked")
     elif sha256 != tokenizer.sha256:
         raise ValueError(f"checkpoint {str(step_dir)!r} was trained with tokenizer {name!r} (sha256 {sha256[:12]}...), "
-                         f"but the run's data.tokenizer now loads {tokenizer.name!r} (sha256 {tokenizer.sha256[:12]}...)")
+                         f"but {loaded_by} {tokenizer.name!r} (sha256 {tokenizer.sha256[:12]}...)")
 
 
 def evaluate_checkpoints(step_dirs: list[Path], cfg: JobConfig, device: torch.device, *, tasks: str | None,
@@ -115,6 +138,49 @@ def evaluate_checkpoints(step_dirs: list[Path], cfg: JobConfig, device: torch.de
         rows.append({"step": step, "tokens": _checkpoint_tokens(step_dir), "checkpoint": str(step_dir),
                      **evaluator.run(model)})
     return rows
+
+
+def evaluate_export(export_dir: Path, device: torch.device, *, tasks: str | None, val_steps: int | None,
+                    note=print) -> list[dict]:
+    """One row, as evaluate_checkpoints gives for the checkpoint the export came from ("checkpoint": the export).
+    The export is checked (whole, its checksums matching, its tokenizer the recorded one) before the model is built."""
+    from titan_k3.checkpoint.hf import args_from_hf_config
+    from titan_k3.config import load_job_config
+
+    problem, unverified = verify_export(export_dir)
+    if problem is not None:
+        raise ValueError(f"export {str(export_dir)!r} is damaged: {problem}")
+    record = export_record(export_dir)
+    config = json.loads((export_dir / CONFIG_FILE).read_text())
+    try:
+        args = args_from_hf_config(config)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{export_dir / CONFIG_FILE}: not a K3 export config (no valid {e})") from None
+    if unverified:
+        note(f"note: export {export_dir} was made before exports carried checksums: not verified; evaluated with "
+             "the default settings")
+    run_config = export_dir / RUN_CONFIG_FILE if record.get("run_config") else None
+    try:
+        cfg = load_job_config([], toml_text=run_config.read_text()) if run_config else load_job_config([])
+    except ValueError as e:
+        raise ValueError(f"{run_config or 'the default config'}: {e}") from None
+    if run_config is None and not unverified:
+        note(f"note: export {export_dir} holds no {RUN_CONFIG_FILE} (its checkpoint had no run config.toml beside "
+             "it): evaluated with the default settings")
+    tokenizer_file = (config.get(TOKENIZER_KEY) or {}).get("file")
+    loaded_by = "its tokenizer file holds" if tokenizer_file else f"data.tokenizer = {cfg.data.tokenizer!r} loads"
+    if tokenizer_file:
+        cfg.data.tokenizer = str(export_dir / tokenizer_file)
+    model, tokenizer, fallbacks = build_model(cfg, device, args)
+    for choice in fallbacks:
+        note(f"note: kernel {choice.op}: {choice.chosen} (fallback from '{choice.requested}': {choice.reason})")
+    _check_tokenizer(export_dir, tokenizer, note, loaded_by)
+    evaluator = Evaluator(cfg, tokenizer, device, val_steps=val_steps, tasks=tasks, offline=True)
+    load_model_weights(model, export_dir)
+    step = record.get("step")
+    if step is None:
+        step = json.loads((export_dir / INDEX_FILE).read_text()).get("metadata", {}).get("source_step")
+    return [{"step": step, "tokens": record.get("tokens_seen"), "checkpoint": str(export_dir), **evaluator.run(model)}]
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -144,11 +210,34 @@ def _device(spec: str) -> torch.device:
     return device
 
 
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def _run_and_steps(checkpoint: Path | None, runs: Path | None) -> tuple[Path, list[Path]]:
+    """(run dir, step dirs to evaluate) of --checkpoint STEP_DIR or --runs RUN_DIR."""
+    if checkpoint is not None:
+        _step_of(checkpoint)  # NOTE: first: a run's folder or its checkpoints folder has no run two levels up
+        return run_dir_of(checkpoint), [checkpoint]
+    cfg = load_run_config(runs)
+    step_dirs = list(layout.complete_steps(runs / cfg.checkpoint.folder).values())
+    incomplete = layout.incomplete_steps(runs / cfg.checkpoint.folder)
+    if incomplete:
+        # NOTE: left out, the table would show a run without that checkpoint and say nothing.
+        raise ValueError(f"checkpoint {str(next(iter(incomplete.values())))!r} is damaged: no "
+                         f"{layout.DCP_METADATA} (damaged step dirs: "
+                         f"{', '.join(p.name for p in incomplete.values())}; move them aside to evaluate the rest)")
+    if not step_dirs:
+        raise ValueError(f"run directory {str(runs)!r}: no complete checkpoint under {cfg.checkpoint.folder}/")
+    return runs, step_dirs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m titan_k3.eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--checkpoint", type=Path, help="a step dir: RUN_DIR/checkpoints/step-N")
+    where.add_argument("--checkpoint", type=Path, help="a step dir (RUN_DIR/checkpoints/step-N) or an export directory "
+                       "(python -m titan_k3.checkpoint.export --out DIR)")
     where.add_argument("--runs", type=Path, metavar="RUN_DIR", help="every checkpoint of this run; writes RUN_DIR/eval_table.md")
     parser.add_argument("--tasks", default=None, help="comma-separated task files (JSONL); default: the run's eval.tasks")
     parser.add_argument("--val-steps", type=int, default=None, help="validation batches (0: none); default: the run's eval.steps")
@@ -157,30 +246,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         device = _device(args.device)
-        if args.checkpoint is not None:
-            _step_of(args.checkpoint)  # NOTE: first: a run's folder or its checkpoints folder has no run two levels up
-            run_dir = run_dir_of(args.checkpoint)
-            step_dirs = [args.checkpoint]
+        if args.checkpoint is not None and is_export_dir(args.checkpoint):
+            rows = evaluate_export(args.checkpoint, device, tasks=args.tasks, val_steps=args.val_steps, note=_stderr)
         else:
-            run_dir = args.runs
-            cfg = load_run_config(run_dir)
-            step_dirs = list(layout.complete_steps(run_dir / cfg.checkpoint.folder).values())
-            incomplete = layout.incomplete_steps(run_dir / cfg.checkpoint.folder)
-            if incomplete:
-                # NOTE: left out, the table would show a run without that checkpoint and say nothing.
-                raise ValueError(f"checkpoint {str(next(iter(incomplete.values())))!r} is damaged: no "
-                                 f"{layout.DCP_METADATA} (damaged step dirs: "
-                                 f"{', '.join(p.name for p in incomplete.values())}; move them aside to evaluate the rest)")
-            if not step_dirs:
-                raise ValueError(f"run directory {str(run_dir)!r}: no complete checkpoint under {cfg.checkpoint.folder}/")
-        cfg = load_run_config(run_dir)
-        rows = evaluate_checkpoints(step_dirs, cfg, device, tasks=args.tasks, val_steps=args.val_steps,
-                                    note=lambda line: print(line, file=sys.stderr))
+            run_dir, step_dirs = _run_and_steps(args.checkpoint, args.runs)
+            rows = evaluate_checkpoints(step_dirs, load_run_config(run_dir), device, tasks=args.tasks,
+                                        val_steps=args.val_steps, note=_stderr)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     table = markdown_table(rows)
     if args.runs is not None:
-        (run_dir / TABLE_NAME).write_text(f"# Benchmarks across tokens: run `{run_dir.name}`\n\n{table}")
+        (args.runs / TABLE_NAME).write_text(f"# Benchmarks across tokens: run `{args.runs.name}`\n\n{table}")
     print(json.dumps(rows, indent=2) if args.json else table, end="" if not args.json else "\n")
     return 0
