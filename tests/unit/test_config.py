@@ -218,3 +218,46 @@ def test_the_check_command_answers_help(flag):
                          text=True, timeout=60)
     assert out.returncode == 0 and out.stderr == ""
     assert out.stdout.startswith("usage: python -m titan_k3.config.check [-] [--section.key value ...]")
+
+
+def test_a_config_file_cannot_name_another(tmp_path):
+    """`job.config_file` set in a TOML was dropped without a word (the command line's file wins) and the resolved
+    config.toml recorded it as if it had been read: refused, naming the file and the key; a run directory's config.toml,
+    which records there the recipe it was resolved from, still reads back."""
+    from titan_k3.config.check import config_error
+
+    path = tmp_path / "mine.toml"
+    path.write_text('[job]\nconfig_file = "tomls/smoke.toml"\n[training]\nsteps = 5\n')
+    with pytest.raises(ConfigError) as e:
+        load_job_config(["--job.config_file", str(path)])
+    assert str(e.value) == (f"{path}: config key 'job.config_file' = 'tomls/smoke.toml': a config file cannot name "
+                            "another (no includes; --job.config_file on the command line names the one file read); "
+                            "delete the key there")
+    line = config_error([], path.read_text())  # the service's check of inline TOML
+    assert line is not None and line.startswith("<inline TOML>: config key 'job.config_file' = 'tomls/smoke.toml':")
+    path.write_text('[job]\nconfig_file = ""\n[training]\nsteps = 5\n')  # names none: what a CLI-only run records
+    assert load_job_config(["--job.config_file", str(path)]).training.steps == 5
+
+    run = tmp_path / "run"
+    run.mkdir()
+    recorded = load_job_config(["--job.config_file", "tomls/smoke.toml", "--training.steps", "7"])
+    (run / "config.toml").write_text(config_to_toml(recorded))
+    assert load_job_config([], toml_text=(run / "config.toml").read_text()).job.config_file == "tomls/smoke.toml"
+    with pytest.raises(ConfigError, match="cannot name another"):  # no manifest.json beside it: not a run's
+        load_job_config(["--job.config_file", str(run / "config.toml")])
+    (run / "manifest.json").write_text("{}")
+    again = load_job_config(["--job.config_file", str(run / "config.toml")])
+    assert again.training.steps == 7 and again.job.config_file == str(run / "config.toml")
+
+
+def test_the_trainer_refuses_a_config_file_naming_another_before_any_work(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text('[job]\nconfig_file = "tomls/smoke.toml"\n')
+    dump = tmp_path / "runs"
+    out = subprocess.run([sys.executable, "-m", "titan_k3.train", "--job.config_file", str(path),
+                          "--job.dump_folder", str(dump)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+    assert out.stderr.splitlines() == [f"error: {path}: config key 'job.config_file' = 'tomls/smoke.toml': a config "
+                                       "file cannot name another (no includes; --job.config_file on the command line "
+                                       "names the one file read); delete the key there"], out.stderr
+    assert not dump.exists()

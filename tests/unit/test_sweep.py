@@ -267,3 +267,23 @@ def test_a_true_or_false_knob_is_written_as_toml_writes_it(base, tmp_path, capsy
     assert "True" not in listing and "False" not in listing
     descriptions = sorted(load_member(f).cfg.job.description for f in out.glob("*.toml"))
     assert [d.split(": ", 1)[1] for d in descriptions] == ["kernels.loss_grad_fp8 = false", "kernels.loss_grad_fp8 = true"]
+
+
+def test_a_hand_made_config_naming_another_file_is_refused_as_the_trainer_refuses_it(tmp_path, capsys):
+    """The check accepted it and every run it launched was then refused at its start (a TOML cannot name a file)."""
+    a = _write_config(tmp_path, "a", "--optimizer.lr", "1e-3")
+    b = _write_config(tmp_path, "b", "--optimizer.lr", "1e-2")
+    b.write_text(b.read_text().replace('config_file = ""', 'config_file = "tomls/smoke.toml"'))
+    assert main(["--configs", str(a), str(b)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {b}: config key 'job.config_file' = "
+                                               "'tomls/smoke.toml': a config file cannot name another"), err
+
+
+def test_a_members_error_names_its_file_once(tmp_path):
+    """It read "config 'a.toml': <inline TOML>: config key ..."."""
+    path = tmp_path / "a.toml"
+    path.write_text("[training]\nsteps = 'many'\n")
+    with pytest.raises(SweepError) as e:
+        load_member(path)
+    assert str(e.value) == f"{path}: config key 'training.steps' = 'many': expected an integer"

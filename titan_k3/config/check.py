@@ -135,7 +135,7 @@ def check_host(cfg: JobConfig) -> None:
 def config_error(argv: list[str], toml_text: str | None = None) -> str | None:
     """The one-line error of the trainer's arguments (`toml_text`: in place of --job.config_file), or None."""
     try:
-        check_host(load_job_config(argv, toml_text=toml_text))
+        check_host(load_job_config(argv, toml_text=toml_text, resolved=False))
     except ValueError as e:  # ConfigError, and the dataset reader's own ValueErrors
         return " ".join(str(e).split())
     return None

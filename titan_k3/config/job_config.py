@@ -15,7 +15,7 @@ from typing import Literal
 @dataclass
 class Job:
     config_file: str = ""
-    """TOML file to load; its values sit between the defaults and the CLI overrides."""
+    """TOML file to load; its values sit between the defaults and the CLI overrides. Set on the command line only: a TOML that names a file here is refused (no includes), except a run directory's config.toml, which records here the recipe it was resolved from and can be passed back as this file."""
     dump_folder: str = "./runs"
     """Folder under which each run's directory is created."""
     name: str = ""

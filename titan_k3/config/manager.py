@@ -201,22 +201,40 @@ def split_overrides(argv: list[str], form: str = "--section.key value",
     return pairs
 
 
+def is_run_config(path: Path) -> bool:
+    """Whether `path` is a run directory's resolved config.toml (its manifest.json beside it)."""
+    return path.name == "config.toml" and (path.parent / "manifest.json").is_file()
+
+
+def _names_no_file(cfg: JobConfig, origin: str, resolved: bool) -> None:
+    """A TOML cannot name a config file (there are no includes: the command line's --job.config_file names the one
+    file read), except a resolved config, whose job.config_file records the recipe it was resolved from."""
+    if cfg.job.config_file and not resolved:
+        raise ConfigError(f"{origin}: config key 'job.config_file' = {toml_value(cfg.job.config_file)}: a config file "
+                          "cannot name another (no includes; --job.config_file on the command line names the one file "
+                          "read); delete the key there")
+
+
 def load_job_config(argv: list[str] | None = None, toml_text: str | None = None, *,
-                    needs_data: bool = True) -> JobConfig:
+                    needs_data: bool = True, resolved: bool = True, toml_origin: str = "<inline TOML>") -> JobConfig:
     """Build and validate a JobConfig from CLI arguments (and optionally TOML text).
 
     `toml_text`, when given, stands in for `--job.config_file` (the service
     validates inline TOML this way). `needs_data=False` accepts an empty
     `data.dataset` (a caller that reads no data, such as the planner).
+    `toml_origin`: where `toml_text` came from, as its errors name it. `resolved`: `toml_text` is a run's resolved config (a run directory's config.toml, read back by the tools), which
+    may record the recipe it came from in job.config_file; False: TOML written as input, which, like a file given by
+    --job.config_file (other than a run directory's config.toml, `is_run_config`), cannot name one.
     Raises ConfigError on any mistake.
     """
     pairs = split_overrides(list(sys.argv[1:] if argv is None else argv), flags=bool_keys())
     cfg = JobConfig()
     config_file = next((v for k, v in pairs if k == "job.config_file"), None)
     from_toml: list[str] = []
-    origin = "<inline TOML>"
+    origin = toml_origin
     if toml_text is not None:
         from_toml = _apply_toml(cfg, parse_toml_text(toml_text), origin)
+        _names_no_file(cfg, origin, resolved)
     elif config_file:
         path = Path(config_file)
         if path.is_dir():
@@ -229,6 +247,7 @@ def load_job_config(argv: list[str] | None = None, toml_text: str | None = None,
             raise ConfigError(f"config key 'job.config_file' = {toml_value(config_file)}: cannot read it ({e})") from None
         origin = str(path)
         from_toml = _apply_toml(cfg, parse_toml_text(text, origin), origin)
+        _names_no_file(cfg, origin, is_run_config(path))
     for key, value in pairs:
         _set(cfg, key, value, from_cli=True)
     _validate(cfg, needs_data, set(from_toml) - {key for key, _ in pairs}, origin)

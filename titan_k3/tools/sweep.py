@@ -46,6 +46,7 @@ import tomli_w
 
 from titan_k3.config import JobConfig, config_to_dict, load_job_config
 from titan_k3.config.errors import toml_value
+from titan_k3.config.manager import is_run_config
 from titan_k3.metrics.run_dir import load_run_config, read_jsonl
 
 # NOTE: kernels.loss_grad_fp8 trades precision in the loss's gradients for speed: whether a run's loss notices is
@@ -96,9 +97,10 @@ def load_member(path: Path) -> Member:
         raise SweepError(f"config {str(path)!r}: no such file")
     text = path.read_text()
     try:
-        return Member(str(path), text, load_job_config([], toml_text=text))
-    except ValueError as e:
-        raise SweepError(f"config {str(path)!r}: {e}") from None
+        return Member(str(path), text, load_job_config([], toml_text=text, resolved=is_run_config(path),
+                                                       toml_origin=str(path)))
+    except ValueError as e:  # named by the file where it set the key, else by the config
+        raise SweepError(str(e) if str(e).startswith(f"{path}: ") else f"config {str(path)!r}: {e}") from None
 
 
 def check_family(members: list[Member], knob: str | None = None) -> str:
