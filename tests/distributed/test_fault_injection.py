@@ -113,7 +113,7 @@ def test_prometheus_counts_every_check_from_zero(runs):
     ("replica_drift", "replicas.checksums", "router.weight"),
     ("replica_drift_hsdp", "replicas.checksums", "replicated shards differ"),
     ("fsdp_average", "gradient_scale.probe_reference", "0.5x the single-process gradient"),
-    ("fsdp_average", "gradient_scale.expert_grad_scale", "single-process gradients"),
+    ("fsdp_average", "gradient_scale.expert_grad_scale", "1/2 of the right gradient: a reduction averages"),
     ("fsdp_average_ep2", "gradient_scale.probe_reference", "single-process gradient"),
     ("local_normaliser", "gradient_scale.loss_normaliser", "local count"),
 ])

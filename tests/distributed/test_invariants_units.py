@@ -37,6 +37,17 @@ def test_grad_norm_audit_and_normaliser_in_one_process():
     assert v.metric == 0.5
 
 
+def test_grad_norm_audit_flags_a_finite_clip_over_non_finite_shards():
+    """A shard holding NaN that the clipping path never summed: the update's norm is finite, so it is applied with
+    the NaN, not skipped; the audit let it pass as a skipped non-finite update."""
+    gathered = C.layout_grad_norm([torch.tensor([3.0, 4.0]), torch.tensor([float("nan")])])
+    (v,) = C.check_grad_norm_audit(5.0, gathered)
+    assert v.check == "gradient_scale.grad_norm_audit" and v.metric == 1.0
+    assert "applied with it instead of skipped" in v.message and "misses a sharded dim" in v.message
+    assert C.check_grad_norm_audit(float("nan"), gathered) == []  # skipped, and reported as a non-finite update
+    assert C.check_grad_norm_audit(float("inf"), 5.0) == []
+
+
 def test_loss_normaliser_takes_a_float32_count_past_2_to_the_24():
     """The trainer counts targets in float32: a 16,777,217-target update is divided by 16,777,216.0, which is right."""
     targets = 2**24 + 1

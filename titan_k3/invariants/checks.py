@@ -176,9 +176,12 @@ def check_replicated_shards(groups: list[tuple[dist.ProcessGroup, dict[str, torc
 # ---------------------------------------------------------------------------- gradient scale
 
 
-def _scale_remedy(ratio: float, group) -> str:
-    """What to do about gradients `ratio` x the single-process ones, over a group of W ranks."""
-    world = 1 if group is None else dist.get_world_size(group)
+def _world(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _scale_remedy(ratio: float, world: int) -> str:
+    """What to do about gradients `ratio` x the single-process ones, reduced over `world` data-parallel ranks."""
     if world > 1 and abs(ratio * world - 1) < 0.05:
         return (f"1/{world} of the right gradient: a reduction averages over the {world} ranks where it must sum "
                 "(the loss is already divided by the update's targets: FSDP2's gradient divide factor must be 1)")
@@ -188,13 +191,30 @@ def _scale_remedy(ratio: float, group) -> str:
 
 
 def check_grad_norm_agreement(grad_norm: float, group, rtol: float = 1e-6) -> list[Violation]:
-    """The global grad norm each rank clipped with must be the same on every rank."""
+    """The global grad norm each rank clipped with must be the same on every rank.
+
+    A norm that is non-finite on every rank skips the update everywhere (reported as such); non-finite on some ranks
+    only is a violation (metric: how many ranks), since those ranks skip the update the others apply.
+    """
     if group is None:
         return []
     norms = all_gather_small(torch.tensor([grad_norm], dtype=torch.float64), group).flatten()
+    finite = torch.isfinite(norms)
+    if not finite.any():
+        return []
+    if not finite.all():
+        ranks = (~finite).nonzero().flatten().tolist()
+        return [Violation(
+            "gradient_scale.grad_norm_agreement", float(len(ranks)),
+            f"data-parallel rank(s) {ranks} clipped with a non-finite global grad norm where the others' is finite "
+            f"({[round(x, 6) for x in norms.tolist()]} by data-parallel rank): those ranks skip this update and the "
+            "others apply it, so the replicas part; the norm must be reduced over every shard on every rank, not taken "
+            "over local gradients",
+            {"ranks": ranks},
+        )]
     spread = float(norms.max() - norms.min())
     scale = max(float(norms.abs().max()), 1e-30)
-    if not math.isfinite(spread) or spread <= rtol * scale:
+    if spread <= rtol * scale:
         return []
     return [Violation(
         "gradient_scale.grad_norm_agreement", spread / scale,
@@ -236,9 +256,20 @@ def layout_grad_norm(grads: Iterable[torch.Tensor]) -> float:
 
 
 def check_grad_norm_audit(reported: float, gathered: float, rtol: float = 1e-3) -> list[Violation]:
-    """The clipped-with norm must equal the norm recomputed from the shards' layout (`layout_grad_norm`)."""
-    if not (math.isfinite(reported) and math.isfinite(gathered)):
+    """The clipped-with norm must equal the norm recomputed from the shards' layout (`layout_grad_norm`).
+
+    metric: the relative error, or 1.0 where the clipped-with norm is finite and the recomputed one is not.
+    """
+    if not math.isfinite(reported):
         return []  # a non-finite update is skipped and reported as such
+    if not math.isfinite(gathered):
+        # NOTE: the update is applied (its norm is finite) with non-finite gradients the clipping path did not see.
+        return [Violation(
+            "gradient_scale.grad_norm_audit", 1.0,
+            f"global grad norm {reported:.6g} is finite but the norm recomputed from every rank's shards is "
+            f"{gathered}: a gradient shard holds inf or NaN that the clipping path never summed, so this update is "
+            "applied with it instead of skipped; the clipping path misses a sharded dim",
+        )]
     err = abs(reported - gathered) / max(gathered, 1e-30)
     if err <= rtol:
         return []
@@ -299,12 +330,15 @@ def check_ep_token_counts(send_counts_W: torch.Tensor, recv_counts_W: torch.Tens
 
 
 def check_expert_grad_scale(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], group,
-                            rtol: float = 1e-3) -> list[Violation]:
+                            rtol: float = 1e-3, *, world: int | None = None) -> list[Violation]:
     """Local expert gradients vs the single-process gradients recomputed for the same experts.
 
     The ratio of norms (summed over the group) must be 1: an expert gradient
     averaged over the wrong group or divided by a local count shows as a ratio
-    like 1/W or W.
+    like 1/W or W. group: the ranks whose experts are summed (None: each rank
+    holds them all, the probe's gathered gradients); world: the data-parallel
+    ranks the gradients were reduced over, which the advice names (default:
+    the group's size).
     """
     sq = torch.zeros(2, dtype=torch.float64)
     worst, worst_err = "", 0.0
@@ -324,7 +358,8 @@ def check_expert_grad_scale(grads: dict[str, torch.Tensor], reference: dict[str,
     return [Violation(
         "gradient_scale.expert_grad_scale", ratio,
         f"expert gradients are {ratio:.4g}x the single-process gradients (worst relative error {float(flag):.3g}"
-        + (f" in {worst}" if worst_err == float(flag) and worst else "") + "): " + _scale_remedy(ratio, group),
+        + (f" in {worst}" if worst_err == float(flag) and worst else "") + "): "
+        + _scale_remedy(ratio, world if world is not None else _world(group)),
     )]
 
 
@@ -356,6 +391,7 @@ def check_probe_reference(grads: dict[str, torch.Tensor], reference: dict[str, t
     return [Violation(
         "gradient_scale.probe_reference", ratio,
         f"on a probe batch the parallel gradient is {ratio:.4g}x the single-process gradient "
-        f"(worst tensor {worst}: {worst_ratio:.4g}x, relative error {worst_err:.3g} > {rtol:g}): " + _scale_remedy(ratio, group),
+        f"(worst tensor {worst}: {worst_ratio:.4g}x, relative error {worst_err:.3g} > {rtol:g}): "
+        + _scale_remedy(ratio, _world(group)),
         {"worst_tensor": worst, "worst_relative_error": worst_err},
     )]

@@ -121,8 +121,11 @@ class InvariantRunner:
         found = self._timed("gradient_scale.probe_reference", C.check_probe_reference, grads, reference, self.group,
                             self.probe_rtol)
         experts = [n for n in reference if n.endswith((".ffn.w1", ".ffn.w3", ".ffn.w2")) and grads[n].dim() == 3]
+        # NOTE: the gathered gradients are whole on every rank (no group to sum over); the advice still names the
+        # data-parallel ranks they were reduced over (1/W: averaging).
         found += self._timed("gradient_scale.expert_grad_scale", C.check_expert_grad_scale,
-                             {n: grads[n] for n in experts}, {n: reference[n] for n in experts}, None, self.probe_rtol)
+                             {n: grads[n] for n in experts}, {n: reference[n] for n in experts}, None, self.probe_rtol,
+                             world=dist.get_world_size(self.group))
         self._probed = (step, found)
 
     def before_clip(self, step: int, *, batches, model: torch.nn.Module, optimizers, normaliser: torch.Tensor,
