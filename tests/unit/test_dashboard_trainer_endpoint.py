@@ -11,6 +11,7 @@ import json
 import re
 from pathlib import Path
 
+from titan_k3.metrics.moe_stats import DEAD_SHARE
 from titan_k3.metrics.prometheus import NAMES
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/grafana/dashboards/titan_k3.json"
@@ -55,6 +56,14 @@ def test_service_panels_fall_back_to_the_trainer_endpoint():
         for service, trainer in SAME.items():
             if re.search(rf"\b{service}\b", expr):
                 assert trainer in _names(expr) and " or on(run" in expr, (service, expr)
+
+
+def test_panels_say_what_their_series_hold():
+    panels = {p["title"]: p for p in json.loads(DASHBOARD.read_text())["panels"]}
+    # Both sources give GiB (2^30 bytes): Grafana's 'gbytes'; 'decgbytes' showed them as GB (10^9), 7% off.
+    assert panels["Peak memory allocated (GiB)"]["fieldConfig"]["defaults"]["unit"] == "gbytes"
+    # A dead expert is one under DEAD_SHARE of the uniform share (moe_stats), not one that received no tokens.
+    assert f"under {DEAD_SHARE:.0%} of the uniform share" in panels["Dead-expert fraction"]["description"]
 
 
 def test_every_panel_query_parses(tmp_path):
