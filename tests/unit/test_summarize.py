@@ -94,3 +94,29 @@ def test_checked_updates_sum_over_sessions_and_zero_checks_are_not_called_clean(
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in none))
     (tmp_path / "events.jsonl").write_text("")
     assert "| invariant violations | 0 (no update was checked) |" in summarize(tmp_path)[0]
+
+
+def test_what_the_summary_cannot_read_or_write_is_one_line(tmp_path, capsys):
+    """Each ended in a traceback: a config.toml that is not TOML (or named no file), a line that is not a trainer's
+    record, an --out that cannot be written; a --warmup-step past every window gave a summary of nan."""
+    run = _run_dir(tmp_path, "smoke", RECORDS)
+
+    def error(*argv):
+        assert main([str(run), *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+        return err[0]
+
+    assert error("--out", str(run / "metrics.jsonl")).startswith(f"error: --out '{run}/metrics.jsonl': cannot write")
+    assert error("--warmup-step", "35") == ("error: --warmup-step=35: no logging window starts at or after it (the last "
+                                            "starts at update 30: the run's steady rate would be nan)")
+    (run / "config.toml").write_text("[job\n")
+    assert error().startswith(f"error: {run}/config.toml: not valid TOML (")
+    (run / "config.toml").write_text("")
+    for line, expected in [("[1, 2]", "not a JSON object"),
+                           ('{"step": 50}', "record without a number for 'tokens_seen', 'training_seconds'")]:
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS) + line + "\n")
+        assert error().startswith(f"error: {run}/metrics.jsonl:5: {expected}")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    (run / "events.jsonl").write_text('"text"\n')
+    assert error() == f"error: {run}/events.jsonl: event 1 is not an object with a 'kind' (the trainer writes no such line)"

@@ -241,19 +241,48 @@ def plot(records: list[dict], out: Path) -> list[Path]:
     return paths
 
 
+RECORD_KEYS = ("step", "tokens_seen", "training_seconds", "session_seconds", "loss")
+"""What the summary reads of every metrics.jsonl record (the trainer writes each in every record)."""
+
+
+def _check_records(path: Path, records: list) -> list[dict]:
+    """`records`, each an object with the RECORD_KEYS as numbers; else ValueError naming the line and the key."""
+    for n, r in enumerate(records, 1):
+        if not isinstance(r, dict):
+            raise ValueError(f"{path}:{n}: not a JSON object")
+        missing = [k for k in RECORD_KEYS if not isinstance(r.get(k), (int, float)) or isinstance(r.get(k), bool)]
+        if missing:
+            raise ValueError(f"{path}:{n}: record without a number for {', '.join(map(repr, missing))} (the trainer "
+                             "writes each in every record)")
+    return records
+
+
 def summarize(run_dir: Path, warmup_step: int = 0) -> tuple[str, dict]:
     """(Markdown text, the numbers as a dict) for one run directory."""
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").exists():
         raise ValueError(f"run_dir={str(run_dir)!r}: no metrics.jsonl (is it a titan_k3 run directory?)")
-    records = read_jsonl(run_dir / "metrics.jsonl")
+    records = _check_records(run_dir / "metrics.jsonl", read_jsonl(run_dir / "metrics.jsonl"))
     events = read_jsonl(run_dir / "events.jsonl")
-    config = tomli.loads((run_dir / "config.toml").read_text()) if (run_dir / "config.toml").exists() else {}
+    if not all(isinstance(e, dict) and "kind" in e for e in events):
+        n = next(n for n, e in enumerate(events, 1) if not (isinstance(e, dict) and "kind" in e))
+        raise ValueError(f"{run_dir / 'events.jsonl'}: event {n} is not an object with a 'kind' (the trainer writes "
+                         "no such line)")
+    config = {}
+    if (run_dir / "config.toml").exists():
+        try:
+            config = tomli.loads((run_dir / "config.toml").read_text())
+        except (tomli.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{run_dir / 'config.toml'}: not valid TOML ({e})") from None
     if not records:
         raise ValueError(f"run_dir={str(run_dir)!r}: metrics.jsonl has no records")
     checked = checked_updates(records)
     records, redone = final_records(records)
     steady = steady_state(records, warmup_step)
+    if warmup_step and not steady.windows:
+        starts = [prev["step"] for prev, _ in windows(records)]
+        raise ValueError(f"--warmup-step={warmup_step}: no logging window starts at or after it (the last starts at "
+                         f"update {max(starts, default=0)}: the run's steady rate would be nan)")
     last = records[-1]
     probe = probe_of(config)
 
@@ -329,9 +358,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = args.out or args.run_dir / "summary"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.md").write_text(text)
-    plot(final_records(read_jsonl(args.run_dir / "metrics.jsonl"))[0], out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.md").write_text(text)
+        plot(final_records(read_jsonl(args.run_dir / "metrics.jsonl"))[0], out)
+    except OSError as e:
+        print(f"error: --out {str(out)!r}: cannot write the summary there ({e.strerror or e})", file=sys.stderr)
+        return 2
     print(text)
     print(f"written: {out}/summary.md and plots")
     return 0
