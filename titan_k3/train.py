@@ -303,7 +303,7 @@ class Trainer:
         self.invariants = InvariantRunner(cfg.invariants, self.events, group=self.dp_group, rank=self.rank, device=self.device,
                                           on_violation=self.reporter.violation,
                                           probe_rtol=0.1 if self._bf16_autocast else 1e-3,
-                                          last_step=cfg.training.steps)
+                                          last_step=cfg.training.steps, clocks=self.clocks)
         self._report_start()
         self.checkpointer = build_checkpointer(self)
         if self.stop_signals is not None:

@@ -118,8 +118,6 @@ def test_invariant_checks_time_is_their_own_not_the_training_clocks(run):
     assert all(", off the training clock (" in x and f"% of a {1e3 * STEP_S:.0f} ms update, " in x for x in lines), lines
 
 
-@pytest.mark.xfail(strict=True, reason="titan_k3/train.py does not hand its clocks to the InvariantRunner yet "
-                   "(the one-line hunk: InvariantRunner(..., clocks=self.clocks)); remove this mark once it does")
 def test_the_trainer_hands_its_clocks_to_the_invariant_checks(run):
     assert run[3], "Trainer builds its InvariantRunner without clocks=self.clocks: check time stays on the training clock"
 
