@@ -126,7 +126,7 @@ def test_an_older_export_is_checked_against_the_default_tokenizer(run, tmp_path,
 
     config["titan_k3_tokenizer"]["sha256"] = "ab" * 32
     (export / CONFIG_FILE).write_text(json.dumps(config))
-    error = _error(capsys, export)
+    error = _error(capsys, export, "--tasks", str(root / "toy.jsonl"))
     assert "trained with tokenizer" in error and "abababababab" in error and "data.tokenizer = 'embedded'" in error
 
 

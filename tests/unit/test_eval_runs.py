@@ -138,3 +138,29 @@ def test_offline_eval_names_a_step_dir_without_metadata_and_another_tokenizer(ru
     assert eval_main(["--checkpoint", str(step), "--val-steps", "0", "--device", "cpu"]) == 2
     error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(error) == 1 and "trained with tokenizer 'other.json' (sha256 abababababab...)" in error[0]
+
+
+def test_offline_eval_checks_what_was_asked_before_reading_a_checkpoint(run, tmp_path, monkeypatch, capsys):
+    """A task-file typo, a negative --val-steps or nothing to evaluate stopped only after every checkpoint's bytes
+    were hashed and the model built (minutes for a large one); a negative --val-steps named a Python argument."""
+    from titan_k3.eval import offline
+
+    def hashed(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before the request was checked")
+
+    monkeypatch.setattr(offline.verify, "verify", hashed)
+    monkeypatch.setattr(offline, "build_model", hashed)
+    run_dir, task = run
+    step = str(run_dir / "checkpoints" / "step-1")
+    cases = [
+        (["--tasks", str(tmp_path / "no.jsonl")], "no.jsonl': no such file"),
+        (["--tasks", str(tmp_path)], f"{tmp_path}': a directory, not a JSONL file"),
+        (["--val-steps", "-1"], "--val-steps -1: must be >= 0"),
+        (["--val-steps", "0", "--tasks", ""], "nothing to evaluate"),
+    ]
+    for extra, expected in cases:
+        for where in (["--checkpoint", step], ["--runs", str(run_dir)]):
+            assert eval_main([*where, "--device", "cpu", *extra]) == 2
+            captured = capsys.readouterr()
+            errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+            assert len(errors) == 1 and expected in errors[0] and captured.out == "", (extra, captured)

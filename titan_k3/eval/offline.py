@@ -49,7 +49,8 @@ from titan_k3.checkpoint.export import (
 from titan_k3.checkpoint.layout import TOKENIZER_KEY
 from titan_k3.checkpoint.manager import saved_tokenizer
 from titan_k3.config import JobConfig
-from titan_k3.eval.runner import Evaluator, task_names
+from titan_k3.eval.runner import Evaluator, load_tasks, task_names
+from titan_k3.eval.validation import validation_split_tokens
 from titan_k3.metrics.run_dir import load_run_config
 
 TABLE_NAME = "eval_table.md"
@@ -118,12 +119,27 @@ def _check_tokenizer(step_dir: Path, tokenizer, note, loaded_by: str = "the run'
                          f"but {loaded_by} {tokenizer.name!r} (sha256 {tokenizer.sha256[:12]}...)")
 
 
+def _check_request(cfg: JobConfig, tasks: str | None, val_steps: int | None) -> None:
+    """Stop on what was asked before any checkpoint is read: a bad task file, no validation split, nothing at all."""
+    if val_steps is not None and val_steps < 0:
+        raise ValueError(f"--val-steps {val_steps}: must be >= 0 (0: no validation loss)")
+    steps = cfg.eval.steps if val_steps is None else val_steps
+    named = load_tasks(cfg.eval.tasks if tasks is None else tasks)
+    if not steps and not named:
+        raise ValueError("nothing to evaluate: no validation batches (--val-steps, or the run's eval.steps) and no task "
+                         "files (--tasks, or the run's eval.tasks)")
+    if steps and validation_split_tokens(cfg.data.dataset) == 0:
+        raise ValueError(f"dataset {cfg.data.dataset!r} has no validation split: --val-steps 0 scores the tasks only")
+
+
 def evaluate_checkpoints(step_dirs: list[Path], cfg: JobConfig, device: torch.device, *, tasks: str | None,
                          val_steps: int | None, note=print) -> list[dict]:
-    """One row per checkpoint: {"step", "tokens", "checkpoint", **metrics}. Every checkpoint is checked (complete,
-    its checksums matching) before the model is built."""
+    """One row per checkpoint: {"step", "tokens", "checkpoint", **metrics}. What was asked is checked first, then
+    every checkpoint (complete, its checksums matching), before the model is built."""
     for step_dir in step_dirs:
         _step_of(step_dir)
+    _check_request(cfg, tasks, val_steps)
+    for step_dir in step_dirs:
         _check_intact(step_dir, note)
     model, tokenizer, fallbacks = build_model(cfg, device)
     for choice in fallbacks:
@@ -147,10 +163,16 @@ def evaluate_export(export_dir: Path, device: torch.device, *, tasks: str | None
     from titan_k3.checkpoint.hf import args_from_hf_config
     from titan_k3.config import load_job_config
 
+    record = export_record(export_dir)
+    run_config = export_dir / RUN_CONFIG_FILE if record.get("run_config") else None
+    try:
+        cfg = load_job_config([], toml_text=run_config.read_text()) if run_config else load_job_config([])
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{run_config or 'the default config'}: {e}") from None
+    _check_request(cfg, tasks, val_steps)
     problem, unverified = verify_export(export_dir)
     if problem is not None:
         raise ValueError(f"export {str(export_dir)!r} is damaged: {problem}")
-    record = export_record(export_dir)
     config = json.loads((export_dir / CONFIG_FILE).read_text())
     try:
         args = args_from_hf_config(config)
@@ -159,11 +181,6 @@ def evaluate_export(export_dir: Path, device: torch.device, *, tasks: str | None
     if unverified:
         note(f"note: export {export_dir} was made before exports carried checksums: not verified; evaluated with "
              "the default settings")
-    run_config = export_dir / RUN_CONFIG_FILE if record.get("run_config") else None
-    try:
-        cfg = load_job_config([], toml_text=run_config.read_text()) if run_config else load_job_config([])
-    except ValueError as e:
-        raise ValueError(f"{run_config or 'the default config'}: {e}") from None
     if run_config is None and not unverified:
         note(f"note: export {export_dir} holds no {RUN_CONFIG_FILE} (its checkpoint had no run config.toml beside "
              "it): evaluated with the default settings")

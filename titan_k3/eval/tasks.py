@@ -60,7 +60,7 @@ def iter_examples(path: str | Path) -> Iterator[tuple[int, Example]]:
     naming the file and the line. Lines end at '\\n' only (a JSON string may hold U+2028 or a form feed)."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"task file {str(path)!r}: no such file")
+        raise ValueError(f"task file {str(path)!r}: {'a directory, not a JSONL file' if path.is_dir() else 'no such file'}")
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             try:
