@@ -155,6 +155,10 @@ def test_cli_says_full_k3_does_not_fit_one_node(capsys):
     (["--training.stepz", "2"], "unknown config key 'training.stepz'"),
     (["--parallelism.expert_parallel_degree", "3", "--model.flavor", "k3-mini"], "expert_parallel_degree"),
     (["--table"], "option '--table' needs a value"),
+    # nan and inf planned ("peak 2.7 GiB > nan GiB usable"); a negative reserve was told "must be > 0" (0 is allowed)
+    (["--cluster.gpu_memory_gib", "nan"], "cluster key 'cluster.gpu_memory_gib' = 'nan': expected a finite number"),
+    (["--cluster.inter_node_gbps", "inf"], "cluster key 'cluster.inter_node_gbps' = 'inf': expected a finite number"),
+    (["--cluster.reserve_gib", "-1"], "cluster key 'cluster.reserve_gib' = '-1': must be >= 0"),
 ])
 def test_cli_bad_input_is_one_line_and_status_2(capsys, argv, message):
     code, out, err = _cli(capsys, *argv)

@@ -8,6 +8,7 @@ direction). Bandwidths are in gigabytes per second per GPU and direction.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 
@@ -58,7 +59,11 @@ def cluster_from_overrides(pairs: list[tuple[str, str]]) -> Cluster:
             value = kind(raw)
         except ValueError:
             raise ValueError(f"cluster key '{key}' = {raw!r}: expected {'an integer' if kind is int else 'a number'}") from None
-        if value <= 0 and name != "reserve_gib" or value < 0:
+        if not math.isfinite(value):
+            raise ValueError(f"cluster key '{key}' = {raw!r}: expected a finite number")
+        if name == "reserve_gib" and value < 0:
+            raise ValueError(f"cluster key '{key}' = {raw!r}: must be >= 0")
+        if name != "reserve_gib" and value <= 0:
             raise ValueError(f"cluster key '{key}' = {raw!r}: must be > 0")
         values[name] = value
     cluster = Cluster(**values)
