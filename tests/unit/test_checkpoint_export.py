@@ -250,3 +250,37 @@ def test_an_export_into_its_own_checkpoint_is_refused(checkpoint, capsys):
         assert main(["--checkpoint", str(step_dir), "--out", str(out)]) == 2
         assert "is inside the checkpoint" in capsys.readouterr().err
     assert sorted(p.name for p in step_dir.iterdir()) == before
+
+
+def test_bad_export_arguments_are_one_line_before_the_checkpoint_is_read(checkpoint, tmp_path, capsys, monkeypatch):
+    """--max-shard-mb 0 named the Python argument max_shard_bytes; a step-N.tmp-* dir (a save a crash cut short)
+    was called damaged, and one whose checksums.json was written before the kill was exported; an --out holding
+    another project's config.json lost it; --out checks came after hashing the whole checkpoint."""
+    import shutil
+
+    from titan_k3.checkpoint import export
+
+    step_dir, _ = checkpoint
+    tmp_save = tmp_path / "checkpoints" / "step-4.tmp-0a1b2c3d"
+    shutil.copytree(step_dir, tmp_save)
+    foreign = tmp_path / "project"
+    foreign.mkdir()
+    (foreign / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "afile").write_text("")
+
+    def hashed(*args, **kwargs):
+        raise AssertionError("the checkpoint was hashed before the arguments were checked")
+
+    monkeypatch.setattr(export, "verify", hashed)
+    cases = [
+        (["--checkpoint", str(step_dir), "--out", str(tmp_path / "o"), "--max-shard-mb", "0"],
+         "--max-shard-mb 0: must be >= 1"),
+        (["--checkpoint", str(tmp_save), "--out", str(tmp_path / "o")], "step-4.tmp-0a1b2c3d: not a titan_k3 checkpoint"),
+        (["--checkpoint", str(step_dir), "--out", str(foreign)], "holds a config.json that is not a K3 export's"),
+        (["--checkpoint", str(step_dir), "--out", str(tmp_path / "afile")], "afile': a file, not a directory"),
+    ]
+    for argv, expected in cases:
+        assert main(argv) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1 and expected in captured.err, (argv, captured)
+    assert (foreign / "config.json").read_text() == '{"model_type": "llama"}' and not (tmp_path / "o").exists()

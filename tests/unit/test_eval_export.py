@@ -159,3 +159,17 @@ def test_initial_load_path_refuses_a_damaged_export(run, tmp_path):
     (export / CONFIG_FILE).unlink()
     with pytest.raises(ValueError, match=r"initial_load_path' = '.*exp': export .* is incomplete: no config.json"):
         plan_start(c, tmp_path / "checkpoints")
+
+
+def test_a_second_export_into_the_dir_leaves_no_tokenizer_or_config_of_the_first(run, tmp_path, capsys):
+    """A re-export whose checkpoint lies outside its run left the first export's tokenizer.json and run config
+    beside it: tools reading tokenizer.json took another model's tokenizer."""
+    root, step = run
+    out = tmp_path / "out"
+    assert export_main(["--checkpoint", str(step), "--out", str(out)]) == 0
+    assert (out / "tokenizer.json").is_file() and (out / "titan_k3_config.toml").is_file()
+    bare = tmp_path / "bare" / "checkpoints" / "step-2"
+    shutil.copytree(step, bare)
+    assert export_main(["--checkpoint", str(bare), "--out", str(out)]) == 0
+    assert "the export holds no titan_k3_config.toml" in capsys.readouterr().err
+    assert not (out / "tokenizer.json").exists() and not (out / "titan_k3_config.toml").exists()

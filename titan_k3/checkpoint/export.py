@@ -41,7 +41,7 @@ from titan_k3.checkpoint.hf import (
     read_dcp_tensors,
     to_hf,
 )
-from titan_k3.checkpoint.layout import META_FILE, TOKENIZER_KEY
+from titan_k3.checkpoint.layout import META_FILE, TOKENIZER_KEY, is_complete
 from titan_k3.checkpoint.verify import verify
 from titan_k3.models.k3.args import K3Args
 
@@ -64,10 +64,19 @@ def export_checkpoint(checkpoint: Path, out: Path, *, dtype: str = "bfloat16", m
         raise ValueError(f"dtype={dtype!r}; allowed: {', '.join(DTYPES)}")
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes={max_shard_bytes}; must be > 0")
-    checkpoint = Path(checkpoint)
+    checkpoint, out = Path(checkpoint), Path(out)
     meta_path = checkpoint / META_FILE
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"{meta_path}: not a titan_k3 checkpoint dir (expected checkpoints/step-N)")
+    if not meta_path.is_file() or not is_complete(checkpoint):
+        # NOTE: a step-N.tmp-* dir holds a meta.json too: a save in progress, or one a crash cut short.
+        raise FileNotFoundError(f"{checkpoint}: not a titan_k3 checkpoint dir (expected RUN_DIR/checkpoints/step-N "
+                                f"with {META_FILE} and .metadata)")
+    resolved = out.resolve()
+    if resolved == checkpoint.resolve() or checkpoint.resolve() in resolved.parents:
+        raise ValueError(f"--out {str(out)!r} is inside the checkpoint {str(checkpoint)!r}: its files would no longer "
+                         "match its checksums.json; export to a directory of its own")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r}: a file, not a directory")
+    earlier = _earlier_export_files(out / CONFIG_FILE)
     problem, _ = verify(checkpoint)
     if problem is not None:
         raise ValueError(f"{checkpoint}: damaged, not exported: {problem}")
@@ -87,10 +96,6 @@ def export_checkpoint(checkpoint: Path, out: Path, *, dtype: str = "bfloat16", m
         shards[-1].append(key)
         used += nbytes
 
-    resolved = Path(out).resolve()
-    if resolved == checkpoint.resolve() or checkpoint.resolve() in resolved.parents:
-        raise ValueError(f"--out {str(out)!r} is inside the checkpoint {str(checkpoint)!r}: its files would no longer "
-                         "match its checksums.json; export to a directory of its own")
     out.mkdir(parents=True, exist_ok=True)
     # NOTE: an export into a directory holding an earlier one overwrites its shards one by one; were it stopped
     # midway, the earlier index and config beside a mix of new and old shards would import as one model. Without
@@ -145,7 +150,30 @@ def export_checkpoint(checkpoint: Path, out: Path, *, dtype: str = "bfloat16", m
     for stale in out.glob("model-*-of-*.safetensors"):
         if _SHARD_NAME.fullmatch(stale.name) and stale.name not in written:
             stale.unlink()
+    # NOTE: likewise its tokenizer (another model's, which tools reading tokenizer.json would take) and run config.
+    for stale in earlier - set(files):
+        (out / stale).unlink(missing_ok=True)
     return index
+
+
+def _earlier_export_files(path: Path) -> set[str]:
+    """The tokenizer and run-config files an earlier export into the directory of config.json `path` wrote.
+
+    An --out whose config.json is not a K3 export's (another model's, a project's) is refused: the export
+    replaces config.json.
+    """
+    if not path.is_file():
+        return set()
+    try:
+        config = json.loads(path.read_text())
+        kind = config.get("model_type")
+    except (OSError, ValueError, AttributeError):
+        kind = "unreadable"
+    if kind != "kimi_k3":
+        raise ValueError(f"--out {str(path.parent)!r} holds a config.json that is not a K3 export's (model_type "
+                         f"{kind!r}): the export would replace it; export to a directory of its own")
+    names = {(config.get(TOKENIZER_KEY) or {}).get("file"), (config.get(EXPORT_KEY) or {}).get("run_config")}
+    return {n for n in names if isinstance(n, str) and n in ("tokenizer.json", "tiktoken.model", RUN_CONFIG_FILE)}
 
 
 def _tokenizer_source(run_config: Path, sha256: str) -> Path | None:
@@ -280,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weight dtype (default bfloat16)")
     p.add_argument("--max-shard-mb", type=int, default=5120, help="largest safetensors shard, MiB (default 5120)")
     a = p.parse_args(argv)
+    if a.max_shard_mb < 1:
+        print(f"error: --max-shard-mb {a.max_shard_mb}: must be >= 1", file=sys.stderr)
+        return 2
     try:
         index = export_checkpoint(a.checkpoint, a.out, dtype=a.dtype, max_shard_bytes=a.max_shard_mb * 2**20)
     except (ValueError, OSError) as e:
