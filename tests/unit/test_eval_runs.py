@@ -164,3 +164,29 @@ def test_offline_eval_checks_what_was_asked_before_reading_a_checkpoint(run, tmp
             captured = capsys.readouterr()
             errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
             assert len(errors) == 1 and expected in errors[0] and captured.out == "", (extra, captured)
+
+
+def test_a_nested_checkpoint_folder_finds_its_run(tmp_path, capsys):
+    """checkpoint.folder = "ckpt/main" is valid, but --checkpoint and the export looked for the run's config.toml two
+    levels up only: eval stopped on 'no config.toml' and the export left the run config out. A config.toml further
+    up that names another folder is not taken for the run's."""
+    import shutil
+
+    from titan_k3.checkpoint.export import main as export_main
+
+    assert train_main([*FAST, "--job.dump_folder", str(tmp_path), "--job.name", "nest", "--training.steps", "1",
+                       "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable", "true",
+                       "--checkpoint.folder", "ckpt/main"]) == 0
+    step = tmp_path / "nest" / "ckpt" / "main" / "step-1"
+    capsys.readouterr()
+    assert eval_main(["--checkpoint", str(step), "--device", "cpu", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["val_tokens"] > 0
+    assert export_main(["--checkpoint", str(step), "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "titan_k3_config.toml").is_file()
+
+    stray = tmp_path / "stray" / "a" / "b" / "step-1"
+    shutil.copytree(step, stray)
+    shutil.copy(tmp_path / "nest" / "config.toml", tmp_path / "stray" / "config.toml")  # names ckpt/main, not a/b
+    capsys.readouterr()
+    assert eval_main(["--checkpoint", str(stray), "--device", "cpu"]) == 2
+    assert f"run directory '{tmp_path / 'stray' / 'a'}': no config.toml" in capsys.readouterr().err

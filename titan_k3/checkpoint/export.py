@@ -41,7 +41,7 @@ from titan_k3.checkpoint.hf import (
     read_dcp_tensors,
     to_hf,
 )
-from titan_k3.checkpoint.layout import META_FILE, TOKENIZER_KEY, is_complete
+from titan_k3.checkpoint.layout import META_FILE, TOKENIZER_KEY, is_complete, run_dir_of
 from titan_k3.checkpoint.verify import verify
 from titan_k3.models.k3.args import K3Args
 
@@ -119,7 +119,7 @@ def export_checkpoint(checkpoint: Path, out: Path, *, dtype: str = "bfloat16", m
     config = hf_config(args, dtype=dtype, qb_eta=meta.get("qb_eta"))
     written = set(weight_map.values())
     files = [*sorted(written), INDEX_FILE]
-    run_config = checkpoint.resolve().parent.parent / "config.toml"
+    run_config = run_dir_of(checkpoint) / "config.toml"
     if run_config.is_file():
         _copy(run_config, out / RUN_CONFIG_FILE)
         files.append(RUN_CONFIG_FILE)
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{index['metadata']['total_size'] / 2**20:.1f} MiB in {len(files)} file(s), {a.dtype}")
     config = json.loads((a.out / CONFIG_FILE).read_text())
     if config[EXPORT_KEY]["run_config"] is None:
-        print(f"note: no run config.toml two levels above {a.checkpoint}: the export holds no {RUN_CONFIG_FILE}, "
+        print(f"note: no run config.toml names the folder of {a.checkpoint}: the export holds no {RUN_CONFIG_FILE}, "
               "so its evaluation takes the default settings", file=sys.stderr)
     tokenizer = config.get(TOKENIZER_KEY)
     if tokenizer and "file" not in tokenizer:

@@ -75,6 +75,23 @@ def incomplete_steps(folder: Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
+def run_dir_of(step_dir: Path) -> Path:
+    """RUN_DIR of RUN_DIR/<checkpoint.folder>/step-N: the nearest ancestor whose config.toml names that folder
+    (checkpoint.folder may be nested, "ckpt/main"); the folder's parent when none does."""
+    import tomli
+
+    folder = Path(step_dir).resolve().parent
+    for run_dir in folder.parents:
+        try:
+            config = tomli.loads((run_dir / "config.toml").read_text())
+        except (OSError, ValueError):
+            continue
+        named = (config.get("checkpoint") or {}).get("folder", "checkpoints")
+        if isinstance(named, str) and (run_dir / named).resolve() == folder:
+            return run_dir
+    return folder.parent
+
+
 def read_latest(folder: Path) -> str | None:
     """The step dir name `latest` holds, or None without a `latest` file."""
     try:

@@ -57,8 +57,8 @@ TABLE_NAME = "eval_table.md"
 
 
 def run_dir_of(checkpoint: Path) -> Path:
-    """RUN_DIR for RUN_DIR/<checkpoint.folder>/step-N."""
-    return checkpoint.resolve().parent.parent
+    """RUN_DIR for RUN_DIR/<checkpoint.folder>/step-N (layout.run_dir_of: a nested folder too)."""
+    return layout.run_dir_of(checkpoint)
 
 
 def build_model(cfg: JobConfig, device: torch.device, args=None):
