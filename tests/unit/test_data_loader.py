@@ -292,3 +292,41 @@ def test_prepared_weights_naming_a_source_without_documents(tmp_path):
     loader = build_dataloader(str(tmp_path / "zero"), tok, 16, 2, 0, 1, seed=0)
     assert loader.weights == pytest.approx({"code": 1 / 3, "web": 2 / 3})
     assert loader.describe()["mixture_from"] == "prepared"
+
+
+@pytest.mark.parametrize("new_world", [1, 4])
+def test_resume_on_another_number_of_ranks_continues_the_global_stream_and_its_counts(tmp_path, new_world):
+    """A position saved by 2 ranks resumes on 1 or 4 (the same global batch): every later global batch is the
+    uninterrupted run's, split disjointly, and the tokens per source summed over the ranks (what metrics.jsonl
+    reports and data.source_mix checks) go on from the saved ones instead of restarting from this session's."""
+    tok, _ = make_dataset(tmp_path, {"a": lengths(30, 1, 60, 1), "b": lengths(20, 5, 90, 2), "c": lengths(25, 3, 40, 3)})
+    mix, G, T = {"a": 0.5, "b": 0.3, "c": 0.2}, 4, 16
+
+    def loaders(world):
+        return [build_dataloader(str(tmp_path), tok, T, G // world, r, world, seed=4, mixture=mix, prefetch=0)
+                for r in range(world)]
+
+    def fingerprints(ranks, n):
+        got = []
+        for _ in range(n):
+            batches = [next(loader) for loader in ranks]
+            per_rank = [set(b.fingerprints.tolist()) for b in batches]
+            assert sum(map(len, per_rank)) == len(set().union(*per_rank))  # disjoint
+            got.append(sorted(set().union(*per_rank)))
+        return got
+
+    def summed(ranks):
+        return {k: sum(loader.source_tokens_total[k] for loader in ranks) for k in mix}
+
+    uninterrupted = loaders(2)
+    want = fingerprints(uninterrupted, 9)
+    saved_by = loaders(2)
+    assert fingerprints(saved_by, 5) == want[:5]
+    state = saved_by[0].state_dict()
+    resumed = loaders(new_world)
+    for loader in resumed:
+        loader.load_state_dict(state)
+    assert summed(resumed) == summed(saved_by)
+    assert fingerprints(resumed, 4) == want[5:]
+    assert summed(resumed) == summed(uninterrupted)
+    assert sum(summed(resumed).values()) == 9 * G * T

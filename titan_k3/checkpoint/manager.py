@@ -452,7 +452,7 @@ class CheckpointManager:
             return ""
         return (f"saved on {meta['world_size']} ranks (dp {meta['dp_world']}), loaded on {self.world_size} "
                 f"(dp {self.dp_world}): model and optimizer resharded; data continues at the global position "
-                f"(per-rank mixture counters restart); ranks without a saved RNG state keep their seeded one")
+                f"(per-source token counts split evenly over the new ranks); ranks without a saved RNG state keep their seeded one")
 
     def _barrier(self) -> None:
         if self.distributed:

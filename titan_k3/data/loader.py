@@ -157,6 +157,12 @@ def _uniform(seed: int, first: int, rows: int, cols: int) -> np.ndarray:
     return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
+def _split_evenly(totals: np.ndarray, world: int) -> np.ndarray:
+    """[world, len(totals)] counts whose column sums are `totals`, each split as evenly as whole counts allow."""
+    share, extra = np.divmod(totals, world)
+    return share[None, :] + (np.arange(world)[:, None] < extra[None, :])
+
+
 class _Core:
     """The synchronous producer: state + `next_batch`. Not thread-safe; one owner at a time."""
 
@@ -268,12 +274,18 @@ class _Core:
         self.seq_index = int(state["seq_index"])
         self.positions = np.asarray(state["positions"], dtype=np.int64)
         # NOTE: a new mixture restarts the deficit counts, so the schedule does not burst
-        # one source to repay the old mixture; a new world size restarts the per-rank ones.
+        # one source to repay the old mixture. A new world size splits the global counts evenly
+        # over its ranks: which rank took what before is gone, but their sum (the run's tokens
+        # per source, as metrics and the source-mix check read it) goes on.
         same_mix = np.allclose(state["weights"], self.weights)
         self.taken = np.asarray(state["taken"], dtype=np.int64) if same_mix else np.zeros_like(self.taken)
         rank_taken = np.asarray(state["rank_taken"], dtype=np.int64)
-        same_world = same_mix and rank_taken.shape == self.rank_taken.shape
-        self.rank_taken = rank_taken if same_world else np.zeros_like(self.rank_taken)
+        if not same_mix:
+            self.rank_taken = np.zeros_like(self.rank_taken)
+        elif rank_taken.shape == self.rank_taken.shape:
+            self.rank_taken = rank_taken
+        else:
+            self.rank_taken = _split_evenly(self.taken, self.world)
 
 
 class DataLoader:
@@ -363,8 +375,8 @@ class DataLoader:
         self._core.set_state(state)
         self._state = self._core.get_state()
         # NOTE: the counts go on from the saved position (this rank's share since the mixture started; zero after a
-        # change of mixture or of data-parallel world), so a resumed run's tokens_per_source and source-mix check
-        # read as the uninterrupted run's.
+        # change of mixture; an even share of the global counts after a change of data-parallel world), so a resumed
+        # run's tokens_per_source and source-mix check, summed over the ranks, read as the uninterrupted run's.
         core = self._core
         self.source_tokens_total = {s.name: int(n) for s, n in zip(core.streams, core.rank_taken[core.rank])}
 
