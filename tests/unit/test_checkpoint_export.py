@@ -284,3 +284,50 @@ def test_bad_export_arguments_are_one_line_before_the_checkpoint_is_read(checkpo
         captured = capsys.readouterr()
         assert captured.out == "" and captured.err.count("\n") == 1 and expected in captured.err, (argv, captured)
     assert (foreign / "config.json").read_text() == '{"model_type": "llama"}' and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_an_export_stopped_by_ctrl_c_leaves_nothing_half_written(checkpoint, tmp_path, capsys, monkeypatch, existing):
+    """Ctrl-C in the middle of an export left its shards (and .tmp files) behind: a directory that read as an
+    incomplete export. Now a directory the export made goes whole, and in one that was there only its files go."""
+    import safetensors.torch
+
+    step_dir, _ = checkpoint
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    real, calls = safetensors.torch.save_file, []
+
+    def interrupt_after_writing(tensors, path, metadata=None):
+        calls.append(path)
+        real(tensors, path, metadata=metadata)
+        Path(path + ".tmp").write_text("")  # as a temporary file of the next write would be
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", interrupt_after_writing)
+    assert main(["--checkpoint", str(step_dir), "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("interrupted: nothing exported") and str(out) in err
+    assert len(calls) == 1
+    if existing:
+        assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    else:
+        assert not out.exists()
+
+
+def test_a_failure_after_config_json_keeps_the_whole_export(checkpoint, tmp_path, monkeypatch):
+    """config.json is written last and marks a whole export: a failure past it (the shards' chmod) removes nothing."""
+    import os as os_module
+
+    step_dir, _ = checkpoint
+    out = tmp_path / "out"
+
+    def fail(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os_module, "chmod", fail)
+    with pytest.raises(PermissionError):
+        export_checkpoint(step_dir, out, dtype="float32")
+    monkeypatch.undo()
+    import_state_dict(out)

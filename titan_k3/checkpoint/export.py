@@ -96,7 +96,21 @@ def export_checkpoint(checkpoint: Path, out: Path, *, dtype: str = "bfloat16", m
         shards[-1].append(key)
         used += nbytes
 
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _write_export(checkpoint, out, meta, args, out_dtype, dtype, shards, earlier, save_file)
+    except BaseException:
+        # NOTE: a failure or a Ctrl-C midway leaves no half export behind: a directory this export created goes
+        # whole; in one that was there, the files it wrote so far (an earlier export's index and config are gone
+        # already, so what is left reads as no export, never as a mix of two).
+        _remove_partial(out, created, n_shards=len(shards))
+        raise
+
+
+def _write_export(checkpoint: Path, out: Path, meta: dict, args: K3Args, out_dtype: torch.dtype, dtype: str,
+                  shards: list[list[str]], earlier: set[str], save_file) -> dict:
+    """The writing half of `export_checkpoint`: shards, index, run config, tokenizer, checksums, config.json last."""
     # NOTE: an export into a directory holding an earlier one overwrites its shards one by one; were it stopped
     # midway, the earlier index and config beside a mix of new and old shards would import as one model. Without
     # them the directory reads as no export until this one writes its own, config.json last.
@@ -154,6 +168,23 @@ def export_checkpoint(checkpoint: Path, out: Path, *, dtype: str = "bfloat16", m
     for stale in earlier - set(files):
         (out / stale).unlink(missing_ok=True)
     return index
+
+
+def _remove_partial(out: Path, created: bool, n_shards: int) -> None:
+    """What an export stopped midway wrote into `out`: all of `out` if the export created it, else its shards of this
+    shard count, the index, checksums and temporary files; nothing once its config.json, written last, is there."""
+    import shutil
+
+    if (out / CONFIG_FILE).exists():
+        return  # written last: the export is whole, whatever failed after it
+    if created:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for path in out.iterdir():
+        ours = (path.name in (INDEX_FILE, integrity.CHECKSUMS_FILE) or path.name.endswith(".tmp")
+                or path.name.startswith("model-") and path.name.endswith(f"-of-{n_shards:05d}.safetensors"))
+        if ours and path.is_file():
+            path.unlink(missing_ok=True)
 
 
 def _earlier_export_files(path: Path) -> set[str]:
@@ -316,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: nothing exported; what this export had written into {str(a.out)!r} is removed",
+              file=sys.stderr)
+        return 130
     files = sorted(set(index["weight_map"].values()))
     print(f"exported {a.checkpoint} -> {a.out}: {len(index['weight_map'])} tensors, "
           f"{index['metadata']['total_size'] / 2**20:.1f} MiB in {len(files)} file(s), {a.dtype}")
