@@ -190,3 +190,37 @@ def test_a_nested_checkpoint_folder_finds_its_run(tmp_path, capsys):
     capsys.readouterr()
     assert eval_main(["--checkpoint", str(stray), "--device", "cpu"]) == 2
     assert f"run directory '{tmp_path / 'stray' / 'a'}': no config.toml" in capsys.readouterr().err
+
+
+def test_a_table_that_cannot_be_written_is_said_before_the_evaluation_and_never_lost(run, capsys, monkeypatch):
+    """--runs wrote RUN_DIR/eval_table.md after the whole evaluation and before printing: a path it could not write
+    ended in a traceback and the evaluated table was lost."""
+    import pathlib
+    import shutil
+
+    run_dir, _ = run
+    table = run_dir / "eval_table.md"
+    saved = table.read_bytes() if table.exists() else None
+    table.unlink(missing_ok=True)
+    table.mkdir()
+    try:
+        assert eval_main(["--runs", str(run_dir), "--val-steps", "1", "--device", "cpu"]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.startswith(f"error: {table}: a directory")
+    finally:
+        shutil.rmtree(table)
+        if saved is not None:
+            table.write_bytes(saved)
+
+    real = pathlib.Path.write_text
+
+    def full_disk(self, *args, **kwargs):
+        if self.name == "eval_table.md":
+            raise OSError(28, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full_disk)
+    assert eval_main(["--runs", str(run_dir), "--val-steps", "1", "--device", "cpu"]) == 1
+    captured = capsys.readouterr()
+    assert "| step | tokens | val_loss |" in captured.out
+    assert "eval_table.md: not written (No space left on device); the table is printed above" in captured.err

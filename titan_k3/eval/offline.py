@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -262,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = parser.parse_args(argv)
     try:
+        if args.runs is not None:
+            _check_writable(args.runs / TABLE_NAME)
         device = _device(args.device)
         if args.checkpoint is not None and is_export_dir(args.checkpoint):
             rows = evaluate_export(args.checkpoint, device, tasks=args.tasks, val_steps=args.val_steps, note=_stderr)
@@ -273,7 +276,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     table = markdown_table(rows)
-    if args.runs is not None:
-        (args.runs / TABLE_NAME).write_text(f"# Benchmarks across tokens: run `{args.runs.name}`\n\n{table}")
     print(json.dumps(rows, indent=2) if args.json else table, end="" if not args.json else "\n")
+    if args.runs is not None:
+        # NOTE: after the print: a table that cannot be written (the disk filled during the evaluation) is not lost.
+        try:
+            (args.runs / TABLE_NAME).write_text(f"# Benchmarks across tokens: run `{args.runs.name}`\n\n{table}")
+        except OSError as e:
+            print(f"error: {args.runs / TABLE_NAME}: not written ({e.strerror or e}); the table is printed above",
+                  file=sys.stderr)
+            return 1
     return 0
+
+
+def _check_writable(path: Path) -> None:
+    """Raises ValueError, before any evaluation, where `path` (a file to write at the end) cannot be written."""
+    if path.is_dir():
+        raise ValueError(f"{path}: a directory, where the evaluation's table is written; move it away")
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        raise ValueError(f"{path}: not writable, where the evaluation's table is written")
