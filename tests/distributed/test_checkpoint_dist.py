@@ -1,4 +1,5 @@
-"""Checkpoints of FSDP2 runs (gloo, CPU): exact 2-rank resume, stop agreement, resharding to 1 and 4 ranks.
+"""Checkpoints of FSDP2 and FSDP2 + EP runs (gloo, CPU): exact 2-rank resume, stop agreement, resharding to 1 and 4
+ranks.
 
 The real Trainer runs in spawned gloo processes over one global batch of 4
 sequences (local batch 4 / W). Legs:
@@ -8,6 +9,9 @@ sequences (local batch 4 / W). Legs:
           it must match `ref` bitwise, update for update, and end with the same state.
   one     1 process resumed from the 2-rank step-4 checkpoint (DCP reshards),
   four    4 ranks resumed from it: losses continue within float32 tolerance.
+  ep      2 ranks, FSDP2 + EP 2 (experts sharded over "ep", outside FSDP), 8 updates: `ref`'s numbers;
+  ep_one  1 process and ep_four 4 ranks (FSDP4 + EP 4) resumed from its step-4 checkpoint: the experts'
+          and their optimizer state's shards move to another layout, and the losses continue `ref`'s.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ ARGS = [
     "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1", "--checkpoint.enable", "true",
     "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0",
 ]
+EP2 = ("--parallelism.expert_parallel_degree", "2")
 
 
 def _train(dump: str, name: str, world: int, rank: int, stop_after: int = -1, extra: tuple = ()) -> int:
@@ -91,12 +96,12 @@ def _copy_checkpoint(src: Path, run: Path) -> None:
 def runs(tmp_path_factory):
     dump = tmp_path_factory.mktemp("ckpt_dist")
     asynchronous = ("--checkpoint.async_mode", "async")
-    steps = _spawn(2, dump, [("ref", -1, ()), ("res", 3, asynchronous), ("res", -1, asynchronous)])
-    for name in ("one", "four"):
-        _copy_checkpoint(dump / "res" / "checkpoints" / "step-4", dump / name)
+    steps = _spawn(2, dump, [("ref", -1, ()), ("res", 3, asynchronous), ("res", -1, asynchronous), ("ep", -1, EP2)])
+    for name, source in (("one", "res"), ("four", "res"), ("ep_one", "ep"), ("ep_four", "ep")):
+        _copy_checkpoint(dump / source / "checkpoints" / "step-4", dump / name)
     assert "WORLD_SIZE" not in os.environ
-    one_steps = _train(str(dump), "one", world=1, rank=0)
-    four_steps = _spawn(4, dump, [("four", -1, ())])
+    one_steps = [_train(str(dump), name, world=1, rank=0) for name in ("one", "ep_one")]
+    four_steps = _spawn(4, dump, [("four", -1, ()), ("ep_four", -1, ("--parallelism.expert_parallel_degree", "4"))])
     return dump, steps, one_steps, four_steps
 
 
@@ -124,10 +129,20 @@ def test_two_rank_resume_is_bitwise_exact(runs):
         assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("name", ["one", "four"])
+def test_expert_parallel_run_equals_the_fsdp2_run(runs):
+    dump, steps, _, _ = runs
+    assert [s[3] for s in steps] == [STEPS, STEPS]
+    ref, ep = _metrics(dump / "ref"), _metrics(dump / "ep")
+    assert sorted(ep) == sorted(ref)
+    for step in ref:
+        assert ep[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5), step
+        assert ep[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4), step
+
+
+@pytest.mark.parametrize("name", ["one", "four", "ep_one", "ep_four"])
 def test_resharded_resume_continues_the_two_rank_run(runs, name):
     dump, _, one_steps, four_steps = runs
-    assert one_steps == STEPS and four_steps == [[STEPS]] * 4
+    assert one_steps == [STEPS, STEPS] and four_steps == [[STEPS, STEPS]] * 4
     resumed = _events(dump / name, "resumed")
     assert [e["step"] for e in resumed] == [4] and "resharded" in resumed[0]["message"]
     ref, run = _metrics(dump / "ref"), _metrics(dump / name)
