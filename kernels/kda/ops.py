@@ -204,15 +204,20 @@ def _sizes(T: int, batch: int, cu_seqlens, chunk_indices) -> tuple:
     """(N, NT): the sequences and the chunk table's rows, from shapes alone (`batch` sequences of T / batch,
     or the packed layout's tensors); a padded layout counts its padding documents and chunks."""
     if cu_seqlens is None:
-        return batch, batch * triton.cdiv(T // batch, BT)
+        return batch, batch * triton.cdiv(_per_sequence(T, batch), BT)
     return cu_seqlens.shape[0] - 1, chunk_indices.shape[0]
+
+
+def _per_sequence(T: int, batch: int) -> int:
+    """T / batch, the tokens of each of `batch` sequences packed into T rows; 0 for an empty batch (B == 0)."""
+    return T // batch if batch else 0
 
 
 def _layout(T: int, batch: int, layout, device) -> tuple:
     """(cu_seqlens, chunk_indices, chunk_offsets, N, NT) of a call: the cached plain layout of `batch` sequences
     (layout None), or the packed documents' device tensors `layout` as given (their values are not read here)."""
     if layout is None:
-        return chunk_layout(batch, T // batch, None, device)
+        return chunk_layout(batch, _per_sequence(T, batch), None, device)
     return (*layout, *_sizes(T, batch, layout[0], layout[1]))
 
 
@@ -489,7 +494,8 @@ def chunk_kda(
     use_qk_l2norm normalises q and k over K (eps 1e-6); beta_is_logit applies a sigmoid to beta.
     The gate runs inside the decay kernels (forward and backward); the L2 norm and the sigmoid
     run as PyTorch ops just before them, so that all three equal the unfused computation.
-    Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] float32 or None).
+    Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] float32 or None). B or T may be 0 (the final
+    state is then the initial one).
     """
     documents = None if chunk_layout is None else _check_layout(chunk_layout, q.device)
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, documents=documents)

@@ -161,7 +161,7 @@ def recurrent_kda(
             S = S + beta[b, t][:, None, None] * kt[..., None] * err[:, None, :]
             o[b, t] = torch.einsum("hkv,hk->hv", S, scale * q[b, t])
         finals.append(S)
-    final = torch.stack(finals) if output_final_state else None
+    final = (torch.stack(finals) if finals else q.new_zeros(0, H, K, V)) if output_final_state else None
     return o.to(v.dtype), final
 
 
@@ -236,7 +236,8 @@ def chunk_kda_reference(
     S0 = None if initial_state is None else initial_state.to(dtype)
 
     if cu_seqlens is None:
-        T_pad = -(-T // CHUNK) * CHUNK
+        # NOTE: at least one chunk, so that T = 0 runs too: a zero chunk leaves the state as it was.
+        T_pad = max(CHUNK, -(-T // CHUNK) * CHUNK)
         o, S = _chunked_forward(*(_pad_time(x, T_pad) for x in xs), scale, S0)
         o = o[:, :T]
     else:

@@ -449,3 +449,67 @@ def test_intra_chunk_precision_by_dtype_device_and_split():
     assert ops.intra_precision(torch.float16, cuda, {**opts, "split": 0})[1] == "tf32"  # bwd.intra_dot: three passes
     assert ops.intra_precision(torch.bfloat16, cpu, opts)[1] == "tf32"
     assert "split" not in ops.intra_precision(torch.bfloat16, cuda, opts)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Empty inputs, many documents, and the reference's own gradients.
+
+
+@pytest.mark.parametrize("B, T", [(0, 8), (1, 0), (2, 0)])
+def test_empty_batch_or_sequence(B, T):
+    """No sequences (B = 0) or no tokens (T = 0): empty outputs, the final state is the initial one, and the
+    backward runs (the launch layout divided T by B, and the references stacked an empty list)."""
+    H, K, V = 2, 16, 8
+    q, k, v, g, beta, h0 = (x.float() for x in make_inputs(B, T, H, K, V))
+    for fn in (chunk_kda, chunk_kda_reference, recurrent_kda):
+        device = DEVICE if fn is chunk_kda else "cpu"
+        leaves = [x.to(device).detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+        o, S = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True)
+        assert o.shape == (B, T, H, V) and S.shape == (B, H, K, V), fn.__name__
+        assert torch.equal(S.detach().cpu(), h0), fn.__name__
+        if fn is recurrent_kda:
+            continue  # the token loop never runs: its outputs are fresh tensors, not a graph
+        dS = torch.randn(S.shape, device=device)
+        (o.sum() + (S * dS).sum()).backward()
+        assert torch.equal(leaves[5].grad, dS), fn.__name__
+        assert all(x.grad is None or x.grad.shape == x.shape for x in leaves[:5]), fn.__name__
+
+
+def test_chunk_kda_many_short_documents_and_one_document():
+    """Twenty documents of 1-4 tokens (several inside one 64-token chunk, one-token ones among them), then a pack
+    of one document covering the whole row."""
+    lengths = [1, 3, 2, 4, 1, 1, 4, 2, 3, 1, 2, 2, 4, 3, 1, 1, 2, 4, 3, 1]
+    check_triton_against_recurrent(1, sum(lengths), 1, 16, 16, lengths=lengths, seed=21)
+    check_triton_against_recurrent(1, 70, 1, 16, 16, lengths=[70], seed=22)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused-options"])
+def test_reference_gradcheck_in_float64(fused):
+    """torch.autograd.gradcheck of the chunked reference (the kernels' ground truth for gradients) on packed
+    documents with a ragged chunk, the initial state included; fused: the safe gate, the L2 norm and beta's
+    sigmoid as the reference applies them."""
+    gen = torch.Generator().manual_seed(30)
+    H, K, V, lengths = 1, 4, 3, [3, 1, 5]
+    T = sum(lengths)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    q, k, v = randn(1, T, H, K), l2norm(randn(1, T, H, K)), randn(1, T, H, V)
+    g = -torch.rand(1, T, H, K, generator=gen, dtype=torch.float64) * 2
+    beta = torch.rand(1, T, H, generator=gen, dtype=torch.float64)
+    h0 = randn(len(lengths), H, K, V)
+    inputs = [q, k, v, g, beta, h0]
+    options = {}
+    if fused:
+        inputs += [randn(H), randn(H, K)]
+        options = dict(use_qk_l2norm=True, beta_is_logit=True)
+    inputs = [x.requires_grad_() for x in inputs]
+
+    def f(q, k, v, g, beta, h0, *gate):
+        gate_args = dict(A_log=gate[0], dt_bias=gate[1]) if gate else {}
+        return chunk_kda_reference(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                   **gate_args, **options)
+
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
