@@ -330,3 +330,22 @@ def test_resume_on_another_number_of_ranks_continues_the_global_stream_and_its_c
     assert fingerprints(resumed, 4) == want[5:]
     assert summed(resumed) == summed(uninterrupted)
     assert sum(summed(resumed).values()) == 9 * G * T
+
+
+def test_a_small_source_read_twice_in_an_update_is_not_one_sequence_on_two_ranks(tmp_path):
+    """A source smaller than an update's share of it repeats its windows' text within the update (here two documents
+    of 2T tokens at half the mixture): the same text at two positions of the stream is two sequences, so no
+    fingerprint may sit on both ranks (data.disjoint_sequences reported ranks reading overlapping data); ranks that do
+    read the same positions (both built as rank 0) still share every fingerprint."""
+    T = 16
+    tok, _ = make_dataset(tmp_path, {"big": lengths(40, 10, 200, 1), "small": [T, T]})
+    mix = {"big": 0.5, "small": 0.5}
+    ranks = [build_dataloader(str(tmp_path), tok, T, 4, r, 2, seed=0, mixture=mix, prefetch=0) for r in range(2)]
+    texts = []
+    for _ in range(20):
+        b0, b1 = (next(loader) for loader in ranks)
+        assert not set(b0.fingerprints.tolist()) & set(b1.fingerprints.tolist())
+        texts.append(len({tuple(r) for r in b0.input_ids.tolist()} & {tuple(r) for r in b1.input_ids.tolist()}))
+    assert max(texts) > 0  # the same text did sit on both ranks
+    same = [build_dataloader(str(tmp_path), tok, T, 4, 0, 2, seed=0, mixture=mix, prefetch=0) for _ in range(2)]
+    assert torch.equal(next(same[0]).fingerprints, next(same[1]).fingerprints)

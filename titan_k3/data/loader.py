@@ -60,7 +60,9 @@ class Batch:
     cu_seqlens:    int64 [N+1] document boundaries over the flattened B*T tokens; every
                    row start is a boundary; first 0, last B*T.
     source_tokens: {source: input tokens of this batch taken from it}.
-    fingerprints:  int64 [B] 63-bit hash of each row's T+1 window tokens.
+    fingerprints:  int64 [B] 63-bit hash of each row's place in the stream (source, position) and its T+1 window
+                   tokens: rows share one only if they are one sequence of the stream, not merely the same text
+                   (a source smaller than an update's share of it repeats its text within the update).
     """
 
     input_ids: torch.Tensor
@@ -138,8 +140,8 @@ class _SourceStream:
         return tokens, doc_ids
 
 
-def _fingerprint(window: np.ndarray) -> int:
-    digest = hashlib.blake2b(window.tobytes(), digest_size=8).digest()
+def _fingerprint(source: str, pos: int, window: np.ndarray) -> int:
+    digest = hashlib.blake2b(f"{source}@{pos}:".encode() + window.tobytes(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
@@ -225,7 +227,7 @@ class _Core:
             starts = np.flatnonzero(docs[1:T] != docs[: T - 1]) + 1
             boundaries.append(row * T + starts)
             boundaries.append(np.array([(row + 1) * T], dtype=np.int64))
-            fingerprints[row] = _fingerprint(window)
+            fingerprints[row] = _fingerprint(stream.name, pos, window)
             source_tokens[stream.name] += T
         return Batch(
             input_ids=torch.from_numpy(inputs),
