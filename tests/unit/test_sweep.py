@@ -287,3 +287,27 @@ def test_a_members_error_names_its_file_once(tmp_path):
     with pytest.raises(SweepError) as e:
         load_member(path)
     assert str(e.value) == f"{path}: config key 'training.steps' = 'many': expected an integer"
+
+
+def test_bad_arguments_stop_with_one_line_before_any_work(base, tmp_path, two_runs, capsys, monkeypatch):
+    """--parallel 0 waited forever for runs it never started; an --out or --report it cannot write ended in a
+    traceback; a run given twice was compared with itself; two --values of the same number said the configs "do not
+    differ in the declared knob"."""
+    monkeypatch.setattr(sweep.subprocess, "Popen", lambda *a, **k: pytest.fail("a run was started"))
+    a, b = two_runs
+    for argv, expected in [
+        (["--base", str(base), "--knob", "optimizer.lr", "--values", "1e-3,2e-3", "--run", "--parallel", "0"],
+         "error: --parallel=0: must be >= 1"),
+        (["--base", str(base), "--knob", "optimizer.lr", "--values", "1e-3,2e-3", "--service", "http://h", "--token",
+          "t", "--gpus", "-1"], "error: --gpus=-1: must be >= 0"),
+        (["--base", str(base), "--knob", "optimizer.lr", "--values", "1e-3,0.001,2e-3"],
+         "error: --values 1e-3 and 0.001: the same optimizer.lr (0.001) twice"),
+        (["--base", str(base), "--knob", "optimizer.lr", "--values", "1e-3,2e-3", "--out", str(base / "x")],
+         f"error: --out '{base}/x': cannot write the configs there ("),
+        (["--compare", str(a), str(b), "--report", str(base / "r.md")], f"error: --report '{base}/r.md': cannot write"),
+        (["--compare", str(a), str(a.parent / ".." / a.parent.name / a.name)],
+         f"error: --compare: run '{a.parent}/../{a.parent.name}/{a.name}' is given twice (as '{a}')"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(expected), (argv, err)

@@ -170,12 +170,15 @@ def generate(base: Path, knob: str, values: list[str]) -> list[Member]:
     budget, stem = token_budget(base_member.cfg), base.stem
     section, key = knob.split(".")
     members = []
+    given: dict[str, str] = {}  # repr of each value -> the --values entry that gave it
     for raw in values:
         try:
             cfg = load_job_config([f"--{knob}", raw], toml_text=base_member.text)
         except ValueError as e:
             raise SweepError(f"--values: {e}") from None
         value = getattr(getattr(cfg, section), key)
+        if (same := given.setdefault(repr(value), raw)) != raw:
+            raise SweepError(f"--values {same} and {raw}: the same {knob} ({toml_value(value)}) twice")
         data = tomli.loads(base_member.text)
         data.setdefault(section, {})[key] = value
         note = ""
@@ -329,6 +332,12 @@ def compare_runs(runs: list[RunView], window: float = 0.1) -> tuple[int, str | N
     """(token budget, knob or None, keys that differ, one Row per run)."""
     if len(runs) < 2:
         raise SweepError(f"--compare needs at least 2 run directories, got {len(runs)}")
+    seen: dict[Path, Path] = {}
+    for r in runs:
+        if r.path.resolve() in seen:
+            raise SweepError(f"--compare: run {str(r.path)!r} is given twice"
+                             + (f" (as {str(seen[r.path.resolve()])!r})" if seen[r.path.resolve()] != r.path else ""))
+        seen[r.path.resolve()] = r.path
     if not 0 < window <= 1:
         raise SweepError(f"--window={window}: must be in (0, 1]")
     budget = min(r.max_tokens for r in runs)
@@ -493,6 +502,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=0.1, help="last fraction of the token budget averaged (default 0.1)")
     args = parser.parse_args(argv)
     try:
+        for flag, value, least in (("--parallel", args.parallel, 1), ("--gpus", args.gpus, 0),
+                                   ("--nproc-per-node", args.nproc_per_node, 1)):
+            if value < least:
+                raise SweepError(f"{flag}={value}: must be >= {least}")
         if args.compare:
             runs = [load_run(p) for p in args.compare]
             _write_report(report(runs, args.window), args.report or args.out / "compare.md", runs)
@@ -503,10 +516,13 @@ def main(argv: list[str] | None = None) -> int:
             if not args.knob or not args.values:
                 raise SweepError("--base needs --knob and --values")
             members = generate(args.base, args.knob, [v.strip() for v in args.values.split(",") if v.strip()])
-            args.out.mkdir(parents=True, exist_ok=True)
             paths = [args.out / m.origin for m in members]
-            for m, path in zip(members, paths):
-                path.write_text(m.text)
+            try:
+                args.out.mkdir(parents=True, exist_ok=True)
+                for m, path in zip(members, paths):
+                    path.write_text(m.text)
+            except OSError as e:
+                raise SweepError(f"--out {str(args.out)!r}: cannot write the configs there ({e.strerror or e})") from None
             knob = args.knob
         else:
             members = [load_member(p) for p in args.configs]
@@ -565,10 +581,13 @@ def plot_runs(runs: list[RunView], path: Path) -> Path:
 
 
 def _write_report(text: str, path: Path, runs: list[RunView]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    png = plot_runs(runs, path.with_suffix(".png"))
-    text += f"\n![loss against tokens]({png.name})\n"
-    path.write_text(text)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        png = plot_runs(runs, path.with_suffix(".png"))
+        text += f"\n![loss against tokens]({png.name})\n"
+        path.write_text(text)
+    except OSError as e:
+        raise SweepError(f"--report {str(path)!r}: cannot write the report there ({e.strerror or e})") from None
     print(text, end="")
     print(f"report written to {path}, plot to {png}")
 
