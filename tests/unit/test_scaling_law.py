@@ -50,3 +50,27 @@ def test_cli_writes_fit_and_plots(tmp_path):
     assert main([str(pts), "--budget", "1e19", "--bootstrap", "3", "--out", str(tmp_path / "o")]) == 0
     assert {p.name for p in (tmp_path / "o").iterdir()} == {"fit.json", "fit.png", "isoflop.png"}
     assert _theta(TRUTH).shape == (5,)
+
+
+def test_bad_input_is_one_line_and_status_2(tmp_path, capsys):
+    """A missing file, a zero --bootstrap and an unwritable --out ended in tracebacks; a negative --budget and a
+    point of loss 0 fitted to nan; the other refusals exited 1."""
+    N, D, L = synthetic(TRUTH, seed=1)
+    good = "\n".join(f'{{"params": {n}, "tokens": {d}, "loss": {l}}}' for n, d, l in zip(N, D, L))
+    pts = tmp_path / "runs.jsonl"
+    pts.write_text(good)
+    zero = tmp_path / "zero.jsonl"
+    zero.write_text(good + '\n{"params": 1e6, "tokens": 1e9, "loss": 0}\n')
+    out = ["--out", str(tmp_path / "o")]
+    for argv, expected in [
+        ([str(tmp_path / "missing.jsonl"), *out], f"error: {tmp_path}/missing.jsonl: cannot read it (No such file"),
+        ([str(pts), "--bootstrap", "0", *out], "error: --bootstrap=0: must be >= 1"),
+        ([str(pts), "--budget", "-1", *out], "error: --budget=-1.0: must be a positive number of FLOPs"),
+        ([str(zero), *out], f"error: {zero} line {len(N) + 1}: params, tokens and loss must be positive numbers, got "
+                            "1000000.0, 1000000000.0, 0"),
+        ([str(pts), "--bootstrap", "2", "--out", str(pts / "o")], f"error: --out '{pts}/o': cannot write the fit"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(expected), (argv, err)
+    assert not (tmp_path / "o").exists()

@@ -7,8 +7,8 @@ the optimum is N* = G (C / 6)^(beta / (alpha + beta)) with
 G = (alpha A / (beta B))^(1 / (alpha + beta)), D* = C / (6 N*).
 
     python -m titan_k3.tools.scaling_law runs.jsonl --budget 1e20 --out fit/
-runs.jsonl: one {"params": N, "tokens": D, "loss": L} per line (e.g. from the
-summarizer), or run directories given with --runs.
+runs.jsonl: one {"params": N, "tokens": D, "loss": L} per line, each a positive
+number, at least 5 lines. Bad input: one line `error: ...`, exit status 2.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import argparse
 import itertools
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -154,19 +155,35 @@ def plot(result: FitWithIntervals, N, D, L, out_dir: Path, budget: float | None)
     return paths
 
 
+EXIT_BAD_INPUT = 2
+
+
+class PointsError(ValueError):
+    """Input the fit cannot use; the message is one line naming the file or option."""
+
+
 def read_points(path: Path) -> tuple[list[float], list[float], list[float]]:
     N, D, L = [], [], []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PointsError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
                 rec = json.loads(line)
-                N.append(float(rec["params"]))
-                D.append(float(rec["tokens"]))
-                L.append(float(rec["loss"]))
-            except (json.JSONDecodeError, KeyError, ValueError) as e:
-                raise SystemExit(f"error: {path} line {n}: expected {{params, tokens, loss}} ({e})")
+                values = [rec[k] for k in ("params", "tokens", "loss")]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise PointsError(f"{path} line {n}: expected {{params, tokens, loss}} ({e})") from None
+            # NOTE: the fit works on logarithms: a zero, negative or non-finite value has none.
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                       for v in values):
+                raise PointsError(f"{path} line {n}: params, tokens and loss must be positive numbers, got "
+                                  f"{', '.join(json.dumps(v) for v in values)}")
+            for column, v in zip((N, D, L), values):
+                column.append(float(v))
     if len(N) < 5:
-        raise SystemExit(f"error: {path}: {len(N)} points; a five-parameter fit needs at least 5")
+        raise PointsError(f"{path}: {len(N)} points; a five-parameter fit needs at least 5")
     return N, D, L
 
 
@@ -177,13 +194,24 @@ def main(argv=None) -> int:
     p.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the intervals")
     p.add_argument("--out", type=Path, default=Path("scaling_law"), help="output folder (fit.json, PNG plots)")
     args = p.parse_args(argv)
-    N, D, L = read_points(args.points)
-    result = bootstrap(N, D, L, n_boot=args.bootstrap, budget=args.budget)
-    args.out.mkdir(parents=True, exist_ok=True)
-    report = {"fit": asdict(result.fit), "intervals_90": result.intervals, "optimal": result.optimal,
-              "optimal_intervals_90": result.optimal_intervals, "n_points": len(N)}
-    (args.out / "fit.json").write_text(json.dumps(report, indent=2))
-    plot(result, N, D, L, args.out, args.budget)
+    try:
+        if args.budget is not None and not (math.isfinite(args.budget) and args.budget > 0):
+            raise PointsError(f"--budget={args.budget}: must be a positive number of FLOPs")
+        if args.bootstrap < 1:
+            raise PointsError(f"--bootstrap={args.bootstrap}: must be >= 1")
+        N, D, L = read_points(args.points)
+        result = bootstrap(N, D, L, n_boot=args.bootstrap, budget=args.budget)
+        report = {"fit": asdict(result.fit), "intervals_90": result.intervals, "optimal": result.optimal,
+                  "optimal_intervals_90": result.optimal_intervals, "n_points": len(N)}
+        try:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "fit.json").write_text(json.dumps(report, indent=2))
+            plot(result, N, D, L, args.out, args.budget)
+        except OSError as e:
+            raise PointsError(f"--out {str(args.out)!r}: cannot write the fit there ({e.strerror or e})") from None
+    except PointsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     print(json.dumps(report, indent=2))
     return 0
 
