@@ -3,7 +3,9 @@
 Two CPU ranks (gloo) of the real CLI under torchrun. Once the second
 checkpoint is committed, rank 1's process is killed with SIGKILL; torchrun
 tears the group down and restarts it, the trainer resumes from `latest`
-(saying so in events.jsonl) and completes every update.
+(saying so in events.jsonl) and completes every update, each with one
+process's loss and grad norm on the same global batch (the data position and
+tokens per source included).
 """
 
 from __future__ import annotations
@@ -67,14 +69,14 @@ def _rank_one_worker(torchrun_pid: int) -> int | None:
 def test_torchrun_restart_after_a_rank_is_killed_resumes_from_latest(tmp_path):
     run = tmp_path / "tr"
     env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    train = ["-m", "titan_k3.train", "--model.flavor", "debug", "--training.seq_len", "64", "--training.steps", str(STEPS),
+             "--training.device", "cpu", "--training.compute_dtype", "float32", "--kernels.attention", "math",
+             "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_path)]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
-        "--standalone", "--monitor-interval", "0.2",
-        "-m", "titan_k3.train",
-        "--model.flavor", "debug", "--training.seq_len", "64", "--training.steps", str(STEPS),
-        "--training.local_batch_size", "1", "--training.device", "cpu", "--metrics.log_freq", "1",
-        "--checkpoint.enable", "true", "--checkpoint.interval", "1",
-        "--job.dump_folder", str(tmp_path), "--job.name", "tr",
+        "--standalone", "--monitor-interval", "0.2", *train,
+        "--training.local_batch_size", "1", "--checkpoint.enable", "true", "--checkpoint.interval", "1",
+        "--job.name", "tr",
     ]
     log = open(tmp_path / "torchrun.log", "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -101,3 +103,12 @@ def test_torchrun_restart_after_a_rank_is_killed_resumes_from_latest(tmp_path):
     assert sorted(metrics) == list(range(1, STEPS + 1))
     assert metrics[STEPS]["tokens_seen"] == STEPS * 2 * 64
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{STEPS}"
+    one = subprocess.run([sys.executable, *train, "--training.local_batch_size", "2", "--job.name", "one"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+    reference = {r["step"]: r for r in map(json.loads, (tmp_path / "one" / "metrics.jsonl").read_text().splitlines())}
+    for step in range(1, STEPS + 1):  # the restarted attempt's record of an update it redid is the later one
+        assert metrics[step]["loss"] == pytest.approx(reference[step]["loss"], rel=1e-5), step
+        assert metrics[step]["grad_norm"] == pytest.approx(reference[step]["grad_norm"], rel=1e-4), step
+    sources = [k for k in reference[STEPS] if k.startswith("tokens_per_source/")]
+    assert sources and all(metrics[STEPS][k] == reference[STEPS][k] for k in sources)
