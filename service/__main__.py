@@ -15,7 +15,10 @@ def main(argv: list[str] | None = None) -> None:
     settings = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     where = "the one given" if settings.token else f"in {settings.state_dir / 'token'}"
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except (ValueError, OSError) as e:  # a state dir in use, or one that cannot be made or written
+        sys.exit(f"python -m service: error: {e}")
     logging.getLogger("service").info("state in %s; %d GPU(s) to schedule; bearer token: %s",
                                       settings.state_dir, settings.gpus, where)
     # NOTE: keep-alive past a dashboard's polling interval, so a busy client does not race the server's close.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hmac
 import json
 import logging
@@ -10,6 +11,7 @@ import math
 import os
 import secrets
 import shutil
+import sqlite3
 import threading
 import time
 from contextlib import asynccontextmanager, suppress
@@ -61,6 +63,29 @@ RunId = Annotated[str, PathParam(pattern=names.RUN_ID_PATTERN, max_length=names.
                                  description="Run id: letters, digits, '_', '-', '.', no '..'.")]
 
 
+def lock_state_dir(state_dir: Path) -> Any:
+    """Hold `<state_dir>/service.lock` (an exclusive flock, released when the process ends however it ends): the
+    open lock file. ValueError naming the holder's pid when another service has it.
+
+    NOTE: two services over one registry would each re-adopt and relaunch the other's runs, and each answers from
+    its own snapshot of the registry (a run created on one is a 404 on the other).
+    """
+    state_dir.mkdir(parents=True, exist_ok=True)
+    f = open(state_dir / "service.lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise ValueError(f"--state-dir {state_dir}: in use by another service (pid {holder}); stop it, or give "
+                         "another --state-dir") from None
+    f.truncate(0)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
 def _override_text(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -72,6 +97,7 @@ class Service:
 
     def __init__(self, settings: Settings):
         self.settings = settings
+        self.state_lock = lock_state_dir(settings.state_dir)
         settings.runs_dir.mkdir(parents=True, exist_ok=True)
         self.token = settings.ensure_token()
         self.registry = Registry(settings.state_dir / "registry.sqlite3")
@@ -164,6 +190,10 @@ class Service:
             except OSError as e:  # a full or read-only disk: the host's fault, said in one line, nothing left
                 shutil.rmtree(run_dir, ignore_errors=True)
                 raise HTTPException(507, f"cannot create run directory runs/{run_id}: {e.strerror}") from None
+            except sqlite3.OperationalError as e:  # the registry's disk is full (or it stayed locked past its timeout)
+                shutil.rmtree(run_dir, ignore_errors=True)
+                raise HTTPException(507 if "full" in str(e) else 503,
+                                    f"cannot record run {run_id!r} in the registry: {e}") from None
             except BaseException:
                 shutil.rmtree(run_dir, ignore_errors=True)
                 raise
@@ -293,6 +323,7 @@ def create_app(settings: Settings) -> FastAPI:
         svc.supervisor.shutdown()
         svc.trainer_check.close()
         svc.registry.close()
+        svc.state_lock.close()
 
     app = FastAPI(title="titan_k3 control service", version="0.2.0", lifespan=lifespan,
                   description="Start, watch and stop titan_k3 trainings (torchrun children) over REST.",
@@ -307,7 +338,9 @@ def create_app(settings: Settings) -> FastAPI:
               responses={**AUTH, 400: {"model": ErrorOut, "description": "body is not valid JSON"},
                          415: {"model": ErrorOut, "description": "body not sent as application/json"},
                          409: {"model": ErrorOut, "description": "name taken"},
-                         507: {"model": ErrorOut, "description": "the run directory cannot be created (disk full)"},
+                         507: {"model": ErrorOut, "description": "the run directory cannot be created or the registry "
+                                                                 "cannot record the run (disk full)"},
+                         503: {"model": ErrorOut, "description": "the registry stayed locked (retry)"},
                          413: {"model": ErrorOut, "description": "body too large"},
                          422: {"description": "refused: bad config, or more than this host or the trainer allows "
                                               "(the trainer's own one-line message in detail[0].msg)"}})
@@ -445,10 +478,18 @@ async def _follow(svc: Service, run: Run, tail: int) -> AsyncIterator[bytes]:
         head = f"event: {kind}\n" if kind else ""
         return (head + "".join(f"data: {part}\n" for part in line.split("\n")) + "\n").encode()
 
+    def read(path: str, offset: int) -> bytes:
+        with suppress(FileNotFoundError):  # the attempt has not written its log yet
+            with open(path, "rb") as f:
+                f.seek(offset)
+                return f.read(1 << 20)
+        return b""
+
     for line in svc.log_lines(run, tail) if tail else []:
         yield event(line)
     n = run.attempts[-1].n if run.attempts else 0
-    offset = Path(run.attempts[-1].log_path).stat().st_size if run.attempts and Path(run.attempts[-1].log_path).exists() else 0
+    path = run.attempts[-1].log_path if run.attempts else ""
+    offset = Path(path).stat().st_size if path and Path(path).exists() else 0
     partial = b""
     while True:
         current = svc.registry.get(run.id)
@@ -456,14 +497,17 @@ async def _follow(svc: Service, run: Run, tail: int) -> AsyncIterator[bytes]:
             yield event(json.dumps({"state": "deleted", "message": f"run {run.id!r} was deleted"}), "end")
             return
         if current.attempts and current.attempts[-1].n != n:
-            n, offset, partial = current.attempts[-1].n, 0, b""
+            # NOTE: what the ended attempt wrote since the last read (its last lines: why it ended) comes first.
+            while path and (data := read(path, offset)):
+                offset += len(data)
+                *lines, partial = (partial + data).split(b"\n")
+                for line in lines:
+                    yield event(svc.scrub(line.decode("utf-8", errors="replace")))
+            if partial:
+                yield event(svc.scrub(partial.decode("utf-8", errors="replace")))
+            n, path, offset, partial = current.attempts[-1].n, current.attempts[-1].log_path, 0, b""
             yield event(f"=== attempt {n} ===")
-        data = b""
-        if current.attempts:
-            with suppress(FileNotFoundError):  # the attempt has not written its log yet
-                with open(current.attempts[-1].log_path, "rb") as f:
-                    f.seek(offset)
-                    data = f.read(1 << 20)
+        data = read(path, offset) if path else b""
         if data:
             offset += len(data)
             *lines, partial = (partial + data).split(b"\n")

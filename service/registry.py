@@ -140,14 +140,18 @@ class Registry:
         self._db.row_factory = sqlite3.Row
         self._snapshot: list[Run] | None = None
         self._deleted_restarts = 0
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute("PRAGMA foreign_keys=ON")
-            self._db.executescript(_SCHEMA)
-            columns = {r["name"] for r in self._db.execute("PRAGMA table_info(runs)")}
-            if "prometheus_port" not in columns:  # a registry written before the column existed
-                self._db.execute("ALTER TABLE runs ADD COLUMN prometheus_port INTEGER NOT NULL DEFAULT 0")
+        try:
+            with self._lock:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=NORMAL")
+                self._db.execute("PRAGMA foreign_keys=ON")
+                self._db.executescript(_SCHEMA)
+                columns = {r["name"] for r in self._db.execute("PRAGMA table_info(runs)")}
+                if "prometheus_port" not in columns:  # a registry written before the column existed
+                    self._db.execute("ALTER TABLE runs ADD COLUMN prometheus_port INTEGER NOT NULL DEFAULT 0")
+        except sqlite3.Error as e:  # not a database, damaged, read-only, a full disk
+            self._db.close()
+            raise ValueError(f"registry {path}: cannot open it ({e})") from None
 
     @property
     def lock(self) -> threading.RLock:

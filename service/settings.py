@@ -178,7 +178,10 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     a = p.parse_args(argv)
     token = os.environ.get(TOKEN_ENV, "")
     if a.token_file:
-        token = Path(a.token_file).read_text().strip()
+        try:
+            token = Path(a.token_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            p.error(f"--token-file {a.token_file!r}: cannot read it ({getattr(e, 'strerror', None) or e})")
         if not token:
             p.error(f"--token-file {a.token_file!r}: file is empty")
     return Settings(
