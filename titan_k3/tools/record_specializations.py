@@ -23,25 +23,38 @@ USAGE = "usage: python -m titan_k3.tools.record_specializations [--fresh] -- TRA
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status 0 when recorded; 2 for a bad command line or no CUDA device (nothing runs)."""
+    """Exit status 0 when recorded; 2 for a bad command line, bad trainer arguments or no CUDA device (nothing runs)."""
     argv = sys.argv[1:] if argv is None else argv
     ours = argv[:argv.index("--")] if "--" in argv else argv
+    if ours and set(ours) <= {"-h", "--help"}:
+        print(f"{USAGE}\n\n{__doc__.strip()}")
+        return 0
     if set(ours) - {"--fresh"}:
         print(USAGE, file=sys.stderr)
         return 2
     trainer_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    from titan_k3.config import load_job_config
+
+    try:  # before torch: the trainer's arguments are refused as the trainer refuses them, in one line
+        cfg = load_job_config([*trainer_args, "--training.steps", "2", "--lr_scheduler.warmup_steps", "1",
+                               "--lr_scheduler.warmup_fraction", "0", "--kernels.precompile_threads", "0"])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available():
         print("record_specializations: needs CUDA (the specializations are the GPU's)", file=sys.stderr)
         return 2
     from kernels.specializations import recording, write_manifest
-    from titan_k3.config import load_job_config
     from titan_k3.train import Trainer
 
     with recording() as entries:
-        trainer = Trainer(load_job_config([*trainer_args, "--training.steps", "2", "--lr_scheduler.warmup_steps", "1",
-                                           "--lr_scheduler.warmup_fraction", "0", "--kernels.precompile_threads", "0"]))
+        try:
+            trainer = Trainer(cfg)
+        except ValueError as e:  # ConfigError among them: what the trainer checks as it builds (the device, files)
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         try:
             for _ in range(2):
                 trainer.train_step()
