@@ -25,3 +25,16 @@ def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def check_same_device(op: str, first: str, tensors: dict[str, torch.Tensor | None]) -> None:
+    """Raise ValueError (one line naming the op and the tensor) unless every tensor given is on the device of
+    `tensors[first]`; None entries are skipped.
+
+    NOTE: a Triton kernel reads every pointer as one device's memory: a tensor elsewhere is an illegal address on
+    a GPU, and garbage read without a word in the CPU interpreter.
+    """
+    device = tensors[first].device
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{op}: {name} is on {t.device}, {first} on {device}; all must be on one device")

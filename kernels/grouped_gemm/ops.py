@@ -13,7 +13,7 @@ N rows, K reduction width, M output width.
 import torch
 import triton
 
-from kernels.device import triton_runs_on
+from kernels.device import check_same_device, triton_runs_on
 from kernels.grouped_gemm.reference import route_permutation
 from kernels.grouped_gemm.triton_gemm import (
     grouped_mm_dual_kernel,
@@ -215,6 +215,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     _check_dtype("w", w, x.dtype)
     for name, t in (("x", x), ("w", w), ("offsets", offsets)):
         _check_device(name, t)
+    check_same_device("grouped_mm", "x", dict(x=x, w=w, offsets=offsets))
     return _grouped_mm_op(x, w, offsets)
 
 
@@ -388,9 +389,11 @@ def _check_moe(x_TL, w1_ELF, w3_ELF, w2_EFL, topk_idx_TK, topk_weight_TK) -> Non
             f"w1_ELF, w3_ELF, w2_EFL have dtypes {w1_ELF.dtype}, {w3_ELF.dtype}, {w2_EFL.dtype}; "
             f"they must be one dtype, x's ({x_TL.dtype}) or float32"
         )
-    for name, t in (("x_TL", x_TL), ("w1_ELF", w1_ELF), ("w3_ELF", w3_ELF), ("w2_EFL", w2_EFL),
-                    ("topk_idx_TK", topk_idx_TK), ("topk_weight_TK", topk_weight_TK)):
+    tensors = dict(x_TL=x_TL, w1_ELF=w1_ELF, w3_ELF=w3_ELF, w2_EFL=w2_EFL, topk_idx_TK=topk_idx_TK,
+                   topk_weight_TK=topk_weight_TK)
+    for name, t in tensors.items():
         _check_device(name, t)
+    check_same_device("moe_experts", "x_TL", tensors)
 
 
 def moe_experts(

@@ -27,6 +27,8 @@ finite for any decay down to hard resets (g = -1000).
 import torch
 import torch.nn.functional as F
 
+from kernels.device import check_same_device
+
 CHUNK = 64
 L2NORM_EPS = 1e-6
 DEFAULT_GATE_LOWER_BOUND = -5.0
@@ -87,6 +89,12 @@ def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias
         raise ValueError(f"beta must be [B, T, H] = [{B}, {T}, {H}], got {tuple(beta.shape)}")
     if K > 256 or V > 256:
         raise ValueError(f"K and V must be <= 256, got K={K}, V={V}")
+    named = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias)
+    for name, t in named.items():
+        if t is not None and not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
+    # NOTE: cu_seqlens may live on the host (chunk_kda reads it there without waiting for the GPU).
+    check_same_device("chunk_kda", "q", named)
     N = B
     if documents is not None:
         if B != 1:

@@ -6,6 +6,8 @@ Legend: B batch, T tokens, C channels, W taps.
 import torch
 import torch.nn.functional as F
 
+from kernels.device import check_same_device
+
 
 def check_inputs(x_BTC: torch.Tensor, w_C1W: torch.Tensor, pos_BT: torch.Tensor) -> None:
     """One line naming what is wrong, before any work."""
@@ -14,8 +16,11 @@ def check_inputs(x_BTC: torch.Tensor, w_C1W: torch.Tensor, pos_BT: torch.Tensor)
     B, T, C = x_BTC.shape
     if w_C1W.dim() != 3 or w_C1W.shape[0] != C or w_C1W.shape[1] != 1 or w_C1W.shape[2] < 1:
         raise ValueError(f"causal_conv_silu: w has shape {tuple(w_C1W.shape)}; expected [C={C}, 1, W] (nn.Conv1d layout)")
-    if tuple(pos_BT.shape) != (B, T) or pos_BT.is_floating_point():
+    if not w_C1W.is_floating_point():
+        raise ValueError(f"causal_conv_silu: w is {w_C1W.dtype}; expected a floating dtype")
+    if tuple(pos_BT.shape) != (B, T) or pos_BT.is_floating_point() or pos_BT.is_complex() or pos_BT.dtype == torch.bool:
         raise ValueError(f"causal_conv_silu: pos is {pos_BT.dtype} of shape {tuple(pos_BT.shape)}; expected integer [B={B}, T={T}]")
+    check_same_device("causal_conv_silu", "x", dict(x=x_BTC, w=w_C1W, pos=pos_BT))
 
 
 def causal_depthwise_conv(x_BTC: torch.Tensor, w_C1W: torch.Tensor, pos_BT: torch.Tensor) -> torch.Tensor:

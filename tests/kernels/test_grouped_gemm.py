@@ -408,3 +408,79 @@ def test_experts_cast_in_kernel_is_our_kernels_lever_and_refused_without_them():
     [lever] = [c for c in impl.choices if c.op == "expert_weights"]
     assert (lever.requested, lever.chosen, lever.fallback) == ("cast_in_kernel", "cast_pass", True)
     assert lever.reason.startswith("kernels.experts_cast_in_kernel needs our Triton experts; experts fell back: no CUDA")
+
+
+def test_reference_gradcheck_in_float64():
+    """torch.autograd.gradcheck of the references (the kernels' ground truth for gradients): grouped_mm over an
+    empty group and rows past offsets[-1], the expert block over every differentiable input."""
+    gen = torch.Generator().manual_seed(50)
+    x = torch.randn(7, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 3, 2, generator=gen, dtype=torch.float64, requires_grad=True)
+    offsets = torch.tensor([2, 2, 6], dtype=torch.int32)
+    assert torch.autograd.gradcheck(lambda x, w: reference.grouped_mm(x, w, offsets), (x, w))
+    x, w1, w3, w2, idx, prob = make_moe(5, 3, 2, 3, 4, torch.float64, seed=51)
+    assert torch.autograd.gradcheck(lambda *p: reference.moe_experts(*p[:4], idx, p[4]), (x, w1, w3, w2, prob))
+
+
+def test_strided_inputs_match_the_float64_reference():
+    """Transposed and sliced views (never made contiguous by the caller): the kernels read them through their
+    strides."""
+    gen = torch.Generator().manual_seed(52)
+    x = torch.randn(8, 30, generator=gen).t().to(DEVICE).requires_grad_()  # [30, 8], column-major
+    w = torch.randn(3, 5, 8, generator=gen).transpose(1, 2).to(DEVICE).requires_grad_()  # [3, 8, 5]
+    offsets = torch.tensor([10, 10, 27], dtype=torch.int32, device=DEVICE)
+    dy = torch.randn(30, 5, generator=gen).to(DEVICE)
+    y = grouped_mm(x, w, offsets)
+    got = (y, *torch.autograd.grad(y, (x, w), dy))
+    want, want_grads = float64_grads(reference.grouped_mm, (x, w, offsets), dy)
+    for name, a, b in zip(("y", "dx", "dw"), got, (want, *want_grads)):
+        assert rel_rms(a, b) < 1e-5, name
+    x, w1, w3, w2, idx, prob = make_moe(9, 4, 2, 16, 24, torch.float32, seed=53)
+    x_view = torch.cat([x.detach(), x.detach()], dim=1)[:, ::2].to(DEVICE).requires_grad_()  # column stride 2
+    w2_view = w2.detach().transpose(1, 2).contiguous().transpose(1, 2).to(DEVICE).requires_grad_()
+    inputs = [x_view, w1.detach().to(DEVICE).requires_grad_(), w3.detach().to(DEVICE).requires_grad_(), w2_view]
+    prob = prob.detach().to(DEVICE).requires_grad_()
+    idx = idx.to(DEVICE)
+    dy = torch.randn(x.shape, generator=gen).to(DEVICE)
+    y = moe_experts(*inputs, idx, prob)
+    got = (y, *torch.autograd.grad(y, (*inputs, prob), dy))
+    want, want_grads = float64_grads(lambda a, b, c, d, p: reference.moe_experts(a, b, c, d, idx, p), (*inputs, prob), dy)
+    for name, a, b in zip(("y", "x", "w1", "w3", "w2", "topk_weight"), got, (want, *want_grads)):
+        assert rel_rms(a, b) < 1e-5, name
+
+
+def test_moe_experts_float16_matches_float64_reference():
+    x, w1, w3, w2, idx, prob = make_moe(13, 4, 2, 16, 24, torch.float16, seed=54)
+    params = [t.detach().to(DEVICE).requires_grad_() for t in (x, w1, w3, w2, prob)]
+    idx = idx.to(DEVICE)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(55)).to(DEVICE, torch.float16)
+    y = moe_experts(*params[:4], idx, params[4])
+    got = (y, *torch.autograd.grad(y, params, dy))
+    want, want_grads = float64_grads(lambda a, b, c, d, p: reference.moe_experts(a, b, c, d, idx, p), params, dy)
+    assert all(g.dtype == torch.float16 for g in got)
+    for name, a, b in zip(("y", "x", "w1", "w3", "w2", "topk_weight"), got, (want, *want_grads)):
+        assert rel_rms(a, b) < 5e-3, name
+
+
+@pytest.mark.parametrize("moved, message", [
+    ("w", "grouped_mm: w is on meta, x on"),
+    ("offsets", "grouped_mm: offsets is on meta, x on"),
+])
+def test_grouped_mm_tensor_on_another_device_stops_with_one_line(moved, message):
+    """The kernels read every pointer as x's device's memory: a tensor elsewhere ran on garbage in the interpreter
+    (an illegal address on a GPU). The meta device stands in for another device here."""
+    args = dict(x=torch.randn(8, 4, device=DEVICE), w=torch.randn(2, 4, 3, device=DEVICE),
+                offsets=torch.tensor([4, 8], dtype=torch.int32, device=DEVICE))
+    args[moved] = args[moved].to("meta")
+    with pytest.raises(ValueError, match=message):
+        grouped_mm(args["x"], args["w"], args["offsets"])
+
+
+@pytest.mark.parametrize("moved", ["w2_EFL", "topk_idx_TK", "topk_weight_TK"])
+def test_moe_experts_tensor_on_another_device_stops_with_one_line(moved):
+    x, w1, w3, w2, idx, prob = make_moe(5, 2, 1, 8, 6, torch.float32, seed=56)
+    args = {name: t.detach().to(DEVICE) for name, t in
+            dict(x_TL=x, w1_ELF=w1, w3_ELF=w3, w2_EFL=w2, topk_idx_TK=idx, topk_weight_TK=prob).items()}
+    args[moved] = args[moved].to("meta")
+    with pytest.raises(ValueError, match=f"moe_experts: {moved} is on meta, x_TL on"):
+        moe_experts(*args.values())

@@ -513,3 +513,26 @@ def test_reference_gradcheck_in_float64(fused):
                                    **gate_args, **options)
 
     assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fn", [chunk_kda, chunk_kda_reference], ids=["triton", "reference"])
+@pytest.mark.parametrize("change, message", [
+    (dict(k="meta"), "chunk_kda: k is on meta, q on"),
+    (dict(beta="meta"), "chunk_kda: beta is on meta, q on"),
+    (dict(initial_state="meta"), "chunk_kda: initial_state is on meta, q on"),
+    (dict(A_log="meta"), "chunk_kda: A_log is on meta, q on"),
+    (dict(g=torch.int32), "g must be a floating tensor, got torch.int32"),
+    (dict(beta=torch.int64), "beta must be a floating tensor, got torch.int64"),
+    (dict(initial_state=torch.int32), "initial_state must be a floating tensor, got torch.int32"),
+])
+def test_a_tensor_on_another_device_or_of_integers_stops_with_one_line(fn, change, message):
+    """The kernels read every pointer as q's device's memory and every value as a float: a tensor elsewhere, or of
+    integers, ran on garbage in the interpreter (an illegal address on a GPU). The meta device stands in for
+    another device here."""
+    x = torch.zeros(1, 8, 2, 16, device=DEVICE)
+    args = dict(q=x, k=x, v=x, g=x, beta=torch.zeros(1, 8, 2, device=DEVICE),
+                initial_state=torch.zeros(1, 2, 16, 16, device=DEVICE), A_log=torch.zeros(2, device=DEVICE))
+    [(name, to)] = change.items()
+    args[name] = args[name].to(to)
+    with pytest.raises(ValueError, match=message):
+        fn(**args)

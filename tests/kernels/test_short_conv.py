@@ -121,3 +121,38 @@ def test_the_op_registration_holds_for_torch_compile():
     x = torch.randn(2, 20, 12, device=DEVICE, requires_grad=True)
     w = torch.randn(12, 1, 4, device=DEVICE, requires_grad=True)
     torch.library.opcheck(_conv_op, (x, w, positions(2, 20, [6, 14])))
+
+
+@pytest.mark.parametrize("fn", [causal_conv_silu, causal_conv_silu_reference], ids=["triton", "reference"])
+@pytest.mark.parametrize("moved, message", [
+    ("w", "causal_conv_silu: w is on meta, x on"),
+    ("pos", "causal_conv_silu: pos is on meta, x on"),
+])
+def test_a_tensor_on_another_device_stops_with_one_line(fn, moved, message):
+    """The kernels read every pointer as x's device's memory: a tensor elsewhere ran on garbage in the interpreter
+    (an illegal address on a GPU). The meta device stands in for another device here."""
+    args = dict(x=torch.randn(1, 8, 4, device=DEVICE), w=torch.randn(4, 1, 3, device=DEVICE),
+                pos=torch.zeros(1, 8, dtype=torch.int64, device=DEVICE))
+    args[moved] = args[moved].to("meta")
+    with pytest.raises(ValueError, match=message):
+        fn(args["x"], args["w"], args["pos"])
+
+
+@pytest.mark.parametrize("w_dtype, pos_dtype, message", [
+    (torch.int64, torch.int64, "w is torch.int64; expected a floating dtype"),
+    (torch.float32, torch.bool, "pos is torch.bool of shape \\(1, 8\\); expected integer"),
+])
+def test_an_integer_weight_or_boolean_positions_stop_with_one_line(w_dtype, pos_dtype, message):
+    with pytest.raises(ValueError, match=message):
+        causal_conv_silu(torch.randn(1, 8, 4, device=DEVICE), torch.ones(4, 1, 3, dtype=w_dtype, device=DEVICE),
+                         torch.zeros(1, 8, dtype=pos_dtype, device=DEVICE))
+
+
+def test_reference_gradcheck_in_float64():
+    """torch.autograd.gradcheck of the reference (the kernels' ground truth for gradients) in x and w, over packed
+    documents with a one-token one."""
+    gen = torch.Generator().manual_seed(40)
+    x = torch.randn(2, 7, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 1, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    pos = torch.tensor([[0, 1, 2, 0, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6]])
+    assert torch.autograd.gradcheck(lambda x, w: causal_conv_silu_reference(x, w, pos), (x, w))
