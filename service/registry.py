@@ -9,7 +9,7 @@ request.
 Run states:
   queued -> running -> finished | failed | stopped
   running -> stopping -> stopped          (POST stop)
-  running -> running (next attempt)       (crash within the restart limit)
+  running -> running (next attempt)       (crash within the restart limit, also one while the service was down)
   running/stopping -> lost                (service restarted, process gone, no exit record)
   queued -> running | finished | lost     (service restarted after it recorded an attempt but before it marked
                                            the run running: the attempt is re-adopted or settled, never relaunched)

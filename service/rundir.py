@@ -310,7 +310,7 @@ def tail_lines(path: Path, n: int, block: int = 65536) -> list[str]:
         return []
     try:
         f = open(path, "rb")
-    except FileNotFoundError:
+    except OSError:  # absent or unreadable: the supervisor reads exits through it and must not stop on one
         return []
     with f:
         f.seek(0, 2)

@@ -303,6 +303,12 @@ class Supervisor:
             return
         code = read_exit(a.exit_path) if a is not None else None
         killed = kill_leftovers(a) if a is not None else 0
+        if a is not None and code not in (None, 0) and run.stop_requested_at is None:
+            # NOTE: an attempt that failed while the service was down gets what it would have got with the service
+            # up: a relaunch within the restart limit, or failed (at once for a configuration error), not lost.
+            log.warning("run %s: attempt %d exited with %d while the service was down", run.id, a.n, code)
+            self._on_exit(run, a, code)
+            return
         if a is not None and a.ended_at is None:
             self.registry.end_attempt(run.id, a.n, code)
         if code == 0 or (code is not None and run.stop_requested_at is not None):

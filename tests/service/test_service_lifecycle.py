@@ -14,7 +14,7 @@ import pytest
 from service.app import Service, _follow
 from service.registry import Attempt
 from service.settings import Settings
-from service_harness import REPO
+from service_harness import REPO, wait_until
 
 INLINE = '[model]\nflavor = "debug"\n[training]\nsteps = 6\nseq_len = 64\n[metrics]\nlog_freq = 1\n'
 
@@ -132,3 +132,20 @@ def test_a_registry_on_a_full_disk_is_507_and_leaves_nothing(tmp_path, monkeypat
     finally:
         svc.registry.close()
         svc.state_lock.close()
+
+
+def test_an_attempt_that_crashed_while_the_service_was_down_is_relaunched(make_service):
+    """The restart policy outlives a service restart: the crash is relaunched as it would have been with the
+    service up (it was settled as lost, waiting for a resume by hand)."""
+    svc = make_service(fake=True, step_seconds=1.0)
+    body = {"toml": INLINE, "name": "away", "restart_limit": 1, "overrides": {"debug.crash_at_step": 2}}
+    assert svc.create(**body).status_code == 201
+    svc.wait_state("away", ("running",))
+    svc.kill()
+    exit_file = svc.state_dir / "runs" / "away" / "service" / "attempt-1.exit"
+    wait_until(exit_file.exists, 60, "attempt 1 to crash while the service is down")
+    svc.start()
+    run = svc.wait_state("away", ("failed",))
+    assert run["exit_codes"] == [3, 3] and run["restarts_total"] == 1, run
+    assert run["message"] == "attempt 2 exited with code 3; restart limit 1 reached"
+

@@ -50,7 +50,8 @@ def test_recover_readopts_live_attempts_and_settles_the_rest(tmp_path):
             "vanished": ("running", dead.pid, 1.0, None, False),
         }
         for i, (run_id, (state, pid, t0, exit_text, stop)) in enumerate(cases.items()):
-            reg.insert_run(run_id, "inline", {}, 1, 1, 2)
+            # NOTE: no restarts left: a crash while away fails it (a relaunch is test_service_lifecycle's)
+            reg.insert_run(run_id, "inline", {}, 1, 1, 0 if run_id == "crashed-while-away" else 2)
             exit_path = tmp_path / f"{run_id}.exit"
             if exit_text is not None:
                 exit_path.write_text(exit_text + "\n")
@@ -60,7 +61,8 @@ def test_recover_readopts_live_attempts_and_settles_the_rest(tmp_path):
         got = {r.id: r for r in reg.list()}
         assert {k: r.state for k, r in got.items()} == {
             "alive": "running", "reused-pid": "lost", "ended-ok": "finished", "stopped-while-away": "stopped",
-            "crashed-while-away": "lost", "vanished": "lost"}
+            "crashed-while-away": "failed", "vanished": "lost"}
+        assert got["crashed-while-away"].message == "attempt 1 exited with code 1; restart limit 0 reached"
         assert got["alive"].assigned_gpus == [0] and got["alive"].attempts[0].ended_at is None
         assert got["ended-ok"].attempts[0].exit_code == 0 and got["vanished"].attempts[0].exit_code is None
         assert all(r.assigned_gpus == [] for k, r in got.items() if k != "alive")
