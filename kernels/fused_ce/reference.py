@@ -9,7 +9,8 @@ never holds float32 logits for more than C rows at once, in forward or backward
 `F.cross_entropy`; tests use it as ground truth.
 
 Both return `(loss_sum, n_valid)`: the summed loss over rows whose target is not
-`ignore_index` (float32 scalar) and the number of such rows (int64 scalar).
+`ignore_index` (float32 scalar; float64 for float64 inputs, so the reference can
+stand as a float64 ground truth) and the number of such rows (int64 scalar).
 There is no mean reduction on purpose: the trainer divides by the valid-token
 count of the whole update, summed over microbatches and ranks.
 """
@@ -101,7 +102,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx.ignore_index = ignore_index
         ctx.chunk_rows = chunk_rows
         ctx.weight_dtype = weight.dtype
-        return loss_sum.float()
+        # NOTE: float64 inputs keep their float64 sum: rounded to float32 it hid the float64 gradients from a
+        # finite-difference check (torch.autograd.gradcheck saw steps of float32 rounding).
+        return loss_sum
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -143,7 +146,7 @@ def linear_cross_entropy(
     """Summed cross-entropy of `h @ weight.T` against `targets`, chunked over rows.
 
     h [N, D], weight [V, D] (h's dtype, or float32 with bf16 / float16 h), targets [N] int64
-    -> (loss_sum float32 [], n_valid int64 []). Differentiable in `h` and `weight`.
+    -> (loss_sum float32 [] (float64 for float64 h), n_valid int64 []). Differentiable in `h` and `weight`.
     `chunk_rows` (default: 256 MiB of float32 logits) bounds the rows whose logits exist at one time.
     """
     check_inputs(h, weight, targets)

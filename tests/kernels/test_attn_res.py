@@ -333,3 +333,18 @@ def test_max_mix_sources_is_what_the_model_reads(n_layers, block):
     model.init_weights(seed=0)
     model(torch.randint(0, 64, (1, 8)))
     assert max(seen) == args.max_mix_sources
+
+
+@pytest.mark.parametrize("n_sources, norm", [(3, False), (3, True), (1, True)])
+def test_reference_gradcheck_in_float64(n_sources, norm):
+    """torch.autograd.gradcheck of the reference (the kernels' ground truth for gradients) in every source, the
+    query and the norm weight; a lone source counts only with a norm (without one it is returned as it is)."""
+    sources, query = make_inputs(n_sources, (2, 3, 5), seed=60)
+    weight = torch.randn(5, generator=torch.Generator().manual_seed(61), dtype=torch.float64)
+    leaves = [t.requires_grad_() for t in (*sources, query, *([weight] if norm else []))]
+
+    def f(*args):
+        return pseudo_query_mix_reference(list(args[:n_sources]), args[n_sources], EPS,
+                                          norm_weight=args[n_sources + 1] if norm else None)
+
+    assert torch.autograd.gradcheck(f, leaves)

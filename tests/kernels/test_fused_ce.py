@@ -347,3 +347,34 @@ def test_fp8_grads_refuse_widths_cublas_cannot_take():
     h, weight, targets = _inputs(8, 24, 64)
     with pytest.raises(ValueError, match=r"fp8_grads: .*\(24\) must be multiples of 16"):
         linear_cross_entropy(h, weight, targets, IGNORE, fp8_grads=True)
+
+
+def test_chunked_reference_gradcheck_in_float64():
+    """torch.autograd.gradcheck of the chunked reference's hand-written backward (the CPU path's gradients), over a
+    ragged last chunk and ignored rows; the naive reference's through autograd alongside."""
+    h, weight, targets = _inputs(7, 4, 9, dtype=torch.float64, ignore_every=3, seed=70, device="cpu")
+    h.requires_grad_()
+    weight.requires_grad_()
+
+    def chunked(h, weight):
+        return reference.linear_cross_entropy(h, weight, targets, IGNORE, chunk_rows=3)[0]
+
+    def naive(h, weight):
+        return reference.linear_cross_entropy_naive(h, weight, targets, IGNORE)[0]
+
+    assert torch.autograd.gradcheck(chunked, (h, weight))
+    assert torch.autograd.gradcheck(naive, (h, weight))
+
+
+@pytest.mark.parametrize("n", [0, 1])
+def test_fused_no_rows_and_one_row(small_block, n):
+    """An empty microbatch gives a zero loss, no valid rows and zero gradients; one row matches float64."""
+    h, weight, targets = _inputs(n, 8, 40, seed=71)
+    got = _loss_and_grads(linear_cross_entropy, h, weight, targets)
+    truth = _ground_truth(h, weight, targets)
+    if n == 0:
+        loss, n_valid, gh, gw = got
+        assert loss.item() == 0.0 and n_valid.item() == 0 and gh.shape == (0, 8)
+        assert torch.equal(gw, torch.zeros_like(gw))
+    else:
+        _assert_close_to_truth(got, truth, 1e-5)
