@@ -8,7 +8,6 @@ group are captured before clipping with `capture_grads(...)` on the same steps.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterable
 
@@ -18,7 +17,7 @@ import torch.distributed as dist
 from titan_k3.config import ConfigError, JobConfig
 from titan_k3.invariants.checks import CHECKS
 from titan_k3.metrics.clocks import TwoClocks
-from titan_k3.metrics.events import EventLog
+from titan_k3.metrics.events import EventLog, JsonLines
 from titan_k3.metrics.grad_norms import grad_norms_by_group
 from titan_k3.metrics.memory import GIB, memory_stats
 from titan_k3.metrics.moe_stats import CollapseAlarm, expert_load_stats
@@ -70,6 +69,7 @@ class MetricsReporter:
     def start(self, run_dir: Path, events: EventLog) -> None:
         self.events = events
         self.metrics_path = Path(run_dir) / "metrics.jsonl"
+        self._metrics_file = JsonLines(self.metrics_path)
         if self.rank == 0:
             print(f"metrics: MFU against {self.peak_tflops:g} TFLOP/s per device ({self.peak_source})", flush=True)
         if self._writer_cls is not None:
@@ -200,8 +200,7 @@ class MetricsReporter:
         return record
 
     def _write(self, record: dict) -> None:
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._metrics_file.append(record)
         print(f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | gnorm {record['grad_norm']:.3f} | "
               f"tok/s {record['tokens_per_second_training']:,.0f} (session {record['tokens_per_second_session']:,.0f}) | "
               f"mfu {100 * record['mfu']:.2f}% | wait {100 * record['data_wait_fraction']:.0f}%", flush=True)

@@ -226,11 +226,19 @@ def _write_run_files(cfg: JobConfig, path: Path, manifest_extra: dict[str, Any])
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """Every record of a metrics.jsonl / events.jsonl file ([] when absent); ValueError naming a bad line."""
+    """Every record of a metrics.jsonl / events.jsonl file ([] when absent); ValueError naming a bad line.
+
+    A last line without its newline is no record yet (a write in progress, or one a kill cut short:
+    events.append_record drops it at the run's next write) and is left out.
+    """
     if not path.exists():
         return []
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    text = path.read_text()
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        lines.pop()
+    for n, line in enumerate(lines, 1):
         if line.strip():
             try:
                 out.append(json.loads(line))
