@@ -198,14 +198,21 @@ def send_tables(tables: list[Table], device: torch.device | str) -> None:
 
 
 def _prepare(table: Table | None, make, slots, skip_if: torch.Tensor | None, lists: list[list[torch.Tensor]],
-             triton_: bool | None, grad_scale: torch.Tensor | None = None) -> tuple[Table | None, list]:
-    """(the table on the device, or None for the reference path; the kernel's pointer arguments)."""
+             triton_: bool | None, names: tuple[str, ...], grad_scale: torch.Tensor | None = None,
+             ) -> tuple[Table | None, list]:
+    """(the table on the device, or None for the reference path; the kernel's pointer arguments). names: the
+    slots' and each list's argument name, for errors."""
     bases = [slots if isinstance(slots, torch.Tensor) else first_nonempty(slots)] + [first_nonempty(l) for l in lists]
     if bases[1] is None:
         return None, []
     if table is None:
         table = make()
     table.check_slots(slots)
+    # NOTE: a table checks each list on its own; the kernel reads every list as the first one's device's memory.
+    for name, base in zip(names, bases):
+        if base is not None and base.device != bases[1].device:
+            raise ValueError(f"{table.op}: {name} is on {base.device}, {names[1]} on {bases[1].device}; "
+                             "all must be on one device")
     for name, flag in (("skip_if", skip_if), ("grad_scale", grad_scale)):
         if flag is not None and (flag.numel() != 1 or flag.device != bases[1].device):
             raise ValueError(f"{table.op}: {name} must be a one-element tensor on {bases[1].device}; "
@@ -232,7 +239,7 @@ def nesterov_momentum_multi_(
     (`send_tables`: several in one copy); None: built and sent here.
     """
     table, bases = _prepare(table, lambda: momentum_table(grads, bufs, out), out, skip_if, [grads, bufs], triton_,
-                            grad_scale)
+                            ("out", "grads", "bufs"), grad_scale)
     if table is None:
         if bases:
             slots = out if isinstance(out, list) else out.reshape(-1).split([g.numel() for g in grads])
@@ -257,7 +264,8 @@ def decay_add_multi_(
     (of one dtype, possibly lower than the parameters'). skip_if: nonzero leaves every parameter as it was.
     table: `decay_add_table` of the same tensors, possibly already sent; None: built and sent here.
     """
-    table, bases = _prepare(table, lambda: decay_add_table(params, update), update, skip_if, [params], triton_)
+    table, bases = _prepare(table, lambda: decay_add_table(params, update), update, skip_if, [params], triton_,
+                            ("update", "params"))
     if table is None:
         if bases:
             slots = update if isinstance(update, list) else update.reshape(-1).split([p.numel() for p in params])

@@ -91,7 +91,10 @@ def causal_conv_silu(x_BTC: torch.Tensor, w_C1W: torch.Tensor, pos_BT: torch.Ten
 
     x [B, T, C] (bfloat16, float16 or float32), w [C, 1, W] (nn.Conv1d layout, tap W-1 the current
     token; rounded to x's dtype), pos integer [B, T]: each token's position inside its document
-    (`Documents.pos_BT`), tap j of token t reads token t - j iff pos[t] >= j. Returns y [B, T, C] in
+    (`Documents.pos_BT`), tap j of token t reads token t - j iff pos[t] >= j. pos[b, t] <= t: a document
+    never spans two rows (`Documents.build` refuses one that would); not checked, as that reads pos on the host,
+    and the kernels, which walk the B * T rows as one, would read the previous row's last tokens where the
+    reference reads zeros. Returns y [B, T, C] in
     x's dtype; products and sums in float32. Differentiable in x and w; deterministic (no atomics).
     Needs CUDA tensors, or TRITON_INTERPRET=1 on CPU; `kernels.short_conv.causal_conv_silu_reference`
     is the CPU path (and the float64 one).

@@ -381,3 +381,22 @@ def test_ns_polynomial_refuses_a_non_square_batch_or_a_wrong_sumsq():
         ns_polynomial(torch.zeros(2, 3, 4), NS_COEFFS)
     with pytest.raises(ValueError, match=r"sumsq must be \[B\] = \[2\]"):
         ns_polynomial(torch.zeros(2, 3, 3), NS_COEFFS, sumsq=torch.ones(3))
+
+
+@pytest.mark.parametrize("op, moved, message", [
+    ("momentum", "bufs", "nesterov_momentum_multi_: bufs is on meta, grads on"),
+    ("momentum", "out", "nesterov_momentum_multi_: out is on meta, grads on"),
+    ("decay_add", "update", "decay_add_multi_: update is on meta, params on"),
+])
+def test_a_list_on_another_device_stops_with_one_line(op, moved, message):
+    """A table checks each list on its own, and the kernel reads every list as the first one's device's memory:
+    a list elsewhere stopped on 'Cannot copy out of meta tensor' in the interpreter (an illegal address on a GPU).
+    The meta device stands in for another device here."""
+    args = dict(grads=_lists([8, 8], 0), bufs=_lists([8, 8], 2), out=_rand(16), params=_lists([8, 8], 4),
+                update=_rand(16))
+    args[moved] = [t.to("meta") for t in args[moved]] if isinstance(args[moved], list) else args[moved].to("meta")
+    with pytest.raises(ValueError, match=message):
+        if op == "momentum":
+            nesterov_momentum_multi_(args["grads"], args["bufs"], args["out"], 0.9, True, triton_=True)
+        else:
+            decay_add_multi_(args["params"], args["update"], 1.0, 1.0, triton_=True)
