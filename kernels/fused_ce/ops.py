@@ -36,6 +36,7 @@ from kernels.fused_ce.reference import check_inputs, check_target_values, rows_p
 # 2K 36.7, 4K 35.3, 8K 34.5; benchmarks/results/fused_ce.md) and 8K rows still
 # peak under a tenth of the 30 GiB that materialised bf16 logits take.
 DEFAULT_CHUNK_BYTES = 3 * 2**30
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # NOTE: aten has CUDA kernels only for matmuls with a float32 out_dtype; CPU
@@ -224,7 +225,7 @@ def linear_cross_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of `h @ weight.T` against `targets`, fused and chunked.
 
-    h [N, D], weight [V, D] (nn.Linear layout; h's dtype, or float32 with bf16 /
+    h [N, D] (bfloat16, float16 or float32; float64 runs in the reference), weight [V, D] (nn.Linear layout; h's dtype, or float32 with bf16 /
     float16 h: the products then run in h's dtype and the weight's gradient comes
     back in float32, never rounded to bf16), targets [N] int64
     -> (loss_sum float32 [], n_valid int64 []): the loss summed over rows whose
@@ -245,6 +246,10 @@ def linear_cross_entropy(
     recompute would redo all three matmuls).
     """
     check_inputs(h, weight, targets)
+    if h.dtype not in DTYPES:
+        # NOTE: the row kernel takes every logit to float32: float64 inputs came back with float32 accuracy.
+        raise ValueError(f"fused linear_cross_entropy needs bfloat16/float16/float32 h and weight, got {h.dtype}; "
+                         "float64 runs in kernels.fused_ce.reference.linear_cross_entropy")
     if not triton_runs_on(h.device):
         raise ValueError(
             f"fused linear_cross_entropy needs CUDA tensors, got device {h.device}; "
