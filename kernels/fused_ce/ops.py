@@ -225,7 +225,8 @@ def linear_cross_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of `h @ weight.T` against `targets`, fused and chunked.
 
-    h [N, D] (bfloat16, float16 or float32; float64 runs in the reference), weight [V, D] (nn.Linear layout; h's dtype, or float32 with bf16 /
+    h [N, D] (bfloat16, float16 or float32; float64 runs in the reference),
+    weight [V, D] (nn.Linear layout; h's dtype, or float32 with bf16 /
     float16 h: the products then run in h's dtype and the weight's gradient comes
     back in float32, never rounded to bf16), targets [N] int64
     -> (loss_sum float32 [], n_valid int64 []): the loss summed over rows whose

@@ -18,7 +18,8 @@ def check_inputs(x_BTC: torch.Tensor, w_C1W: torch.Tensor, pos_BT: torch.Tensor)
         raise ValueError(f"causal_conv_silu: w has shape {tuple(w_C1W.shape)}; expected [C={C}, 1, W] (nn.Conv1d layout)")
     if not w_C1W.is_floating_point():
         raise ValueError(f"causal_conv_silu: w is {w_C1W.dtype}; expected a floating dtype")
-    if tuple(pos_BT.shape) != (B, T) or pos_BT.is_floating_point() or pos_BT.is_complex() or pos_BT.dtype == torch.bool:
+    integer = not (pos_BT.is_floating_point() or pos_BT.is_complex() or pos_BT.dtype == torch.bool)
+    if tuple(pos_BT.shape) != (B, T) or not integer:
         raise ValueError(f"causal_conv_silu: pos is {pos_BT.dtype} of shape {tuple(pos_BT.shape)}; expected integer [B={B}, T={T}]")
     check_same_device("causal_conv_silu", "x", dict(x=x_BTC, w=w_C1W, pos=pos_BT))
 
