@@ -386,3 +386,15 @@ def test_fused_refuses_float64_and_points_at_the_reference():
     h, weight, targets = _inputs(6, 4, 11, dtype=torch.float64)
     with pytest.raises(ValueError, match="float64 runs in kernels.fused_ce.reference.linear_cross_entropy"):
         linear_cross_entropy(h, weight, targets, IGNORE)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 4, 100])
+def test_fused_ignore_index_inside_vocab_and_any_chunk(small_block, chunk_rows):
+    """ignore_index = 0 is a real token id: its rows are dropped, not picked, at one row per chunk, ragged chunks and
+    one chunk holding every row."""
+    h, weight, targets = _inputs(9, 4, 40, seed=72)
+    targets[::2] = 0
+    got = _loss_and_grads(linear_cross_entropy, h, weight, targets, ignore_index=0, chunk_rows=chunk_rows)
+    truth = _loss_and_grads(reference.linear_cross_entropy_naive, h.double(), weight.double(), targets, ignore_index=0)
+    _assert_close_to_truth(got, truth, 1e-5)
+    assert torch.equal(got[2][::2], torch.zeros_like(got[2][::2]))

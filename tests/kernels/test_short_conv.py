@@ -56,6 +56,8 @@ def run_both(x64, w64, pos, dtype):
     (2, 33, 48, 1, [5, 9]),             # one tap: silu(w x)
     (1, 50, 32, 3, [50]),               # an odd tap count
     (2, 29, 24, 6, [4, 11, 2]),         # taps past the four the weight-gradient pass keeps elementwise
+    (2, 3, 5, 6, None),                 # more taps than tokens in a row
+    (3, 1, 1, 4, None),                 # one token, one channel
 ])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 3e-3)])
 def test_matches_the_float64_reference(B, T, C, W, lengths, dtype, tol):
