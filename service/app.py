@@ -33,7 +33,7 @@ from service.registry import ACTIVE, STATES, TERMINAL, DuplicateRun, Registry, R
 from service.rundir import RunFilesCache, tail_lines
 from service.schemas import AttemptOut, Deleted, ErrorOut, Health, RunCreate, RunOut
 from service.settings import Settings
-from service.supervisor import Conflict, Supervisor
+from service.supervisor import Conflict, FilesKept, Supervisor
 from titan_k3.config import load_job_config
 
 log = logging.getLogger("service")
@@ -360,7 +360,8 @@ def create_app(settings: Settings) -> FastAPI:
         return Response(svc.view(svc.get(run_id)), media_type="application/json")
 
     @app.delete("/v1/runs/{run_id}", response_model=Deleted, dependencies=[Depends(require_token)],
-                responses={**AUTH, **NOT_FOUND})
+                responses={**AUTH, **NOT_FOUND, 500: {"model": ErrorOut, "description": "files=true: the run directory "
+                                                      "could not be removed; the run is kept (the message says why)"}})
     def delete_run(run_id: RunId, files: bool = Query(False, description="also remove the run directory")) -> Deleted:
         """Forget a run (its series leave /metrics); an active one is killed first, without a stop checkpoint
         (POST stop first to keep one); `files=true` also removes its run directory."""
@@ -369,6 +370,8 @@ def create_app(settings: Settings) -> FastAPI:
             svc.supervisor.delete(run_id, remove_files=files)
         except KeyError:  # deleted by a concurrent request
             raise HTTPException(404, f"no run {run_id!r}") from None
+        except FilesKept as e:
+            raise HTTPException(500, str(e)) from None
         svc.forget(run_id)
         return Deleted(id=run_id, files_removed=files)
 

@@ -52,6 +52,10 @@ class Conflict(Exception):
     """The request does not fit the run's current state (HTTP 409)."""
 
 
+class FilesKept(Exception):
+    """DELETE with files=true could not remove the run directory; the run is kept (HTTP 500, the line)."""
+
+
 def launch_command(settings: Settings, run: Run, run_dir: Path) -> list[str]:
     """The trainer's argument list for one attempt (never a shell string)."""
     if settings.launcher == "torchrun":
@@ -508,10 +512,23 @@ class Supervisor:
                     with contextlib.suppress(subprocess.TimeoutExpired):  # reaped by the OS if it lingers
                         proc.wait(timeout=10)
             self._doomed.pop(run_id, None)
+            if remove_files:
+                try:
+                    shutil.rmtree(self.settings.runs_dir / run_id)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    # NOTE: the run stays (a DELETE can be repeated; forgotten, its kept files would hold the name
+                    # with no run left to delete); killed, it is settled as stopped, not relaunched as a crash.
+                    path = Path(e.filename or self.settings.runs_dir / run_id)
+                    where = path.relative_to(self.settings.state_dir) if path.is_relative_to(self.settings.state_dir) \
+                        else f"runs/{run_id}"
+                    line = f"DELETE could not remove {where} ({e.strerror}); the run is kept"
+                    if a is not None and a.ended_at is None:
+                        self.registry.update_run(run_id, stop_requested_at=time.time(), message=line)
+                    raise FilesKept(f"{line}: DELETE again once it can go, or without files=true") from None
             self.registry.delete_run(run_id)
             self.files.forget(run_id)
-            if remove_files:
-                shutil.rmtree(self.settings.runs_dir / run_id, ignore_errors=True)
         self.wake()
 
     def _require(self, run_id: str) -> Run:

@@ -149,3 +149,42 @@ def test_an_attempt_that_crashed_while_the_service_was_down_is_relaunched(make_s
     assert run["exit_codes"] == [3, 3] and run["restarts_total"] == 1, run
     assert run["message"] == "attempt 2 exited with code 3; restart limit 1 reached"
 
+
+
+
+def test_a_delete_that_cannot_remove_the_files_keeps_the_run_and_says_so(tmp_path, monkeypatch):
+    """DELETE ?files=true answered files_removed: true when the directory stayed (the name then stayed taken, with
+    no run left to delete); now the run stays and the answer names what could not go."""
+    from fastapi.testclient import TestClient
+
+    import service.supervisor
+    from service.app import create_app
+
+    app = create_app(Settings(state_dir=tmp_path, token="x", gpus=0))  # no lifespan: no supervisor thread
+    svc = app.state.service
+    run_dir = tmp_path / "runs" / "stuck"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    svc.registry.insert_run("stuck", "inline", {}, 1, 0, 2)
+    svc.registry.update_run("stuck", state="failed")
+
+    def busy(path, ignore_errors=False, **kwargs):
+        if ignore_errors:
+            return
+        raise OSError(16, "Device or resource busy", str(run_dir / "checkpoints"))
+
+    monkeypatch.setattr(service.supervisor.shutil, "rmtree", busy)
+    try:
+        client = TestClient(app, base_url="http://127.0.0.1")
+        r = client.delete("/v1/runs/stuck", params={"files": "true"}, headers={"Authorization": "Bearer x"})
+        assert r.status_code == 500 and r.json() == {"detail": (
+            "DELETE could not remove runs/stuck/checkpoints (Device or resource busy); the run is kept: DELETE again "
+            "once it can go, or without files=true")}
+        assert svc.registry.get("stuck").state == "failed" and run_dir.is_dir()
+        monkeypatch.undo()
+        r = client.delete("/v1/runs/stuck", params={"files": "true"}, headers={"Authorization": "Bearer x"})
+        assert r.status_code == 200 and r.json() == {"id": "stuck", "files_removed": True}
+        assert svc.registry.get("stuck") is None and not run_dir.exists()
+    finally:
+        svc.trainer_check.close()
+        svc.registry.close()
+        svc.state_lock.close()
