@@ -29,12 +29,16 @@ RECENT_EVENTS = 20
 
 
 class JsonlFollower:
-    """Parses complete lines appended to a JSONL file since the last poll."""
+    """Parses complete lines appended to a JSONL file since the last poll.
+
+    NOTE: the offset stays at the end of the last complete line: the bytes of a line still being written are read
+    again at the next poll rather than kept. A trainer resumed after a kill inside a write drops that cut-short line
+    before it appends (titan_k3/metrics/events.py, JsonLines), so the next record starts where the fragment did.
+    """
 
     def __init__(self, path: Path):
         self.path = path
         self._offset = 0
-        self._partial = b""
 
     def poll(self) -> list[dict[str, Any]]:
         try:
@@ -42,17 +46,16 @@ class JsonlFollower:
         except FileNotFoundError:
             return []
         if size < self._offset:  # rewritten from scratch: start over
-            self._offset, self._partial = 0, b""
+            self._offset = 0
         if size == self._offset:
             return []
         with open(self.path, "rb") as f:
             f.seek(self._offset)
             data = f.read(size - self._offset)
-        self._offset += len(data)
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()
+        end = data.rfind(b"\n") + 1
+        self._offset += end
         out = []
-        for line in lines:
+        for line in data[:end].split(b"\n"):
             line = line.strip()
             if not line:
                 continue
