@@ -489,7 +489,7 @@ def test_reference_gradcheck_in_float64(fused):
     documents with a ragged chunk, the initial state included; fused: the safe gate, the L2 norm and beta's
     sigmoid as the reference applies them."""
     gen = torch.Generator().manual_seed(30)
-    H, K, V, lengths = 1, 4, 3, [3, 1, 5]
+    H, K, V, lengths = 1, 4, 3, [1, 4]
     T = sum(lengths)
 
     def randn(*shape):
@@ -512,7 +512,9 @@ def test_reference_gradcheck_in_float64(fused):
         return chunk_kda_reference(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
                                    **gate_args, **options)
 
-    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
+    # NOTE: fast_mode checks the Jacobian along random directions: a few forwards instead of two per input element
+    # (17 s on a CPU core, each forward padding every document to a 64-token chunk).
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=True)
 
 
 @pytest.mark.parametrize("fn", [chunk_kda, chunk_kda_reference], ids=["triton", "reference"])
