@@ -484,3 +484,28 @@ def test_moe_experts_tensor_on_another_device_stops_with_one_line(moved):
     args[moved] = args[moved].to("meta")
     with pytest.raises(ValueError, match=f"moe_experts: {moved} is on meta, x_TL on"):
         moe_experts(*args.values())
+
+
+def test_many_experts_past_a_power_of_two_with_empty_groups():
+    """37 experts (the kernels search the group table padded to 64) over 50 rows, so that many groups are empty and
+    several rows share no group; the expert block at the same expert count, k = 3."""
+    gen = torch.Generator().manual_seed(57)
+    n_experts, n_rows = 37, 50
+    ends = torch.sort(torch.randint(0, n_rows, (n_experts,), generator=gen)).values.to(torch.int32).to(DEVICE)
+    x = torch.randn(n_rows, 8, generator=gen).to(DEVICE).requires_grad_()
+    w = torch.randn(n_experts, 8, 6, generator=gen).to(DEVICE).requires_grad_()
+    dy = torch.randn(n_rows, 6, generator=gen).to(DEVICE)
+    y = grouped_mm(x, w, ends)
+    got = (y, *torch.autograd.grad(y, (x, w), dy))
+    want, want_grads = float64_grads(reference.grouped_mm, (x, w, ends), dy)
+    for name, a, b in zip(("y", "dx", "dw"), got, (want, *want_grads)):
+        assert rel_rms(a, b) < 1e-5, name
+    x, w1, w3, w2, idx, prob = make_moe(20, n_experts, 3, 8, 12, torch.float32, seed=58)
+    params = [t.detach().to(DEVICE).requires_grad_() for t in (x, w1, w3, w2, prob)]
+    idx = idx.to(DEVICE)
+    dy = torch.randn(x.shape, generator=gen).to(DEVICE)
+    y = moe_experts(*params[:4], idx, params[4])
+    got = (y, *torch.autograd.grad(y, params, dy))
+    want, want_grads = float64_grads(lambda a, b, c, d, p: reference.moe_experts(a, b, c, d, idx, p), params, dy)
+    for name, a, b in zip(("y", "x", "w1", "w3", "w2", "topk_weight"), got, (want, *want_grads)):
+        assert rel_rms(a, b) < 1e-5, name
