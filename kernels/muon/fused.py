@@ -355,8 +355,9 @@ def ns_polynomial(
     """
     if A.ndim != 3 or A.shape[1] != A.shape[2] or not A.is_contiguous():
         raise ValueError(f"ns_polynomial: A must be contiguous [B, m, m]; got {tuple(A.shape)} (strides {A.stride()})")
-    if sumsq is not None and sumsq.shape != A.shape[:1]:
-        raise ValueError(f"ns_polynomial: sumsq must be [B] = [{A.shape[0]}]; got {tuple(sumsq.shape)}")
+    if sumsq is not None and (sumsq.shape != A.shape[:1] or sumsq.device != A.device):
+        raise ValueError(f"ns_polynomial: sumsq must be [B] = [{A.shape[0]}] on A's device {A.device}; got "
+                         f"{tuple(sumsq.shape)} on {sumsq.device}")
     if A.dtype == torch.float64 or not _use_triton(A, triton_):
         return reference.ns_polynomial(A, coeffs, scale=scale, sumsq=sumsq, eps=eps)
     B, m = A.shape[0], A.shape[1]

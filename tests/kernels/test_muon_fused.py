@@ -381,6 +381,9 @@ def test_ns_polynomial_refuses_a_non_square_batch_or_a_wrong_sumsq():
         ns_polynomial(torch.zeros(2, 3, 4), NS_COEFFS)
     with pytest.raises(ValueError, match=r"sumsq must be \[B\] = \[2\]"):
         ns_polynomial(torch.zeros(2, 3, 3), NS_COEFFS, sumsq=torch.ones(3))
+    # the kernel reads sumsq as A's device's memory (the meta device stands in for another device)
+    with pytest.raises(ValueError, match=r"sumsq must be \[B\] = \[2\] on A's device .*got \(2,\) on meta"):
+        ns_polynomial(torch.zeros(2, 3, 3, device=DEVICE), NS_COEFFS, sumsq=torch.ones(2, device="meta"), triton_=True)
 
 
 @pytest.mark.parametrize("op, moved, message", [
