@@ -509,3 +509,13 @@ def test_many_experts_past_a_power_of_two_with_empty_groups():
     want, want_grads = float64_grads(lambda a, b, c, d, p: reference.moe_experts(a, b, c, d, idx, p), params, dy)
     for name, a, b in zip(("y", "x", "w1", "w3", "w2", "topk_weight"), got, (want, *want_grads)):
         assert rel_rms(a, b) < 1e-5, name
+
+
+def test_grouped_mm_no_rows():
+    """An empty group table's worth of rows (an expert-parallel rank that received no tokens): empty output, a
+    zero weight gradient."""
+    x = torch.randn(0, 8, device=DEVICE, requires_grad=True)
+    w = torch.randn(3, 8, 5, device=DEVICE, requires_grad=True)
+    y = grouped_mm(x, w, torch.zeros(3, dtype=torch.int32, device=DEVICE))
+    dx, dw = torch.autograd.grad(y.sum(), (x, w))
+    assert y.shape == (0, 5) and dx.shape == (0, 8) and torch.equal(dw, torch.zeros_like(dw))
