@@ -104,6 +104,11 @@ def margin_quantiles(
     return histogram_quantiles(hist_EB, quantile, half_range)
 
 
+def _without_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast off on `device` (a no-op on devices autocast does not know, such as meta)."""
+    return torch.autocast(device.type, enabled=False) if device.type in ("cuda", "cpu") else contextlib.nullcontext()
+
+
 class _RoutingRecompute:
     active = False
 
@@ -155,7 +160,11 @@ class QuantileBalancedRouter(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (expert ids int64 [T, k], weights float32 [T, k])."""
-        s_TE = torch.sigmoid(upcast(x_TD) @ upcast(self.weight).t())
+        # NOTE: float32 under bf16 autocast too (docs/k3.md §2.3). Autocast ran this product in bf16: for
+        # k3-mini's router at initialisation (D 512, E 176, 8,192 tokens) that changed the top-6 set of 12.6% of
+        # the tokens against float32 and tied the 6th and 7th score of 22.6% (ties go to the lowest id).
+        with _without_autocast(x_TD.device):
+            s_TE = torch.sigmoid(upcast(x_TD) @ upcast(self.weight).t())
         # NOTE: an activation-checkpoint recompute runs inside backward: it must
         # route with the bias the original forward used and must not update it.
         # The checkpoint wrapper says so (`routing_recompute`); a compiled router
