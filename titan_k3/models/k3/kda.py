@@ -45,9 +45,10 @@ class KimiDeltaAttention(nn.Module):
     def reset_parameters(self) -> None:
         for lin in (self.q_proj, self.k_proj, self.v_proj, self.f_a, self.f_b, self.b_proj, self.g_proj, self.o_proj):
             init_linear(lin)
-        bound = 1 / math.sqrt(self.q_conv.shape[-1])
+        # NOTE: the convolutions are weights of the layer too: truncated normal (std 0.02) like the projections
+        # (docs/k3.md §2.1), not nn.Conv1d's uniform(+-1/sqrt(taps)), 14x wider, which they had until the audit.
         for conv in (self.q_conv, self.k_conv, self.v_conv):
-            nn.init.uniform_(conv, -bound, bound)
+            nn.init.trunc_normal_(conv, std=0.02, a=-0.06, b=0.06)
         nn.init.zeros_(self.A_log)
         # dt log-uniform in [1e-3, 1e-1] and dt_bias = softplus^-1(dt) (Mamba-2).
         dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)))
