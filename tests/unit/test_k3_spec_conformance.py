@@ -442,3 +442,31 @@ def test_router_scores_stay_float32_under_bf16_autocast():
             ids, w = router(x)
     assert w.dtype == torch.float32
     assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
+
+
+def test_mix_scores_and_qk_clip_statistic_stay_float32_under_bf16_autocast():
+    """The residual mixes (docs/k3.md §2.4) and MLA's recorded max logit (§2.2) compute in float32 inside the
+    trainer's bf16 autocast too, on the PyTorch paths as on the Triton ones."""
+    model = K3Model(DEBUG, reference_impl())
+    mix = model.layers["1"].attn_mix
+    with torch.no_grad():
+        mix.query.normal_(0, 1, generator=_gen(15))
+    sources = [torch.randn(2, 8, DEBUG.dim, generator=_gen(16 + n)) for n in range(3)]
+    with torch.no_grad():
+        want = mix(sources)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = mix(sources)
+    assert torch.equal(got, want)
+
+    layer = GatedMLA(DEBUG).train()
+    layer.reset_parameters()
+    seen = []
+
+    def recording(q, k, scale, pos):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return torch.zeros(q.shape[1])
+
+    layer.max_logit_fn = recording
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(torch.randn(1, 8, DEBUG.dim), Documents.build(1, 8, None, torch.device("cpu")))
+    assert seen == [False]

@@ -28,7 +28,7 @@ from torch import nn
 
 from kernels.router.reference import top_k_rows_reference
 from titan_k3.models.k3.args import K3Args
-from titan_k3.models.k3.layers import RMSNorm, SituGluFFN, init_linear, upcast
+from titan_k3.models.k3.layers import RMSNorm, SituGluFFN, autocast_off, init_linear, upcast
 
 QB_BINS = 1024
 
@@ -104,11 +104,6 @@ def margin_quantiles(
     return histogram_quantiles(hist_EB, quantile, half_range)
 
 
-def _without_autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """Autocast off on `device` (a no-op on devices autocast does not know, such as meta)."""
-    return torch.autocast(device.type, enabled=False) if device.type in ("cuda", "cpu") else contextlib.nullcontext()
-
-
 class _RoutingRecompute:
     active = False
 
@@ -163,7 +158,7 @@ class QuantileBalancedRouter(nn.Module):
         # NOTE: float32 under bf16 autocast too (docs/k3.md §2.3). Autocast ran this product in bf16: for
         # k3-mini's router at initialisation (D 512, E 176, 8,192 tokens) that changed the top-6 set of 12.6% of
         # the tokens against float32 and tied the 6th and 7th score of 22.6% (ties go to the lowest id).
-        with _without_autocast(x_TD.device):
+        with autocast_off(x_TD.device):
             s_TE = torch.sigmoid(upcast(x_TD) @ upcast(self.weight).t())
         # NOTE: an activation-checkpoint recompute runs inside backward: it must
         # route with the bias the original forward used and must not update it.
