@@ -444,9 +444,9 @@ def test_router_scores_stay_float32_under_bf16_autocast():
     assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
 
 
-def test_mix_scores_and_qk_clip_statistic_stay_float32_under_bf16_autocast():
-    """The residual mixes (docs/k3.md §2.4) and MLA's recorded max logit (§2.2) compute in float32 inside the
-    trainer's bf16 autocast too, on the PyTorch paths as on the Triton ones."""
+def test_mixes_qk_clip_statistic_and_kda_recurrence_stay_float32_under_bf16_autocast():
+    """The residual mixes (docs/k3.md §2.4), MLA's recorded max logit (§2.2) and the KDA recurrence (§2.1) compute
+    in float32 inside the trainer's bf16 autocast too, on the PyTorch paths as on the Triton ones."""
     model = K3Model(DEBUG, reference_impl())
     mix = model.layers["1"].attn_mix
     with torch.no_grad():
@@ -470,3 +470,15 @@ def test_mix_scores_and_qk_clip_statistic_stay_float32_under_bf16_autocast():
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         layer(torch.randn(1, 8, DEBUG.dim), Documents.build(1, 8, None, torch.device("cpu")))
     assert seen == [False]
+
+    impl = reference_impl()
+
+    def recurrence(q, k, v, g, beta, **kw):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return impl.kda(q, k, v, g, beta, **kw)
+
+    kda = KimiDeltaAttention(DEBUG, recurrence, impl.conv)
+    kda.reset_parameters()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        kda(torch.randn(1, 8, DEBUG.dim), Documents.build(1, 8, None, torch.device("cpu")))
+    assert seen == [False, False]
