@@ -22,8 +22,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("service").info("state in %s; %d GPU(s) to schedule; bearer token: %s",
                                       settings.state_dir, settings.gpus, where)
     # NOTE: keep-alive past a dashboard's polling interval, so a busy client does not race the server's close.
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info",
-                limit_concurrency=256, timeout_keep_alive=30)
+    # A stopping server waits for open responses: log streams end when it is told to stop (they would hold it up
+    # until their runs end), and whatever is still open 10 s later is cancelled.
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
+                                           limit_concurrency=256, timeout_keep_alive=30, timeout_graceful_shutdown=10))
+    app.state.service.closing = lambda: server.should_exit
+    server.run()
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from service.admission import Submission, TrainerCheck, port_refusal, refusal
 from service.exporter import TRAINER_KEYS, ServiceCollector, is_trainer_key
 from service.limits import BodySizeLimit, MethodNotAllowed
 from service.registry import ACTIVE, STATES, TERMINAL, DuplicateRun, Registry, Run
-from service.rundir import RunFilesCache, tail_lines
+from service.rundir import LineCap, RunFilesCache, budget_note, read_tail
 from service.schemas import AttemptOut, Deleted, ErrorOut, Health, RunCreate, RunOut
 from service.settings import Settings
 from service.supervisor import Conflict, FilesKept, Supervisor
@@ -86,6 +86,11 @@ def lock_state_dir(state_dir: Path) -> Any:
     return f
 
 
+def registry_unavailable(e: sqlite3.Error, doing: str) -> HTTPException:
+    """507 when the registry's disk is full, else 503 (locked past its retries, or failing): one line, retry later."""
+    return HTTPException(507 if "full" in str(e) else 503, f"{doing}: {e}", headers={"Retry-After": "5"})
+
+
 def _override_text(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -106,15 +111,17 @@ class Service:
         self.trainer_check = TrainerCheck(settings)
         self.metrics = CollectorRegistry(auto_describe=False)
         self.metrics.register(ServiceCollector(self.registry, self.files, settings.gpus,
-                                               settings.finished_series_seconds))
+                                               settings.finished_series_seconds, self.supervisor.unsettled))
         self.streams = 0
+        self.closing: Callable[[], bool] = lambda: False
+        """Whether the server is stopping (set by `python -m service`): open log streams end."""
         self._state_prefix = f"{settings.state_dir}{os.sep}"
-        self._views: dict[str, tuple[tuple[float, int], float, bytes]] = {}
+        self._views: dict[str, tuple[tuple[float, int, str | None], float, bytes]] = {}
         self._views_lock = threading.Lock()
 
     def view(self, run: Run) -> bytes:
         """`out(run)` as JSON bytes, from the cache while the run's row is unchanged and the view is fresh."""
-        key, now = (run.updated_at, len(run.attempts)), time.monotonic()
+        key, now = (run.updated_at, len(run.attempts), self.supervisor.unsettled().get(run.id)), time.monotonic()
         with self._views_lock:
             hit = self._views.get(run.id)
         if hit is not None and hit[0] == key and (run.state in TERMINAL or now - hit[1] < VIEW_TTL_SECONDS):
@@ -190,10 +197,9 @@ class Service:
             except OSError as e:  # a full or read-only disk: the host's fault, said in one line, nothing left
                 shutil.rmtree(run_dir, ignore_errors=True)
                 raise HTTPException(507, f"cannot create run directory runs/{run_id}: {e.strerror}") from None
-            except sqlite3.OperationalError as e:  # the registry's disk is full (or it stayed locked past its timeout)
+            except sqlite3.Error as e:  # the registry's disk is full (or it stayed locked past its timeout)
                 shutil.rmtree(run_dir, ignore_errors=True)
-                raise HTTPException(507 if "full" in str(e) else 503,
-                                    f"cannot record run {run_id!r} in the registry: {e}") from None
+                raise registry_unavailable(e, f"cannot record run {run_id!r} in the registry") from None
             except BaseException:
                 shutil.rmtree(run_dir, ignore_errors=True)
                 raise
@@ -264,10 +270,12 @@ class Service:
             step=files.step(last.started_at if last else None), checkpoint_step=files.checkpoint_step(),
             latest_checkpoint=files.latest_checkpoint(), latest_metrics=_finite(files.latest_metrics()),
             invariant_violations=self.scrub(_finite(ev["invariant_violations"])), events=ev["counts"],
+            registry_error=self.scrub(self.supervisor.unsettled().get(run.id)),
         )
 
     def transition(self, run_id: str, action: Callable[[str], Run]) -> RunOut:
-        """The supervisor's `action` (stop, resume) on an existing run: 404 when absent, 409 when it refuses."""
+        """The supervisor's `action` (stop, resume) on an existing run: 404 when absent, 409 when it refuses, 503 when
+        the registry cannot record it."""
         self.get(run_id)
         try:
             return self.out(action(run_id))
@@ -275,15 +283,25 @@ class Service:
             raise HTTPException(409, str(e)) from None
         except KeyError:  # deleted by a concurrent request
             raise HTTPException(404, f"no run {run_id!r}") from None
+        except sqlite3.Error as e:
+            raise registry_unavailable(e, f"{action.__name__} of run {run_id!r} not recorded") from None
 
-    def log_lines(self, run: Run, tail: int) -> list[str]:
-        """The last `tail` lines over all attempts' console logs; a header marks each attempt shown whole."""
+    def log_lines(self, run: Run, tail: int, end: int | None = None) -> list[str]:
+        """The last `tail` lines over all attempts' console logs (the last attempt's first `end` bytes when given); a
+        header marks each attempt shown whole. Lines are cut to --log-line-bytes, and at most --log-read-bytes are
+        read: a mark says what is not shown."""
         out: list[str] = []
-        for a in reversed(run.attempts):
+        budget = self.settings.log_read_bytes
+        for i, a in enumerate(reversed(run.attempts)):
             need = tail - len(out)
             if need <= 0:
                 break
-            chunk = [self.scrub(line) for line in tail_lines(Path(a.log_path), need)]
+            lines, used, stopped = read_tail(Path(a.log_path), need, end=end if i == 0 else None,
+                                             line_bytes=self.settings.log_line_bytes, max_bytes=budget)
+            chunk = [self.scrub(line) for line in lines]
+            budget -= used
+            if stopped:
+                return [budget_note(self.settings.log_read_bytes), *(chunk + out)[-(tail - 1):]]
             out = ([f"=== attempt {a.n} ==="] if len(chunk) < need else []) + chunk + out
         return out[-tail:]
 
@@ -372,6 +390,8 @@ def create_app(settings: Settings) -> FastAPI:
             raise HTTPException(404, f"no run {run_id!r}") from None
         except FilesKept as e:
             raise HTTPException(500, str(e)) from None
+        except sqlite3.Error as e:
+            raise registry_unavailable(e, f"DELETE of run {run_id!r} not recorded") from None
         svc.forget(run_id)
         return Deleted(id=run_id, files_removed=files)
 
@@ -439,8 +459,12 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/healthz", response_model=Health)
     def healthz() -> Health:
         runs = svc.registry.list()
-        return Health(status="ok", runs=len(runs), gpus_total=settings.gpus,
-                      gpus_used=sum(len(r.assigned_gpus) for r in runs if r.state in ACTIVE))
+        problems = [f"run {run_id}: {line}" for run_id, line in sorted(svc.supervisor.unsettled().items())]
+        if svc.supervisor.pass_error:
+            problems.insert(0, svc.supervisor.pass_error)
+        return Health(status="degraded" if problems else "ok", runs=len(runs), gpus_total=settings.gpus,
+                      gpus_used=sum(len(r.assigned_gpus) for r in runs if r.state in ACTIVE),
+                      problems=svc.scrub(problems))
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def index() -> HTMLResponse:
@@ -479,7 +503,8 @@ async def _counted(slot: _StreamSlot, stream: AsyncIterator[bytes]) -> AsyncIter
 async def _follow(svc: Service, run: Run, tail: int) -> AsyncIterator[bytes]:
     def event(line: str, kind: str | None = None) -> bytes:
         head = f"event: {kind}\n" if kind else ""
-        return (head + "".join(f"data: {part}\n" for part in line.split("\n")) + "\n").encode()
+        # NOTE: SSE ends a field at '\\r' as at '\\n': a progress bar's '\\r' would start a bogus field mid-line.
+        return (head + "".join(f"data: {part}\n" for part in line.splitlines() or [""]) + "\n").encode()
 
     def read(path: str, offset: int) -> bytes:
         with suppress(FileNotFoundError):  # the attempt has not written its log yet
@@ -488,13 +513,42 @@ async def _follow(svc: Service, run: Run, tail: int) -> AsyncIterator[bytes]:
                 return f.read(1 << 20)
         return b""
 
-    for line in svc.log_lines(run, tail) if tail else []:
-        yield event(line)
+    partial = LineCap(svc.settings.log_line_bytes)
+
+    def lines_of(data: bytes) -> list[str]:
+        """The lines `data` completes (the first one with what came before it); what follows the last newline is kept
+        for the next read, its oldest bytes past --log-line-bytes dropped (and named when the line is shown)."""
+        nonlocal partial
+        pieces = data.split(b"\n")
+        done = []
+        for piece in pieces[:-1]:
+            partial.append(piece)
+            done.extend(partial.text())
+            partial = LineCap(svc.settings.log_line_bytes)
+        partial.append(pieces[-1])
+        return [svc.scrub(line) for line in done]
+
+    # NOTE: the last attempt's log size first, its tail read up to it, the follow from it: what is written meanwhile
+    # is shown once, by the follow (a size taken after the tail read skipped it).
     n = run.attempts[-1].n if run.attempts else 0
     path = run.attempts[-1].log_path if run.attempts else ""
-    offset = Path(path).stat().st_size if path and Path(path).exists() else 0
-    partial = b""
+    try:
+        offset = os.stat(path).st_size if path else 0
+    except FileNotFoundError:
+        offset = 0
+    for line in svc.log_lines(run, tail, end=offset) if tail else []:
+        yield event(line)
+
+    def flush_partial() -> list[str]:
+        nonlocal partial
+        done = [svc.scrub(line) for line in partial.text()] if partial else []
+        partial = LineCap(svc.settings.log_line_bytes)
+        return done
+
     while True:
+        if svc.closing():  # NOTE: a comment line (EventSource ignores it, and reconnects once the stream ends)
+            yield b": the service is stopping; reconnect to follow the run\n\n"
+            return
         current = svc.registry.get(run.id)
         if current is None:  # deleted meanwhile: end the stream as a run's end, not as a dropped connection
             yield event(json.dumps({"state": "deleted", "message": f"run {run.id!r} was deleted"}), "end")
@@ -503,22 +557,20 @@ async def _follow(svc: Service, run: Run, tail: int) -> AsyncIterator[bytes]:
             # NOTE: what the ended attempt wrote since the last read (its last lines: why it ended) comes first.
             while path and (data := read(path, offset)):
                 offset += len(data)
-                *lines, partial = (partial + data).split(b"\n")
-                for line in lines:
-                    yield event(svc.scrub(line.decode("utf-8", errors="replace")))
-            if partial:
-                yield event(svc.scrub(partial.decode("utf-8", errors="replace")))
-            n, path, offset, partial = current.attempts[-1].n, current.attempts[-1].log_path, 0, b""
+                for line in lines_of(data):
+                    yield event(line)
+            for line in flush_partial():
+                yield event(line)
+            n, path, offset = current.attempts[-1].n, current.attempts[-1].log_path, 0
             yield event(f"=== attempt {n} ===")
         data = read(path, offset) if path else b""
         if data:
             offset += len(data)
-            *lines, partial = (partial + data).split(b"\n")
-            for line in lines:
-                yield event(svc.scrub(line.decode("utf-8", errors="replace")))
+            for line in lines_of(data):
+                yield event(line)
         elif current.state in TERMINAL:
-            if partial:
-                yield event(svc.scrub(partial.decode("utf-8", errors="replace")))
+            for line in flush_partial():
+                yield event(line)
             yield event(json.dumps({"state": current.state, "message": svc.scrub(current.message)}), "end")
             return
         else:

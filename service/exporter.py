@@ -12,6 +12,8 @@ Service metrics
   titan_k3_service_run_state{run,state}           1 for the run's current state
   titan_k3_service_run_restarts_total{run}        relaunches of this run
   titan_k3_service_run_attempts{run}              attempts launched
+  titan_k3_service_runs_unsettled                 runs whose last change the registry refused to record (retried;
+                                                  GET /v1/runs/{id} registry_error says what failed)
 
 Per-run trainer metrics, read from the latest line of <run>/metrics.jsonl
   titan_k3_run_<key>{run}                         every numeric key; '/' and any other character
@@ -48,7 +50,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -111,7 +113,7 @@ LABELLED = (
 SERVICE_NAMES = (
     "titan_k3_service_runs", "titan_k3_service_queue_length", "titan_k3_service_restarts",
     "titan_k3_service_gpus", "titan_k3_service_gpus_used", "titan_k3_service_run_state",
-    "titan_k3_service_run_restarts", "titan_k3_service_run_attempts",
+    "titan_k3_service_run_restarts", "titan_k3_service_run_attempts", "titan_k3_service_runs_unsettled",
     "titan_k3_run_events", "titan_k3_run_invariant_violations",
 )
 _RESERVED = frozenset(SERVICE_NAMES) | {lab.name for lab in LABELLED} | {EXPERT_LOAD}
@@ -125,8 +127,10 @@ def generic_name(key: str) -> str:
 class ServiceCollector(Collector):
     """Builds every family from the registry and the run files at scrape time."""
 
-    def __init__(self, registry: Registry, files: RunFilesCache, gpus_total: int, finished_series_seconds: float):
+    def __init__(self, registry: Registry, files: RunFilesCache, gpus_total: int, finished_series_seconds: float,
+                 unsettled: Callable[[], dict[str, str]] = dict):
         self.registry = registry
+        self.unsettled = unsettled
         self.files = files
         self.gpus_total = gpus_total
         self.finished_series_seconds = finished_series_seconds
@@ -144,6 +148,8 @@ class ServiceCollector(Collector):
         yield GaugeMetricFamily("titan_k3_service_gpus", "GPUs the queue schedules", value=self.gpus_total)
         yield GaugeMetricFamily("titan_k3_service_gpus_used", "GPUs assigned to active runs",
                                 value=sum(len(r.assigned_gpus) for r in runs if r.state in ACTIVE))
+        yield GaugeMetricFamily("titan_k3_service_runs_unsettled", "Runs whose last change the registry refused to "
+                                "record (being retried)", value=len(self.unsettled()))
 
         shown = [r for r in runs if r.state in ACTIVE or r.state == "queued"]
         rest = sorted((r for r in runs if r not in shown), key=lambda r: r.updated_at, reverse=True)

@@ -16,6 +16,11 @@ Run states:
   stopped | failed | lost -> queued       (POST resume; refused when the run trained and kept no checkpoint)
   any -> (gone)                           (DELETE; an active run's processes are killed first)
 
+Writes: every write is one transaction, and `batch()` makes several one (an attempt's end and what follows it: the
+next attempt's record, the run's new state), so no failure leaves a run between two of its records. A transaction
+the database refuses as locked or busy is tried again (WRITE_TRIES, each waiting up to BUSY_TIMEOUT_S for the lock);
+any other error, or a lock held past the last try, is raised to the caller.
+
 Counts that must never go down (Prometheus reads a drop as a counter reset) are rows here, not memory:
   runs.restarts_total             relaunches after a crash (runs.restarts, the one the limit reads, resets on resume)
   attempts                        one row per attempt launched
@@ -27,13 +32,22 @@ Counts that must never go down (Prometheus reads a drop as a counter reset) are 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+log = logging.getLogger("service.registry")
+
+BUSY_TIMEOUT_S = 10.0
+"""How long one try of a write waits for a lock another connection holds (SQLite's busy timeout)."""
+WRITE_TRIES = 3
+"""Tries of a write refused as locked or busy: a write fails after about WRITE_TRIES * BUSY_TIMEOUT_S of contention."""
 
 STATES = ("queued", "running", "stopping", "stopped", "finished", "failed", "lost")
 ACTIVE = ("running", "stopping")
@@ -136,9 +150,10 @@ class Registry:
     def __init__(self, path: Path):
         self.path = path
         self._lock = threading.RLock()
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_S)
         self._db.row_factory = sqlite3.Row
         self._snapshot: list[Run] | None = None
+        self._pending: list[tuple[str, tuple[Any, ...]]] | None = None
         self._deleted_restarts = 0
         try:
             with self._lock:
@@ -162,10 +177,52 @@ class Registry:
         with self._lock:
             self._db.close()
 
-    def _write(self, sql: str, args: tuple[Any, ...]) -> sqlite3.Cursor:
+    def _write(self, sql: str, args: tuple[Any, ...]) -> None:
+        with self._lock:
+            if self._pending is not None:
+                self._pending.append((sql, args))
+            else:
+                self._commit([(sql, args)])
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """The writes made inside the block are committed together when it ends, in one transaction; none of them
+        when it raises (or when the commit fails: the error is raised). Reads inside do not see them yet."""
+        with self._lock:
+            if self._pending is not None:  # inside another batch: part of it
+                yield
+                return
+            self._pending = []
+            try:
+                yield
+                ops = self._pending
+            finally:
+                self._pending = None
+            if ops:
+                self._commit(ops)
+
+    def _commit(self, ops: list[tuple[str, tuple[Any, ...]]]) -> None:
+        """Run `ops` in one transaction, tried again while the database answers locked or busy."""
         with self._lock:
             self._snapshot = None
-            return self._db.execute(sql, args)
+            for tries in range(1, WRITE_TRIES + 1):
+                try:
+                    self._db.execute("BEGIN IMMEDIATE")
+                    try:
+                        for sql, args in ops:
+                            self._db.execute(sql, args)
+                        self._db.execute("COMMIT")
+                    except BaseException:
+                        if self._db.in_transaction:
+                            with contextlib.suppress(sqlite3.Error):  # the error that got us here is the one to raise
+                                self._db.execute("ROLLBACK")
+                        raise
+                    return
+                except sqlite3.OperationalError as e:
+                    if not is_transient(e) or tries == WRITE_TRIES:
+                        raise
+                    log.warning("registry write refused (%s); try %d of %d", e, tries + 1, WRITE_TRIES)
+                    time.sleep(0.05 * tries)
 
     def insert_run(self, run_id: str, recipe: str, overrides: dict[str, str], nproc_per_node: int,
                    gpus: int, restart_limit: int, prometheus_port: int = 0) -> None:
@@ -188,20 +245,13 @@ class Registry:
 
     def delete_run(self, run_id: str) -> None:
         """Forget a run and its attempts (one transaction)."""
-        with self._lock:
-            self._snapshot = None
-            self._db.execute("BEGIN")
-            try:
-                self._db.execute(
-                    "INSERT INTO totals (name, value) SELECT 'deleted_restarts', restarts_total FROM runs WHERE id = ?"
-                    " ON CONFLICT (name) DO UPDATE SET value = value + excluded.value", (run_id,))
-                self._db.execute("DELETE FROM carried WHERE run_id = ?", (run_id,))
-                self._db.execute("DELETE FROM attempts WHERE run_id = ?", (run_id,))
-                self._db.execute("DELETE FROM runs WHERE id = ?", (run_id,))
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+        with self.batch():
+            self._write(
+                "INSERT INTO totals (name, value) SELECT 'deleted_restarts', restarts_total FROM runs WHERE id = ?"
+                " ON CONFLICT (name) DO UPDATE SET value = value + excluded.value", (run_id,))
+            self._write("DELETE FROM carried WHERE run_id = ?", (run_id,))
+            self._write("DELETE FROM attempts WHERE run_id = ?", (run_id,))
+            self._write("DELETE FROM runs WHERE id = ?", (run_id,))
 
     def add_attempt(self, a: Attempt) -> None:
         self._write(
@@ -211,7 +261,8 @@ class Registry:
         )
 
     def end_attempt(self, run_id: str, n: int, exit_code: int | None) -> None:
-        self._write("UPDATE attempts SET ended_at = ?, exit_code = ? WHERE run_id = ? AND n = ?",
+        """Record attempt `n`'s end (again: its first end time stays)."""
+        self._write("UPDATE attempts SET ended_at = COALESCE(ended_at, ?), exit_code = ? WHERE run_id = ? AND n = ?",
                     (time.time(), exit_code, run_id, n))
 
     def carry(self, run_id: str, attempt: int, events: dict[str, int], violations: dict[str, int]) -> None:
@@ -261,6 +312,14 @@ class Registry:
         total = self._db.execute("SELECT value FROM totals WHERE name = 'deleted_restarts'").fetchone()
         self._deleted_restarts = total["value"] if total else 0
         return [_run(r, attempts[r["id"]], frozenset(carried[r["id"]])) for r in rows]
+
+
+def is_transient(e: sqlite3.Error) -> bool:
+    """Whether SQLite refused for a lock another connection holds (worth another try), not for the database itself."""
+    code = getattr(e, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    return "is locked" in str(e) or "is busy" in str(e)
 
 
 def _attempt(r: sqlite3.Row) -> Attempt:

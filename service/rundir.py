@@ -307,22 +307,111 @@ class RunFilesCache:
             self._files.pop(run_id, None)
 
 
-def tail_lines(path: Path, n: int, block: int = 65536) -> list[str]:
-    """The last `n` lines of a text file, read backwards in blocks."""
+LINE_BYTES = 64 << 10
+"""What a log read keeps of one line: its last this many bytes (a progress bar redrawn with '\\r' for hours, a
+binary blob, is one line); `--log-line-bytes`."""
+READ_BYTES = 8 << 20
+"""What one request reads of the logs at most, scanning back from their end; `--log-read-bytes`."""
+
+
+def cut_note(cut: int) -> str:
+    """The mark put before what is left of a line cut to its last LINE_BYTES bytes."""
+    return f"[line cut: its first {cut} bytes not shown] "
+
+
+def budget_note(limit: int) -> str:
+    """The line put before the earliest line of a read stopped by its READ_BYTES budget."""
+    return f"[log cut: at most {limit} bytes are read per request; earlier output not shown]"
+
+
+class LineCap:
+    """Assembles one line from pieces, keeping only its last `limit` bytes; `cut` counts the bytes dropped."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.cut = 0
+
+    def prepend(self, piece: bytes) -> None:
+        """Add bytes that come before what the line holds (a backwards read)."""
+        room = self.limit - self.size
+        if len(piece) > room:
+            self.cut += len(piece) - room
+            piece = piece[len(piece) - room:] if room > 0 else b""
+        if piece:
+            self.parts.insert(0, piece)
+            self.size += len(piece)
+
+    def append(self, piece: bytes) -> None:
+        """Add bytes that come after what the line holds (a forward read); its oldest bytes go past the limit."""
+        self.parts.append(piece)
+        self.size += len(piece)
+        if self.size > self.limit:
+            data = b"".join(self.parts)
+            drop = len(data) - self.limit
+            self.cut += drop
+            self.parts, self.size = [data[drop:]], self.limit
+
+    def __bool__(self) -> bool:
+        return self.size > 0 or self.cut > 0
+
+    def text(self, cut_before: bool = False) -> list[str]:
+        """The line as display lines (split at '\\r' and the other line breaks, as str.splitlines does), the cut
+        mark before the first; `cut_before`: bytes of it before those read are not shown either (a budget's end)."""
+        lines = b"".join(self.parts).decode("utf-8", errors="replace").splitlines() or [""]
+        if self.cut or cut_before:
+            lines[0] = (cut_note(self.cut) if not cut_before else "[line cut: its earlier bytes not shown] ") + lines[0]
+        return lines
+
+
+def read_tail(path: Path, n: int, *, end: int | None = None, line_bytes: int = LINE_BYTES,
+              max_bytes: int = READ_BYTES, block: int = 65536) -> tuple[list[str], int, bool]:
+    """The last `n` lines of a text file (of its first `end` bytes when given), read backwards in blocks.
+
+    Each line keeps its last `line_bytes` bytes (the cut ones are named in a mark before it), and at most `max_bytes`
+    bytes are read: (lines, bytes read, whether the budget stopped the read before the file's start or the n-th line).
+    A line holding '\\r' or another line break besides '\\n' is shown as several, each counted.
+    """
     if n <= 0:
-        return []
+        return [], 0, False
     try:
         f = open(path, "rb")
     except OSError:  # absent or unreadable: the supervisor reads exits through it and must not stop on one
-        return []
+        return [], 0, False
     with f:
-        f.seek(0, 2)
-        pos = f.tell()
-        data = b""
-        while pos > 0 and data.count(b"\n") <= n:
-            step = min(block, pos)
+        size = f.seek(0, 2)
+        pos = stop = size if end is None else min(end, size)
+        if pos > 0:
+            f.seek(pos - 1)
+            if f.read(1) == b"\n":
+                pos -= 1  # the file's final newline ends its last line; it starts no empty one
+        out: list[str] = []  # newest first
+        line = LineCap(line_bytes)
+        read = 0
+        while pos > 0 and len(out) < n:
+            if read >= max_bytes:
+                if line:
+                    out.extend(reversed(line.text(cut_before=True)))
+                return list(reversed(out[:n])), read, True
+            step = min(block, pos, max_bytes - read)
             pos -= step
             f.seek(pos)
-            data = f.read(step) + data
-    lines = data.decode("utf-8", errors="replace").splitlines()
-    return lines[-n:]
+            data = f.read(step)
+            read += step
+            pieces = data.split(b"\n")
+            for i in range(len(pieces) - 1, -1, -1):
+                line.prepend(pieces[i])
+                if i > 0:  # a newline comes before this piece: the line is whole
+                    out.extend(reversed(line.text()))
+                    line = LineCap(line_bytes)
+                    if len(out) >= n:
+                        break
+        if pos == 0 and len(out) < n and stop > 0:  # the first line, from the file's start (it may be empty)
+            out.extend(reversed(line.text()))
+        return list(reversed(out[:n])), read, False
+
+
+def tail_lines(path: Path, n: int) -> list[str]:
+    """The last `n` lines of a text file, each cut to its last LINE_BYTES bytes, at most READ_BYTES read."""
+    return read_tail(path, n)[0]

@@ -79,13 +79,18 @@ class RunOut(BaseModel):
     invariant_violations: dict[str, Any] = Field(description="total and by_check over every attempt of the run; "
                                                              "recent: the current attempt's latest")
     events: dict[str, int] = Field(description="Events by kind over every attempt of the run.")
+    registry_error: str | None = Field(None, description="Why the service could not record the run's last change "
+                                                         "(the registry refused the write; it is retried): its state "
+                                                         "may be behind its processes meanwhile. Null when none.")
 
 
 class Health(BaseModel):
-    status: str
+    status: str = Field(description="'ok', or 'degraded' while `problems` lists any")
     runs: int
     gpus_total: int
     gpus_used: int
+    problems: list[str] = Field(default_factory=list, description="Changes the registry refused to record (being "
+                                                                  "retried) and a supervisor pass that failed")
 
 
 class ErrorOut(BaseModel):

@@ -12,6 +12,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from service.rundir import LINE_BYTES, READ_BYTES
+
 TOKEN_ENV = "K3_SERVICE_TOKEN"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,12 +73,19 @@ class Settings:
     """A run's trainer series (titan_k3_run_*) stay in /metrics this long after it ends, then leave."""
     check_timeout: float = 120.0
     """Seconds the trainer's configuration check may take before a submission is refused."""
+    log_line_bytes: int = LINE_BYTES
+    """What the logs endpoint and stream keep of one console line: its last this many bytes, the cut named."""
+    log_read_bytes: int = READ_BYTES
+    """What one logs request (or a stream's opening tail) reads of the console logs at most."""
 
     def __post_init__(self) -> None:
         if self.launcher not in ("torchrun", "python"):
             raise ValueError(f"launcher {self.launcher!r}: expected 'torchrun' or 'python'")
         if self.read_auth not in ("auto", "on", "off"):
             raise ValueError(f"read_auth {self.read_auth!r}: expected 'auto', 'on' or 'off'")
+        if self.log_line_bytes < 1 or self.log_read_bytes < 1:
+            raise ValueError(f"log_line_bytes {self.log_line_bytes}, log_read_bytes {self.log_read_bytes}: expected "
+                             "at least 1 byte each")
         self.state_dir = Path(self.state_dir).resolve()
         self.recipes_dir = Path(self.recipes_dir).resolve()
         self.data_roots = [Path(p).resolve() for p in self.data_roots]
@@ -174,6 +183,10 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--finished-series-seconds", type=float, default=600.0,
                    help="seconds a finished run's trainer series stay in /metrics")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--log-line-bytes", type=int, default=LINE_BYTES,
+                   help="what the logs endpoint and stream keep of one console line (its end; the cut is named)")
+    p.add_argument("--log-read-bytes", type=int, default=READ_BYTES,
+                   help="what one logs request reads of the console logs at most")
     p.add_argument("--data-root", action="append", default=[], help="folder configs may read data from (repeatable)")
     a = p.parse_args(argv)
     token = os.environ.get(TOKEN_ENV, "")
@@ -190,4 +203,5 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         grace_seconds=a.grace_seconds, stop_timeout=a.stop_timeout, max_body_bytes=a.max_body_bytes,
         data_roots=[Path(d) for d in a.data_root], read_auth=a.read_auth, allowed_hosts=a.allowed_host,
         max_streams=a.max_streams, finished_series_seconds=a.finished_series_seconds,
+        log_line_bytes=a.log_line_bytes, log_read_bytes=a.log_read_bytes,
     )

@@ -14,6 +14,17 @@ start time).
 An attempt that ends with the trainer's configuration-error status
 (CONFIG_ERROR_EXIT; under torchrun, read from its failure summary) is not
 relaunched: the same configuration would fail the same way.
+
+Each transition is one registry transaction (an attempt's end with the run's
+new state, or with the next attempt's record), written after the processes it
+records were started or reaped. When the registry refuses it (past its own
+retries of a lock), the pass moves on and the run is retried later
+(UNSETTLED_RETRY_S, doubling), named in `unsettled()` meanwhile (the run's GET,
+/metrics, /healthz): an attempt it could not record is killed (a service
+restart could not find it, and the retry starts it again), and the next pass
+settles a run that claims to run with no attempt alive from its last recorded
+attempt. A relaunch or launch the registry refuses for another reason than a
+lock fails the run, if that can still be written.
 """
 
 from __future__ import annotations
@@ -24,14 +35,17 @@ import os
 import re
 import shutil
 import signal
+import sqlite3
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 
-from service.registry import ACTIVE, RESUMABLE, Attempt, Registry, Run
+from service.registry import ACTIVE, RESUMABLE, Attempt, Registry, Run, is_transient
 from service.rundir import RunFilesCache, tail_lines, tally_events
 from service.settings import Settings
 from titan_k3.config.check import CONFIG_ERROR_EXIT
@@ -39,6 +53,8 @@ from titan_k3.config.check import CONFIG_ERROR_EXIT
 log = logging.getLogger("service.supervisor")
 
 START_TIME_TOLERANCE_S = 0.05
+UNSETTLED_RETRY_S = 1.0
+"""A transition the registry refused is tried again after this long, then twice as long each time (at most 60 s)."""
 ATTEMPT_ENV = "K3_SERVICE_ATTEMPT"
 """Set in every attempt's environment to its exit file's path (unique per service, run and attempt): every process
 the attempt starts inherits it, so its leftovers are found even once their parents are gone."""
@@ -54,6 +70,21 @@ class Conflict(Exception):
 
 class FilesKept(Exception):
     """DELETE with files=true could not remove the run directory; the run is kept (HTTP 500, the line)."""
+
+
+@dataclass
+class Unsettled:
+    """A run whose last transition the registry refused: what failed, how often, and when the next try is."""
+
+    what: str
+    error: str
+    failures: int
+    since: float
+    retry_at: float
+
+    def line(self) -> str:
+        return (f"the registry refused to record {self.what} ({self.error}; {self.failures} time(s) since "
+                f"{time.strftime('%H:%M:%S', time.localtime(self.since))}); the service retries it")
 
 
 def launch_command(settings: Settings, run: Run, run_dir: Path) -> list[str]:
@@ -125,10 +156,15 @@ def describe_exit(launcher: str, a: Attempt, code: int | None) -> str:
 def attempt_processes(a: Attempt) -> list[psutil.Process]:
     """The processes of attempt `a` still running, wherever they now hang in the process tree, but its wrapper
     (the service's own child: `Popen` reaps it and reads its status)."""
+    return [p for p in attempt_processes_of(a.exit_path) if p.pid != a.pid]
+
+
+def attempt_processes_of(exit_path: str) -> list[psutil.Process]:
+    """The running processes tagged with the attempt whose exit file is `exit_path`."""
     found = []
     for p in psutil.process_iter():
         with contextlib.suppress(psutil.Error):  # exited meanwhile, or another user's process
-            if p.pid != a.pid and p.environ().get(ATTEMPT_ENV) == a.exit_path:
+            if p.environ().get(ATTEMPT_ENV) == exit_path:
                 found.append(p)
     return found
 
@@ -201,6 +237,9 @@ class Supervisor:
         self.files = files
         self._children: dict[str, subprocess.Popen] = {}
         self._doomed: dict[str, list[psutil.Process]] = {}
+        self._unsettled: dict[str, Unsettled] = {}
+        self.pass_error: str | None = None
+        """Why the last pass stopped short (an error outside any one run's transition); None when it completed."""
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -226,7 +265,9 @@ class Supervisor:
         while not self._stop.is_set():
             try:
                 self.tick()
-            except Exception:  # the watcher must outlive any single bad run
+                self.pass_error = None
+            except Exception as e:  # the watcher must outlive any single bad run
+                self.pass_error = f"supervisor pass failed: {type(e).__name__}: {e}"
                 log.exception("supervisor tick failed")
             self._wake.wait(self.settings.poll_seconds)
             self._wake.clear()
@@ -242,22 +283,25 @@ class Supervisor:
         """
         with self.registry.lock:
             for run in self.registry.list():
-                self._carry_uncounted(run)
-            for run in self.registry.list(ACTIVE):
-                self._recover_active(run)
+                with self._settling(run.id, "the events of its set-aside attempts"):
+                    self._carry_uncounted(run)
             tagged: dict[str, list[psutil.Process]] | None = None
-            for run in self.registry.list(("queued",)):
+            for run in self.registry.list(("queued", *ACTIVE)):
                 a = run.last_attempt
                 if a is not None and a.ended_at is None:
-                    self._recover_active(run, adopt_from_queue=True)
+                    with self._settling(run.id, "how its attempt fared while the service was down"):
+                        self._recover_active(run, adopt_from_queue=run.state == "queued")
                     continue
                 n = len(run.attempts) + 1
                 log_path, exit_path = self.attempt_files(run.id, n)
-                if not log_path.exists():
-                    continue
-                if tagged is None:
-                    tagged = processes_by_attempt()
-                self._settle_unrecorded(run, n, tagged.get(str(exit_path), []))
+                if log_path.exists():
+                    if tagged is None:
+                        tagged = processes_by_attempt()
+                    with self._settling(run.id, f"attempt {n}, started as the service went down"):
+                        self._settle_unrecorded(run, n, tagged.get(str(exit_path), []))
+                if run.state in ACTIVE:  # a registry written by a service that died between two writes
+                    with self._settling(run.id, "the end of its last attempt"):
+                        self._reconcile(self.registry.get(run.id) or run)
 
     def _carry(self, run_id: str, n: int) -> None:
         """Count attempt `n`'s events.jsonl, set aside in service/attempt-<n>/, into the registry.
@@ -287,14 +331,15 @@ class Supervisor:
                     wrapper, start = p.pid, p.create_time()
         killed = kill_processes(procs)
         code = read_exit(exit_path)
-        self.registry.add_attempt(Attempt(run_id=run.id, n=n, pid=wrapper, pid_start_time=start, started_at=start,
-                                          ended_at=None, exit_code=None, assigned_gpus=[], log_path=str(log_path),
-                                          exit_path=str(exit_path)))
-        self.registry.end_attempt(run.id, n, code)
         left = f"{killed} process(es) of it killed" if killed else "it had ended"
         note = f"attempt {n} started as the service went down and was never recorded ({left}); queued again"
+        with self.registry.batch():
+            self.registry.add_attempt(Attempt(run_id=run.id, n=n, pid=wrapper, pid_start_time=start, started_at=start,
+                                              ended_at=None, exit_code=None, assigned_gpus=[], log_path=str(log_path),
+                                              exit_path=str(exit_path)))
+            self.registry.end_attempt(run.id, n, code)
+            self.registry.update_run(run.id, message=note)
         log.warning("run %s: %s", run.id, note)
-        self.registry.update_run(run.id, message=note)
 
     def _recover_active(self, run: Run, adopt_from_queue: bool = False) -> None:
         a = run.last_attempt
@@ -313,16 +358,17 @@ class Supervisor:
             log.warning("run %s: attempt %d exited with %d while the service was down", run.id, a.n, code)
             self._on_exit(run, a, code)
             return
-        if a is not None and a.ended_at is None:
-            self.registry.end_attempt(run.id, a.n, code)
-        if code == 0 or (code is not None and run.stop_requested_at is not None):
-            state = "stopped" if run.stop_requested_at is not None else "finished"
-            self.registry.update_run(run.id, state=state, assigned_gpus=[],
-                                     message=f"ended with exit code {code} while the service was down")
-        else:
-            left = f" ({killed} leftover process(es) of it killed)" if killed else ""
-            self.registry.update_run(run.id, state="lost", assigned_gpus=[],
-                                     message=f"process gone after a service restart{left}; resume to continue")
+        with self.registry.batch():
+            if a is not None and a.ended_at is None:
+                self.registry.end_attempt(run.id, a.n, code)
+            if code == 0 or (code is not None and run.stop_requested_at is not None):
+                state = "stopped" if run.stop_requested_at is not None else "finished"
+                self.registry.update_run(run.id, state=state, assigned_gpus=[],
+                                         message=f"ended with exit code {code} while the service was down")
+            else:
+                left = f" ({killed} leftover process(es) of it killed)" if killed else ""
+                self.registry.update_run(run.id, state="lost", assigned_gpus=[],
+                                         message=f"process gone after a service restart{left}; resume to continue")
 
     def attempt_files(self, run_id: str, n: int) -> tuple[Path, Path]:
         """Attempt `n`'s console log and exit file (its path is the attempt's ATTEMPT_ENV tag)."""
@@ -331,19 +377,77 @@ class Supervisor:
 
     # ---- one pass --------------------------------------------------------------------------------
 
+    def unsettled(self) -> dict[str, str]:
+        """run id -> why its last transition is not recorded yet (the registry refused it; it is being retried)."""
+        return {run_id: u.line() for run_id, u in list(self._unsettled.items())}
+
+    @contextlib.contextmanager
+    def _settling(self, run_id: str, what: str) -> Iterator[None]:
+        """Record `run_id`'s transition in the block as done, or, when the registry refuses it, as unsettled (with the
+        time of its next try) and go on with the other runs."""
+        try:
+            yield
+        except sqlite3.Error as e:
+            now = time.monotonic()
+            u = self._unsettled.get(run_id)
+            failures = u.failures + 1 if u else 1
+            self._unsettled[run_id] = Unsettled(
+                what=what, error=f"{type(e).__name__}: {e}", failures=failures, since=u.since if u else time.time(),
+                retry_at=now + min(60.0, UNSETTLED_RETRY_S * 2 ** (failures - 1)))
+            log.error("run %s: the registry refused to record %s (%s); retrying in %.0f s", run_id, what, e,
+                      self._unsettled[run_id].retry_at - now)
+        else:
+            if self._unsettled.pop(run_id, None) is not None:
+                log.info("run %s: recorded at last", run_id)
+
+    def _due(self, run_id: str) -> bool:
+        """Whether the run may be acted on in this pass (not waiting for the next try of a refused transition)."""
+        u = self._unsettled.get(run_id)
+        return u is None or time.monotonic() >= u.retry_at
+
     def tick(self) -> None:
         with self.registry.lock:
             now = time.time()
             for run in self.registry.list(ACTIVE):
-                a = run.last_attempt
-                if a is None or a.ended_at is not None:
-                    continue
-                exited, code = self._poll(run.id, a)
-                if exited:
-                    self._on_exit(run, a, code)
-                elif run.state == "stopping" and now - (run.stop_requested_at or now) > self.settings.grace_seconds:
-                    self._kill(run.id, a, signal.SIGKILL)
+                if self._due(run.id):
+                    with self._settling(run.id, "the end of its attempt"):
+                        self._watch(run, now)
+            for run_id in set(self._unsettled) - {r.id for r in self.registry.list(("queued", *ACTIVE))}:
+                del self._unsettled[run_id]  # settled meanwhile (a stop, a DELETE) or gone
             self._schedule()
+
+    def _watch(self, run: Run, now: float) -> None:
+        a = run.last_attempt
+        if a is None or a.ended_at is not None:
+            self._reconcile(run)
+            return
+        exited, code = self._poll(run.id, a)
+        if exited:
+            self._on_exit(run, a, code)
+        elif run.state == "stopping" and now - (run.stop_requested_at or now) > self.settings.grace_seconds:
+            self._kill(run.id, a, signal.SIGKILL)
+
+    def _reconcile(self, run: Run) -> None:
+        """Settle an active run whose attempts have all ended: the transition that follows the last one was never
+        recorded (the registry refused it, or the service died between two writes of an older version).
+
+        NOTE: what the registry does not record must not run: processes of an attempt after the last recorded one
+        are killed first, and the run is then settled from its last attempt's recorded exit, as it would have been.
+        """
+        n = len(run.attempts) + 1
+        _, exit_path = self.attempt_files(run.id, n)
+        stray = processes_by_attempt().get(str(exit_path), [])
+        if stray:
+            log.warning("run %s: killing %d process(es) of attempt %d, never recorded", run.id, len(stray), n)
+            kill_processes(stray)
+        self._children.pop(run.id, None)
+        a = run.last_attempt
+        if a is None:
+            self.registry.update_run(run.id, state="queued", assigned_gpus=[],
+                                     message="active with no attempt recorded; queued again")
+            return
+        log.warning("run %s: active with attempt %d ended (exit code %s): settling it", run.id, a.n, a.exit_code)
+        self._on_exit(run, a, a.exit_code)
 
     def _poll(self, run_id: str, a: Attempt) -> tuple[bool, int | None]:
         proc = self._children.get(run_id)
@@ -351,7 +455,6 @@ class Supervisor:
             wrapper_code = proc.poll()
             if wrapper_code is None:
                 return False, None
-            del self._children[run_id]
             code = read_exit(a.exit_path)
             return True, code if code is not None else wrapper_code
         if process_alive(a.pid, a.pid_start_time):
@@ -359,7 +462,8 @@ class Supervisor:
         return True, read_exit(a.exit_path)
 
     def _on_exit(self, run: Run, a: Attempt, code: int | None) -> None:
-        self.registry.end_attempt(run.id, a.n, code)
+        """Attempt `a` of `run` ended with `code`: reap what is left of it, then record its end with what follows
+        (stopped, finished, failed, or the next attempt) in one transaction."""
         self._reap_leftovers(run.id, a)
         killed = kill_leftovers(a)
         how = describe_exit(self.settings.launcher, a, code)
@@ -367,31 +471,32 @@ class Supervisor:
             how += f"; {killed} leftover process(es) of it killed"
         bad_config = None if code == 0 or run.stop_requested_at is not None else \
             config_error(self.settings.launcher, a, code)
-        if run.stop_requested_at is not None:
-            # NOTE: the state is the user's stop whatever the exit code (torchrun signalled itself exits 1
-            # after its ranks saved); the message says whether the run directory holds a checkpoint.
-            ckpt = self.files.get(run.id).latest_checkpoint()
-            kept = f"resumes from {ckpt}" if ckpt else "no checkpoint kept"
-            self.registry.update_run(run.id, state="stopped", assigned_gpus=[],
-                                     message=f"stopped on request; {kept} (attempt {a.n} exit code {code})")
-        elif code == 0:
-            self.registry.update_run(run.id, state="finished", assigned_gpus=[], message="finished")
-        elif bad_config is not None:
-            self.registry.update_run(run.id, state="failed", assigned_gpus=[],
-                                     message=f"configuration error, not retried (attempt {a.n}): {bad_config}")
-        elif run.restarts < run.restart_limit:
+        if run.stop_requested_at is None and code != 0 and bad_config is None and run.restarts < run.restart_limit:
             ckpt = self.files.get(run.id).latest_checkpoint()
             where = f"resumes from {ckpt}" if ckpt else "no checkpoint: starts over at update 0"
             note = f"{how}; restart {run.restarts + 1} of {run.restart_limit}, {where}"
             log.warning("run %s: %s", run.id, note)
-            self.registry.update_run(run.id, restarts=run.restarts + 1, restarts_total=run.restarts_total + 1,
-                                     message=note)
-            run = self.registry.get(run.id)
-            assert run is not None
-            self._launch(run, run.assigned_gpus)
+            self._launch(run, run.assigned_gpus, ended=(a, code), message=note,
+                         restarts=run.restarts + 1, restarts_total=run.restarts_total + 1)
+            if (proc := self._children.get(run.id)) is not None and proc.pid == a.pid:
+                del self._children[run.id]  # recorded as failed: its launch could not start or be recorded
         else:
-            self.registry.update_run(run.id, state="failed", assigned_gpus=[],
-                                     message=f"{how}; restart limit {run.restart_limit} reached")
+            if run.stop_requested_at is not None:
+                # NOTE: the state is the user's stop whatever the exit code (torchrun signalled itself exits 1
+                # after its ranks saved); the message says whether the run directory holds a checkpoint.
+                ckpt = self.files.get(run.id).latest_checkpoint()
+                kept = f"resumes from {ckpt}" if ckpt else "no checkpoint kept"
+                state, message = "stopped", f"stopped on request; {kept} (attempt {a.n} exit code {code})"
+            elif code == 0:
+                state, message = "finished", "finished"
+            elif bad_config is not None:
+                state, message = "failed", f"configuration error, not retried (attempt {a.n}): {bad_config}"
+            else:
+                state, message = "failed", f"{how}; restart limit {run.restart_limit} reached"
+            with self.registry.batch():
+                self.registry.end_attempt(run.id, a.n, code)
+                self.registry.update_run(run.id, state=state, assigned_gpus=[], message=message)
+            self._children.pop(run.id, None)
 
     def used_gpus(self) -> set[int]:
         return {g for r in self.registry.list(ACTIVE) for g in r.assigned_gpus}
@@ -409,31 +514,50 @@ class Supervisor:
             if run.gpus > len(free):
                 return
             gpus = free[: run.gpus]
-            self._launch(run, gpus)
+            if self._due(run.id):
+                with self._settling(run.id, "its launch"):
+                    self._launch(run, gpus)
+            # NOTE: a run waiting to retry keeps its place and its GPUs: the queue stays FIFO.
             used.update(gpus)
             running += 1
 
-    def _launch(self, run: Run, gpus: list[int]) -> None:
+    def _launch(self, run: Run, gpus: list[int], ended: tuple[Attempt, int | None] | None = None,
+                message: str | None = None, **fields: object) -> None:
+        """Start the run's next attempt on `gpus` and record it (after `ended`, the attempt that just ended with its
+        code, when it is a relaunch), with `message` and `fields` for the run, in one transaction."""
         run_dir = self.settings.runs_dir / run.id
         n = len(run.attempts) + 1
         log_path, exit_path = self.attempt_files(run.id, n)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         exit_path.unlink(missing_ok=True)
         kept = ""
+        carry: int | None = None
+        message = run.message if message is None else message
+
+        def end_and(**run_fields: object) -> None:
+            with self.registry.batch():
+                if ended is not None:
+                    self.registry.end_attempt(run.id, ended[0].n, ended[1])
+                self.registry.update_run(run.id, **run_fields)
+
         if run.attempts and self.files.get(run.id).latest_checkpoint() is None:
             # The attempt starts over (job.overwrite): its predecessor's records move aside first.
             prev = run.attempts[-1].n
             try:
                 moved = set_aside_records(run_dir, prev)
             except OSError as e:
-                self.registry.update_run(run.id, state="failed", assigned_gpus=[],
-                                         message=f"not relaunched: attempt {prev}'s records could not be moved "
-                                                 f"aside (the relaunch would delete them): {e}")
+                end_and(state="failed", assigned_gpus=[], message=f"not relaunched: attempt {prev}'s records could "
+                        f"not be moved aside (the relaunch would delete them): {e}")
                 return
+            aside = run_dir / "service" / f"attempt-{prev}"
+            # NOTE: a launch retried after the registry refused it finds the records moved already (and their counts
+            # still to carry).
+            if not moved and aside.is_dir():
+                found = {p.name for p in aside.iterdir()}
+                moved = [n for n in TRAINER_RUN_FILES if n in found] + sorted(found - set(TRAINER_RUN_FILES))
             if moved:
-                self._carry(run.id, prev)
                 kept = f"attempt {prev}'s {', '.join(moved)} moved to service/attempt-{prev}/"
-            self.files.forget(run.id)
+                carry = prev if prev not in run.carried_attempts else None
         cmd = [self.settings.python, "-m", "service.child", str(exit_path), "--",
                *launch_command(self.settings, run, run_dir)]
         env = {**self.settings.child_environ(), "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus),
@@ -451,18 +575,48 @@ class Supervisor:
                                         cwd=run_dir, env=env, start_new_session=True, close_fds=True)
             start_time = psutil.Process(proc.pid).create_time()
         except (OSError, psutil.Error) as e:
-            if proc is None:  # nothing started: a restarted service must not take the log for an unrecorded attempt
+            if proc is not None:  # started and gone already, or not to be found: nothing of it may stay unrecorded
+                self._kill_unrecorded(proc, exit_path)
+            else:  # nothing started: a restarted service must not take the log for an unrecorded attempt
                 log_path.unlink(missing_ok=True)
-            self.registry.update_run(run.id, state="failed", assigned_gpus=[],
-                                     message=f"launch failed: {e}" + (f"; {kept}" if kept else ""))
+            end_and(state="failed", assigned_gpus=[], message=f"launch failed: {e}" + (f"; {kept}" if kept else ""))
             return
+        try:
+            with self.registry.batch():
+                if ended is not None:
+                    self.registry.end_attempt(run.id, ended[0].n, ended[1])
+                if carry is not None:
+                    self._carry(run.id, carry)
+                self.registry.add_attempt(Attempt(
+                    run_id=run.id, n=n, pid=proc.pid, pid_start_time=start_time, started_at=time.time(),
+                    ended_at=None, exit_code=None, assigned_gpus=gpus, log_path=str(log_path),
+                    exit_path=str(exit_path)))
+                self.registry.update_run(run.id, state="running", assigned_gpus=gpus,
+                                         message=f"{message}; {kept}" if kept else message, **fields)
+        except sqlite3.Error as e:
+            # NOTE: an attempt the registry does not hold must not run: a restarted service would not find it, and
+            # the launch is tried again (it would train beside its twin in the same run directory).
+            self._kill_unrecorded(proc, exit_path)
+            log_path.unlink(missing_ok=True)
+            if is_transient(e):
+                raise
+            why = f"attempt {n} could not be recorded, so it was killed ({type(e).__name__}: {e})"
+            log.error("run %s: %s", run.id, why)
+            end_and(state="failed", assigned_gpus=[], message=f"{message}; {why}; resume to try again"
+                    if ended is not None else f"launch failed: {why}; resume to try again")
+            return
+        if kept:
+            self.files.forget(run.id)  # its counts now start from the registry's carried ones
         self._children[run.id] = proc
-        self.registry.add_attempt(Attempt(
-            run_id=run.id, n=n, pid=proc.pid, pid_start_time=start_time, started_at=time.time(), ended_at=None,
-            exit_code=None, assigned_gpus=gpus, log_path=str(log_path), exit_path=str(exit_path)))
-        self.registry.update_run(run.id, state="running", assigned_gpus=gpus,
-                                 **({"message": f"{run.message}; {kept}"} if kept else {}))
         log.info("run %s attempt %d started: pid %d, CUDA_VISIBLE_DEVICES=%s", run.id, n, proc.pid, gpus)
+
+    @staticmethod
+    def _kill_unrecorded(proc: subprocess.Popen, exit_path: Path) -> None:
+        """Kill an attempt the registry does not hold: its wrapper first (it starts nothing more), then what it
+        started."""
+        proc.kill()
+        proc.wait()
+        kill_processes(attempt_processes_of(str(exit_path)))
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -506,6 +660,9 @@ class Supervisor:
             run = self._require(run_id)
             a = run.last_attempt
             if a is not None and a.ended_at is None:
+                # NOTE: recorded before the kill: should the registry refuse what follows, the supervisor settles the
+                # killed attempt as stopped (the request's), not relaunches it as a crash.
+                self.registry.update_run(run_id, stop_requested_at=time.time(), message="killed by DELETE")
                 self._kill(run_id, a, signal.SIGKILL)
                 proc = self._children.pop(run_id, None)
                 if proc is not None and proc.pid == a.pid:
@@ -525,7 +682,7 @@ class Supervisor:
                         else f"runs/{run_id}"
                     line = f"DELETE could not remove {where} ({e.strerror}); the run is kept"
                     if a is not None and a.ended_at is None:
-                        self.registry.update_run(run_id, stop_requested_at=time.time(), message=line)
+                        self.registry.update_run(run_id, message=line)
                     raise FilesKept(f"{line}: DELETE again once it can go, or without files=true") from None
             self.registry.delete_run(run_id)
             self.files.forget(run_id)

@@ -1,14 +1,16 @@
 """A service that dies inside a launch never leaves a run to be launched twice.
 
-A launch starts the attempt's processes, records the attempt, then marks the run running. The service is made to
-die at each of those points (the registry write raises), and a new supervisor over the same state dir takes over:
-a recorded attempt is re-adopted, not launched again beside itself; an unrecorded one is killed and recorded, and
-the next attempt is launched in its place.
+A launch starts the attempt's processes, then records the attempt and marks the run running in one transaction.
+The service is made to die between the two (the registry write raises), or its registry is left as an older service
+that wrote them apart left it, and a new supervisor over the same state dir takes over: a recorded attempt is
+re-adopted, not launched again beside itself; an unrecorded one is killed and recorded, and the next attempt is
+launched in its place.
 """
 
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 
 import pytest
@@ -65,13 +67,15 @@ def finish(sup: Supervisor, run_id: str, timeout: float = 60) -> None:
     wait_until(done, timeout, f"run {run_id} to end", interval=0.1)
 
 
-def test_died_after_recording_the_attempt_readopts_it(settings, monkeypatch):
+def test_a_queued_run_with_a_recorded_attempt_is_readopted(settings):
+    """A service that recorded the attempt and the run's state in two writes (they are one transaction now) and died
+    between them left a queued run holding a started attempt: the restarted service re-adopts it."""
     reg = Registry(settings.state_dir / "registry.sqlite3")
     submit(settings, reg, "r", steps=40)
-    die_at(monkeypatch, reg, "update_run", lambda run_id, **f: f.get("state") == "running")
-    with pytest.raises(ServiceDied):
-        Supervisor(settings, reg, RunFilesCache(settings.runs_dir)).tick()
+    Supervisor(settings, reg, RunFilesCache(settings.runs_dir)).tick()
     reg.close()
+    with sqlite3.connect(settings.state_dir / "registry.sqlite3") as con:
+        con.execute("UPDATE runs SET state = 'queued', message = '' WHERE id = 'r'")
     assert list(tagged(settings, "r")) == ["attempt-1.exit"]
 
     reg = Registry(settings.state_dir / "registry.sqlite3")  # the restarted service
