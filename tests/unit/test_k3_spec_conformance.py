@@ -444,6 +444,30 @@ def test_router_scores_stay_float32_under_bf16_autocast():
     assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
 
 
+def test_router_scores_train_float32_values_with_autocasts_gradient():
+    """Training under bf16 autocast: the scores are the float32 product, while the router weight's gradient is the
+    one autocast's own product gives, as every other weight's (a float32 backward cost two float32 products of the
+    forward's size per MoE layer, at a GPU's non-tensor-core float32 rate)."""
+    from titan_k3.models.k3.moe import router_logits
+
+    x = torch.randn(64, 96, generator=_gen(30)).bfloat16()
+    w = (torch.randn(12, 96, generator=_gen(31)) * 0.05).requires_grad_()
+    up = torch.randn(64, 12, generator=_gen(32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = router_logits(x, w)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, x.float() @ w.detach().t())
+    (got * up).sum().backward()
+    w_low = w.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ((x @ w_low.t()).float() * up).sum().backward()
+    assert torch.equal(w.grad, w_low.grad)
+
+    w.grad = None  # no autocast: float32 both ways
+    (router_logits(x.float(), w) * up).sum().backward()
+    torch.testing.assert_close(w.grad, up.t() @ x.float(), rtol=1e-6, atol=1e-6)
+
+
 def test_mixes_qk_clip_statistic_and_kda_recurrence_stay_float32_under_bf16_autocast():
     """The residual mixes (docs/k3.md §2.4), MLA's recorded max logit (§2.2) and the KDA recurrence (§2.1) compute
     in float32 inside the trainer's bf16 autocast too, on the PyTorch paths as on the Triton ones."""

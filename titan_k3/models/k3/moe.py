@@ -104,6 +104,28 @@ def margin_quantiles(
     return histogram_quantiles(hist_EB, quantile, half_range)
 
 
+def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+    """W_router x: [T, D] x [E, D] -> float32 [T, E] (docs/k3.md §2.3), under the trainer's bf16 autocast too.
+
+    NOTE: autocast ran this product in bf16: for k3-mini's router at initialisation (D 512, E 176, 8,192 tokens)
+    that changed the top-6 set of 12.6% of the tokens against float32 and tied the 6th and 7th score of 22.6% (ties
+    go to the lowest id). Under autocast the value is the float32 product, while the gradient flows through
+    autocast's own product, as every other weight's does: a float32 backward would run two more float32 products
+    of the forward's size per MoE layer, at a GPU's float32 (not tensor-core) rate.
+    """
+    device = x_TD.device
+    autocast = device.type in ("cuda", "cpu") and torch.is_autocast_enabled(device.type)
+    if not autocast or not torch.is_grad_enabled():
+        with autocast_off(device):
+            return upcast(x_TD) @ upcast(w_ED).t()
+    low = (x_TD @ w_ED.t()).float()  # autocast's dtype: carries the gradient
+    with autocast_off(device), torch.no_grad():
+        exact = upcast(x_TD) @ upcast(w_ED).t()
+    # NOTE: low + (exact - low) is `exact` to within one float32 rounding, and exactly it wherever the two are
+    # within a factor 2 of each other (Sterbenz), as all but scores near 0 are.
+    return low + (exact - low.detach())
+
+
 class _RoutingRecompute:
     active = False
 
@@ -155,11 +177,7 @@ class QuantileBalancedRouter(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (expert ids int64 [T, k], weights float32 [T, k])."""
-        # NOTE: float32 under bf16 autocast too (docs/k3.md §2.3). Autocast ran this product in bf16: for
-        # k3-mini's router at initialisation (D 512, E 176, 8,192 tokens) that changed the top-6 set of 12.6% of
-        # the tokens against float32 and tied the 6th and 7th score of 22.6% (ties go to the lowest id).
-        with autocast_off(x_TD.device):
-            s_TE = torch.sigmoid(upcast(x_TD) @ upcast(self.weight).t())
+        s_TE = torch.sigmoid(router_logits(x_TD, self.weight))
         # NOTE: an activation-checkpoint recompute runs inside backward: it must
         # route with the bias the original forward used and must not update it.
         # The checkpoint wrapper says so (`routing_recompute`); a compiled router
