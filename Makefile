@@ -1,17 +1,19 @@
 # Two commands on a fresh machine:
-#   make train   install into .venv and run the embedded default training (CPU smoke run on bundled data)
+#   make train   install into .venv and run the embedded default training (a smoke run on bundled data; on a GPU if torch sees one)
 #   make test    install into .venv and run the whole test suite
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-fast clean
+.PHONY: install train test clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# NOTE: the CPU build of torch first; an unpinned torch would pull a CUDA build.
+	# NOTE: the pinned torch first, so the editable install below does not resolve another. Which build it is
+	# comes from pip's index: PyPI's Linux wheel is the CUDA build; a CPU-only machine can point pip at
+	# PyTorch's CPU index (PIP_INDEX_URL=https://download.pytorch.org/whl/cpu) to skip the CUDA libraries.
 	$(BIN)/pip install -q torch==2.13.0
 	# NOTE: every optional extra (parquet: pyarrow) as well, so that the tests of what it enables run too.
 	$(BIN)/pip install -q -e '.[dev,parquet]'

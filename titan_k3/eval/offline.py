@@ -5,7 +5,8 @@
     python -m titan_k3.eval --runs RUN_DIR [--tasks ...] [--val-steps K] [--json]
 
 The model is rebuilt from the run's resolved `config.toml` (the run directory
-is the checkpoint folder's parent) and only its weights are loaded. Defaults
+is the nearest folder above the step dir whose config.toml names its checkpoint
+folder: RUN_DIR for RUN_DIR/checkpoints/step-N) and only its weights are loaded. Defaults
 come from the run's [eval] section, so `--checkpoint` on the step the trainer
 evaluated reproduces the val_loss it logged (same seed, same sequences, one
 process). `--runs` evaluates every complete checkpoint of the run, oldest
