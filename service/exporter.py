@@ -69,7 +69,7 @@ TRAINER_KEYS = (
     "memory_peak_allocated_gib", "memory_peak_reserved_gib", "tokens_seen", "skipped_updates", "grad_norm/<group>",
     "moe/<layer>/dead_fraction", "moe/<layer>/maxvio", "moe/<layer>/load_cv", "moe/<layer>/entropy",
     "moe/<layer>/qb_range", "tokens_per_source/<source>", "host_rss_gib", "data_wait_fraction",
-    "nonfinite_events", "training_seconds", "session_seconds", "session_start", "session_tokens",
+    "nonfinite_events", "training_seconds", "invariant_seconds", "session_seconds", "session_start", "session_tokens",
     "session_first_step", "session_first_loss", "invariant_violations", "invariant_checked_updates",
     "invariant_violations/<check>", "val_loss", "val_tokens", "eval/<task>/acc", "eval/<task>/acc_norm",
 )

@@ -112,6 +112,8 @@ def test_invariant_checks_time_is_their_own_not_the_training_clocks(run):
     assert [r["invariant_checked_updates"] for r in records] == [1, 2]
     samples = {s.name: s.value for f in text_string_to_metric_families(scrapes[-1]) for s in f.samples}
     assert samples["titan_k3_invariant_seconds_total"] == pytest.approx(CHECK_S * STEPS // CHECK_EVERY)
+    # ... and in the run directory: every number the endpoint serves is in metrics.jsonl too.
+    assert [r["invariant_seconds"] for r in records] == pytest.approx([CHECK_S * r["step"] // CHECK_EVERY for r in records])
     lines = [x for x in (run_dir / "stdout.log").read_text().splitlines() if x.startswith("invariants at step ")]
     assert [x.split(":")[0] for x in lines] == ["invariants at step 2", "invariants at step 4"]
     # The yardstick is the update before the check on the training clock (2 s), not the wall time between updates.

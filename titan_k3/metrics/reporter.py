@@ -173,6 +173,8 @@ class MetricsReporter:
             # NOTE: this session's tokens over this session's time; tokens_seen includes earlier sessions' (resume).
             "tokens_per_second_session": clocks.session_tokens / max(session_seconds, 1e-9),
             "data_wait_fraction": window["data_wait"] / win_seconds,
+            # NOTE: this session's seconds in invariant checks, kept off the training clock (TwoClocks.outside_training).
+            "invariant_seconds": clocks.own_seconds.get("invariants", 0.0),
         }
         peak = self.peak_tflops * 1e12 * self.n_devices
         record["mfu"] = record["tokens_per_second_training"] * self.flops_per_token / peak
