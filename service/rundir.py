@@ -292,19 +292,34 @@ class RunFilesCache:
         self._carried = carried
         self._lock = threading.Lock()
         self._files: dict[str, RunFiles] = {}
+        self._forgotten: dict[str, int] = {}
+        """run id -> how many times `forget` dropped it: a `get` that read the carried counts across a forget reads again."""
 
     def get(self, run_id: str) -> RunFiles:
-        with self._lock:
-            files = self._files.get(run_id)
-            if files is None:
-                carried = self._carried(run_id) if self._carried is not None else ({}, {})
-                files = self._files[run_id] = RunFiles(self.runs_dir / run_id, carried)
-            return files
+        # NOTE: the carried counts are read from the registry without this cache's lock held: the supervisor holds
+        # the registry's lock while it calls `forget`, so taking the two in the other order here deadlocked every
+        # request that needed either (the service stopped answering).
+        while True:
+            with self._lock:
+                files = self._files.get(run_id)
+                if files is not None:
+                    return files
+                seen = self._forgotten.get(run_id, 0)
+            carried = self._carried(run_id) if self._carried is not None else ({}, {})
+            with self._lock:
+                if self._forgotten.get(run_id, 0) != seen:
+                    continue  # a set-aside carried more counts meanwhile: read them again
+                files = self._files.get(run_id)
+                if files is None:
+                    files = self._files[run_id] = RunFiles(self.runs_dir / run_id, carried)
+                return files
 
     def forget(self, run_id: str) -> None:
-        """Drop a deleted run's cached reads (a new run of the same name starts afresh)."""
+        """Drop a run's cached reads (a deleted run, or one whose attempt was set aside: the next `get` reads the
+        carried counts again; a new run of the same name starts afresh)."""
         with self._lock:
             self._files.pop(run_id, None)
+            self._forgotten[run_id] = self._forgotten.get(run_id, 0) + 1
 
 
 LINE_BYTES = 64 << 10
