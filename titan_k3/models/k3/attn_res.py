@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from kernels.attn_res.sinks import GradientHandoff, GradientSink, add_handing_off, collect
-from titan_k3.models.k3.layers import autocast_off
 
 
 class PseudoQueryMix(nn.Module):
@@ -63,10 +62,7 @@ class PseudoQueryMix(nn.Module):
     # source goes through the mix too: the Triton mix's kernels normalise it in one pass each way (an eager RMSNorm
     # of a bf16 [B, T, D] outside the compiled sublayers is five).
     def mix_several(self, sources: list[torch.Tensor], norm: nn.Module | None = None) -> torch.Tensor:
-        # NOTE: scores in float32 (docs/k3.md §2.4) under bf16 autocast too: the PyTorch mix's score product ran in
-        # bf16 there (0.6% relative error in the mix); the Triton mix computes in float32 either way.
-        with autocast_off(sources[0].device):
-            return self.mix(sources, self.query, self.eps, **_norm_args(norm))
+        return self.mix(sources, self.query, self.eps, **_norm_args(norm))
 
 
 def _norm_args(norm: nn.Module | None) -> dict:

@@ -17,7 +17,7 @@ from torch import nn
 
 from titan_k3.models.k3.args import K3Args
 from titan_k3.models.k3.documents import Documents
-from titan_k3.models.k3.layers import autocast_off, init_linear, rms_norm
+from titan_k3.models.k3.layers import init_linear, rms_norm
 
 
 class KimiDeltaAttention(nn.Module):
@@ -65,15 +65,12 @@ class KimiDeltaAttention(nn.Module):
         g_raw = self.f_b(self.f_a(x_BTD))
         beta_logit = self.b_proj(x_BTD)
         shape = (1, B * T) if docs.cu_seqlens is not None else (B, T)
-        # NOTE: the recurrence keeps its state in float32 (docs/k3.md §2.1) under bf16 autocast too: the PyTorch
-        # reference's products ran in bf16 there; the Triton and fla kernels compute in float32 either way.
-        with autocast_off(x_BTD.device):
-            o, _ = self.kda_fn(
-                q.reshape(*shape, H, K), k.reshape(*shape, H, K), v.reshape(*shape, H, K),
-                g_raw.reshape(*shape, H, K), beta_logit.reshape(*shape, H),
-                cu_seqlens=docs.cu_seqlens_host, chunk_layout=docs.kda_chunks, A_log=self.A_log,
-                dt_bias=self.dt_bias, gate_lower_bound=self.gate_lower_bound, use_qk_l2norm=True, beta_is_logit=True,
-            )
+        o, _ = self.kda_fn(
+            q.reshape(*shape, H, K), k.reshape(*shape, H, K), v.reshape(*shape, H, K),
+            g_raw.reshape(*shape, H, K), beta_logit.reshape(*shape, H),
+            cu_seqlens=docs.cu_seqlens_host, chunk_layout=docs.kda_chunks, A_log=self.A_log, dt_bias=self.dt_bias,
+            gate_lower_bound=self.gate_lower_bound, use_qk_l2norm=True, beta_is_logit=True,
+        )
         o = rms_norm(o.reshape(B, T, H, K), self.o_norm, self.eps)
         o = o * torch.sigmoid(self.g_proj(x_BTD)).view(B, T, H, K)
         return self.o_proj(o.reshape(B, T, H * K))

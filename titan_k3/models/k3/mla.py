@@ -26,7 +26,7 @@ from torch.nn.attention.varlen import varlen_attn
 from kernels.max_logit import max_logit_per_head_reference
 from titan_k3.models.k3.args import K3Args
 from titan_k3.models.k3.documents import Documents
-from titan_k3.models.k3.layers import RMSNorm, autocast_off, init_linear
+from titan_k3.models.k3.layers import RMSNorm, init_linear
 
 FLEX = "flex"
 """An entry of `GatedMLA.sdpa_backends` next to the SDPBackend ones: packed-document batches attend through flex_attention."""
@@ -146,9 +146,7 @@ class GatedMLA(nn.Module):
         k = torch.cat([k_nope, kr[:, :, None, :].expand(B, T, H, R)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.training and self.track_max_logit:
-            # NOTE: QK-Clip compares this maximum with tau: float32 products from the bf16 q and k on every path
-            # (the PyTorch reference ran them in bf16 under autocast: 62.8 for a logit of 62.5).
-            with torch.no_grad(), autocast_off(x_BTD.device):
+            with torch.no_grad():
                 pos = docs.pos_BT if docs.cu_seqlens is not None else None
                 self.max_logit.copy_(torch.maximum(self.max_logit, self.max_logit_fn(q, k, self.scale, pos)))
         o = self._attend(q, k, v, docs).transpose(1, 2)

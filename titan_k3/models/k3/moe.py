@@ -104,6 +104,23 @@ def margin_quantiles(
     return histogram_quantiles(hist_EB, quantile, half_range)
 
 
+@torch.library.custom_op("titan_k3::router_logits_float32", mutates_args=())
+def _router_logits_float32(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+    """x @ w^T in float32 whatever the autocast around the model (no gradient: `router_logits` adds it).
+
+    NOTE: an op of its own, so the autocast switch stays out of the compiled graph: a graph that enters an autocast
+    context is not cached by AOT autograd, and every start would build it again.
+    """
+    with autocast_off(x_TD.device):
+        return upcast(x_TD) @ upcast(w_ED).t()
+
+
+@_router_logits_float32.register_fake
+def _(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+    dtype = torch.promote_types(upcast(x_TD).dtype, upcast(w_ED).dtype)
+    return x_TD.new_empty(x_TD.shape[0], w_ED.shape[0], dtype=dtype)
+
+
 def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
     """W_router x: [T, D] x [E, D] -> float32 [T, E] (docs/k3.md §2.3), under the trainer's bf16 autocast too.
 
@@ -114,13 +131,12 @@ def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
     of the forward's size per MoE layer, at a GPU's float32 (not tensor-core) rate.
     """
     device = x_TD.device
-    autocast = device.type in ("cuda", "cpu") and torch.is_autocast_enabled(device.type)
-    if not autocast or not torch.is_grad_enabled():
-        with autocast_off(device):
-            return upcast(x_TD) @ upcast(w_ED).t()
+    if not (device.type in ("cuda", "cpu") and torch.is_autocast_enabled(device.type)):
+        return upcast(x_TD) @ upcast(w_ED).t()
+    exact = _router_logits_float32(x_TD.detach(), w_ED.detach())
+    if not torch.is_grad_enabled():
+        return exact
     low = (x_TD @ w_ED.t()).float()  # autocast's dtype: carries the gradient
-    with autocast_off(device), torch.no_grad():
-        exact = upcast(x_TD) @ upcast(w_ED).t()
     # NOTE: low + (exact - low) is `exact` to within one float32 rounding, and exactly it wherever the two are
     # within a factor 2 of each other (Sterbenz), as all but scores near 0 are.
     return low + (exact - low.detach())
