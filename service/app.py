@@ -23,6 +23,7 @@ from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.concurrency import run_in_threadpool
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from service import errors, names
@@ -365,16 +366,18 @@ def create_app(settings: Settings) -> FastAPI:
     def create_run(req: RunCreate) -> RunOut:
         return svc.out(svc.create(req))
 
+    # NOTE: every handler that reads the registry or a run's files is a plain `def` (FastAPI runs it in its thread
+    # pool) or hands that work to the pool: registry reads take the registry's lock, which a supervisor pass holds
+    # throughout (a write it makes waits up to 3 x 10 s for SQLite's lock), and on the event loop one such wait
+    # paused every request and every log stream.
     @app.get("/v1/runs", response_model=list[RunOut], dependencies=read, responses=read_auth)
-    async def list_runs(state: list[Literal[STATES]] | None = Query(
+    def list_runs(state: list[Literal[STATES]] | None = Query(
             None, description="only runs in these states (repeat the parameter for several)")) -> Response:
-        # NOTE: async (on the event loop, no worker-thread hop): answered from cached views, a rebuild is one run's
-        # few stat calls and appended lines; 50 clients at once measured in benchmarks/results/service_load.md.
         runs = svc.registry.list(tuple(state) if state else None)
         return Response(b"[" + b",".join(svc.view(r) for r in runs) + b"]", media_type="application/json")
 
     @app.get("/v1/runs/{run_id}", response_model=RunOut, dependencies=read, responses={**read_auth, **NOT_FOUND})
-    async def get_run(run_id: RunId) -> Response:
+    def get_run(run_id: RunId) -> Response:
         return Response(svc.view(svc.get(run_id)), media_type="application/json")
 
     @app.delete("/v1/runs/{run_id}", response_model=Deleted, dependencies=[Depends(require_token)],
@@ -417,7 +420,7 @@ def create_app(settings: Settings) -> FastAPI:
                  429: {"model": ErrorOut, "description": "too many open streams (--max-streams)"}})})
     async def stream_logs(run_id: RunId, tail: int = Query(50, ge=0, le=10000)) -> StreamingResponse:
         """Server-sent events: one `data:` line per log line, following attempts; `event: end` when the run ends."""
-        run = svc.get(run_id)
+        run = await run_in_threadpool(svc.get, run_id)
         if svc.streams >= settings.max_streams:
             raise HTTPException(429, f"{svc.streams} log streams open (at most {settings.max_streams}); retry later",
                                 headers={"Retry-After": "5"})
@@ -500,18 +503,33 @@ async def _counted(slot: _StreamSlot, stream: AsyncIterator[bytes]) -> AsyncIter
         slot.release()
 
 
+def _log_size(path: str) -> int:
+    """The size of an attempt's log (0 while the attempt has not written it yet, or when there is no attempt)."""
+    try:
+        return os.stat(path).st_size if path else 0
+    except FileNotFoundError:
+        return 0
+
+
+def _log_from(path: str, offset: int) -> bytes:
+    """Up to 1 MiB of an attempt's log from `offset` (nothing while the attempt has not written it yet)."""
+    with suppress(FileNotFoundError):
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(1 << 20)
+    return b""
+
+
 async def _follow(svc: Service, run: Run, tail: int) -> AsyncIterator[bytes]:
+    """The run's log stream as SSE chunks. Its file and registry reads run in the thread pool: the event loop it
+    shares with every request never waits on a disk or on the registry's lock."""
     def event(line: str, kind: str | None = None) -> bytes:
         head = f"event: {kind}\n" if kind else ""
         # NOTE: SSE ends a field at '\\r' as at '\\n': a progress bar's '\\r' would start a bogus field mid-line.
         return (head + "".join(f"data: {part}\n" for part in line.splitlines() or [""]) + "\n").encode()
 
-    def read(path: str, offset: int) -> bytes:
-        with suppress(FileNotFoundError):  # the attempt has not written its log yet
-            with open(path, "rb") as f:
-                f.seek(offset)
-                return f.read(1 << 20)
-        return b""
+    async def read(path: str, offset: int) -> bytes:
+        return await run_in_threadpool(_log_from, path, offset) if path else b""
 
     partial = LineCap(svc.settings.log_line_bytes)
 
@@ -532,11 +550,8 @@ async def _follow(svc: Service, run: Run, tail: int) -> AsyncIterator[bytes]:
     # is shown once, by the follow (a size taken after the tail read skipped it).
     n = run.attempts[-1].n if run.attempts else 0
     path = run.attempts[-1].log_path if run.attempts else ""
-    try:
-        offset = os.stat(path).st_size if path else 0
-    except FileNotFoundError:
-        offset = 0
-    for line in svc.log_lines(run, tail, end=offset) if tail else []:
+    offset = await run_in_threadpool(_log_size, path)
+    for line in await run_in_threadpool(svc.log_lines, run, tail, end=offset) if tail else []:
         yield event(line)
 
     def flush_partial() -> list[str]:
@@ -549,13 +564,13 @@ async def _follow(svc: Service, run: Run, tail: int) -> AsyncIterator[bytes]:
         if svc.closing():  # NOTE: a comment line (EventSource ignores it, and reconnects once the stream ends)
             yield b": the service is stopping; reconnect to follow the run\n\n"
             return
-        current = svc.registry.get(run.id)
+        current = await run_in_threadpool(svc.registry.get, run.id)
         if current is None:  # deleted meanwhile: end the stream as a run's end, not as a dropped connection
             yield event(json.dumps({"state": "deleted", "message": f"run {run.id!r} was deleted"}), "end")
             return
         if current.attempts and current.attempts[-1].n != n:
             # NOTE: what the ended attempt wrote since the last read (its last lines: why it ended) comes first.
-            while path and (data := read(path, offset)):
+            while data := await read(path, offset):
                 offset += len(data)
                 for line in lines_of(data):
                     yield event(line)
@@ -563,7 +578,7 @@ async def _follow(svc: Service, run: Run, tail: int) -> AsyncIterator[bytes]:
                 yield event(line)
             n, path, offset = current.attempts[-1].n, current.attempts[-1].log_path, 0
             yield event(f"=== attempt {n} ===")
-        data = read(path, offset) if path else b""
+        data = await read(path, offset)
         if data:
             offset += len(data)
             for line in lines_of(data):
