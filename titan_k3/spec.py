@@ -59,3 +59,8 @@ MODEL_FLAVORS: dict[str, dict[str, dict[str, Any]]] = {"k3": K3_FLAVORS}
 def routed_experts(model: str, flavor: str) -> int:
     """Routed experts per MoE layer of a registered flavor (what `parallelism.expert_parallel_degree` must divide)."""
     return MODEL_FLAVORS[model][flavor]["n_experts"]
+
+
+def experts_per_token(model: str, flavor: str) -> int:
+    """Routed experts each token selects (top_k) in a registered flavor."""
+    return MODEL_FLAVORS[model][flavor]["top_k"]

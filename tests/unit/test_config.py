@@ -9,6 +9,7 @@ import pytest
 from titan_k3.config import ConfigError, config_to_toml, help_text, load_job_config
 from titan_k3.config.manager import field_docs
 from titan_k3.config.validate import warmup_updates
+from titan_k3.spec import MODEL_FLAVORS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,6 +50,20 @@ def test_errors_are_one_line_and_name_the_key(argv, expected):
     message = str(e.value)
     assert expected in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("top_k, allowed", [(8, "in 1..7, below its n_experts = 8"), (0, "in 1..7"), (9, "in 1..7")])
+def test_a_flavor_whose_top_k_leaves_no_expert_out_is_refused(monkeypatch, top_k, allowed):
+    """top_k = n_experts loaded, and the first forward stopped on the router asking for the (top_k + 1)-th score
+    (top_k = 0 on a reshape): the flavor is refused with the configuration, naming the key, its value and the range."""
+    monkeypatch.setitem(MODEL_FLAVORS["k3"], "wide", {**MODEL_FLAVORS["k3"]["debug"], "top_k": top_k})
+    with pytest.raises(ConfigError) as e:
+        load_job_config(["--model.flavor", "wide"])
+    assert str(e.value).startswith(f"config key 'model.flavor' = 'wide': its top_k = {top_k} (titan_k3/spec.py) must be "
+                                   f"{allowed}")
+    assert "\n" not in str(e.value)
+    monkeypatch.setitem(MODEL_FLAVORS["k3"], "wide", {**MODEL_FLAVORS["k3"]["debug"], "top_k": 7})
+    assert load_job_config(["--model.flavor", "wide"]).model.flavor == "wide"
 
 
 def test_a_mixture_weight_of_zero_excludes_a_source():

@@ -11,7 +11,7 @@ import math
 
 from titan_k3.config.errors import ConfigError, toml_value
 from titan_k3.config.job_config import JobConfig
-from titan_k3.spec import KDA_CHUNK, MODEL_FLAVORS, routed_experts
+from titan_k3.spec import KDA_CHUNK, MODEL_FLAVORS, experts_per_token, routed_experts
 
 
 def _require(ok: bool, message: str) -> None:
@@ -116,11 +116,21 @@ def _check_warmup(s, steps: int) -> None:
     )
 
 
+def _check_routing(model: str, flavor: str) -> None:
+    """A flavor's top_k leaves an expert out: the router ranks the top_k + 1 largest scores of a token and Quantile
+    Balancing measures its margins from the (top_k + 1)-th (docs/k3.md §2.3, §5)."""
+    k, n = experts_per_token(model, flavor), routed_experts(model, flavor)
+    _require(1 <= k < n, f"config key 'model.flavor' = {toml_value(flavor)}: its top_k = {k} (titan_k3/spec.py) must be "
+                         f"in 1..{n - 1}, below its n_experts = {n}: routing ranks the top_k + 1 largest scores and "
+                         "Quantile Balancing measures its margins from the (top_k + 1)-th")
+
+
 def validate(cfg: JobConfig, needs_data: bool = True) -> None:
     """ConfigError on the first mistake in `cfg`; needs_data=False: an empty data.dataset is accepted."""
     t, o, s, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.parallelism
     _one_of("model.name", cfg.model.name, list(MODEL_FLAVORS))
     _one_of("model.flavor", cfg.model.flavor, list(MODEL_FLAVORS[cfg.model.name]))
+    _check_routing(cfg.model.name, cfg.model.flavor)
     _non_negative("model.vocab_size", cfg.model.vocab_size)
     _non_negative("model.qb_eta", cfg.model.qb_eta)
     for key in ("steps", "seq_len", "local_batch_size", "grad_accum", "max_skipped_in_row"):
