@@ -57,6 +57,14 @@ def test_checkpoint_folders_outside_the_run_directory_are_refused(folder):
         load_job_config(["--checkpoint.folder", folder])
 
 
+def test_the_dump_folder_check_creates_a_folder_there_and_leaves_nothing(tmp_path):
+    """Root passes os.access everywhere, /proc too: the check creates a folder where the run will, and removes it."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    assert run_dir.run_dir_problem(load_job_config(["--job.dump_folder", str(runs / "new"), "--job.name", "r"])) is None
+    assert list(tmp_path.rglob("*")) == [runs]
+
+
 def test_unusable_dump_folders_are_one_line(tmp_path, monkeypatch, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("x")

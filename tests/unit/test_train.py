@@ -368,6 +368,18 @@ def test_validate_only_refuses_the_run_directory_the_run_would_refuse(tmp_path, 
     assert capsys.readouterr().out == "config ok\n" and not (tmp_path / "new").exists()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="no /proc")
+def test_validate_only_refuses_a_dump_folder_the_run_cannot_create_its_directory_in(tmp_path, capsys):
+    """/proc reads as writable to root: --job.validate_only said 'config ok', and the run built its model and then
+    stopped on 'cannot create the run directory'. Both stop on the same line, the run before its model."""
+    argv = [*FAST, "--job.dump_folder", "/proc/titan_k3-runs", "--job.name", "r"]
+    assert main([*argv, "--job.validate_only"]) == 2
+    line = capsys.readouterr().err
+    assert line.startswith("error: config key 'job.dump_folder' = '/proc/titan_k3-runs': ")
+    assert main(argv) == 2
+    assert capsys.readouterr().err == line
+
+
 def test_validate_only_checks_the_mesh_against_the_launchs_world_size(tmp_path, capsys, monkeypatch):
     """tomls/debug/hsdp.toml (2 x 2) in one process: the run refuses it, and --job.validate_only said 'config ok'."""
     argv = ["--job.config_file", "tomls/debug/hsdp.toml", "--job.dump_folder", str(tmp_path), "--job.validate_only"]

@@ -19,8 +19,10 @@ world size, the run directory).
 from __future__ import annotations
 
 import importlib.util
+import os
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 from titan_k3.config.errors import ConfigError, toml_value
@@ -35,6 +37,29 @@ prints 'config ok' and exits 0, or one line 'error: ...' on stderr and exits 2. 
 
 CONFIG_ERROR_EXIT = 2
 """Exit status of the trainer (and of this check) for a configuration error: retrying cannot help."""
+
+
+def unusable_folder(folder: Path) -> str | None:
+    """Why folders cannot be created under `folder` (it or its nearest existing parent), or None.
+
+    NOTE: a folder is created there and removed: os.access answers from the permission bits, which root passes
+    everywhere, so a pseudo-filesystem (/proc, /sys) read as writable and the run then failed to create its folder.
+    """
+    if folder.exists() and not folder.is_dir():
+        return "is a file, not a folder"
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, so the folder cannot be created"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable by this user" if existing != folder else "is not writable by this user"
+    try:
+        probe = tempfile.mkdtemp(prefix=".titan_k3-probe-", dir=existing)
+    except OSError as e:
+        return f"cannot create a folder in {existing} ({e.strerror})"
+    os.rmdir(probe)
+    return None
 
 
 def check_port(cfg: JobConfig) -> None:

@@ -3,7 +3,8 @@
 Created only after every check on the configuration, the data and the model
 has passed, so bad input never leaves a half-written run directory.
 `check_run_dir` refuses, before any work, a folder the run must not write:
-an unwritable or file-blocked dump folder, and a reused name whose previous
+an unwritable or file-blocked dump folder, or one no folder can be created in
+(/proc), and a reused name whose previous
 run has no checkpoint to resume (unless job.overwrite); the name itself is
 checked with the configuration (validate.check_run_name).
 `read_jsonl` and `load_run_config` read it back for the offline tools
@@ -26,6 +27,7 @@ from typing import Any
 
 from titan_k3.checkpoint import layout
 from titan_k3.config import JobConfig, config_to_toml, load_job_config
+from titan_k3.config.check import unusable_folder
 from titan_k3.config.errors import toml_value
 
 # What a trainer run writes at the top of its run directory (checkpoints live in their own folder).
@@ -101,20 +103,6 @@ def has_checkpoint(cfg: JobConfig, path: Path) -> bool:
     return bool(c.enable or getattr(c, "save_on_stop", False)) and bool(layout.complete_steps(path / c.folder))
 
 
-def _unusable_folder(folder: Path) -> str | None:
-    """Why runs cannot be created under `folder` (it or its nearest existing parent), or None."""
-    if folder.exists() and not folder.is_dir():
-        return "is a file, not a folder"
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"{existing} is a file, so the folder cannot be created"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable by this user" if existing != folder else "is not writable by this user"
-    return None
-
-
 def is_torchrun_restart() -> bool:
     """Whether this process is a torchrun restart (`--max-restarts`) of a job whose earlier attempt failed."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
@@ -124,7 +112,7 @@ def run_dir_problem(cfg: JobConfig) -> str | None:
     """The one line that refuses this run's directory, or None: a dump folder that cannot hold it, a run
     directory that is a file, or a reused name with nothing to resume (without job.overwrite)."""
     dump = Path(cfg.job.dump_folder)
-    why = _unusable_folder(dump)
+    why = unusable_folder(dump)
     if why:
         return f"config key 'job.dump_folder' = {toml_value(cfg.job.dump_folder)}: {why}"
     path = run_dir_path(cfg)
@@ -190,7 +178,7 @@ def prepare_run_dir(cfg: JobConfig, manifest_extra: dict[str, Any], resuming: bo
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        # NOTE: a folder the checks before took for creatable (as root every path reads as writable, /proc too).
+        # NOTE: a folder that changed since check_run_dir created one there (unusable_folder).
         raise ValueError(f"config key 'job.dump_folder' = {toml_value(cfg.job.dump_folder)}: cannot create the run "
                          f"directory {path} ({e.strerror})") from None
     overwrote = _clear_previous_run(path) if cfg.job.overwrite and not resuming else []
