@@ -279,7 +279,9 @@ class Supervisor:
         the record left a queued run with a started attempt: it is re-adopted (or settled) here as a running
         one, never launched a second time beside it. One that died before the record left an attempt log and
         maybe processes tagged with that attempt's exit file: they are killed, and the attempt is recorded as
-        ended, so the launch that follows is the next attempt (and keeps its files, as after any crash).
+        ended, so the launch that follows is the next attempt (and keeps its files, as after any crash). So is a
+        relaunch's (it records the crashed attempt's end with the next attempt): it counts as a restart, and the run
+        is settled from its exit.
         """
         with self.registry.lock:
             for run in self.registry.list():
@@ -287,11 +289,6 @@ class Supervisor:
                     self._carry_uncounted(run)
             tagged: dict[str, list[psutil.Process]] | None = None
             for run in self.registry.list(("queued", *ACTIVE)):
-                a = run.last_attempt
-                if a is not None and a.ended_at is None:
-                    with self._settling(run.id, "how its attempt fared while the service was down"):
-                        self._recover_active(run, adopt_from_queue=run.state == "queued")
-                    continue
                 n = len(run.attempts) + 1
                 log_path, exit_path = self.attempt_files(run.id, n)
                 if log_path.exists():
@@ -299,9 +296,14 @@ class Supervisor:
                         tagged = processes_by_attempt()
                     with self._settling(run.id, f"attempt {n}, started as the service went down"):
                         self._settle_unrecorded(run, n, tagged.get(str(exit_path), []))
-                if run.state in ACTIVE:  # a registry written by a service that died between two writes
+                    run = self.registry.get(run.id) or run
+                a = run.last_attempt
+                if a is not None and a.ended_at is None:
+                    with self._settling(run.id, "how its attempt fared while the service was down"):
+                        self._recover_active(run, adopt_from_queue=run.state == "queued")
+                elif run.state in ACTIVE:  # an unrecorded relaunch settled above, or a service that died between writes
                     with self._settling(run.id, "the end of its last attempt"):
-                        self._reconcile(self.registry.get(run.id) or run)
+                        self._reconcile(run)
 
     def _carry(self, run_id: str, n: int) -> None:
         """Count attempt `n`'s events.jsonl, set aside in service/attempt-<n>/, into the registry.
@@ -322,23 +324,54 @@ class Supervisor:
                 self.files.forget(run.id)
 
     def _settle_unrecorded(self, run: Run, n: int, procs: list[psutil.Process]) -> None:
-        """Kill and record attempt `n` of queued `run`: started before a service restart, never recorded."""
-        log_path, exit_path = self.attempt_files(run.id, n)
+        """Kill and record attempt `n` of `run`, started before a service restart and never recorded: a queued run's
+        launch (the run stays queued), or an active run's relaunch."""
+        a, code, left = self._end_unrecorded(run.id, n, procs)
+        if run.state in ACTIVE and run.attempts:  # NOTE: a launch starts only queued runs, a relaunch active ones
+            self._settle_unrecorded_relaunch(run, a, code, left)
+            return
+        note = f"attempt {n} started as the service went down and was never recorded ({left}); queued again"
+        with self.registry.batch():
+            self.registry.add_attempt(a)
+            self.registry.end_attempt(run.id, n, code)
+            self.registry.update_run(run.id, message=note)
+        log.warning("run %s: %s", run.id, note)
+
+    def _end_unrecorded(self, run_id: str, n: int, procs: list[psutil.Process]) -> tuple[Attempt, int | None, str]:
+        """Kill `procs`, what runs of attempt `n`, started and never recorded: the attempt's record (its wrapper's pid,
+        when it still ran), the exit status it wrote (None when killed here), and what was left of it, in words."""
+        log_path, exit_path = self.attempt_files(run_id, n)
         wrapper, start = 0, log_path.stat().st_mtime
         for p in procs:
             with contextlib.suppress(psutil.Error):  # exited meanwhile
                 if "service.child" in p.cmdline():
                     wrapper, start = p.pid, p.create_time()
         killed = kill_processes(procs)
-        code = read_exit(exit_path)
-        left = f"{killed} process(es) of it killed" if killed else "it had ended"
-        note = f"attempt {n} started as the service went down and was never recorded ({left}); queued again"
+        a = Attempt(run_id=run_id, n=n, pid=wrapper, pid_start_time=start, started_at=start, ended_at=None,
+                    exit_code=None, assigned_gpus=[], log_path=str(log_path), exit_path=str(exit_path))
+        return a, read_exit(exit_path), f"{killed} process(es) of it killed" if killed else "it had ended"
+
+    def _settle_unrecorded_relaunch(self, run: Run, a: Attempt, code: int | None, left: str) -> None:
+        """Record attempt `a` of active `run`, a relaunch never recorded, with the end of the attempt it followed (one
+        transaction, as the relaunch would have written them), and count it as a restart.
+
+        NOTE: the relaunch happened (the attempt may have trained, and crashed, while the service was down): not
+        counted, the run's restarts and titan_k3_service_restarts_total fell short of its relaunches and its restart
+        limit allowed one more. Killed here (no exit status), it is queued again, as an unrecorded launch is; else
+        `recover` settles the run from its exit as from any attempt's.
+        """
+        prev = run.last_attempt
+        assert prev is not None
+        prev_code = prev.exit_code if prev.ended_at is not None else read_exit(prev.exit_path)
+        note = (f"{describe_exit(self.settings.launcher, prev, prev_code)}; restart {run.restarts + 1} of "
+                f"{run.restart_limit}: attempt {a.n} started as the service went down and was never recorded ({left})")
+        after = {"message": note} if code is not None else \
+            {"state": "queued", "assigned_gpus": [], "message": f"{note}; queued again"}
         with self.registry.batch():
-            self.registry.add_attempt(Attempt(run_id=run.id, n=n, pid=wrapper, pid_start_time=start, started_at=start,
-                                              ended_at=None, exit_code=None, assigned_gpus=[], log_path=str(log_path),
-                                              exit_path=str(exit_path)))
-            self.registry.end_attempt(run.id, n, code)
-            self.registry.update_run(run.id, message=note)
+            self.registry.end_attempt(run.id, prev.n, prev_code)
+            self.registry.add_attempt(a)
+            self.registry.end_attempt(run.id, a.n, code)
+            self.registry.update_run(run.id, restarts=run.restarts + 1, restarts_total=run.restarts_total + 1, **after)
         log.warning("run %s: %s", run.id, note)
 
     def _recover_active(self, run: Run, adopt_from_queue: bool = False) -> None:

@@ -4,7 +4,7 @@ A launch starts the attempt's processes, then records the attempt and marks the 
 The service is made to die between the two (the registry write raises), or its registry is left as an older service
 that wrote them apart left it, and a new supervisor over the same state dir takes over: a recorded attempt is
 re-adopted, not launched again beside itself; an unrecorded one is killed and recorded, and the next attempt is
-launched in its place.
+launched in its place. An unrecorded relaunch (after a crash) is recorded with the crash, and counted as a restart.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from service.registry import Registry
 from service.rundir import RunFilesCache
 from service.settings import Settings
-from service.supervisor import Supervisor, processes_by_attempt
+from service.supervisor import Supervisor, processes_by_attempt, read_exit
 from service_harness import HERE, gone, wait_until
 
 INLINE = '[model]\nflavor = "debug"\n[training]\nsteps = {steps}\nseq_len = 64\n[metrics]\nlog_freq = 1\n'
@@ -36,11 +36,11 @@ def settings(tmp_path, monkeypatch):
     return Settings(state_dir=tmp_path / "state", token="x", gpus=0, launcher="python", trainer_module="fake_trainer")
 
 
-def submit(settings: Settings, reg: Registry, run_id: str, steps: int) -> None:
+def submit(settings: Settings, reg: Registry, run_id: str, steps: int, overrides: dict[str, str] | None = None) -> None:
     run_dir = settings.runs_dir / run_id
     run_dir.mkdir(parents=True)
     (run_dir / "submitted.toml").write_text(INLINE.format(steps=steps))
-    reg.insert_run(run_id, "inline", {}, 1, 0, 2)
+    reg.insert_run(run_id, "inline", overrides or {}, 1, 0, 2)
 
 
 def die_at(monkeypatch, reg: Registry, method: str, when=lambda *a, **kw: True) -> None:
@@ -164,4 +164,77 @@ def test_a_launch_that_started_nothing_leaves_no_log_for_recover_to_mistake(sett
         Supervisor(settings, reg, RunFilesCache(settings.runs_dir)).recover()  # a restart before the launch
         assert reg.get("nolaunch").attempts == []
     finally:
+        reg.close()
+
+
+def die_relaunching(settings: Settings, monkeypatch, run_id: str, steps: int, overrides: dict[str, str]) -> None:
+    """Submit a run whose first attempt crashes; the service dies recording the relaunch, attempt 2 started."""
+    reg = Registry(settings.state_dir / "registry.sqlite3")
+    submit(settings, reg, run_id, steps, {"debug.crash_at_step": "3", **overrides})
+    die_at(monkeypatch, reg, "add_attempt", when=lambda a: a.n == 2)
+    sup = Supervisor(settings, reg, RunFilesCache(settings.runs_dir))
+    with pytest.raises(ServiceDied):
+        wait_until(sup.tick, 60, "the first attempt's crash")
+    reg.close()
+
+
+def trainings(settings: Settings, run_id: str, n: int) -> int:
+    """How many trainings attempt `n`'s console log shows starting."""
+    return (settings.runs_dir / run_id / "service" / f"attempt-{n}.log").read_text().count("fake trainer | run")
+
+
+def test_a_relaunch_that_died_unrecorded_and_crashed_meanwhile_is_recorded_and_counted(settings, monkeypatch):
+    die_relaunching(settings, monkeypatch, "c", steps=50, overrides={})
+    exit_2 = settings.runs_dir / "c" / "service" / "attempt-2.exit"
+    wait_until(lambda: read_exit(str(exit_2)) == 3, 60, "the unrecorded relaunch to crash as attempt 1 did")
+
+    reg = Registry(settings.state_dir / "registry.sqlite3")  # the restarted service
+    try:
+        sup = Supervisor(settings, reg, RunFilesCache(settings.runs_dir))
+        sup.recover()
+        run = reg.get("c")
+        # the relaunch is attempt 2, with the status it crashed with, and the next relaunch is restart 2 of 2
+        assert [(a.n, a.exit_code) for a in run.attempts] == [(1, 3), (2, 3), (3, None)], run.message
+        assert (run.state, run.restarts, run.restarts_total) == ("running", 2, 2), run.message
+        assert run.message.startswith("attempt 2 exited with code 3; restart 2 of 2, "), run.message
+        finish(sup, "c")
+        run = reg.get("c")
+        assert run.state == "failed" and [a.exit_code for a in run.attempts] == [3, 3, 3], run.message
+        # every relaunch that trained is counted, and none trained beside another in one attempt
+        assert [trainings(settings, "c", n) for n in (2, 3)] == [1, 1]
+        assert run.restarts_total == 2
+    finally:
+        for procs in tagged(settings, "c").values():
+            for p in procs:
+                p.kill()
+        reg.close()
+
+
+def test_a_relaunch_that_died_unrecorded_still_running_is_killed_counted_and_queued_again(settings, monkeypatch):
+    # attempt 2 resumes from attempt 1's checkpoint at its crash step, and trains on past it
+    die_relaunching(settings, monkeypatch, "k", steps=200,
+                    overrides={"checkpoint.enable": "true", "checkpoint.interval": "3"})
+    log_2 = settings.runs_dir / "k" / "service" / "attempt-2.log"
+    wait_until(lambda: "step 5 " in log_2.read_text(), 60, "the unrecorded relaunch to train")
+    orphans = tagged(settings, "k")["attempt-2.exit"]
+
+    reg = Registry(settings.state_dir / "registry.sqlite3")
+    try:
+        sup = Supervisor(settings, reg, RunFilesCache(settings.runs_dir))
+        sup.recover()
+        assert all(gone(p.pid, 1) for p in orphans) and tagged(settings, "k") == {}  # killed, no relaunch beside
+        run = reg.get("k")
+        assert [(a.n, a.exit_code) for a in run.attempts] == [(1, 3), (2, None)], run.message
+        assert (run.state, run.restarts, run.restarts_total) == ("queued", 1, 1), run.message
+        assert run.message == ("attempt 1 exited with code 3; restart 1 of 2: attempt 2 started as the service went "
+                               "down and was never recorded (2 process(es) of it killed); queued again"), run.message
+        finish(sup, "k")
+        run = reg.get("k")
+        # attempt 3 takes the killed relaunch's place (a launch from the queue, not a restart)
+        assert run.state == "finished" and [a.exit_code for a in run.attempts] == [3, None, 0], run.message
+        assert run.restarts_total == 1
+    finally:
+        for procs in tagged(settings, "k").values():
+            for p in procs:
+                p.kill()
         reg.close()
