@@ -380,6 +380,22 @@ def test_validate_only_refuses_a_dump_folder_the_run_cannot_create_its_directory
     assert capsys.readouterr().err == line
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["--compile.enable", "--compile.backend", "eager", "--compile.cache_dir", "/proc/titan_k3-cache"],
+     "error: config key 'compile.cache_dir' = '/proc/titan_k3-cache': "),
+])
+def test_validate_only_refuses_with_the_line_the_run_gives(tmp_path, capsys, argv, line):
+    """--job.validate_only said 'config ok' to each, and the run stopped on it after building its model (the compile
+    cache on a bare '[Errno 2] No such file or directory')."""
+    argv = [*FAST, "--job.dump_folder", str(tmp_path), "--job.name", "r", *argv]
+    assert main([*argv, "--job.validate_only"]) == 2
+    refused = capsys.readouterr().err
+    assert refused.startswith(line)
+    assert main(argv) == 2
+    assert capsys.readouterr().err == refused
+    assert not (tmp_path / "r").exists()
+
+
 def test_validate_only_checks_the_mesh_against_the_launchs_world_size(tmp_path, capsys, monkeypatch):
     """tomls/debug/hsdp.toml (2 x 2) in one process: the run refuses it, and --job.validate_only said 'config ok'."""
     argv = ["--job.config_file", "tomls/debug/hsdp.toml", "--job.dump_folder", str(tmp_path), "--job.validate_only"]

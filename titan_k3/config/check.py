@@ -3,7 +3,8 @@
 `load_job_config` checks what the text alone decides (keys, types, ranges,
 combinations). `check_host` adds what only the host can answer, before any
 work: the dataset exists and has the sources `data.mixture` names, the files
-the run reads exist, the metrics port can be listened on.
+the run reads exist, the compile cache's folder can be created, the metrics
+port can be listened on.
 
     python -m titan_k3.config.check [-] [--section.key value ...]
 
@@ -141,6 +142,17 @@ def check_files(cfg: JobConfig) -> None:
             raise ConfigError(f"config key '{key}' = {toml_value(value)}: is a directory, not a file")
 
 
+def check_compile_cache(cfg: JobConfig) -> None:
+    """compile.cache_dir, which the run creates when it compiles, can be created (a folder of /proc could not: the
+    run stopped on a bare OSError after building its model)."""
+    c = cfg.compile
+    if not (c.enable and c.cache_dir):
+        return
+    why = unusable_folder(Path(c.cache_dir).expanduser())
+    if why:
+        raise ConfigError(f"config key 'compile.cache_dir' = {toml_value(c.cache_dir)}: {why}")
+
+
 def check_packages(cfg: JobConfig) -> None:
     """The optional packages the configuration turns on are installed (metrics.enable_tensorboard: tensorboard).
     NOTE: found, not imported: this check stays torch-free and fast; the trainer imports it when the run starts."""
@@ -154,6 +166,7 @@ def check_host(cfg: JobConfig) -> None:
     check_packages(cfg)
     check_files(cfg)
     check_data(cfg)
+    check_compile_cache(cfg)
     check_port(cfg)
 
 
