@@ -53,7 +53,7 @@ from titan_k3.gc_schedule import ScheduledGC
 from titan_k3.metrics.clocks import TwoClocks, process_start_time
 from titan_k3.metrics.events import EventLog
 from titan_k3.invariants import InvariantRunner, InvariantViolationError
-from titan_k3.metrics.memory_peak import PeakRecorder
+from titan_k3.metrics.memory_peak import PeakRecorder, check_memory_peak
 from titan_k3.metrics.profile import StepProfiler
 from titan_k3.metrics.reporter import MetricsReporter
 from titan_k3.metrics.run_dir import Tee, check_run_dir, prepare_run_dir, run_dir_path, run_dir_problem
@@ -193,10 +193,8 @@ class Trainer:
         self._session_first: StepResult | None = None  # this session's first update (train())
         self.device = _device(cfg)
         _allocator_settings(cfg, self.device)
-        try:  # first, so that everything the run allocates is in the trace
-            self.memory_peak = PeakRecorder(cfg.profiling.memory_peak_updates, self.device)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        # First, so that everything the run allocates is in the trace.
+        self.memory_peak = PeakRecorder(cfg.profiling.memory_peak_updates, self.device)
         # First: our kernels compile in the background while everything below builds and dynamo traces.
         self.precompile = Precompile(self.device, cfg.kernels.precompile_threads).start() \
             if self.device.type == "cuda" and cfg.kernels.precompile_threads > 0 else None
@@ -793,6 +791,7 @@ def _validate_only(cfg: JobConfig) -> None:
     outside torchrun) and the fault injections it allows, the run directory."""
     check_host(cfg)
     device = _device(cfg)
+    check_memory_peak(cfg.profiling.memory_peak_updates, device)
     _, vocab = _tokenizer_and_vocab(cfg)
     spec = get_model_spec(cfg.model.name)
     impl = _resolve_kernels(cfg, spec, device, spec.args(cfg.model.flavor, vocab))

@@ -381,12 +381,15 @@ def test_validate_only_refuses_a_dump_folder_the_run_cannot_create_its_directory
 
 
 @pytest.mark.parametrize("argv, line", [
-    (["--compile.enable", "--compile.backend", "eager", "--compile.cache_dir", "/proc/titan_k3-cache"],
-     "error: config key 'compile.cache_dir' = '/proc/titan_k3-cache': "),
+    pytest.param(["--compile.enable", "--compile.backend", "eager", "--compile.cache_dir", "/proc/titan_k3-cache"],
+                 "error: config key 'compile.cache_dir' = '/proc/titan_k3-cache': ", id="compile.cache_dir"),
+    pytest.param(["--profiling.memory_peak_updates", "1"], "error: config key 'profiling.memory_peak_updates' = 1: "
+                 "the allocator's trace needs a CUDA device; this run is on cpu", id="profiling.memory_peak_updates",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")),
 ])
 def test_validate_only_refuses_with_the_line_the_run_gives(tmp_path, capsys, argv, line):
-    """--job.validate_only said 'config ok' to each, and the run stopped on it after building its model (the compile
-    cache on a bare '[Errno 2] No such file or directory')."""
+    """--job.validate_only said 'config ok' to each, and the run stopped on it (the compile cache after building its
+    model, on a bare '[Errno 2] No such file or directory')."""
     argv = [*FAST, "--job.dump_folder", str(tmp_path), "--job.name", "r", *argv]
     assert main([*argv, "--job.validate_only"]) == 2
     refused = capsys.readouterr().err

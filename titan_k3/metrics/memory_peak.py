@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from titan_k3.config.errors import ConfigError
+
 GIB = 2**30
 REPO = Path(__file__).resolve().parents[2]
 REPO_DIRS = ("titan_k3", "kernels", "benchmarks")
@@ -126,6 +128,13 @@ def peak_report(snapshot: dict, baseline: int, title: str, device: int = 0, top:
     return "\n".join(lines) + "\n"
 
 
+def check_memory_peak(updates: int, device: torch.device) -> None:
+    """`profiling.memory_peak_updates` can be recorded on `device` (ConfigError, one line)."""
+    if updates and device.type != "cuda":
+        raise ConfigError(f"config key 'profiling.memory_peak_updates' = {updates}: the allocator's trace needs "
+                          f"a CUDA device; this run is on {device}")
+
+
 class PeakRecorder:
     """`[profiling] memory_peak_updates = N`: the allocator's trace from construction (before the model's build)
     through update N, then memory-peak-rank{R}.md in the run directory (`peak_report`).
@@ -135,10 +144,8 @@ class PeakRecorder:
     """
 
     def __init__(self, updates: int, device: torch.device):
+        check_memory_peak(updates, device)
         self.updates, self.baseline, self.device = updates, None, device
-        if updates and device.type != "cuda":
-            raise ValueError(f"config key 'profiling.memory_peak_updates' = {updates}: the allocator's trace needs "
-                             f"a CUDA device; this run is on {device}")
         if updates:
             self.baseline = start_recording(device)
 
