@@ -159,6 +159,18 @@ def _tokenizer_and_vocab(cfg: JobConfig):
     return tokenizer, vocab
 
 
+def _evaluator(cfg: JobConfig, tokenizer, device: torch.device, dp_rank: int = 0, dp_world: int = 1,
+               dp_group=None) -> Evaluator:
+    """The run's Evaluator, which refuses eval.batch_size against the data-parallel ranks, a missing validation split
+    and (as a ConfigError naming eval.tasks) a task file that does not parse."""
+    try:
+        return Evaluator(cfg, tokenizer, device, dp_rank=dp_rank, dp_world=dp_world, dp_group=dp_group)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"config key 'eval.tasks' = {toml_value(cfg.eval.tasks)}: {e}") from None
+
+
 def _resolve_kernels(cfg: JobConfig, spec, device: torch.device, args):
     """The model's kernel choices on `device`; job.strict refuses the first fallback among them."""
     impl = spec.resolve_kernels(cfg.kernels, device, args)
@@ -216,13 +228,8 @@ class Trainer:
             cfg.data.dataset, self.tokenizer, t.seq_len, t.local_batch_size, data_rank, self.dp_world,
             t.seed, mixture=parse_mixture(cfg.data.mixture), prefetch=cfg.data.prefetch,
         )
-        try:  # before the model: a task file that does not parse stops the run before any work
-            self.evaluator = Evaluator(cfg, self.tokenizer, self.device, dp_rank=self.dp_rank, dp_world=self.dp_world,
-                                       dp_group=self.dp_group)
-        except ConfigError:
-            raise
-        except ValueError as e:
-            raise ConfigError(f"config key 'eval.tasks' = {toml_value(cfg.eval.tasks)}: {e}") from None
+        # Before the model: a task file that does not parse stops the run before any work.
+        self.evaluator = _evaluator(cfg, self.tokenizer, self.device, self.dp_rank, self.dp_world, self.dp_group)
 
         self.impl = _resolve_kernels(cfg, self.model_spec, self.device, self.args)
         self._graph_choice = None
@@ -792,7 +799,7 @@ def _validate_only(cfg: JobConfig) -> None:
     check_host(cfg)
     device = _device(cfg)
     check_memory_peak(cfg.profiling.memory_peak_updates, device)
-    _, vocab = _tokenizer_and_vocab(cfg)
+    tokenizer, vocab = _tokenizer_and_vocab(cfg)
     spec = get_model_spec(cfg.model.name)
     impl = _resolve_kernels(cfg, spec, device, spec.args(cfg.model.flavor, vocab))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -801,6 +808,7 @@ def _validate_only(cfg: JobConfig) -> None:
     side_stream_choice(cfg, device, world)  # job.strict against its fallback
     dims = ParallelDims.from_config(cfg.parallelism, world, routed_experts(cfg.model.name, cfg.model.flavor))
     check_injections(cfg.debug, dims.dp)
+    _evaluator(cfg, tokenizer, device, dp_world=dims.dp)
     problem = run_dir_problem(cfg)  # a reused name or a dump folder the run would refuse at its start
     if problem:
         raise ConfigError(problem)

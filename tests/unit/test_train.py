@@ -386,17 +386,28 @@ def test_validate_only_refuses_a_dump_folder_the_run_cannot_create_its_directory
     pytest.param(["--profiling.memory_peak_updates", "1"], "error: config key 'profiling.memory_peak_updates' = 1: "
                  "the allocator's trace needs a CUDA device; this run is on cpu", id="profiling.memory_peak_updates",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")),
+    pytest.param(["--eval.tasks", "{tmp}/tasks.jsonl"], "error: config key 'eval.tasks' = '{tmp}/tasks.jsonl': task file "
+                 "'{tmp}/tasks.jsonl' line 1: expected", id="eval.tasks"),
 ])
 def test_validate_only_refuses_with_the_line_the_run_gives(tmp_path, capsys, argv, line):
     """--job.validate_only said 'config ok' to each, and the run stopped on it (the compile cache after building its
     model, on a bare '[Errno 2] No such file or directory')."""
-    argv = [*FAST, "--job.dump_folder", str(tmp_path), "--job.name", "r", *argv]
+    (tmp_path / "tasks.jsonl").write_text("not a task\n")
+    argv = [*FAST, "--job.dump_folder", str(tmp_path), "--job.name", "r", *(a.format(tmp=tmp_path) for a in argv)]
     assert main([*argv, "--job.validate_only"]) == 2
     refused = capsys.readouterr().err
-    assert refused.startswith(line)
+    assert refused.startswith(line.format(tmp=tmp_path))
     assert main(argv) == 2
     assert capsys.readouterr().err == refused
     assert not (tmp_path / "r").exists()
+
+
+def test_validate_only_refuses_an_eval_batch_the_launchs_ranks_do_not_divide(tmp_path, capsys, monkeypatch):
+    """The run's evaluator refuses it at the start of a two-rank launch; --job.validate_only said 'config ok'."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--job.dump_folder", str(tmp_path), "--job.validate_only", "--eval.batch_size", "3"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "error: config key 'eval.batch_size' = 3: must be a multiple of the 2 data-parallel ranks")
 
 
 def test_validate_only_checks_the_mesh_against_the_launchs_world_size(tmp_path, capsys, monkeypatch):
