@@ -60,8 +60,8 @@ from titan_k3.metrics.run_dir import Tee, check_run_dir, prepare_run_dir, run_di
 from titan_k3.models.registry import get_model_spec
 from titan_k3.optim import LRSchedule, ParamSpec, build_optimizers
 from titan_k3.parallel import (
-    CompileWatch, ParallelDims, grad_norm_and_clip_coef, init_weights, parallelize, set_microbatch_sync, setup_distributed,
-    sum_replicated_grads,
+    CompileWatch, ParallelDims, grad_norm_and_clip_coef, init_weights, parallelize, precision_fallbacks, set_microbatch_sync,
+    setup_distributed, sum_replicated_grads,
 )
 from titan_k3.parallel.faults import active_injections, check_injections, inject_replica_drift
 from titan_k3.run_faults import RunFaults
@@ -806,6 +806,7 @@ def _validate_only(cfg: JobConfig) -> None:
     if cfg.compile.cuda_graph:  # what the config chose against a capture, and job.strict against its fallback
         check_capturable(cfg, device, world, impl.choices, spec.graph_inputs)
     side_stream_choice(cfg, device, world)  # job.strict against its fallback
+    precision_fallbacks(cfg, device, sharded=world > 1)  # job.strict against FP8's and bf16's
     dims = ParallelDims.from_config(cfg.parallelism, world, routed_experts(cfg.model.name, cfg.model.flavor))
     check_injections(cfg.debug, dims.dp)
     _evaluator(cfg, tokenizer, device, dp_world=dims.dp)

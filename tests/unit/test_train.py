@@ -380,6 +380,12 @@ def test_validate_only_refuses_a_dump_folder_the_run_cannot_create_its_directory
     assert capsys.readouterr().err == line
 
 
+REFERENCE_KERNELS = ["--kernels.kda", "torch", "--kernels.experts", "torch", "--kernels.loss", "torch",
+                     "--kernels.attn_res", "torch", "--kernels.router", "torch", "--kernels.max_logit", "torch",
+                     "--kernels.conv", "torch", "--kernels.attention", "math"]
+"""Every kernel asked as the reference: none falls back on a CPU, so job.strict reaches the checks after them."""
+
+
 @pytest.mark.parametrize("argv, line", [
     pytest.param(["--compile.enable", "--compile.backend", "eager", "--compile.cache_dir", "/proc/titan_k3-cache"],
                  "error: config key 'compile.cache_dir' = '/proc/titan_k3-cache': ", id="compile.cache_dir"),
@@ -388,6 +394,13 @@ def test_validate_only_refuses_a_dump_folder_the_run_cannot_create_its_directory
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")),
     pytest.param(["--eval.tasks", "{tmp}/tasks.jsonl"], "error: config key 'eval.tasks' = '{tmp}/tasks.jsonl': task file "
                  "'{tmp}/tasks.jsonl' line 1: expected", id="eval.tasks"),
+    pytest.param(["--job.strict", *REFERENCE_KERNELS, "--training.compute_dtype", "bfloat16"],
+                 "error: job.strict = true and compute_dtype falls back to 'float32': one process without CUDA",
+                 id="job.strict-compute_dtype",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")),
+    pytest.param(["--job.strict", *REFERENCE_KERNELS, "--training.compute_dtype", "bfloat16", "--float8.enable"],
+                 "error: job.strict = true and float8 falls back to 'bf16': no CUDA device", id="job.strict-float8",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")),
 ])
 def test_validate_only_refuses_with_the_line_the_run_gives(tmp_path, capsys, argv, line):
     """--job.validate_only said 'config ok' to each, and the run stopped on it (the compile cache after building its
@@ -432,12 +445,6 @@ def test_validate_only_refuses_what_the_trainer_refuses_before_its_model(tmp_pat
         pytest.skip("a CUDA device is visible")
     assert main(["--job.dump_folder", str(tmp_path), "--job.validate_only", *argv]) == 2
     assert capsys.readouterr().err.startswith(line)
-
-
-REFERENCE_KERNELS = ["--kernels.kda", "torch", "--kernels.experts", "torch", "--kernels.loss", "torch",
-                     "--kernels.attn_res", "torch", "--kernels.router", "torch", "--kernels.max_logit", "torch",
-                     "--kernels.conv", "torch", "--kernels.attention", "math"]
-"""Every kernel asked as the reference: none falls back on a CPU, so job.strict reaches the checks after them."""
 
 
 def test_validate_only_refuses_a_side_stream_that_job_strict_refuses(tmp_path, capsys):

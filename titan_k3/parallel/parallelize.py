@@ -34,11 +34,11 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg, device: torch.d
     """Apply every technique the config asks for, in the order of the module docstring.
 
     `mesh` is None when the run is a plain single process (no FSDP).
-    Returns the kernel-report entries; with job.strict any fallback raises ConfigError.
+    Returns the kernel-report entries; with job.strict any fallback raises ConfigError before any technique applies.
     """
-    choices: list[KernelChoice] = []
-    if cfg.float8.enable:
-        choices += apply_float8(model, cfg.float8, device)
+    choices = precision_fallbacks(cfg, device, sharded=mesh is not None)
+    if cfg.float8.enable and device.type == "cuda":
+        choices += apply_float8(model, cfg.float8)
     if dims.ep > 1:
         apply_ep(model, mesh["ep"], device, cfg.parallelism.expert_dispatch)
     if cfg.activation_checkpoint.mode != "none":
@@ -52,21 +52,32 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg, device: torch.d
         apply_fsdp(model, dims, mesh, param_dtype=DTYPES[cfg.training.compute_dtype],
                    reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
                    average_gradients=cfg.debug.inject_grad_scale == "fsdp_average")
-    elif cfg.training.compute_dtype == "bfloat16" and device.type != "cuda":
-        # NOTE: bf16 compute is CUDA autocast or FSDP2's parameter dtype; one process without CUDA has neither.
-        choices.append(KernelChoice("compute_dtype", "bfloat16", "float32", True,
-                                    "one process without CUDA: no bf16 autocast and no FSDP parameter dtype"))
-    fallbacks = [c for c in choices if c.fallback]
-    if cfg.job.strict and fallbacks:
-        raise ConfigError(f"job.strict = true and {fallbacks[0].op} falls back to '{fallbacks[0].chosen}': {fallbacks[0].reason}")
     return choices
 
 
-def apply_float8(model: nn.Module, float8_cfg, device: torch.device) -> list[KernelChoice]:
-    """torchao FP8 training for the block linears with in and out features >= min_dim; one report line per shape."""
+def precision_fallbacks(cfg, device: torch.device, sharded: bool) -> list[KernelChoice]:
+    """parallelize's fallbacks, which the config and the device decide without the model (--job.validate_only asks
+    too): FP8 and bf16 compute without CUDA; job.strict refuses the first (ConfigError).
+
+    `sharded`: the run has a mesh (torchrun with 2+ processes), whose FSDP2 gives the bf16 parameter dtype.
+    """
+    choices = []
+    if cfg.float8.enable and device.type != "cuda":
+        choices.append(KernelChoice("float8", cfg.float8.recipe, "bf16", True,
+                                    "no CUDA device: torchao FP8 matmuls need an H100-class GPU"))
+    if cfg.training.compute_dtype == "bfloat16" and device.type != "cuda" and not sharded:
+        # NOTE: bf16 compute is CUDA autocast or FSDP2's parameter dtype; one process without CUDA has neither.
+        choices.append(KernelChoice("compute_dtype", "bfloat16", "float32", True,
+                                    "one process without CUDA: no bf16 autocast and no FSDP parameter dtype"))
+    if cfg.job.strict and choices:
+        raise ConfigError(f"job.strict = true and {choices[0].op} falls back to '{choices[0].chosen}': {choices[0].reason}")
+    return choices
+
+
+def apply_float8(model: nn.Module, float8_cfg) -> list[KernelChoice]:
+    """On CUDA, torchao FP8 training for the block linears with in and out features >= min_dim; one report line per
+    shape (without CUDA, precision_fallbacks reports FP8's fallback)."""
     recipe, min_dim = float8_cfg.recipe, float8_cfg.min_dim
-    if device.type != "cuda":
-        return [KernelChoice("float8", recipe, "bf16", True, "no CUDA device: torchao FP8 matmuls need an H100-class GPU")]
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     decisions: dict[str, bool] = {}
