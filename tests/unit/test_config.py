@@ -36,6 +36,11 @@ def test_cli_overrides_toml_overrides_defaults(tmp_path):
         (["--kernels.kda", "trito"], "expected one of 'auto', 'triton', 'fla', 'torch'; did you mean 'triton'?"),
         (["--parallelism.expert_parallel_degree", "3", "--model.flavor", "debug"], "must divide the 8 experts"),
         (["--lr_scheduler.warmup_steps", "50", "--training.steps", "20"], "must be below training.steps = 20"),
+        (["--training.steps", "10", "--lr_scheduler.decay_ratio", "0.01"],
+         "config key 'lr_scheduler.decay_ratio' = 0.01: must be above 0.05 with training.steps = 10 (round(0.01 x 10) = 0"),
+        (["--training.steps", "10", "--lr_scheduler.warmup_steps", "5", "--lr_scheduler.decay_ratio", "0.9"],
+         "config key 'lr_scheduler.decay_ratio' = 0.9: its 9 decay updates and the 5 warmup updates exceed training.steps "
+         "= 10; lower it to at most 0.5"),
         (["--data.mixture", "code:0"], "config key 'data.mixture' = 'code:0': every weight is 0"),
         (["--data.mixture", "code:-1,prose:1"], "weights >= 0, 0 excluding a source (bad part 'code:-1')"),
         (["--data.mixture", "code:inf,prose:1"], "(bad part 'code:inf')"),

@@ -401,6 +401,8 @@ REFERENCE_KERNELS = ["--kernels.kda", "torch", "--kernels.experts", "torch", "--
     pytest.param(["--job.strict", *REFERENCE_KERNELS, "--training.compute_dtype", "bfloat16", "--float8.enable"],
                  "error: job.strict = true and float8 falls back to 'bf16': no CUDA device", id="job.strict-float8",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")),
+    pytest.param(["--training.steps", "10", "--lr_scheduler.warmup_steps", "5", "--lr_scheduler.decay_ratio", "0.9"],
+                 "error: config key 'lr_scheduler.decay_ratio' = 0.9: its 9 decay updates", id="lr_scheduler.decay_ratio"),
 ])
 def test_validate_only_refuses_with_the_line_the_run_gives(tmp_path, capsys, argv, line):
     """--job.validate_only said 'config ok' to each, and the run stopped on it (the compile cache after building its

@@ -125,6 +125,22 @@ def _check_routing(model: str, flavor: str) -> None:
                          "Quantile Balancing measures its margins from the (top_k + 1)-th")
 
 
+def _check_decay(s, steps: int) -> None:
+    """decay_ratio < 1 (WSD): the run's LR schedule decays over the last round(decay_ratio x steps) updates, at least
+    one and none of them in the warmup (titan_k3/optim/lr_schedule.py)."""
+    r = s.decay_ratio
+    if r >= 1:  # decay right after warmup
+        return
+    decay, warmup = round(r * steps), warmup_updates(s, steps)
+    _require(decay >= 1, f"config key 'lr_scheduler.decay_ratio' = {toml_value(r)}: must be above {0.5 / steps:g} with "
+                         f"training.steps = {steps} (round({toml_value(r)} x {steps}) = 0 decay updates)")
+    _require(
+        warmup + decay <= steps,
+        f"config key 'lr_scheduler.decay_ratio' = {toml_value(r)}: its {decay} decay updates and the {warmup} warmup "
+        f"updates exceed training.steps = {steps}; lower it to at most {(steps - warmup) / steps:g} or shorten the warmup",
+    )
+
+
 def validate(cfg: JobConfig, needs_data: bool = True) -> None:
     """ConfigError on the first mistake in `cfg`; needs_data=False: an empty data.dataset is accepted."""
     t, o, s, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.parallelism
@@ -178,6 +194,7 @@ def validate(cfg: JobConfig, needs_data: bool = True) -> None:
     _non_negative("optimizer.qk_clip_tau", o.qk_clip_tau)
     _check_warmup(s, t.steps)
     _require(0 < s.decay_ratio <= 1, f"config key 'lr_scheduler.decay_ratio' = {toml_value(s.decay_ratio)}: must be in (0, 1]")
+    _check_decay(s, t.steps)
     _require(0 <= s.min_lr_factor <= 1, f"config key 'lr_scheduler.min_lr_factor' = {toml_value(s.min_lr_factor)}: must be in [0, 1]")
     _positive("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree)
     _require(
