@@ -38,7 +38,7 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
 from kernels.device import host_to_device
 from kernels.specializations import Precompile
-from titan_k3.checkpoint import CheckpointSaveError, build_checkpointer, check_resumable
+from titan_k3.checkpoint import CheckpointSaveError, build_checkpointer, check_resumable, plan_resume
 from titan_k3.checkpoint.layout import META_FILE
 from titan_k3.checkpoint.verify import ResumePlan
 from titan_k3.config import ConfigError, JobConfig, load_job_config
@@ -793,9 +793,11 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
 
 
 def _validate_only(cfg: JobConfig) -> None:
-    """--job.validate_only: the host checks, and the trainer's own that need no model: the device, the tokenizer's
-    vocabulary, job.strict against the kernels', the CUDA graph's and the side stream's fallbacks, the mesh against this launch's world size (WORLD_SIZE, 1
-    outside torchrun) and the fault injections it allows, the run directory."""
+    """--job.validate_only: the host checks, and the trainer's own that need no model, each by the function the run
+    calls: the device, the memory-peak trace, the tokenizer's vocabulary, job.strict against the kernels', the CUDA
+    graph's, the side stream's, FP8's and bf16's fallbacks, the mesh against this launch's world size (WORLD_SIZE, 1
+    outside torchrun) and the fault injections it allows, the evaluator (task files, batch, validation split), the
+    run directory, and the checkpoint the run would start from (its checksums, not its shapes: those need the model)."""
     check_host(cfg)
     device = _device(cfg)
     check_memory_peak(cfg.profiling.memory_peak_updates, device)
@@ -813,6 +815,7 @@ def _validate_only(cfg: JobConfig) -> None:
     problem = run_dir_problem(cfg)  # a reused name or a dump folder the run would refuse at its start
     if problem:
         raise ConfigError(problem)
+    plan_resume(cfg, run_dir_path(cfg))  # the checkpoint it would start from, checked as the run checks it
 
 
 def _main(argv: list[str], stop: StopSignals, own_process: bool = False) -> int:

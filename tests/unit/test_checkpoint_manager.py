@@ -294,7 +294,7 @@ def test_check_resumable_refuses_on_metadata_alone(tmp_path):
     run.manager.save(1)
     run.close()
     ckpt = SimpleNamespace(enable=True, folder="checkpoints", load_step=-1, initial_load_path="")
-    cfg = SimpleNamespace(checkpoint=ckpt)
+    cfg = SimpleNamespace(checkpoint=ckpt, data=SimpleNamespace(tokenizer="embedded"))
     check_resumable(cfg, tmp_path, run.model, run.optimizers)
     other = Run(tmp_path / "other", flavor_kw={"dim": 96})
     with pytest.raises(ValueError, match="tok_embeddings.weight: checkpoint \\[512, 64\\] vs this run \\[512, 96\\]"):

@@ -403,6 +403,11 @@ REFERENCE_KERNELS = ["--kernels.kda", "torch", "--kernels.experts", "torch", "--
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")),
     pytest.param(["--training.steps", "10", "--lr_scheduler.warmup_steps", "5", "--lr_scheduler.decay_ratio", "0.9"],
                  "error: config key 'lr_scheduler.decay_ratio' = 0.9: its 9 decay updates", id="lr_scheduler.decay_ratio"),
+    pytest.param(["--checkpoint.enable", "--checkpoint.load_step", "5"], "error: config key 'checkpoint.load_step' = 5: "
+                 "no complete checkpoint of that step in {tmp}/r/checkpoints", id="checkpoint.load_step"),
+    pytest.param(["--checkpoint.initial_load_path", "{tmp}"],
+                 "error: config key 'checkpoint.initial_load_path' = '{tmp}': no checkpoint there",
+                 id="checkpoint.initial_load_path"),
 ])
 def test_validate_only_refuses_with_the_line_the_run_gives(tmp_path, capsys, argv, line):
     """--job.validate_only said 'config ok' to each, and the run stopped on it (the compile cache after building its

@@ -7,7 +7,8 @@ from titan_k3.checkpoint.manager import (
     check_compatible,
     check_resumable,
     load_model_weights,
+    plan_resume,
 )
 
 __all__ = ["CheckpointManager", "CheckpointSaveError", "build_checkpointer", "check_compatible", "check_resumable",
-           "load_model_weights"]
+           "load_model_weights", "plan_resume"]

@@ -540,12 +540,13 @@ def check_resumable(cfg, run_dir: Path, model: torch.nn.Module, optimizers) -> R
     """Choose, before the run directory is touched, what the run starts from, and refuse what it would fail to load.
 
     Verifies the checksums of the checkpoint it picks (and of each damaged newer
-    one it passes over), then compares shapes on metadata alone: the
-    checkpoint's model and optimizer, or initial_load_path's model (a DCP
-    checkpoint's metadata or an export's safetensors headers).
+    one it passes over) and initial_load_path's tokenizer (plan_resume), then
+    compares shapes on metadata alone: the checkpoint's model and optimizer, or
+    initial_load_path's model (a DCP checkpoint's metadata or an export's
+    safetensors headers).
     """
     group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
-    plan = plan_start(cfg.checkpoint, Path(run_dir) / cfg.checkpoint.folder, group=group)
+    plan = plan_resume(cfg, run_dir, group)
     if plan.path is None:
         return plan
     if not plan.initial:
@@ -556,6 +557,13 @@ def check_resumable(cfg, run_dir: Path, model: torch.nn.Module, optimizers) -> R
         _check_export_shapes(plan.path, get_model_state_dict(model), export_shapes(plan.path))
     else:
         check_compatible(plan.path, {"model": get_model_state_dict(model)}, model_only=True)
+    return plan
+
+
+def plan_resume(cfg, run_dir: Path, group=None) -> ResumePlan:
+    """What check_resumable refuses without the model (--job.validate_only asks too): the checkpoint the run starts
+    from (plan_start: checkpoint.load_step, initial_load_path, their checksums) and initial_load_path's tokenizer."""
+    plan = plan_start(cfg.checkpoint, Path(run_dir) / cfg.checkpoint.folder, group=group)
     if plan.initial:
         from titan_k3.data.tokenizer import tokenizer_identity
 
