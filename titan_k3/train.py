@@ -44,7 +44,9 @@ from titan_k3.checkpoint.verify import ResumePlan
 from titan_k3.config import ConfigError, JobConfig, load_job_config
 from titan_k3.config.errors import toml_value
 from titan_k3.config.manager import print_help
-from titan_k3.config.check import CONFIG_ERROR_EXIT, check_compile_cache, check_data, check_files, check_host
+from titan_k3.config.check import (
+    CONFIG_ERROR_EXIT, check_compile_cache, check_data, check_files, check_host, check_packages,
+)
 from titan_k3.config.validate import parse_context_stages, parse_mixture, seq_len_at, warmup_updates
 from titan_k3.data.budget import describe_run_data, report_lines, run_tokens
 from titan_k3.data.loader import check_token_ids
@@ -828,6 +830,7 @@ def _main(argv: list[str], stop: StopSignals, own_process: bool = False) -> int:
             return 0
         # NOTE: the refusals --job.validate_only and the control service give, each naming its key (the metrics
         # port is the exporter's own to bind).
+        check_packages(cfg)
         check_files(cfg)
         check_data(cfg)
         check_compile_cache(cfg)

@@ -1,5 +1,6 @@
 """The trainer end to end on one process: overfit probe, run directory, non-finite handling."""
 
+import importlib.util
 import json
 import os
 
@@ -408,6 +409,10 @@ REFERENCE_KERNELS = ["--kernels.kda", "torch", "--kernels.experts", "torch", "--
     pytest.param(["--checkpoint.initial_load_path", "{tmp}"],
                  "error: config key 'checkpoint.initial_load_path' = '{tmp}': no checkpoint there",
                  id="checkpoint.initial_load_path"),
+    pytest.param(["--metrics.enable_tensorboard"], "error: config key 'metrics.enable_tensorboard' = true: the tensorboard "
+                 "package is not installed;", id="metrics.enable_tensorboard",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None,
+                                          reason="tensorboard is installed")),
 ])
 def test_validate_only_refuses_with_the_line_the_run_gives(tmp_path, capsys, argv, line):
     """--job.validate_only said 'config ok' to each, and the run stopped on it (the compile cache after building its
