@@ -127,16 +127,23 @@ def _device(cfg: JobConfig) -> torch.device:
 EXPANDABLE = "expandable_segments:True"
 
 
+def _expandable_segments_to_set(cfg: JobConfig, device: torch.device) -> bool:
+    """Whether training.expandable_segments is left for the trainer to set (on CUDA, PYTORCH_CUDA_ALLOC_CONF silent on
+    it); ConfigError where that variable sets it otherwise."""
+    if not cfg.training.expandable_segments or device.type != "cuda":
+        return False
+    current = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments" in current and EXPANDABLE not in current:
+        raise ConfigError(f"config key 'training.expandable_segments' = true: PYTORCH_CUDA_ALLOC_CONF={current!r} "
+                          "in the environment sets it otherwise; drop one of the two")
+    return "expandable_segments" not in current
+
+
 def _allocator_settings(cfg: JobConfig, device: torch.device) -> None:
     """training.expandable_segments: have CUDA's caching allocator grow one mapping per stream (before it starts)."""
-    if not cfg.training.expandable_segments or device.type != "cuda":
+    if not _expandable_segments_to_set(cfg, device):
         return
     current = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if "expandable_segments" in current:
-        if EXPANDABLE not in current:
-            raise ConfigError(f"config key 'training.expandable_segments' = true: PYTORCH_CUDA_ALLOC_CONF={current!r} "
-                              "in the environment sets it otherwise; drop one of the two")
-        return
     if torch.cuda.is_initialized():
         # NOTE: CUDA started before the trainer (an embedding process): the setting still applies to every
         # segment the allocator creates from here on.
@@ -802,6 +809,7 @@ def _validate_only(cfg: JobConfig) -> None:
     run directory, and the checkpoint the run would start from (its checksums, not its shapes: those need the model)."""
     check_host(cfg)
     device = _device(cfg)
+    _expandable_segments_to_set(cfg, device)  # PYTORCH_CUDA_ALLOC_CONF against it
     check_memory_peak(cfg.profiling.memory_peak_updates, device)
     tokenizer, vocab = _tokenizer_and_vocab(cfg)
     spec = get_model_spec(cfg.model.name)

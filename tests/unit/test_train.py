@@ -427,6 +427,19 @@ def test_validate_only_refuses_with_the_line_the_run_gives(tmp_path, capsys, arg
     assert not (tmp_path / "r").exists()
 
 
+def test_validate_only_refuses_an_allocator_setting_the_cuda_run_refuses(tmp_path, capsys, monkeypatch):
+    """training.expandable_segments under a PYTORCH_CUDA_ALLOC_CONF that sets it otherwise stops a CUDA run at its
+    start; --job.validate_only said 'config ok'. The device is said to be CUDA: both stop before they use it."""
+    monkeypatch.setattr("titan_k3.train._device", lambda cfg: torch.device("cuda", 0))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    argv = [*FAST, "--job.dump_folder", str(tmp_path), "--job.name", "r", "--training.expandable_segments", "true"]
+    assert main([*argv, "--job.validate_only"]) == 2
+    refused = capsys.readouterr().err
+    assert refused.startswith("error: config key 'training.expandable_segments' = true: PYTORCH_CUDA_ALLOC_CONF=")
+    assert main(argv) == 2
+    assert capsys.readouterr().err == refused
+
+
 def test_validate_only_refuses_an_eval_batch_the_launchs_ranks_do_not_divide(tmp_path, capsys, monkeypatch):
     """The run's evaluator refuses it at the start of a two-rank launch; --job.validate_only said 'config ok'."""
     monkeypatch.setenv("WORLD_SIZE", "2")
