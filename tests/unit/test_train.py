@@ -440,6 +440,22 @@ def test_validate_only_refuses_an_allocator_setting_the_cuda_run_refuses(tmp_pat
     assert capsys.readouterr().err == refused
 
 
+def test_validate_only_refuses_a_taken_metrics_port_with_the_line_the_run_gives(tmp_path, capsys):
+    """Both refused it, the run after building its model with the exporter's own 'cannot listen ([Errno 98] ...)'."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [*FAST, "--job.dump_folder", str(tmp_path), "--job.name", "r", "--metrics.prometheus_port", str(port)]
+        assert main([*argv, "--job.validate_only"]) == 2
+        refused = capsys.readouterr().err
+        assert refused.startswith(f"error: config key 'metrics.prometheus_port' = {port}: cannot listen on 127.0.0.1:{port}")
+        assert main(argv) == 2
+        assert capsys.readouterr().err == refused
+
+
 def test_validate_only_refuses_an_eval_batch_the_launchs_ranks_do_not_divide(tmp_path, capsys, monkeypatch):
     """The run's evaluator refuses it at the start of a two-rank launch; --job.validate_only said 'config ok'."""
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -75,8 +75,14 @@ def check_port(cfg: JobConfig) -> None:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((m.prometheus_host, m.prometheus_port))
     except OSError as e:
-        raise ConfigError(f"config key 'metrics.prometheus_port' = {m.prometheus_port}: cannot listen on "
-                          f"{m.prometheus_host}:{m.prometheus_port} ({e.strerror or e})") from None
+        raise port_error(cfg, e) from None
+
+
+def port_error(cfg: JobConfig, e: OSError) -> ConfigError:
+    """The line of a metrics port rank 0 cannot listen on: check_port's, and the run's exporter's."""
+    m = cfg.metrics
+    return ConfigError(f"config key 'metrics.prometheus_port' = {m.prometheus_port}: cannot listen on "
+                       f"{m.prometheus_host}:{m.prometheus_port} ({e.strerror or e})")
 
 
 def check_data(cfg: JobConfig) -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from titan_k3.config import ConfigError, JobConfig
+from titan_k3.config.check import port_error
 from titan_k3.invariants.checks import CHECKS
 from titan_k3.metrics.clocks import TwoClocks
 from titan_k3.metrics.events import EventLog, JsonLines
@@ -60,7 +61,7 @@ class MetricsReporter:
             try:
                 self.exporter.serve(m.prometheus_port, m.prometheus_host)
             except OSError as e:
-                raise ConfigError(f"config key 'metrics.prometheus_port' = {m.prometheus_port}: cannot listen ({e})") from None
+                raise port_error(cfg, e) from None
         self.events: EventLog | None = None
         self.metrics_path: Path | None = None
         self.writer = None
