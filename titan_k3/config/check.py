@@ -13,8 +13,9 @@ of `--job.config_file`), prints 'config ok' and exits 0, or prints one line
 `error: ...` to stderr and exits CONFIG_ERROR_EXIT. Torch-free: the control
 service runs it before it accepts a run; `python -m titan_k3.train
 --job.validate_only` runs the same checks and the trainer's own that need no
-model (the device, the tokenizer's vocabulary, the mesh against the launch's
-world size, the run directory).
+model (the device, the tokenizer's vocabulary, job.strict's fallbacks, the mesh
+against the launch's world size, the evaluator, the run directory, the
+checkpoint the run starts from).
 """
 
 from __future__ import annotations

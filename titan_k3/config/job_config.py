@@ -27,7 +27,7 @@ class Job:
     strict: bool = False
     """Turn any fallback (kernel, attention backend, FP8, compile) into an error at start-up."""
     validate_only: bool = False
-    """Check the configuration and what it names on this host (data sources, files, the metrics port, the mesh against this launch's world size: run it under the torchrun of the run, the run directory: a dump folder it cannot create, a reused name with nothing to resume), print 'config ok' or the one-line error and exit (0, or 2 for a configuration error) without training."""
+    """Check the configuration and what it names on this host as the run would, with the run's line (data sources, files, task files, the metrics port, the compile cache, job.strict's fallbacks, the mesh against this launch's world size: run it under the torchrun of the run, the run directory: a dump folder it cannot create, a reused name with nothing to resume, the checkpoint it would start from: its checksums, not its shapes), print 'config ok' or the one-line error and exit (0, or 2 for a configuration error) without training."""
 
 
 @dataclass
