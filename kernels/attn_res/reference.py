@@ -73,7 +73,9 @@ def pseudo_query_mix_reference(
     else:
         v_NBTD = torch.stack(sources).to(compute)
         keys_NBTD = F.rms_norm(v_NBTD, (v_NBTD.shape[-1],), None, eps)
-        weights_NBT = torch.softmax(keys_NBTD @ query.to(compute), dim=0)
+        # NOTE: the score is a product and sum, not `keys @ query`: autocast (the trainer's bf16) casts a matmul's
+        # operands to bf16 and leaves elementwise ops and sums in float32, so the scores stay float32 under it too.
+        weights_NBT = torch.softmax((keys_NBTD * query.to(compute)).sum(-1), dim=0)
         mixed = (weights_NBT.unsqueeze(-1) * v_NBTD).sum(dim=0)
     if norm_weight is not None:
         mixed = F.rms_norm(mixed, (mixed.shape[-1],), norm_weight.to(compute), eps if norm_eps is None else norm_eps)
