@@ -7,7 +7,9 @@ i - pos[b, i] <= j <= i, where pos [B, T] is each token's position inside its
 document (`Documents.pos_BT`); pos = None is plain causal (each row one document).
 This is the ground truth of the Triton op in `ops.py` and the CPU path; it is
 the chunked einsum the model ran before the Triton kernel, with the mask built
-from pos chunk by chunk instead of read from a [B, 1, T, T] tensor.
+from pos chunk by chunk instead of read from a [B, 1, T, T] tensor. Its products
+are float32 (float64 for float64 inputs) also under the trainer's bf16 autocast:
+they run in a custom op of their own (`_products`).
 """
 
 import math
@@ -15,6 +17,24 @@ import math
 import torch
 
 QUERY_CHUNK = 512
+
+
+@torch.library.custom_op("max_logit::reference_products", mutates_args=())
+def _products(q_BHCE: torch.Tensor, k_BHTE: torch.Tensor) -> torch.Tensor:
+    """<q[b, h, i], k[b, h, j]>: [B, H, C, E] x [B, H, T, E] -> [B, H, C, T] in the inputs' dtype."""
+    return torch.einsum("bhqe,bhke->bhqk", q_BHCE, k_BHTE)
+
+
+@_products.register_fake
+def _(q_BHCE, k_BHTE):
+    return q_BHCE.new_empty(*q_BHCE.shape[:3], k_BHTE.shape[2])
+
+
+# NOTE: the trainer's bf16 autocast would run the einsum in bf16 and round its result to bf16. Under autocast the
+# op takes float32 operands and runs with autocast off, switched by the dispatcher: an autocast context inside a
+# compiled graph would keep AOT autograd from caching it (every start would build the graph again).
+_products.register_autocast("cpu", torch.float32)
+_products.register_autocast("cuda", torch.float32)
 
 
 def check_inputs(q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, scale: float, pos_BT: torch.Tensor | None) -> None:
@@ -47,7 +67,8 @@ def max_logit_per_head_reference(
 ) -> torch.Tensor:
     """max over b, i, allowed j of scale * <q[b, h, i], k[b, h, j]>, per head: [H].
 
-    float32 for bf16/fp16/fp32 inputs, float64 for float64 ones; -inf per head when B or T is 0.
+    float32 for bf16/fp16/fp32 inputs, float64 for float64 ones, products included (exact products of bf16 inputs,
+    as the Triton kernel's), whatever autocast surrounds the call; -inf per head when B or T is 0.
     Computed in chunks of QUERY_CHUNK queries, each against every key ([B, H, C, T] scores at a time).
     """
     check_inputs(q_BHTE, k_BHTE, scale, pos_BT)
@@ -58,11 +79,12 @@ def max_logit_per_head_reference(
     if B == 0:
         return best_H
     keys_T = torch.arange(T, device=device)
+    # NOTE: QK-Clip scales a head's weights by tau / max: products in bf16 (up to 0.4% off in
+    # tests/kernels/test_max_logit.py) would clip by another factor than the Triton kernel's float32 ones.
+    q_BHTE, k_BHTE = q_BHTE.to(out_dtype), k_BHTE.to(out_dtype)
     for start in range(0, T, QUERY_CHUNK):
         stop = min(T, start + QUERY_CHUNK)
-        # NOTE: in the input dtype (bf16 on GPU, float32 accumulation inside the matmul), as the model ran it:
-        # the max feeds a threshold test at tau ~ 100, where bf16's 0.4% rounding of the product is immaterial.
-        s_BHCT = torch.einsum("bhqe,bhke->bhqk", q_BHTE[:, :, start:stop], k_BHTE).to(out_dtype) * scale
+        s_BHCT = _products(q_BHTE[:, :, start:stop], k_BHTE) * scale
         queries_C = keys_T[start:stop]
         allowed_BCT = (keys_T <= queries_C[:, None]).expand(B, -1, -1)
         if pos_BT is not None:

@@ -262,3 +262,26 @@ def test_compiles_without_graph_break():
     with torch.no_grad():
         torch.testing.assert_close(compiled(x, pos), layer_stat(x, pos), rtol=0, atol=0)
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_reference_products_stay_float32_under_bf16_autocast():
+    """QK-Clip's statistic from the reference is the float32 maximum of exact products under the trainer's bf16
+    autocast too (which casts an einsum's operands to bf16, and a bf16 einsum rounds its result to bf16), on float32
+    q, k as on the bf16 ones the model's projections give there, as the Triton kernel's is. (With the products in
+    bf16: up to 4.1e-3 relative error per head from float32 q, k and 3.6e-3 from bf16 ones.)"""
+    pos = documents(2, 130, LAYOUTS["mixed"])
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k = (t * 3 for t in qk(2, 3, 130, 192, dtype, seed=8))  # maxima ~38: the order of QK-Clip's tau
+        want = max_logit_per_head_reference(q.double(), k.double(), SCALE, pos)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            got = max_logit_per_head_reference(q, k, SCALE, pos)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
+
+
+def test_reference_products_op_passes_opcheck():
+    """The reference's product op on the model's layout (transposed views, a chunk of the queries)."""
+    from kernels.max_logit.reference import _products
+
+    q, k = qk(2, 3, 20, 24, torch.float32, seed=9)
+    torch.library.opcheck(_products, (q[:, :, 5:15], k))
