@@ -22,6 +22,12 @@ b is non-increasing) and S the state entering the chunk:
 
 Every exponent above is <= 0 (b_i <= b_j for i >= j), which keeps the math
 finite for any decay down to hard resets (g = -1000).
+
+The math stays in float32 (float64) under the trainer's bf16 autocast too, which
+casts matmul and einsum operands to bf16: the chunk loop's matrix products and the
+solve's backward run in a custom op of their own (`_matmul_float32`); A and M (a
+decay per i, j and c) and the token-by-token recurrence are products and sums,
+which autocast leaves alone.
 """
 
 import torch
@@ -32,6 +38,66 @@ from kernels.device import check_same_device
 CHUNK = 64
 L2NORM_EPS = 1e-6
 DEFAULT_GATE_LOWER_BOUND = -5.0
+
+
+@torch.library.custom_op("kernels_kda::matmul_float32", mutates_args=())
+def _matmul_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b: [..., M, K] x [..., K, N] of one batch shape and dtype -> [..., M, N] in that dtype, differentiable;
+    under autocast in float32 (float64 stays float64)."""
+    return a @ b
+
+
+@_matmul_float32.register_fake
+def _(a, b):
+    return a.new_empty(*a.shape[:-1], b.shape[-1])
+
+
+def _matmul_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _matmul_backward(ctx, grad):
+    a, b = ctx.saved_tensors
+    da = _matmul_float32(grad, b.mT) if ctx.needs_input_grad[0] else None
+    db = _matmul_float32(a.mT, grad) if ctx.needs_input_grad[1] else None
+    return da, db
+
+
+_matmul_float32.register_autograd(_matmul_backward, setup_context=_matmul_setup_context)
+# NOTE: under autocast the op takes float32 operands and runs with autocast off, switched by the dispatcher: an
+# autocast context inside a compiled graph would keep AOT autograd from caching it (every start would build the
+# graph again).
+_matmul_float32.register_autocast("cpu", torch.float32)
+_matmul_float32.register_autocast("cuda", torch.float32)
+
+
+@torch.library.custom_op("kernels_kda::solve_unit_lower", mutates_args=())
+def _solve_unit_lower(L: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """L^-1 R: L [..., C, C] unit lower-triangular (its diagonal and upper part are not read), R [..., C, W].
+
+    NOTE: an op of its own for its backward, whose product runs in `_matmul_float32`: autograd's own backward of
+    the solve multiplies with a matmul, which a compiled region's backward runs under the forward's autocast.
+    """
+    return torch.linalg.solve_triangular(L, R, upper=False, unitriangular=True)
+
+
+@_solve_unit_lower.register_fake
+def _(L, R):
+    return torch.linalg.solve_triangular(L, R, upper=False, unitriangular=True)  # its layout (column-major)
+
+
+def _solve_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output)
+
+
+def _solve_backward(ctx, grad):
+    L, X = ctx.saved_tensors
+    dR = torch.linalg.solve_triangular(L.mT, grad, upper=True, unitriangular=True)  # autocast leaves solves alone
+    dL = -_matmul_float32(dR, X.mT).tril(-1) if ctx.needs_input_grad[0] else None
+    return dL, dR
+
+
+_solve_unit_lower.register_autograd(_solve_backward, setup_context=_solve_setup_context)
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
@@ -165,9 +231,9 @@ def recurrent_kda(
         for t in range(start, end):
             S = g[b, t].exp()[..., None] * S
             kt = k[b, t]
-            err = v[b, t] - torch.einsum("hkv,hk->hv", S, kt)
+            err = v[b, t] - (S * kt[..., None]).sum(-2)
             S = S + beta[b, t][:, None, None] * kt[..., None] * err[:, None, :]
-            o[b, t] = torch.einsum("hkv,hk->hv", S, scale * q[b, t])
+            o[b, t] = (S * (scale * q[b, t])[..., None]).sum(-2)
         finals.append(S)
     final = (torch.stack(finals) if finals else q.new_zeros(0, H, K, V)) if output_final_state else None
     return o.to(v.dtype), final
@@ -194,12 +260,13 @@ def _chunked_forward(q, k, v, g, beta, scale, S0):
     incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     diff = b[..., :, None, :] - b[..., None, :, :]
     decay = torch.where(incl[..., None], diff, torch.full_like(diff, float("-inf"))).exp()
-    A = torch.einsum("...ic,...jc,...ijc->...ij", k, k, decay).tril(-1)
-    M = scale * torch.einsum("...ic,...jc,...ijc->...ij", q, k, decay)
+    k_j = k[..., None, :, :]
+    A = (k[..., :, None, :] * k_j * decay).sum(-1).tril(-1)
+    M = scale * (q[..., :, None, :] * k_j * decay).sum(-1)
 
     L = torch.eye(C, dtype=q.dtype, device=q.device) + beta[..., None] * A
     rhs = beta[..., None] * torch.cat([v, k * b.exp()], dim=-1)
-    W = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
+    W = _solve_unit_lower(L, rhs)
     Wv, Wk = W[..., :V], W[..., V:]
     q_dec = scale * q * b.exp()
     k_dec = k * (b_last - b).exp()
@@ -208,9 +275,9 @@ def _chunked_forward(q, k, v, g, beta, scale, S0):
     S = q.new_zeros(N, H, K, V) if S0 is None else S0
     outs = []
     for n in range(NC):
-        U = Wv[:, :, n] - Wk[:, :, n] @ S
-        outs.append(q_dec[:, :, n] @ S + M[:, :, n] @ U)
-        S = last_decay[:, :, n] * S + k_dec[:, :, n].transpose(-1, -2) @ U
+        U = Wv[:, :, n] - _matmul_float32(Wk[:, :, n], S)
+        outs.append(_matmul_float32(q_dec[:, :, n], S) + _matmul_float32(M[:, :, n], U))
+        S = last_decay[:, :, n] * S + _matmul_float32(k_dec[:, :, n].transpose(-1, -2), U)
     o = torch.stack(outs, dim=2).movedim(1, 3).reshape(N, T, H, V)
     return o, S
 

@@ -538,3 +538,34 @@ def test_a_tensor_on_another_device_or_of_integers_stops_with_one_line(fn, chang
     args[name] = args[name].to(to)
     with pytest.raises(ValueError, match=message):
         fn(**args)
+
+
+def test_reference_state_math_stays_float32_under_bf16_autocast():
+    """The trainer runs the model under bf16 autocast, which casts matmul and einsum operands to bf16: the chunked
+    reference keeps its state math in float32 there (docs/k3.md §2.1), forward and backward, as the kernels do.
+
+    NOTE: the backward runs under autocast too, as a compiled region's does (AOT autograd traces it under the
+    forward's autocast: torch._functorch.config.backward_pass_autocast), where autograd's own backward of the solve
+    ran a bf16 matmul. (With the products in bf16: 3.8e-3 relative error in o, 2.9e-3 in the state, ~3.5e-3 in
+    every gradient; with the solve's backward alone: up to 2.7e-4 in g's gradient.)
+    """
+    q, k, v, g, beta, h0 = make_inputs(2, 100, 2, 32, 32, seed=7)
+    o_ref, S_ref, grads_ref = run_with_grads(recurrent_kda, q, k, v, g, beta, h0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, S, grads = run_with_grads(chunk_kda_reference, *(x.float() for x in (q, k, v, g, beta, h0)))
+    assert all(t.dtype == torch.float32 for t in (o, S, *grads))
+    errors = {name: rel_rms(a, b) for name, a, b in zip(["o", "state", *GRAD_NAMES], [o, S, *grads],
+                                                        [o_ref, S_ref, *grads_ref])}
+    assert max(errors.values()) < 1e-5, errors
+
+
+def test_reference_ops_pass_opcheck():
+    """The chunked reference's float32 product and triangular solve, with their backward, on its layouts."""
+    from kernels.kda.reference import _matmul_float32, _solve_unit_lower
+
+    gen = torch.Generator().manual_seed(40)
+    a, b = torch.randn(2, 3, 8, 5, generator=gen), torch.randn(2, 3, 8, 6, generator=gen)
+    torch.library.opcheck(_matmul_float32, (a.mT.requires_grad_(), b.requires_grad_()))
+    L = torch.randn(2, 3, 8, 8, generator=gen).tril(-1) + torch.eye(8)
+    R = torch.randn(2, 3, 8, 5, generator=gen)
+    torch.library.opcheck(_solve_unit_lower, (L.requires_grad_(), R.requires_grad_()))
