@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Annotated, Any, AsyncIterator, Callable, Literal
 
+from anyio import CapacityLimiter, to_thread
 from fastapi import Depends, FastAPI, HTTPException, Query
 from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -34,7 +35,7 @@ from service.registry import ACTIVE, STATES, TERMINAL, DuplicateRun, Registry, R
 from service.rundir import LineCap, RunFilesCache, budget_note, read_tail
 from service.schemas import AttemptOut, Deleted, ErrorOut, Health, RunCreate, RunOut
 from service.settings import Settings
-from service.supervisor import Conflict, FilesKept, Supervisor
+from service.supervisor import STUCK_PASS_S, Conflict, FilesKept, Supervisor
 from titan_k3.config import load_job_config
 
 log = logging.getLogger("service")
@@ -42,6 +43,9 @@ STATIC = Path(__file__).resolve().parent / "static"
 VIEW_TTL_SECONDS = 0.5
 """A queued or active run's JSON view is rebuilt from its files at most this often; an ended run's once per change
 of its registry row (its files no longer change). List and status answer from these views."""
+PROBE_THREADS = 4
+"""Worker threads of their own for /healthz and /metrics: requests that wait for the registry's lock in the shared
+pool (40 threads) during a slow supervisor pass cannot leave a probe or a scrape without one."""
 
 
 def _finite(obj: Any) -> Any:
@@ -113,6 +117,7 @@ class Service:
         self.metrics = CollectorRegistry(auto_describe=False)
         self.metrics.register(ServiceCollector(self.registry, self.files, settings.gpus,
                                                settings.finished_series_seconds, self.supervisor.unsettled))
+        self.probe_threads = CapacityLimiter(PROBE_THREADS)
         self.streams = 0
         self.closing: Callable[[], bool] = lambda: False
         """Whether the server is stopping (set by `python -m service`): open log streams end."""
@@ -455,19 +460,31 @@ def create_app(settings: Settings) -> FastAPI:
                   for run in svc.registry.list(ACTIVE) if run.prometheus_port]
         return JSONResponse(groups)
 
+    # NOTE: /metrics and /healthz read the registry's last committed write (`Registry.snapshot()`), never its lock: a
+    # supervisor pass holds that throughout, up to 30 s on one write SQLite's lock holds up, and a scrape (10 s
+    # timeout by default) or a liveness probe that waited for it failed, and an orchestrator may kill a healthy service.
     @app.get("/metrics", response_class=PlainTextResponse)
-    def metrics() -> Response:
-        return Response(generate_latest(svc.metrics), media_type=CONTENT_TYPE_LATEST)
+    async def metrics() -> Response:
+        body = await to_thread.run_sync(generate_latest, svc.metrics, limiter=svc.probe_threads)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/healthz", response_model=Health)
-    def healthz() -> Health:
-        runs = svc.registry.list()
+    def health() -> Health:
+        runs = svc.registry.snapshot().runs
         problems = [f"run {run_id}: {line}" for run_id, line in sorted(svc.supervisor.unsettled().items())]
         if svc.supervisor.pass_error:
             problems.insert(0, svc.supervisor.pass_error)
+        since = svc.supervisor.since_pass()
+        since = None if since is None else round(since, 1)
+        if since is not None and since > STUCK_PASS_S:
+            problems.insert(0, f"no supervisor pass has ended for {since:.0f} s (one is most likely waiting for the "
+                               "registry's lock): runs are neither watched nor started meanwhile")
         return Health(status="degraded" if problems else "ok", runs=len(runs), gpus_total=settings.gpus,
                       gpus_used=sum(len(r.assigned_gpus) for r in runs if r.state in ACTIVE),
-                      problems=svc.scrub(problems))
+                      problems=svc.scrub(problems), seconds_since_pass=since)
+
+    @app.get("/healthz", response_model=Health)
+    async def healthz() -> Health:
+        return await to_thread.run_sync(health, limiter=svc.probe_threads)
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def index() -> HTMLResponse:

@@ -37,6 +37,10 @@ From <run>/events.jsonl, plus the counts of earlier attempts' events.jsonl that 
 Every counter above is read from the registry or counts every attempt: none goes down while its run is in the
 registry, whether an attempt starts over or the service restarts.
 
+The registry's part comes from its last committed write (`Registry.snapshot()`, one for the whole scrape), never
+waiting for its lock: a scrape during a supervisor pass that waits on SQLite's lock (up to 30 s; Prometheus gives up
+after 10 s by default) is answered at once.
+
 Which runs appear
   titan_k3_service_run_state, _run_restarts_total, _run_attempts: every queued or active run and the
       RECENT_FINISHED_RUNS most recently updated others, for as long as the registry holds them
@@ -136,7 +140,8 @@ class ServiceCollector(Collector):
         self.finished_series_seconds = finished_series_seconds
 
     def collect(self) -> Iterator[Metric]:
-        runs = self.registry.list()
+        snapshot = self.registry.snapshot()
+        runs = snapshot.runs
         by_state = GaugeMetricFamily("titan_k3_service_runs", "Runs in each state", labels=["state"])
         for state in STATES:
             by_state.add_metric([state], sum(r.state == state for r in runs))
@@ -144,7 +149,7 @@ class ServiceCollector(Collector):
         yield GaugeMetricFamily("titan_k3_service_queue_length", "Runs waiting to start",
                                 value=sum(r.state == "queued" for r in runs))
         yield CounterMetricFamily("titan_k3_service_restarts", "Automatic relaunches after a crash, all runs",
-                                  value=sum(r.restarts_total for r in runs) + self.registry.deleted_restarts())
+                                  value=sum(r.restarts_total for r in runs) + snapshot.deleted_restarts)
         yield GaugeMetricFamily("titan_k3_service_gpus", "GPUs the queue schedules", value=self.gpus_total)
         yield GaugeMetricFamily("titan_k3_service_gpus_used", "GPUs assigned to active runs",
                                 value=sum(len(r.assigned_gpus) for r in runs if r.state in ACTIVE))

@@ -2,9 +2,13 @@
 
 One connection guarded by a lock: FastAPI's worker threads and the
 supervisor thread share it, and every write is one short transaction.
-Reads are answered from a snapshot of the tables taken after the last write
+Reads are answered from a snapshot of the tables taken as each write ends
 (every write goes through this class), so a busy API costs no query per
-request.
+request. `list` and `get` read it under the lock: they wait for a
+check-then-act sequence that holds it (a supervisor pass holds it throughout)
+and never see one half done. `snapshot()` reads it without the lock: the
+state as of the last committed write, for what must answer during a pass
+(/healthz, /metrics, the carried counts a run's file view starts from).
 
 Run states:
   queued -> running -> finished | failed | stopped
@@ -142,6 +146,18 @@ class Run:
         return self.attempts[-1] if self.attempts else None
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """The registry as a committed write left it (shared: readers must not change it)."""
+
+    runs: list[Run]
+    """Every run, in creation order."""
+    deleted_restarts: int
+    """Relaunches after a crash of the runs DELETE forgot."""
+    carried: dict[str, tuple[dict[str, int], dict[str, int]]]
+    """run id -> events by kind and invariant violations by check of its attempts set aside, summed (runs with any)."""
+
+
 class DuplicateRun(Exception):
     """A run with this name already exists (the API answers 409)."""
 
@@ -152,9 +168,9 @@ class Registry:
         self._lock = threading.RLock()
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_S)
         self._db.row_factory = sqlite3.Row
-        self._snapshot: list[Run] | None = None
+        self._snapshot: Snapshot | None = None
+        """The tables as the last write left them; None when selecting them after it failed (the next read selects)."""
         self._pending: list[tuple[str, tuple[Any, ...]]] | None = None
-        self._deleted_restarts = 0
         try:
             with self._lock:
                 self._db.execute("PRAGMA journal_mode=WAL")
@@ -164,6 +180,7 @@ class Registry:
                 columns = {r["name"] for r in self._db.execute("PRAGMA table_info(runs)")}
                 if "prometheus_port" not in columns:  # a registry written before the column existed
                     self._db.execute("ALTER TABLE runs ADD COLUMN prometheus_port INTEGER NOT NULL DEFAULT 0")
+                self._snapshot = self._select()
         except sqlite3.Error as e:  # not a database, damaged, read-only, a full disk
             self._db.close()
             raise ValueError(f"registry {path}: cannot open it ({e})") from None
@@ -202,27 +219,47 @@ class Registry:
                 self._commit(ops)
 
     def _commit(self, ops: list[tuple[str, tuple[Any, ...]]]) -> None:
-        """Run `ops` in one transaction, tried again while the database answers locked or busy."""
+        """Run `ops` in one transaction, tried again while the database answers locked or busy; the snapshot is
+        taken again before it returns or raises."""
         with self._lock:
-            self._snapshot = None
-            for tries in range(1, WRITE_TRIES + 1):
-                try:
-                    self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for tries in range(1, WRITE_TRIES + 1):
                     try:
-                        for sql, args in ops:
-                            self._db.execute(sql, args)
-                        self._db.execute("COMMIT")
-                    except BaseException:
-                        if self._db.in_transaction:
-                            with contextlib.suppress(sqlite3.Error):  # the error that got us here is the one to raise
-                                self._db.execute("ROLLBACK")
-                        raise
-                    return
-                except sqlite3.OperationalError as e:
-                    if not is_transient(e) or tries == WRITE_TRIES:
-                        raise
-                    log.warning("registry write refused (%s); try %d of %d", e, tries + 1, WRITE_TRIES)
-                    time.sleep(0.05 * tries)
+                        self._transaction(ops)
+                        return
+                    except sqlite3.OperationalError as e:
+                        if not is_transient(e) or tries == WRITE_TRIES:
+                            raise
+                        log.warning("registry write refused (%s); try %d of %d", e, tries + 1, WRITE_TRIES)
+                        time.sleep(0.05 * tries)
+            finally:
+                self._take_snapshot()
+
+    def _transaction(self, ops: list[tuple[str, tuple[Any, ...]]]) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            for sql, args in ops:
+                self._db.execute(sql, args)
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                with contextlib.suppress(sqlite3.Error):  # the error that got us here is the one to raise
+                    self._db.execute("ROLLBACK")
+            raise
+
+    def _take_snapshot(self) -> None:
+        """Select the tables into the snapshot as a write ends.
+
+        NOTE: at once, not at the next read: `snapshot()` readers never wait for a read under the lock, and must never
+        see less than a write that returned (a run's file view built after a set-aside from counts that miss it would
+        send its event counters down). A select that fails leaves no snapshot: the next read selects, under the lock.
+        Its error is not the write's (which committed, or raises its own).
+        """
+        try:
+            self._snapshot = self._select()
+        except sqlite3.Error as e:
+            self._snapshot = None
+            log.warning("registry: reading the tables back after a write failed (%s); the next read tries again", e)
 
     def insert_run(self, run_id: str, recipe: str, overrides: dict[str, str], nproc_per_node: int,
                    gpus: int, restart_limit: int, prometheus_port: int = 0) -> None:
@@ -271,21 +308,20 @@ class Registry:
                     (run_id, attempt, json.dumps(events), json.dumps(violations)))
 
     def carried(self, run_id: str) -> tuple[dict[str, int], dict[str, int]]:
-        """Events by kind and invariant violations by check of the run's attempts set aside, summed."""
-        events: dict[str, int] = {}
-        violations: dict[str, int] = {}
-        with self._lock:
-            rows = self._db.execute("SELECT events, violations FROM carried WHERE run_id = ?", (run_id,)).fetchall()
-        for row in rows:
-            for total, counts in ((events, json.loads(row["events"])), (violations, json.loads(row["violations"]))):
-                for key, n in counts.items():
-                    total[key] = total.get(key, 0) + n
-        return events, violations
+        """Events by kind and invariant violations by check of the run's attempts set aside, summed (from
+        `snapshot()`: without waiting for the lock)."""
+        events, violations = self.snapshot().carried.get(run_id, ({}, {}))
+        return dict(events), dict(violations)
 
-    def deleted_restarts(self) -> int:
-        """Relaunches after a crash of the runs DELETE forgot."""
-        self._all()
-        return self._deleted_restarts
+    def snapshot(self) -> Snapshot:
+        """The registry as its last committed write left it, without waiting for the lock (a supervisor pass holds it
+        throughout, up to WRITE_TRIES x BUSY_TIMEOUT_S on one write that SQLite's lock holds up). Under the lock only
+        when reading the tables back after a write failed."""
+        snapshot = self._snapshot
+        if snapshot is not None:
+            return snapshot
+        with self._lock:
+            return self._current()
 
     def get(self, run_id: str) -> Run | None:
         return next((r for r in self._all() if r.id == run_id), None)
@@ -297,21 +333,30 @@ class Registry:
 
     def _all(self) -> list[Run]:
         with self._lock:
-            if self._snapshot is None:
-                self._snapshot = self._select()
-            return self._snapshot
+            return self._current().runs
 
-    def _select(self) -> list[Run]:
+    def _current(self) -> Snapshot:
+        """The snapshot, selected again when the last try failed (the lock held)."""
+        if self._snapshot is None:
+            self._snapshot = self._select()
+        return self._snapshot
+
+    def _select(self) -> Snapshot:
         rows = self._db.execute("SELECT * FROM runs ORDER BY seq").fetchall()
         attempts: dict[str, list[Attempt]] = {r["id"]: [] for r in rows}
         for a in self._db.execute("SELECT * FROM attempts ORDER BY run_id, n"):
             attempts[a["run_id"]].append(_attempt(a))
-        carried: dict[str, set[int]] = {r["id"]: set() for r in rows}
-        for c in self._db.execute("SELECT run_id, attempt FROM carried"):
-            carried[c["run_id"]].add(c["attempt"])
+        carried_attempts: dict[str, set[int]] = {r["id"]: set() for r in rows}
+        carried: dict[str, tuple[dict[str, int], dict[str, int]]] = {}
+        for c in self._db.execute("SELECT * FROM carried"):
+            carried_attempts[c["run_id"]].add(c["attempt"])
+            totals = carried.setdefault(c["run_id"], ({}, {}))
+            for total, counts in zip(totals, (json.loads(c["events"]), json.loads(c["violations"]))):
+                for key, n in counts.items():
+                    total[key] = total.get(key, 0) + n
         total = self._db.execute("SELECT value FROM totals WHERE name = 'deleted_restarts'").fetchone()
-        self._deleted_restarts = total["value"] if total else 0
-        return [_run(r, attempts[r["id"]], frozenset(carried[r["id"]])) for r in rows]
+        return Snapshot(runs=[_run(r, attempts[r["id"]], frozenset(carried_attempts[r["id"]])) for r in rows],
+                        deleted_restarts=total["value"] if total else 0, carried=carried)
 
 
 def is_transient(e: sqlite3.Error) -> bool:

@@ -90,7 +90,12 @@ class Health(BaseModel):
     gpus_total: int
     gpus_used: int
     problems: list[str] = Field(default_factory=list, description="Changes the registry refused to record (being "
-                                                                  "retried) and a supervisor pass that failed")
+                                                                  "retried), a supervisor pass that failed, and one "
+                                                                  "that has run too long")
+    seconds_since_pass: float | None = Field(
+        None, description="Seconds since the supervisor last ended a pass (one runs every 0.25 s; null before it "
+                          "starts): past twice the registry's longest wait for SQLite's lock (60 s), `problems` "
+                          "names a pass stuck")
 
 
 class ErrorOut(BaseModel):

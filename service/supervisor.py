@@ -25,6 +25,9 @@ restart could not find it, and the retry starts it again), and the next pass
 settles a run that claims to run with no attempt alive from its last recorded
 attempt. A relaunch or launch the registry refuses for another reason than a
 lock fails the run, if that can still be written.
+
+/healthz reports how long ago the watcher ended a pass: past STUCK_PASS_S one
+is stuck, most likely on a registry write that SQLite's lock holds up.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from typing import Iterator
 
 import psutil
 
-from service.registry import ACTIVE, RESUMABLE, Attempt, Registry, Run, is_transient
+from service.registry import ACTIVE, BUSY_TIMEOUT_S, RESUMABLE, WRITE_TRIES, Attempt, Registry, Run, is_transient
 from service.rundir import RunFilesCache, tail_lines, tally_events
 from service.settings import Settings
 from titan_k3.config.check import CONFIG_ERROR_EXIT
@@ -55,6 +58,9 @@ log = logging.getLogger("service.supervisor")
 START_TIME_TOLERANCE_S = 0.05
 UNSETTLED_RETRY_S = 1.0
 """A transition the registry refused is tried again after this long, then twice as long each time (at most 60 s)."""
+STUCK_PASS_S = 2 * WRITE_TRIES * BUSY_TIMEOUT_S
+"""A watcher that has ended no pass for this long is stuck (/healthz: degraded): twice the longest one write waits for
+SQLite's lock before the registry gives up on it."""
 ATTEMPT_ENV = "K3_SERVICE_ATTEMPT"
 """Set in every attempt's environment to its exit file's path (unique per service, run and attempt): every process
 the attempt starts inherits it, so its leftovers are found even once their parents are gone."""
@@ -240,6 +246,8 @@ class Supervisor:
         self._unsettled: dict[str, Unsettled] = {}
         self.pass_error: str | None = None
         """Why the last pass stopped short (an error outside any one run's transition); None when it completed."""
+        self._pass_ended: float | None = None
+        """time.monotonic() when the watcher last ended a pass (`recover`, then each `tick`); None before it starts."""
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -248,6 +256,7 @@ class Supervisor:
 
     def start(self) -> None:
         self.recover()
+        self._pass_ended = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="k3-supervisor", daemon=True)
         self._thread.start()
 
@@ -269,8 +278,14 @@ class Supervisor:
             except Exception as e:  # the watcher must outlive any single bad run
                 self.pass_error = f"supervisor pass failed: {type(e).__name__}: {e}"
                 log.exception("supervisor tick failed")
+            self._pass_ended = time.monotonic()
             self._wake.wait(self.settings.poll_seconds)
             self._wake.clear()
+
+    def since_pass(self) -> float | None:
+        """Seconds since the watcher last ended a pass (a pass runs every `poll_seconds`); None before it starts."""
+        ended = self._pass_ended
+        return None if ended is None else time.monotonic() - ended
 
     def recover(self) -> None:
         """After a (re)start: re-adopt live attempts, settle the ones that ended while we were away.

@@ -165,7 +165,7 @@ def test_a_registry_refusing_every_write_is_reconciled_by_the_next_pass_that_can
         assert run.restarts_total == 2 and sup.unsettled() == {}
         assert client.get("/v1/runs/w").json()["registry_error"] is None
         assert client.get("/healthz").json() == {"status": "ok", "runs": 1, "gpus_total": 0, "gpus_used": 0,
-                                                 "problems": []}
+                                                 "problems": [], "seconds_since_pass": None}  # no watcher thread
     finally:
         svc.trainer_check.close()
         reg.close()
@@ -219,3 +219,18 @@ def test_a_delete_the_registry_refuses_leaves_the_killed_run_stopped_not_relaunc
         svc.trainer_check.close()
         reg.close()
         svc.state_lock.close()
+
+
+def test_a_write_whose_read_back_fails_still_returns_and_the_next_read_selects_again(settings, monkeypatch):
+    """The snapshot `snapshot()` readers see is taken as each write ends: a write that committed is not reported as
+    failed when that select fails, and no reader is served the state from before it."""
+    reg = Registry(settings.state_dir / "registry.sqlite3")
+    try:
+        submit(settings, reg, "r", steps=3)
+        flaky = FlakyDb(reg._db, lambda sql: sql.startswith("SELECT * FROM runs"), "disk I/O error", times=1)
+        monkeypatch.setattr(reg, "_db", flaky)
+        reg.update_run("r", restarts_total=4)
+        assert flaky.refused == 1
+        assert reg.snapshot().runs[0].restarts_total == 4 and reg.get("r").restarts_total == 4
+    finally:
+        reg.close()
