@@ -24,7 +24,9 @@ retries of a lock), the pass moves on and the run is retried later
 restart could not find it, and the retry starts it again), and the next pass
 settles a run that claims to run with no attempt alive from its last recorded
 attempt. A relaunch or launch the registry refuses for another reason than a
-lock fails the run, if that can still be written.
+lock, or that fails otherwise between its start and its record (the events of
+the attempt it follows cannot be counted), is killed and fails the run, if
+that can still be written.
 
 /healthz reports how long ago the watcher ended a pass: past STUCK_PASS_S one
 is stuck, most likely on a registry write that SQLite's lock holds up.
@@ -641,12 +643,14 @@ class Supervisor:
                     exit_path=str(exit_path)))
                 self.registry.update_run(run.id, state="running", assigned_gpus=gpus,
                                          message=f"{message}; {kept}" if kept else message, **fields)
-        except sqlite3.Error as e:
+        except Exception as e:
             # NOTE: an attempt the registry does not hold must not run: a restarted service would not find it, and
-            # the launch is tried again (it would train beside its twin in the same run directory).
+            # the launch is tried again (it would train beside its twin in the same run directory). So whatever
+            # failed (the registry, or counting the events of the attempt it follows), it is killed first. The
+            # service ending here (no handler runs) leaves it to `recover`, which kills and records it.
             self._kill_unrecorded(proc, exit_path)
             log_path.unlink(missing_ok=True)
-            if is_transient(e):
+            if isinstance(e, sqlite3.Error) and is_transient(e):
                 raise
             why = f"attempt {n} could not be recorded, so it was killed ({type(e).__name__}: {e})"
             log.error("run %s: %s", run.id, why)

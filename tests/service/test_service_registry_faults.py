@@ -2,12 +2,15 @@
 run with nothing alive (or something alive that the registry does not hold), and the problem is visible until the
 next pass that can write settles the run.
 
-Faults are injected into the registry's SQLite connection (`FlakyDb`): the statements a predicate picks raise.
+Faults are injected into the registry's SQLite connection (`FlakyDb`): the statements a predicate picks raise (an
+SQLite error, or any other). A relaunch that fails otherwise between its start and its record is handled as one the
+registry refuses.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sqlite3
 import subprocess
@@ -32,17 +35,18 @@ AUTH = {"Authorization": "Bearer x"}
 
 
 class FlakyDb:
-    """The registry's connection, raising `error` for each statement `refuse(sql)` picks (the first `times` only,
-    when given); every other attribute is the connection's."""
+    """The registry's connection, raising `kind(error)` for each statement `refuse(sql)` picks (the first `times`
+    only, when given); every other attribute is the connection's."""
 
-    def __init__(self, db: sqlite3.Connection, refuse: Callable[[str], bool], error: str, times: int | None = None):
-        self.db, self.refuse, self.error, self.times = db, refuse, error, times
+    def __init__(self, db: sqlite3.Connection, refuse: Callable[[str], bool], error: str, times: int | None = None,
+                 kind: type[Exception] = sqlite3.OperationalError):
+        self.db, self.refuse, self.error, self.times, self.kind = db, refuse, error, times, kind
         self.refused = 0
 
     def execute(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
         if self.refuse(sql) and (self.times is None or self.refused < self.times):
             self.refused += 1
-            raise sqlite3.OperationalError(self.error)
+            raise self.kind(self.error)
         return self.db.execute(sql, args)
 
     def __getattr__(self, name: str):
@@ -130,6 +134,47 @@ def test_a_relaunch_the_registry_cannot_record_is_killed_and_the_run_failed(sett
         assert [(a.n, a.exit_code) for a in run.attempts] == [(1, 3)] and run.restarts == 0
         assert alive(settings, "c") == [] and sup.unsettled() == {}
         assert not (settings.runs_dir / "c" / "service" / "attempt-2.log").exists()
+    finally:
+        reg.close()
+
+
+def unreadable_events(monkeypatch, reg: Registry) -> str:
+    """Counting the set-aside events.jsonl of the attempt a relaunch follows fails (a disk error)."""
+    def tally_events(path):
+        raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+
+    monkeypatch.setattr(service.supervisor, "tally_events", tally_events)
+    return "OSError: [Errno 5] Input/output error: "
+
+
+def registry_raising_other(monkeypatch, reg: Registry) -> str:
+    """The registry's connection raises an error of another kind than SQLite's as the attempt is recorded."""
+    monkeypatch.setattr(reg, "_db", FlakyDb(reg._db, lambda sql: sql.startswith("INSERT INTO attempts"),
+                                            "Python int too large to convert to SQLite INTEGER", kind=OverflowError))
+    return "OverflowError: Python int too large to convert to SQLite INTEGER"
+
+
+@pytest.mark.parametrize("fault", [unreadable_events, registry_raising_other])
+def test_a_relaunch_that_fails_otherwise_before_its_record_is_killed_and_the_run_failed(settings, monkeypatch, cleanup,
+                                                                                          fault):
+    reg = Registry(settings.state_dir / "registry.sqlite3")
+    try:
+        submit(settings, reg, "c", steps=50, crash_at=3)
+        sup = Supervisor(settings, reg, RunFilesCache(settings.runs_dir, reg.carried))
+        sup.tick()
+        assert reg.get("c").state == "running"
+        error = fault(monkeypatch, reg)
+        run = until(sup, lambda: reg.get("c") if reg.get("c").state != "running" else None, "the crash to settle")
+        assert run.state == "failed" and (f"attempt 2 could not be recorded, so it was killed ({error}") in run.message, \
+            run.message
+        assert run.message.startswith("attempt 1 exited with code 3; restart 1 of 2, ") and \
+            run.message.endswith("; resume to try again"), run.message
+        assert [(a.n, a.exit_code) for a in run.attempts] == [(1, 3)] and run.restarts == 0
+        assert alive(settings, "c") == [] and sup.unsettled() == {}
+        assert not (settings.runs_dir / "c" / "service" / "attempt-2.log").exists()
+        for _ in range(3):  # nothing is relaunched beside what ran
+            sup.tick()
+        assert reg.get("c") == run and alive(settings, "c") == []
     finally:
         reg.close()
 
