@@ -25,13 +25,16 @@ finite for any decay down to hard resets (g = -1000).
 
 The math stays in float32 (float64) under the trainer's bf16 autocast too, which
 casts matmul and einsum operands to bf16: the chunk loop's matrix products and the
-solve's backward run in a custom op of their own (`_matmul_float32`); A and M (a
-decay per i, j and c) and the token-by-token recurrence are products and sums,
-which autocast leaves alone.
+solve's backward run in a custom op of their own (`_matmul_float32`), A and M (a
+decay per i, j and c) too, as a product per row; the token-by-token recurrence
+is products and sums, which autocast leaves alone.
 """
+
+import math
 
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import register_flop_formula
 
 from kernels.device import check_same_device
 
@@ -64,6 +67,13 @@ def _matmul_backward(ctx, grad):
 
 
 _matmul_float32.register_autograd(_matmul_backward, setup_context=_matmul_setup_context)
+
+
+@register_flop_formula(torch.ops.kernels_kda.matmul_float32)
+def _matmul_flops(a_shape, b_shape, *args, **kwargs) -> int:
+    """2 M K N per batch element: torch's FlopCounterMode counts the op as the matmul it is (the model's MFU
+    formula is checked against that count)."""
+    return 2 * math.prod(a_shape) * b_shape[-1]
 # NOTE: under autocast the op takes float32 operands and runs with autocast off, switched by the dispatcher: an
 # autocast context inside a compiled graph would keep AOT autograd from caching it (every start would build the
 # graph again).
@@ -260,9 +270,11 @@ def _chunked_forward(q, k, v, g, beta, scale, S0):
     incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     diff = b[..., :, None, :] - b[..., None, :, :]
     decay = torch.where(incl[..., None], diff, torch.full_like(diff, float("-inf"))).exp()
-    k_j = k[..., None, :, :]
-    A = (k[..., :, None, :] * k_j * decay).sum(-1).tril(-1)
-    M = scale * (q[..., :, None, :] * k_j * decay).sum(-1)
+    # NOTE: sum_c x_ic k_jc decay_ijc as a product per row i ([1, c] x [c, j], as einsum ran it), in the float32
+    # op: autocast leaves it alone, and torch's flop counter sees the 2 C^2 K of each.
+    kd_ICJ = (k[..., None, :, :] * decay).transpose(-1, -2)
+    A = _matmul_float32(k[..., :, None, :], kd_ICJ).squeeze(-2).tril(-1)
+    M = scale * _matmul_float32(q[..., :, None, :], kd_ICJ).squeeze(-2)
 
     L = torch.eye(C, dtype=q.dtype, device=q.device) + beta[..., None] * A
     rhs = beta[..., None] * torch.cat([v, k * b.exp()], dim=-1)

@@ -15,6 +15,7 @@ they run in a custom op of their own (`_products`).
 import math
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 QUERY_CHUNK = 512
 
@@ -33,6 +34,12 @@ def _(q_BHCE, k_BHTE):
 # NOTE: the trainer's bf16 autocast would run the einsum in bf16 and round its result to bf16. Under autocast the
 # op takes float32 operands and runs with autocast off, switched by the dispatcher: an autocast context inside a
 # compiled graph would keep AOT autograd from caching it (every start would build the graph again).
+@register_flop_formula(torch.ops.max_logit.reference_products)
+def _products_flops(q_shape, k_shape, *args, **kwargs) -> int:
+    """2 E per (b, h, query, key): torch's FlopCounterMode counts the op as the einsum it is."""
+    return 2 * math.prod(q_shape) * k_shape[2]
+
+
 _products.register_autocast("cpu", torch.float32)
 _products.register_autocast("cuda", torch.float32)
 
