@@ -2,9 +2,9 @@
 
 `load_job_config` checks what the text alone decides (keys, types, ranges,
 combinations). `check_host` adds what only the host can answer, before any
-work: the dataset exists and has the sources `data.mixture` names, the files
-the run reads exist, the compile cache's folder can be created, the metrics
-port can be listened on.
+work: the optional packages it turns on are installed, the dataset exists and
+has the sources `data.mixture` names, the files the run reads exist, the
+compile cache's folder can be created, the metrics port can be listened on.
 
     python -m titan_k3.config.check [-] [--section.key value ...]
 

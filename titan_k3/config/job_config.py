@@ -25,9 +25,9 @@ class Job:
     description: str = ""
     """Free text stored in the manifest."""
     strict: bool = False
-    """Turn any fallback (kernel, attention backend, FP8, compile) into an error at start-up."""
+    """Turn any fallback (a kernel, the attention backend, FP8 or bf16 compute without CUDA, the CUDA graph, the second optimizer stream) into an error at start-up (and in validate_only)."""
     validate_only: bool = False
-    """Check the configuration and what it names on this host as the run would, with the run's line (data sources, files, task files, the metrics port, the compile cache, job.strict's fallbacks, the mesh against this launch's world size: run it under the torchrun of the run, the run directory: a dump folder it cannot create, a reused name with nothing to resume, the checkpoint it would start from: its checksums, not its shapes), print 'config ok' or the one-line error and exit (0, or 2 for a configuration error) without training."""
+    """Run the checks of the run that need no model, on this host, each through the function the run calls and with the run's line, then print 'config ok' or the one-line error and exit (0, or 2 for a configuration error) without training: the configuration (keys, ranges, the flavor's top_k, lr_scheduler.decay_ratio against the warmup and training.steps), data sources, files, optional packages, the metrics port, the compile cache folder, the device (profiling.memory_peak_updates, training.expandable_segments against PYTORCH_CUDA_ALLOC_CONF), job.strict against every fallback, the mesh against this launch's world size (run it under the torchrun of the run), the evaluator (task files, eval.batch_size, the validation split), the run directory (a dump folder no folder can be created in, a reused name with nothing to resume) and the checkpoint it would start from (checkpoint.load_step or initial_load_path, its checksums, initial_load_path's tokenizer; not its shapes, which need the model)."""
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Model:
 @dataclass
 class Kernels:
     kda: Literal["auto", "triton", "fla", "torch"] = "auto"
-    """KDA implementation: our triton kernel, flash-linear-attention's chunk_kda, torch chunked reference, or auto (triton on CUDA)."""
+    """KDA implementation: our triton kernel, flash-linear-attention's chunk_kda, torch chunked reference (float32 under bf16 autocast too, as the kernel; its speed on a GPU in that form not measured), or auto (triton on CUDA)."""
     experts: Literal["auto", "triton", "grouped_mm", "torch"] = "auto"
     """Routed-expert implementation: triton grouped GEMM, torch._grouped_mm, torch loop, or auto."""
     experts_cast_in_kernel: bool = False
@@ -55,7 +55,7 @@ class Kernels:
     loss: Literal["auto", "triton", "torch"] = "auto"
     """Head + cross-entropy: fused triton kernel, chunked torch reference, or auto."""
     attn_res: Literal["auto", "triton", "torch"] = "auto"
-    """Block Attention Residuals' pseudo-query mixes: fused triton kernel, torch reference, or auto (triton on CUDA)."""
+    """Block Attention Residuals' pseudo-query mixes: fused triton kernel, torch reference (float32 under bf16 autocast too, as the kernel; its speed on a GPU in that form not measured), or auto (triton on CUDA)."""
     attn_res_grad_in_place: bool = False
     """The residual stream's gradients summed inside the Triton mixes' backward kernels (kernels/attn_res/sinks.py) instead of by autograd's adds: each completed block's gradient added up in one buffer in place by the mixes that read it, and each residual add's gradient for the open block's sum handed to the mix that read that sum, which adds it as it writes its own share. For k3-mini that removes 68 of the update's 69 backward adds of a [B, T, D] bf16 tensor (90 adds in all), each for one more read in a mix's kernel: on the H200 at B32 T1024, 0.3 ms less per update alone and 1.2 ms less with attn_res_norm_in_mix (benchmarks/results/train_throughput.md, session 31); tomls/pretrain.toml sets both. The gradients are the same up to rounding (each share added in float32 and rounded once). Needs the Triton mix: refused with kernels.attn_res = 'torch'; with auto on a machine without CUDA it falls back with the mix, reported (job.strict refuses it)."""
     attn_res_norm_in_mix: bool = False
@@ -63,7 +63,7 @@ class Kernels:
     router: Literal["auto", "triton", "torch"] = "auto"
     """The MoE routers' top-k selection: our Triton kernel (a block of tokens' scores in registers, k rounds of max), the torch reference (k rounds of max and mask, fused by torch.compile when compile.enable), or auto (triton on CUDA). On the H200 the kernel took 40 us per k3-mini layer against 93 us for the compiled reference, and the recipe's update at B32 T1024 139.0 against 139.7 ms of kernels, 140.2 against 140.6 ms per update (median of two alternating rounds; benchmarks/results/train_throughput.md, session 29; session 19's one comparison had read it 0.9 ms slower)."""
     max_logit: Literal["auto", "triton", "torch"] = "auto"
-    """QK-Clip's per-head max logit of MLA: one Triton pass over the allowed key blocks, the chunked torch reference, or auto."""
+    """QK-Clip's per-head max logit of MLA: one Triton pass over the allowed key blocks, the chunked torch reference (float32 products under bf16 autocast too, as the kernel's; its speed on a GPU in that form not measured: benchmarks/results/max_logit.md timed its former bf16 einsum), or auto."""
     conv: Literal["auto", "triton", "torch"] = "auto"
     """KDA's short convolutions (causal depthwise conv + SiLU within documents): our Triton kernels, the torch reference (fused by torch.compile when compile.enable), or auto (triton on CUDA). On the H200 the kernels took 0.40 ms fwd+bwd per layer against 0.75 ms for the compiled reference and 1.26 ms for fla's conv (benchmarks/results/short_conv.md), and the compiled step 160.0 against 164.1 ms (benchmarks/results/train_throughput.md)."""
     attention: Literal["auto", "cudnn", "flash", "efficient", "math", "flex", "varlen"] = "auto"
@@ -146,7 +146,7 @@ class LRScheduler:
     decay_type: Literal["cosine", "linear", "sqrt"] = "cosine"
     """Shape of the decay to min_lr: cosine, linear or 1-sqrt."""
     decay_ratio: float = 1.0
-    """Fraction of the run spent decaying; 1.0 decays over all post-warmup updates, below 1 is WSD."""
+    """Fraction of the run spent decaying; 1.0 decays over all post-warmup updates, below 1 is WSD: the last round(decay_ratio x training.steps) updates, at least 1 and none of them in the warmup (validation refuses a ratio that gives 0, or more than the updates after the warmup)."""
     min_lr_factor: float = 0.1
     """Final learning rate as a fraction of the peak."""
 
