@@ -25,67 +25,27 @@ finite for any decay down to hard resets (g = -1000).
 
 The math stays in float32 (float64) under the trainer's bf16 autocast too, which
 casts matmul and einsum operands to bf16: the chunk loop's matrix products and the
-solve's backward run in a custom op of their own (`_matmul_float32`), A and M (a
+solve's backward run in `kernels.float32_matmul.matmul_float32`, A and M (a
 decay per i, j and c) too, as a product per row; the token-by-token recurrence
 is products and sums, which autocast leaves alone.
 """
 
-import math
-
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import register_flop_formula
 
 from kernels.device import check_same_device
+from kernels.float32_matmul import matmul_float32
 
 CHUNK = 64
 L2NORM_EPS = 1e-6
 DEFAULT_GATE_LOWER_BOUND = -5.0
 
 
-@torch.library.custom_op("kernels_kda::matmul_float32", mutates_args=())
-def _matmul_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b: [..., M, K] x [..., K, N] of one batch shape and dtype -> [..., M, N] in that dtype, differentiable;
-    under autocast in float32 (float64 stays float64)."""
-    return a @ b
-
-
-@_matmul_float32.register_fake
-def _(a, b):
-    return a.new_empty(*a.shape[:-1], b.shape[-1])
-
-
-def _matmul_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _matmul_backward(ctx, grad):
-    a, b = ctx.saved_tensors
-    da = _matmul_float32(grad, b.mT) if ctx.needs_input_grad[0] else None
-    db = _matmul_float32(a.mT, grad) if ctx.needs_input_grad[1] else None
-    return da, db
-
-
-_matmul_float32.register_autograd(_matmul_backward, setup_context=_matmul_setup_context)
-
-
-@register_flop_formula(torch.ops.kernels_kda.matmul_float32)
-def _matmul_flops(a_shape, b_shape, *args, **kwargs) -> int:
-    """2 M K N per batch element: torch's FlopCounterMode counts the op as the matmul it is (the model's MFU
-    formula is checked against that count)."""
-    return 2 * math.prod(a_shape) * b_shape[-1]
-# NOTE: under autocast the op takes float32 operands and runs with autocast off, switched by the dispatcher: an
-# autocast context inside a compiled graph would keep AOT autograd from caching it (every start would build the
-# graph again).
-_matmul_float32.register_autocast("cpu", torch.float32)
-_matmul_float32.register_autocast("cuda", torch.float32)
-
-
 @torch.library.custom_op("kernels_kda::solve_unit_lower", mutates_args=())
 def _solve_unit_lower(L: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
     """L^-1 R: L [..., C, C] unit lower-triangular (its diagonal and upper part are not read), R [..., C, W].
 
-    NOTE: an op of its own for its backward, whose product runs in `_matmul_float32`: autograd's own backward of
+    NOTE: an op of its own for its backward, whose product runs in `matmul_float32`: autograd's own backward of
     the solve multiplies with a matmul, which a compiled region's backward runs under the forward's autocast.
     """
     return torch.linalg.solve_triangular(L, R, upper=False, unitriangular=True)
@@ -103,7 +63,7 @@ def _solve_setup_context(ctx, inputs, output):
 def _solve_backward(ctx, grad):
     L, X = ctx.saved_tensors
     dR = torch.linalg.solve_triangular(L.mT, grad, upper=True, unitriangular=True)  # autocast leaves solves alone
-    dL = -_matmul_float32(dR, X.mT).tril(-1) if ctx.needs_input_grad[0] else None
+    dL = -matmul_float32(dR, X.mT).tril(-1) if ctx.needs_input_grad[0] else None
     return dL, dR
 
 
@@ -273,8 +233,8 @@ def _chunked_forward(q, k, v, g, beta, scale, S0):
     # NOTE: sum_c x_ic k_jc decay_ijc as a product per row i ([1, c] x [c, j], as einsum ran it), in the float32
     # op: autocast leaves it alone, and torch's flop counter sees the 2 C^2 K of each.
     kd_ICJ = (k[..., None, :, :] * decay).transpose(-1, -2)
-    A = _matmul_float32(k[..., :, None, :], kd_ICJ).squeeze(-2).tril(-1)
-    M = scale * _matmul_float32(q[..., :, None, :], kd_ICJ).squeeze(-2)
+    A = matmul_float32(k[..., :, None, :], kd_ICJ).squeeze(-2).tril(-1)
+    M = scale * matmul_float32(q[..., :, None, :], kd_ICJ).squeeze(-2)
 
     L = torch.eye(C, dtype=q.dtype, device=q.device) + beta[..., None] * A
     rhs = beta[..., None] * torch.cat([v, k * b.exp()], dim=-1)
@@ -287,9 +247,9 @@ def _chunked_forward(q, k, v, g, beta, scale, S0):
     S = q.new_zeros(N, H, K, V) if S0 is None else S0
     outs = []
     for n in range(NC):
-        U = Wv[:, :, n] - _matmul_float32(Wk[:, :, n], S)
-        outs.append(_matmul_float32(q_dec[:, :, n], S) + _matmul_float32(M[:, :, n], U))
-        S = last_decay[:, :, n] * S + _matmul_float32(k_dec[:, :, n].transpose(-1, -2), U)
+        U = Wv[:, :, n] - matmul_float32(Wk[:, :, n], S)
+        outs.append(matmul_float32(q_dec[:, :, n], S) + matmul_float32(M[:, :, n], U))
+        S = last_decay[:, :, n] * S + matmul_float32(k_dec[:, :, n].transpose(-1, -2), U)
     o = torch.stack(outs, dim=2).movedim(1, 3).reshape(N, T, H, V)
     return o, S
 

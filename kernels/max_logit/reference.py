@@ -9,39 +9,16 @@ This is the ground truth of the Triton op in `ops.py` and the CPU path; it is
 the chunked einsum the model ran before the Triton kernel, with the mask built
 from pos chunk by chunk instead of read from a [B, 1, T, T] tensor. Its products
 are float32 (float64 for float64 inputs) also under the trainer's bf16 autocast:
-they run in a custom op of their own (`_products`).
+they run in `kernels.float32_matmul.matmul_float32`.
 """
 
 import math
 
 import torch
-from torch.utils.flop_counter import register_flop_formula
+
+from kernels.float32_matmul import matmul_float32
 
 QUERY_CHUNK = 512
-
-
-@torch.library.custom_op("max_logit::reference_products", mutates_args=())
-def _products(q_BHCE: torch.Tensor, k_BHTE: torch.Tensor) -> torch.Tensor:
-    """<q[b, h, i], k[b, h, j]>: [B, H, C, E] x [B, H, T, E] -> [B, H, C, T] in the inputs' dtype."""
-    return torch.einsum("bhqe,bhke->bhqk", q_BHCE, k_BHTE)
-
-
-@_products.register_fake
-def _(q_BHCE, k_BHTE):
-    return q_BHCE.new_empty(*q_BHCE.shape[:3], k_BHTE.shape[2])
-
-
-# NOTE: the trainer's bf16 autocast would run the einsum in bf16 and round its result to bf16. Under autocast the
-# op takes float32 operands and runs with autocast off, switched by the dispatcher: an autocast context inside a
-# compiled graph would keep AOT autograd from caching it (every start would build the graph again).
-@register_flop_formula(torch.ops.max_logit.reference_products)
-def _products_flops(q_shape, k_shape, *args, **kwargs) -> int:
-    """2 E per (b, h, query, key): torch's FlopCounterMode counts the op as the einsum it is."""
-    return 2 * math.prod(q_shape) * k_shape[2]
-
-
-_products.register_autocast("cpu", torch.float32)
-_products.register_autocast("cuda", torch.float32)
 
 
 def check_inputs(q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, scale: float, pos_BT: torch.Tensor | None) -> None:
@@ -91,7 +68,7 @@ def max_logit_per_head_reference(
     q_BHTE, k_BHTE = q_BHTE.to(out_dtype), k_BHTE.to(out_dtype)
     for start in range(0, T, QUERY_CHUNK):
         stop = min(T, start + QUERY_CHUNK)
-        s_BHCT = _products(q_BHTE[:, :, start:stop], k_BHTE) * scale
+        s_BHCT = matmul_float32(q_BHTE[:, :, start:stop], k_BHTE.mT) * scale
         queries_C = keys_T[start:stop]
         allowed_BCT = (keys_T <= queries_C[:, None]).expand(B, -1, -1)
         if pos_BT is not None:

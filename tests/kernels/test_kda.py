@@ -561,11 +561,12 @@ def test_reference_state_math_stays_float32_under_bf16_autocast():
 
 def test_reference_ops_pass_opcheck():
     """The chunked reference's float32 product and triangular solve, with their backward, on its layouts."""
-    from kernels.kda.reference import _matmul_float32, _solve_unit_lower
+    from kernels.float32_matmul import matmul_float32
+    from kernels.kda.reference import _solve_unit_lower
 
     gen = torch.Generator().manual_seed(40)
     a, b = torch.randn(2, 3, 8, 5, generator=gen), torch.randn(2, 3, 8, 6, generator=gen)
-    torch.library.opcheck(_matmul_float32, (a.mT.requires_grad_(), b.requires_grad_()))
+    torch.library.opcheck(matmul_float32, (a.mT.requires_grad_(), b.requires_grad_()))
     L = torch.randn(2, 3, 8, 8, generator=gen).tril(-1) + torch.eye(8)
     R = torch.randn(2, 3, 8, 5, generator=gen)
     torch.library.opcheck(_solve_unit_lower, (L.requires_grad_(), R.requires_grad_()))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,12 +12,6 @@ from kernels.grouped_gemm.reference import situ_glu
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """float64 stays float64 (tests); anything else computes in float32."""
     return x if x.dtype == torch.float64 else x.float()
-
-
-def autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
-    """Autocast switched off on `device` (a no-op on devices autocast does not know, such as meta): for the products
-    docs/k3.md asks in float32, which the trainer's bf16 autocast would otherwise run in bf16."""
-    return torch.autocast(device.type, enabled=False) if device.type in ("cuda", "cpu") else contextlib.nullcontext()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels.float32_matmul import matmul_float32
 from kernels.router.reference import top_k_rows_reference
 from titan_k3.models.k3.args import K3Args
-from titan_k3.models.k3.layers import RMSNorm, SituGluFFN, autocast_off, init_linear, upcast
+from titan_k3.models.k3.layers import RMSNorm, SituGluFFN, init_linear, upcast
 
 QB_BINS = 1024
 
@@ -104,23 +105,6 @@ def margin_quantiles(
     return histogram_quantiles(hist_EB, quantile, half_range)
 
 
-@torch.library.custom_op("titan_k3::router_logits_float32", mutates_args=())
-def _router_logits_float32(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
-    """x @ w^T in float32 whatever the autocast around the model (no gradient: `router_logits` adds it).
-
-    NOTE: an op of its own, so the autocast switch stays out of the compiled graph: a graph that enters an autocast
-    context is not cached by AOT autograd, and every start would build it again.
-    """
-    with autocast_off(x_TD.device):
-        return upcast(x_TD) @ upcast(w_ED).t()
-
-
-@_router_logits_float32.register_fake
-def _(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
-    dtype = torch.promote_types(upcast(x_TD).dtype, upcast(w_ED).dtype)
-    return x_TD.new_empty(x_TD.shape[0], w_ED.shape[0], dtype=dtype)
-
-
 def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
     """W_router x: [T, D] x [E, D] -> float32 [T, E] (docs/k3.md §2.3), under the trainer's bf16 autocast too.
 
@@ -133,7 +117,7 @@ def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
     device = x_TD.device
     if not (device.type in ("cuda", "cpu") and torch.is_autocast_enabled(device.type)):
         return upcast(x_TD) @ upcast(w_ED).t()
-    exact = _router_logits_float32(x_TD.detach(), w_ED.detach())
+    exact = matmul_float32(x_TD.detach(), w_ED.detach().t())  # float32 operands under autocast, no gradient
     if not torch.is_grad_enabled():
         return exact
     low = (x_TD @ w_ED.t()).float()  # autocast's dtype: carries the gradient
