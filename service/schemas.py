@@ -25,7 +25,9 @@ OverrideKey = Annotated[str, StringConstraints(pattern=OVERRIDE_KEY_RE.pattern, 
 
 
 class RunCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: the schema's integer refuses `true` and "2" (lax pydantic took them as 1 and 2), and the
+    # fuzzing test holds the service to its schema
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str | None = Field(None, max_length=RUN_ID_MAX, pattern=RUN_ID_PATTERN,
                              description="Run id and directory name; generated when absent.", examples=["pilot-a"])

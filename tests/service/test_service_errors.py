@@ -1,6 +1,6 @@
 """Bad requests get one clear line, the right 4xx and change nothing: a body that is not JSON (400) or not
 sent as JSON (415), names outside their rules (the rule, not a regular expression), a path no route has, a
-name still held by a deleted run's files, a run deleted while a stop or resume of it was under way; and
+name still held by a deleted run's files, a count that is not a JSON integer, a run deleted while a stop or resume of it was under way; and
 the list filter takes several states."""
 
 from __future__ import annotations
@@ -65,6 +65,18 @@ def test_names_outside_their_rules_are_told_the_rule(fake_service, body, loc, ms
     (error,) = r.json()["detail"]
     assert error["loc"] == loc and error["msg"].startswith(msg), error
     assert "pattern" not in error["msg"]
+    assert run_dirs(fake_service) == before
+
+
+@pytest.mark.parametrize("field, value", [("nproc_per_node", True), ("gpus", "1"), ("restart_limit", 2.5),
+                                          ("nproc_per_node", False)])
+def test_a_count_that_is_not_a_json_integer_is_refused(fake_service, field, value):
+    # the schema says integer: `true` and "1" were taken as 1 (pydantic's lax mode); the fuzzing test found it
+    before = run_dirs(fake_service)
+    r = fake_service.create(toml=INLINE, **{field: value})
+    assert r.status_code == 422, r.text
+    (error,) = r.json()["detail"]
+    assert error["loc"] == ["body", field] and error["msg"] == "Input should be a valid integer", error
     assert run_dirs(fake_service) == before
 
 
