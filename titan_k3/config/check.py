@@ -4,7 +4,8 @@
 combinations). `check_host` adds what only the host can answer, before any
 work: the optional packages it turns on are installed, the dataset exists and
 has the sources `data.mixture` names, the files the run reads exist, the
-compile cache's folder can be created, the metrics port can be listened on.
+compile cache's folder and the run's directory in job.dump_folder can be
+created, the metrics port can be listened on.
 
     python -m titan_k3.config.check [-] [--section.key value ...]
 
@@ -14,8 +15,13 @@ of `--job.config_file`), prints 'config ok' and exits 0, or prints one line
 service runs it before it accepts a run; `python -m titan_k3.train
 --job.validate_only` runs the same checks and the trainer's own that need no
 model (the device, the tokenizer's vocabulary, job.strict's fallbacks, the mesh
-against the launch's world size, the evaluator, the run directory, the
+against the launch's world size, the evaluator, the run directory's name, the
 checkpoint the run starts from).
+
+NOTE: of the run directory this check looks only at job.dump_folder: a reused
+job.name is refused by the trainer (titan_k3/metrics/run_dir.py:run_dir_problem),
+which reads the previous run's files and checkpoints; the service names each
+run afresh, in a folder it has created (service/settings.py:run_args).
 """
 
 from __future__ import annotations
@@ -160,6 +166,21 @@ def check_compile_cache(cfg: JobConfig) -> None:
         raise ConfigError(f"config key 'compile.cache_dir' = {toml_value(c.cache_dir)}: {why}")
 
 
+def dump_folder_problem(cfg: JobConfig) -> str | None:
+    """The line that refuses job.dump_folder, where the run creates its directory, or None: check_dump_folder's, and
+    the run's and --job.validate_only's (titan_k3/metrics/run_dir.py:run_dir_problem)."""
+    why = unusable_folder(Path(cfg.job.dump_folder))
+    return f"config key 'job.dump_folder' = {toml_value(cfg.job.dump_folder)}: {why}" if why else None
+
+
+def check_dump_folder(cfg: JobConfig) -> None:
+    """job.dump_folder can hold the run's directory (a folder of /proc could not: the run stopped there, before its
+    model, and this check had said 'config ok')."""
+    problem = dump_folder_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
+
+
 def check_packages(cfg: JobConfig) -> None:
     """The optional packages the configuration turns on are installed (metrics.enable_tensorboard: tensorboard).
     NOTE: found, not imported: this check stays torch-free and fast; the trainer imports it when the run starts."""
@@ -174,6 +195,7 @@ def check_host(cfg: JobConfig) -> None:
     check_files(cfg)
     check_data(cfg)
     check_compile_cache(cfg)
+    check_dump_folder(cfg)
     check_port(cfg)
 
 
