@@ -118,7 +118,9 @@ def _check_warmup(s, steps: int) -> None:
 
 def _check_routing(model: str, flavor: str) -> None:
     """A flavor's top_k leaves an expert out: the router ranks the top_k + 1 largest scores of a token and Quantile
-    Balancing measures its margins from the (top_k + 1)-th (docs/k3.md §2.3, §5)."""
+    Balancing measures its margins from the (top_k + 1)-th (docs/k3.md §2.3, §5).
+    NOTE: K3Args refuses it too (models/k3/args.py:shape_problem), with every other shape; config imports no model
+    (docs/architecture.md §3), so this check, which reads the table alone, stays here for the torch-free checker."""
     k, n = experts_per_token(model, flavor), routed_experts(model, flavor)
     _require(1 <= k < n, f"config key 'model.flavor' = {toml_value(flavor)}: its top_k = {k} (titan_k3/spec.py) must be "
                          f"in 1..{n - 1}, below its n_experts = {n}: routing ranks the top_k + 1 largest scores and "

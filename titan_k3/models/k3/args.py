@@ -9,6 +9,7 @@ k experts per token, L latent width, F expert hidden width, T sequence length.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from titan_k3.spec import K3_FLAVORS, KDA_CHUNK
@@ -51,10 +52,9 @@ class K3Args:
     """Layer indices that are MLA; None means every 4th layer (i % 4 == 3) plus the last."""
 
     def __post_init__(self) -> None:
-        if self.top_k > self.n_experts:
-            raise ValueError(f"top_k={self.top_k} exceeds n_experts={self.n_experts}")
-        if not 0 < self.kda_head_dim <= KDA_MAX_HEAD_DIM:
-            raise ValueError(f"kda_head_dim={self.kda_head_dim}: the KDA kernels take head widths 1..{KDA_MAX_HEAD_DIM}")
+        problem = shape_problem(self)
+        if problem:
+            raise ValueError(problem)
 
     @property
     def mla_layers(self) -> tuple[int, ...]:
@@ -75,6 +75,58 @@ class K3Args:
 
     def replace(self, **kw) -> "K3Args":
         return dataclasses.replace(self, **kw)
+
+
+_SIZES = ("dim", "n_layers", "vocab_size", "kda_heads", "kda_head_dim", "kda_conv_size", "mla_heads", "q_lora_rank",
+          "kv_lora_rank", "v_head_dim", "dense_hidden", "n_experts", "top_k", "latent_dim", "expert_hidden",
+          "attn_res_block_size")
+"""Fields that size a tensor or a loop of every model: integers >= 1 (a 0 built a model whose sublayer adds nothing,
+or stopped it on a division by zero or an empty reshape at its first forward)."""
+
+_COUNTS = ("qk_nope_dim", "qk_rope_dim", "n_shared_experts", "n_dense_layers")
+"""Fields that may be 0: integers >= 0."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def shape_problem(a: K3Args) -> str | None:
+    """The one line 'field=value: why' of the first field the model cannot be built or run with, or None."""
+    for name in _SIZES + _COUNTS:
+        value, least = getattr(a, name), 1 if name in _SIZES else 0
+        if not _is_int(value) or value < least:
+            return f"{name}={value!r}: must be an integer >= {least}"
+    if a.kda_head_dim > KDA_MAX_HEAD_DIM:
+        return f"kda_head_dim={a.kda_head_dim}: the KDA kernels take head widths 1..{KDA_MAX_HEAD_DIM}"
+    if a.qk_nope_dim + a.qk_rope_dim == 0:
+        return "qk_nope_dim=0, qk_rope_dim=0: an MLA query-key head needs a width (their sum) of at least 1"
+    if a.n_experts < 2:
+        return f"n_experts={a.n_experts}: must be >= 2 (the top_k experts of a token leave one out)"
+    if a.top_k >= a.n_experts:
+        # NOTE: the router ranks the top_k + 1 largest scores and Quantile Balancing measures its margins from the
+        # (top_k + 1)-th (docs/k3.md §2.3, §5); top_k = n_experts stopped the first forward there.
+        return (f"top_k={a.top_k}: must be in 1..{a.n_experts - 1}, below n_experts={a.n_experts} (routing ranks the "
+                "top_k + 1 largest scores)")
+    if a.n_dense_layers > a.n_layers:
+        return f"n_dense_layers={a.n_dense_layers}: must be at most n_layers={a.n_layers}"
+    if not _is_real(a.norm_eps) or a.norm_eps <= 0:
+        return f"norm_eps={a.norm_eps!r}: must be a finite number > 0 (RMSNorm divides by sqrt(mean(x^2) + eps))"
+    lb = a.kda_gate_lower_bound
+    if lb is not None and (not _is_real(lb) or lb >= 0):
+        return (f"kda_gate_lower_bound={lb!r}: must be None (the softplus gate) or a finite number < 0 (the safe "
+                "gate's log decay lies in [bound, 0))")
+    layers = a.full_attention_layers
+    if layers is not None:
+        fine = isinstance(layers, tuple) and all(_is_int(i) and 0 <= i < a.n_layers for i in layers)
+        if not fine or len(set(layers)) != len(layers):
+            return (f"full_attention_layers={layers!r}: must be a tuple of distinct layer indices in "
+                    f"0..{a.n_layers - 1} (an index past the layers made no layer MLA and was counted as one)")
+    return None
 
 
 FLAVORS: dict[str, K3Args] = {name: K3Args(**shape) for name, shape in K3_FLAVORS.items()}
