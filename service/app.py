@@ -33,7 +33,7 @@ from service.exporter import TRAINER_KEYS, ServiceCollector, is_trainer_key
 from service.limits import BodySizeLimit, MethodNotAllowed
 from service.registry import ACTIVE, STATES, TERMINAL, DuplicateRun, Registry, Run
 from service.rundir import LineCap, RunFilesCache, budget_note, read_tail
-from service.schemas import AttemptOut, Deleted, ErrorOut, Health, RunCreate, RunOut
+from service.schemas import AttemptOut, Deleted, ErrorOut, Health, QUERY_BOOL, QUERY_INT, RunCreate, RunOut
 from service.settings import Settings
 from service.supervisor import STUCK_PASS_S, Conflict, FilesKept, Supervisor
 from titan_k3.config import load_job_config
@@ -388,7 +388,9 @@ def create_app(settings: Settings) -> FastAPI:
     @app.delete("/v1/runs/{run_id}", response_model=Deleted, dependencies=[Depends(require_token)],
                 responses={**AUTH, **NOT_FOUND, 500: {"model": ErrorOut, "description": "files=true: the run directory "
                                                       "could not be removed; the run is kept (the message says why)"}})
-    def delete_run(run_id: RunId, files: bool = Query(False, description="also remove the run directory")) -> Deleted:
+    def delete_run(run_id: RunId,
+                   files: Annotated[bool, Query(description="also remove the run directory"), QUERY_BOOL] = False
+                   ) -> Deleted:
         """Forget a run (its series leave /metrics); an active one is killed first, without a stop checkpoint
         (POST stop first to keep one); `files=true` also removes its run directory."""
         svc.get(run_id)
@@ -415,7 +417,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/v1/runs/{run_id}/logs", response_class=PlainTextResponse, dependencies=read,
              responses=as_json({**read_auth, **NOT_FOUND}))
-    def run_logs(run_id: RunId, tail: int = Query(200, ge=1, le=10000)) -> PlainTextResponse:
+    def run_logs(run_id: RunId, tail: Annotated[int, Query(ge=1, le=10000), QUERY_INT] = 200) -> PlainTextResponse:
         lines = svc.log_lines(svc.get(run_id), tail)
         return PlainTextResponse("\n".join(lines) + ("\n" if lines else ""))
 
@@ -423,7 +425,8 @@ def create_app(settings: Settings) -> FastAPI:
              responses={200: {"content": {"text/event-stream": {}}}, **as_json({
                  **read_auth, **NOT_FOUND,
                  429: {"model": ErrorOut, "description": "too many open streams (--max-streams)"}})})
-    async def stream_logs(run_id: RunId, tail: int = Query(50, ge=0, le=10000)) -> StreamingResponse:
+    async def stream_logs(run_id: RunId, tail: Annotated[int, Query(ge=0, le=10000), QUERY_INT] = 50
+                          ) -> StreamingResponse:
         """Server-sent events: one `data:` line per log line, following attempts; `event: end` when the run ends."""
         run = await run_in_threadpool(svc.get, run_id)
         if svc.streams >= settings.max_streams:
@@ -433,7 +436,7 @@ def create_app(settings: Settings) -> FastAPI:
                                  headers={"Cache-Control": "no-cache"})
 
     @app.get("/v1/runs/{run_id}/metrics", dependencies=read, responses={**read_auth, **NOT_FOUND})
-    def run_metrics(run_id: RunId, tail: int = Query(1000, ge=1, le=4000),
+    def run_metrics(run_id: RunId, tail: Annotated[int, Query(ge=1, le=4000), QUERY_INT] = 1000,
                     keys: str | None = Query(None, max_length=2000,
                                              description="comma-separated metric keys (step is always included)")
                     ) -> JSONResponse:

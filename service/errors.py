@@ -3,10 +3,12 @@
 FastAPI's defaults answer a body that is not JSON with 422 'JSON decode error', a JSON body sent as a
 form (curl's `-d` without a content type) with 'Input should be a valid dictionary', a name outside its
 pattern with the regular expression, a path no route has with 'Not Found', and they ignore a query
-parameter the route does not take (`?tial=5`: the default tail, silently). Here: 400 for a body that is not
-JSON, 415 for a body that is not sent as JSON, the names' own rules (service/names.py), 404 naming the
-method and path, and 422 naming an unknown query parameter (or a one-value one given twice) with the ones
-the route takes, as its OpenAPI document lists them. Every other 422 keeps FastAPI's list shape.
+parameter the route does not take (`?tial=5`: the default tail, silently); a string with an escaped lone
+surrogate ("\\ud800", which Python's JSON parser takes) made their 422 a 500 (no UTF-8 answer can echo it).
+Here: 400 for a body that is not JSON (such a string included), 415 for a body that is not sent as JSON, the
+names' own rules (service/names.py), 404 naming the method and path, and 422 naming an unknown query parameter
+(or a one-value one given twice) with the ones the route takes, as its OpenAPI document lists them. Every other
+422 keeps FastAPI's list shape.
 """
 
 from __future__ import annotations
@@ -62,6 +64,12 @@ async def validation_error(request: Request, exc: RequestValidationError) -> Res
         at = bad_json["loc"][1] if len(bad_json["loc"]) > 1 else 0
         why = (bad_json.get("ctx") or {}).get("error", "not valid JSON")
         return JSONResponse({"detail": f"request body is not valid JSON: {why} (at character {at})"}, status_code=400)
+    unpaired = next((e for e in errors if e.get("type") == "string_unicode"), None)
+    if unpaired is not None:
+        # NOTE: Python's JSON parser takes an escaped lone surrogate ("\\ud800"), which no UTF-8 answer can echo
+        where = ".".join(map(str, unpaired["loc"])).encode("ascii", "backslashreplace").decode()
+        return JSONResponse({"detail": f"request body is not valid JSON: {where} holds an unpaired surrogate (text "
+                                       "must be Unicode)"}, status_code=400)
     out = []
     for e in errors:
         if tuple(e.get("loc", ())) == ("body",) and e.get("type") == "missing":

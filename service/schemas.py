@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, WrapValidator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError, WrapValidator
+from pydantic_core import PydanticCustomError
 
 from service.names import OVERRIDE_KEY_RE, RECIPE_RE, RUN_ID_MAX, RUN_ID_PATTERN
 
@@ -14,14 +16,44 @@ _JSON_KINDS = {list: "an array", dict: "an object", type(None): "null"}
 def _one_value_error(value: Any, handler):
     """One error for a value outside the union (pydantic reports one per member, the first 'a valid boolean')."""
     try:
-        return handler(value)
+        value = handler(value)
     except ValidationError:
         kind = _JSON_KINDS.get(type(value), type(value).__name__)
         raise ValueError(f"an override is a string, number or boolean, not {kind}") from None
+    if isinstance(value, str) and any("\ud800" <= c <= "\udfff" for c in value):
+        # NOTE: pydantic refuses an escaped lone surrogate in a str field, not in a dict's values: as the fields do
+        raise PydanticCustomError("string_unicode", "Input should be a valid string, unable to parse raw data as a "
+                                                    "unicode string")
+    return value
 
 
 OverrideValue = Annotated[Union[bool, int, float, str], WrapValidator(_one_value_error)]
 OverrideKey = Annotated[str, StringConstraints(pattern=OVERRIDE_KEY_RE.pattern, max_length=200)]
+
+
+_QUERY_INT = re.compile(r"-?(0|[1-9][0-9]*)")
+
+
+def _query_int(value: Any) -> Any:
+    """A query integer as JSON writes one: lax pydantic also took ' 5', '5.0', '+5' and '1_0' (as 10)."""
+    if isinstance(value, str) and not _QUERY_INT.fullmatch(value):
+        raise PydanticCustomError("int_parsing", "Input should be a valid integer, unable to parse string as an "
+                                                 "integer")
+    return value
+
+
+def _query_bool(value: Any) -> Any:
+    """A query boolean as JSON writes one: lax pydantic also took 1, 0, yes, no, on, off, t, f, y, n (any case)."""
+    if isinstance(value, str) and value not in ("true", "false"):
+        raise PydanticCustomError("bool_parsing", "Input should be true or false")
+    return value
+
+
+# NOTE: query parameters arrive as text, so pydantic cannot be strict about them as about the body: these take only
+# the text of a value the schema's type allows (the fuzzing test holds the service to its schema). Each goes after
+# the parameter's Query(...) in its Annotated: before it, FastAPI writes ge/le into the schema under those names.
+QUERY_INT = BeforeValidator(_query_int)
+QUERY_BOOL = BeforeValidator(_query_bool)
 
 
 class RunCreate(BaseModel):

@@ -1,7 +1,8 @@
 """Bad requests get one clear line, the right 4xx and change nothing: a body that is not JSON (400) or not
 sent as JSON (415), names outside their rules (the rule, not a regular expression), a path no route has, a
-name still held by a deleted run's files, a count that is not a JSON integer, a run deleted while a stop or resume of it was under way; and
-the list filter takes several states."""
+name still held by a deleted run's files, a count that is not a JSON integer (in the body or the query), a query
+boolean other than true or false, a string with an unpaired surrogate, a run deleted while a stop or resume of it
+was under way; and the list filter takes several states."""
 
 from __future__ import annotations
 
@@ -77,6 +78,47 @@ def test_a_count_that_is_not_a_json_integer_is_refused(fake_service, field, valu
     assert r.status_code == 422, r.text
     (error,) = r.json()["detail"]
     assert error["loc"] == ["body", field] and error["msg"] == "Input should be a valid integer", error
+    assert run_dirs(fake_service) == before
+
+
+@pytest.mark.parametrize("method, path, params, loc, msg", [
+    ("DELETE", "", {"files": "1"}, "files", "Input should be true or false"),
+    ("DELETE", "", {"files": "yes"}, "files", "Input should be true or false"),
+    ("DELETE", "", {"files": "TRUE"}, "files", "Input should be true or false"),
+    ("GET", "/logs", {"tail": "1_0"}, "tail", "Input should be a valid integer, unable to parse string as an integer"),
+    ("GET", "/logs", {"tail": " 5"}, "tail", "Input should be a valid integer, unable to parse string as an integer"),
+    ("GET", "/logs", {"tail": "+5"}, "tail", "Input should be a valid integer, unable to parse string as an integer"),
+    ("GET", "/metrics", {"tail": "5.0"}, "tail", "Input should be a valid integer, unable to parse string as an integer"),
+    ("GET", "/logs/stream", {"tail": "0.0"}, "tail", "Input should be a valid integer, unable to parse string as an "
+                                                     "integer"),
+])
+def test_a_query_value_its_schema_refuses_is_refused(fake_service, method, path, params, loc, msg):
+    # lax pydantic took files=1/yes/TRUE as true (DELETE removed the run's files) and tail=1_0 as 10, ' 5' as 5
+    svc = fake_service
+    if svc.client.get("/v1/runs/query-target").status_code == 404:
+        assert svc.create(toml=INLINE, name="query-target").status_code == 201
+    r = svc.client.request(method, f"/v1/runs/query-target{path}", params=params, headers=svc.auth)
+    assert r.status_code == 422, r.text
+    (error,) = r.json()["detail"]
+    assert error["loc"] == ["query", loc] and error["msg"] == msg, error
+    assert svc.client.get("/v1/runs/query-target").status_code == 200 and "query-target" in run_dirs(svc)
+    assert svc.client.request(method, f"/v1/runs/query-target{path}", params={loc: "true" if loc == "files" else "3"},
+                              headers=svc.auth).status_code == 200  # the schema's own text is taken
+
+
+@pytest.mark.parametrize("body, where", [
+    (b'{"toml": "[model]\\nflavor = \\"\\ud800\\"\\n"}', "body.toml"),
+    (b'{"toml": "", "name": "\\udc00"}', "body.name"),
+    (b'{"recipe": "\\ud800"}', "body.recipe"),
+    (b'{"toml": "", "overrides": {"model.flavor": "\\udc00"}}', "body.overrides.model.flavor"),
+])
+def test_a_string_with_an_unpaired_surrogate_is_400_not_500(fake_service, body, where):
+    # Python's JSON parser takes an escaped lone surrogate; the 422 that echoed it could not be encoded (500)
+    before = run_dirs(fake_service)
+    r = post_raw(fake_service, body, "application/json")
+    assert r.status_code == 400, r.text
+    assert r.json() == {"detail": f"request body is not valid JSON: {where} holds an unpaired surrogate (text must be "
+                                  "Unicode)"}
     assert run_dirs(fake_service) == before
 
 
