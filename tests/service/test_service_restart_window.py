@@ -9,9 +9,11 @@ launched in its place. An unrecorded relaunch (after a crash) is recorded with t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import time
+from typing import Iterator
 
 import pytest
 
@@ -60,6 +62,20 @@ def tagged(settings: Settings, run_id: str) -> dict[str, list]:
     return {tag.rsplit("/", 1)[1]: procs for tag, procs in processes_by_attempt().items() if tag.startswith(prefix)}
 
 
+@contextlib.contextmanager
+def restarted(settings: Settings, run_id: str) -> Iterator[Registry]:
+    """The restarted service's registry over the state dir; when the block ends, however it ends, every live process
+    of the run's attempts is killed and the registry closed."""
+    reg = Registry(settings.state_dir / "registry.sqlite3")
+    try:
+        yield reg
+    finally:
+        for procs in tagged(settings, run_id).values():
+            for p in procs:
+                p.kill()
+        reg.close()
+
+
 def finish(sup: Supervisor, run_id: str, timeout: float = 60) -> None:
     def done():
         sup.tick()
@@ -78,8 +94,7 @@ def test_a_queued_run_with_a_recorded_attempt_is_readopted(settings):
         con.execute("UPDATE runs SET state = 'queued', message = '' WHERE id = 'r'")
     assert list(tagged(settings, "r")) == ["attempt-1.exit"]
 
-    reg = Registry(settings.state_dir / "registry.sqlite3")  # the restarted service
-    try:
+    with restarted(settings, "r") as reg:
         assert reg.get("r").state == "queued" and len(reg.get("r").attempts) == 1
         sup = Supervisor(settings, reg, RunFilesCache(settings.runs_dir))
         sup.recover()
@@ -92,11 +107,6 @@ def test_a_queued_run_with_a_recorded_attempt_is_readopted(settings):
         assert run.state == "finished" and [a.exit_code for a in run.attempts] == [0], run.message
         steps = [json.loads(line)["step"] for line in (settings.runs_dir / "r" / "metrics.jsonl").read_text().splitlines()]
         assert steps == list(range(1, 41))  # one training, never a second one beside it
-    finally:
-        for procs in tagged(settings, "r").values():
-            for p in procs:
-                p.kill()
-        reg.close()
 
 
 def test_died_before_recording_the_attempt_kills_it_and_launches_the_next(settings, monkeypatch):
@@ -112,8 +122,7 @@ def test_died_before_recording_the_attempt_kills_it_and_launches_the_next(settin
     orphans = tagged(settings, "u")["attempt-1.exit"]
     assert len(orphans) == 2  # the attempt wrapper and the trainer
 
-    reg = Registry(settings.state_dir / "registry.sqlite3")
-    try:
+    with restarted(settings, "u") as reg:
         assert reg.get("u").state == "queued" and reg.get("u").attempts == []
         sup = Supervisor(settings, reg, RunFilesCache(settings.runs_dir))
         sup.recover()
@@ -130,11 +139,6 @@ def test_died_before_recording_the_attempt_kills_it_and_launches_the_next(settin
         assert "step 2 " in (run_dir / "service" / "attempt-1" / "stdout.log").read_text()
         steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert steps == list(range(1, 21))
-    finally:
-        for procs in tagged(settings, "u").values():
-            for p in procs:
-                p.kill()
-        reg.close()
 
 
 def test_a_queued_run_never_launched_is_left_alone_by_recover(settings):
@@ -188,8 +192,7 @@ def test_a_relaunch_that_died_unrecorded_and_crashed_meanwhile_is_recorded_and_c
     exit_2 = settings.runs_dir / "c" / "service" / "attempt-2.exit"
     wait_until(lambda: read_exit(str(exit_2)) == 3, 60, "the unrecorded relaunch to crash as attempt 1 did")
 
-    reg = Registry(settings.state_dir / "registry.sqlite3")  # the restarted service
-    try:
+    with restarted(settings, "c") as reg:
         sup = Supervisor(settings, reg, RunFilesCache(settings.runs_dir))
         sup.recover()
         run = reg.get("c")
@@ -203,11 +206,6 @@ def test_a_relaunch_that_died_unrecorded_and_crashed_meanwhile_is_recorded_and_c
         # every relaunch that trained is counted, and none trained beside another in one attempt
         assert [trainings(settings, "c", n) for n in (2, 3)] == [1, 1]
         assert run.restarts_total == 2
-    finally:
-        for procs in tagged(settings, "c").values():
-            for p in procs:
-                p.kill()
-        reg.close()
 
 
 def test_a_relaunch_that_died_unrecorded_still_running_is_killed_counted_and_queued_again(settings, monkeypatch):
@@ -218,8 +216,7 @@ def test_a_relaunch_that_died_unrecorded_still_running_is_killed_counted_and_que
     wait_until(lambda: "step 5 " in log_2.read_text(), 60, "the unrecorded relaunch to train")
     orphans = tagged(settings, "k")["attempt-2.exit"]
 
-    reg = Registry(settings.state_dir / "registry.sqlite3")
-    try:
+    with restarted(settings, "k") as reg:
         sup = Supervisor(settings, reg, RunFilesCache(settings.runs_dir))
         sup.recover()
         assert all(gone(p.pid, 1) for p in orphans) and tagged(settings, "k") == {}  # killed, no relaunch beside
@@ -233,8 +230,3 @@ def test_a_relaunch_that_died_unrecorded_still_running_is_killed_counted_and_que
         # attempt 3 takes the killed relaunch's place (a launch from the queue, not a restart)
         assert run.state == "finished" and [a.exit_code for a in run.attempts] == [3, None, 0], run.message
         assert run.restarts_total == 1
-    finally:
-        for procs in tagged(settings, "k").values():
-            for p in procs:
-                p.kill()
-        reg.close()
