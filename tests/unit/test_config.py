@@ -71,6 +71,19 @@ def test_a_flavor_whose_top_k_leaves_no_expert_out_is_refused(monkeypatch, top_k
     assert load_job_config(["--model.flavor", "wide"]).model.flavor == "wide"
 
 
+@pytest.mark.parametrize("key", ["crash_at_step", "kill_in_save_at_step", "checkpoint_write_error_at_step"])
+@pytest.mark.parametrize("step", [0, 11, -2])
+def test_a_fault_at_an_update_the_run_never_makes_is_refused(key, step):
+    """debug.crash_at_step = 0 (or past training.steps, or below -1) loaded, was announced as on (>= 0) and never
+    fired: the restart it was to test never came."""
+    with pytest.raises(ConfigError) as e:
+        load_job_config(["--training.steps", "10", f"--debug.{key}", str(step)])
+    assert str(e.value) == (f"config key 'debug.{key}' = {step}: must be -1 (off) or an update in 1..training.steps "
+                            "= 10")
+    assert getattr(load_job_config(["--training.steps", "10", f"--debug.{key}", "10"]).debug, key) == 10
+    assert getattr(load_job_config(["--training.steps", "10", f"--debug.{key}", "1"]).debug, key) == 1
+
+
 def test_a_mixture_weight_of_zero_excludes_a_source():
     """The loader's own advice for a source left out of data.mixture ('0 excludes it') is a config that loads."""
     assert load_job_config(["--data.mixture", "prose:1,code:0"]).data.mixture == "prose:1,code:0"

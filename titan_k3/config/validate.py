@@ -220,8 +220,14 @@ def validate(cfg: JobConfig, needs_data: bool = True) -> None:
     folder = cfg.checkpoint.folder
     _require(bool(folder) and not folder.startswith(("/", "\\")) and ".." not in folder.replace("\\", "/").split("/"),
              f"config key 'checkpoint.folder' = {toml_value(folder)}: must be a relative path inside the run directory (no '..')")
-    for key in ("checkpoint_write_error_at_step", "checkpoint_free_bytes"):
-        _require(getattr(cfg.debug, key) >= -1, f"config key 'debug.{key}' = {getattr(cfg.debug, key)}: must be -1 (off) or >= 0")
+    for key in ("crash_at_step", "kill_in_save_at_step", "checkpoint_write_error_at_step"):
+        # NOTE: a fault at an update the run never makes (0, past training.steps, below -1) was taken, announced
+        # when >= 0, and never fired: the test it was for passed or waited on nothing.
+        step = getattr(cfg.debug, key)
+        _require(step == -1 or 1 <= step <= t.steps,
+                 f"config key 'debug.{key}' = {step}: must be -1 (off) or an update in 1..training.steps = {t.steps}")
+    _require(cfg.debug.checkpoint_free_bytes >= -1,
+             f"config key 'debug.checkpoint_free_bytes' = {cfg.debug.checkpoint_free_bytes}: must be -1 (off) or >= 0")
     _non_negative("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k)
     _non_negative("training.gc_every", cfg.training.gc_every)
     _require(
