@@ -84,6 +84,27 @@ def test_a_fault_at_an_update_the_run_never_makes_is_refused(key, step):
     assert getattr(load_job_config(["--training.steps", "10", f"--debug.{key}", "1"]).debug, key) == 1
 
 
+@pytest.mark.parametrize("folder", ["config.toml", "./metrics.jsonl/ckpt", "summary", "tensorboard/ckpt",
+                                    "events.out.tfevents.1"])
+def test_a_checkpoint_folder_on_a_file_the_run_writes_is_refused(folder):
+    """checkpoint.folder = 'config.toml' passed --job.validate_only, and the run trained its first update and then
+    stopped on a FileExistsError traceback at the save (job.overwrite would also remove a 'summary' or 'tensorboard'
+    folder, checkpoints and all)."""
+    with pytest.raises(ConfigError) as e:
+        load_job_config(["--checkpoint.folder", folder])
+    top = folder.removeprefix("./").split("/")[0]
+    assert str(e.value) == (f"config key 'checkpoint.folder' = '{folder}': '{top}' is a file or folder the run writes "
+                            "at the top of its run directory; name another folder (default 'checkpoints')")
+    assert load_job_config(["--checkpoint.folder", "ckpt/config.toml"]).checkpoint.folder == "ckpt/config.toml"
+
+
+def test_the_run_directory_names_config_refuses_are_the_run_s():
+    from titan_k3.config.validate import RUN_DIR_NAMES
+    from titan_k3.metrics import run_dir
+
+    assert sorted(RUN_DIR_NAMES) == sorted(run_dir.RUN_FILES + run_dir.RUN_FILE_PATTERNS + run_dir.RUN_FOLDERS)
+
+
 def test_a_mixture_weight_of_zero_excludes_a_source():
     """The loader's own advice for a source left out of data.mixture ('0 excludes it') is a config that loads."""
     assert load_job_config(["--data.mixture", "prose:1,code:0"]).data.mixture == "prose:1,code:0"

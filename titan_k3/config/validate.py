@@ -7,11 +7,21 @@ what is allowed. Torch-free; world-size checks happen in parallel/dims.py.
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import math
+from pathlib import PurePosixPath
 
 from titan_k3.config.errors import ConfigError, toml_value
 from titan_k3.config.job_config import JobConfig
 from titan_k3.spec import KDA_CHUNK, MODEL_FLAVORS, experts_per_token, routed_experts
+
+
+RUN_DIR_NAMES = ("config.toml", "manifest.json", "metrics.jsonl", "events.jsonl", "stdout.log", "eval_table.md",
+                 "profile-rank*.txt", "trace-rank*.json*", "memory-peak-rank*.md", "events.out.tfevents.*", "tensorboard",
+                 "summary")
+"""What a run and its tools write at the top of its run directory (names and patterns): checkpoint.folder cannot start
+with one. NOTE: titan_k3/metrics/run_dir.py's RUN_FILES, RUN_FILE_PATTERNS and RUN_FOLDERS, which config cannot import
+(run_dir imports config); tests/unit/test_config.py holds the two lists equal."""
 
 
 def _require(ok: bool, message: str) -> None:
@@ -220,6 +230,10 @@ def validate(cfg: JobConfig, needs_data: bool = True) -> None:
     folder = cfg.checkpoint.folder
     _require(bool(folder) and not folder.startswith(("/", "\\")) and ".." not in folder.replace("\\", "/").split("/"),
              f"config key 'checkpoint.folder' = {toml_value(folder)}: must be a relative path inside the run directory (no '..')")
+    top = next(iter(PurePosixPath(folder.replace("\\", "/")).parts), "")
+    _require(not any(fnmatch.fnmatchcase(top, name) for name in RUN_DIR_NAMES),
+             f"config key 'checkpoint.folder' = {toml_value(folder)}: {toml_value(top)} is a file or folder the run "
+             "writes at the top of its run directory; name another folder (default 'checkpoints')")
     for key in ("crash_at_step", "kill_in_save_at_step", "checkpoint_write_error_at_step"):
         # NOTE: a fault at an update the run never makes (0, past training.steps, below -1) was taken, announced
         # when >= 0, and never fired: the test it was for passed or waited on nothing.
