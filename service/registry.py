@@ -6,9 +6,11 @@ Reads are answered from a snapshot of the tables taken as each write ends
 (every write goes through this class), so a busy API costs no query per
 request. `list` and `get` read it under the lock: they wait for a
 check-then-act sequence that holds it (a supervisor pass holds it throughout)
-and never see one half done. `snapshot()` reads it without the lock: the
-state as of the last committed write, for what must answer during a pass
-(/healthz, /metrics, the carried counts a run's file view starts from).
+and never see one half done; `runs_if_free` reads it as they would when no
+one holds the lock, and says so when one does. `snapshot()` reads it without
+the lock: the state as of the last committed write, for what must answer
+during a pass (/healthz, /metrics, the carried counts a run's file view
+starts from).
 
 Run states:
   queued -> running -> finished | failed | stopped
@@ -325,6 +327,18 @@ class Registry:
 
     def get(self, run_id: str) -> Run | None:
         return next((r for r in self._all() if r.id == run_id), None)
+
+    def runs_if_free(self) -> list[Run] | None:
+        """What `list()` returns, without waiting: None while another thread holds the lock (a supervisor pass, a
+        create), whose writes `list()` and `get()` wait for, or while the snapshot must be selected again (a disk
+        read). Cheap enough for the event loop (shared objects: callers must not change them)."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            snapshot = self._snapshot
+            return None if snapshot is None else snapshot.runs
+        finally:
+            self._lock.release()
 
     def list(self, states: tuple[str, ...] | None = None) -> list[Run]:
         """Runs in creation order, those in `states` only when given (shared objects: callers must not change them)."""

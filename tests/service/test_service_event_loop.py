@@ -5,6 +5,7 @@ paused every request and every log stream with them.
 The lock is held here from another thread, as a slow pass holds it; requests go through the ASGI app in this test's
 event loop (no lifespan: no supervisor thread). /healthz and /metrics do not wait for it: they answer from the
 registry's last committed write, in worker threads of their own, and /healthz names a pass that has run too long.
+List and get answer on the event loop, without a worker thread, when the lock is free and their views are cached.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from anyio import to_thread
 from fastapi.testclient import TestClient
 
 import service.app
@@ -125,6 +127,39 @@ def test_a_log_stream_following_a_run_pauses_nothing_while_the_registry_lock_is_
     answered, chunks = asyncio.run(scenario())
     assert answered < ANSWER_S, f"the page took {answered:.1f} s while a log stream waited for the registry's lock"
     assert chunks[0] == b"data: step 2\n\n" and chunks[-1].startswith(b"event: end\n"), chunks
+
+
+def test_list_and_get_of_cached_views_answer_without_a_worker_thread(tmp_path):
+    """With the registry's lock free and the views cached, list and get answer on the event loop, the bytes the thread
+    pool answers: every worker thread of the shared pool is taken here (as by slow file reads), and they still answer.
+    Reads need the token (--read-auth on): its check took a worker thread too."""
+    app = create_app(Settings(state_dir=tmp_path / "state", token="x", gpus=0, read_auth="on"))
+    svc = app.state.service
+    add_run(svc, "r", "finished")
+    auth = {"Authorization": "Bearer x"}
+
+    async def scenario() -> tuple[dict[str, bytes], dict[str, bytes]]:
+        async with client_of(app) as client:
+            paths = ("/v1/runs", "/v1/runs/r", "/v1/runs?state=finished")
+            first = {p: (await client.get(p, headers=auth)).content for p in paths}  # views built, in the pool
+            release = threading.Event()
+            limiter = to_thread.current_default_thread_limiter()
+            busy = [asyncio.ensure_future(to_thread.run_sync(release.wait)) for _ in range(int(limiter.total_tokens))]
+            await asyncio.sleep(0.2)  # every worker thread waits
+            try:
+                again = {p: (await asyncio.wait_for(client.get(p, headers=auth), ANSWER_S)).content for p in paths}
+            finally:
+                release.set()
+                await asyncio.gather(*busy)
+            return first, again
+
+    try:
+        first, again = asyncio.run(scenario())
+    finally:
+        svc.trainer_check.close()
+        svc.registry.close()
+        svc.state_lock.close()
+    assert again == first and b'"finished"' in first["/v1/runs/r"], (first, again)
 
 
 class HeldLock:
