@@ -13,6 +13,7 @@ names' own rules (service/names.py), 404 naming the method and path, and 422 nam
 
 from __future__ import annotations
 
+import math
 from email.message import Message
 from pathlib import Path
 from typing import Any
@@ -76,7 +77,19 @@ async def validation_error(request: Request, exc: RequestValidationError) -> Res
             e = {**e, "msg": "request body is missing: expected a JSON object"}
         rule = _rule(e)
         out.append({**e, "msg": rule} if rule else e)
-    return JSONResponse({"detail": jsonable_encoder(out)}, status_code=422)
+    return JSONResponse({"detail": _finite(jsonable_encoder(out))}, status_code=422)
+
+
+def _finite(obj: Any) -> Any:
+    """`obj` with its non-finite floats as null: an error echoes its input, and NaN or Infinity (which Python's JSON
+    parser takes) cannot be written back as JSON (the answer was a 500)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 async def not_found(request: Request, exc: StarletteHTTPException) -> Response:

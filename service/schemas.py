@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any, Union
 
@@ -20,6 +21,10 @@ def _one_value_error(value: Any, handler):
     except ValidationError:
         kind = _JSON_KINDS.get(type(value), type(value).__name__)
         raise ValueError(f"an override is a string, number or boolean, not {kind}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        # NOTE: Python's JSON parser takes NaN and Infinity, which JSON has not, and 1e400 as inf: a key the trainer
+        # reads as text (job.description) took them as "nan" and "inf"
+        raise PydanticCustomError("finite_number", "Input should be a finite number")
     if isinstance(value, str) and any("\ud800" <= c <= "\udfff" for c in value):
         # NOTE: pydantic refuses an escaped lone surrogate in a str field, not in a dict's values: as the fields do
         raise PydanticCustomError("string_unicode", "Input should be a valid string, unable to parse raw data as a "

@@ -1,8 +1,8 @@
 """Bad requests get one clear line, the right 4xx and change nothing: a body that is not JSON (400) or not
 sent as JSON (415), names outside their rules (the rule, not a regular expression), a path no route has, a
 name still held by a deleted run's files, a count that is not a JSON integer (in the body or the query), a query
-boolean other than true or false, a string with an unpaired surrogate, a run deleted while a stop or resume of it
-was under way; and the list filter takes several states."""
+boolean other than true or false, a string with an unpaired surrogate, an override number that is not finite, a
+run deleted while a stop or resume of it was under way; and the list filter takes several states."""
 
 from __future__ import annotations
 
@@ -120,6 +120,28 @@ def test_a_string_with_an_unpaired_surrogate_is_400_not_500(fake_service, body, 
     assert r.json() == {"detail": f"request body is not valid JSON: {where} holds an unpaired surrogate (text must be "
                                   "Unicode)"}
     assert run_dirs(fake_service) == before
+
+
+@pytest.mark.parametrize("number", [b"NaN", b"Infinity", b"-Infinity", b"1e400"])
+def test_an_override_number_that_is_not_finite_is_refused(fake_service, number):
+    # Python's JSON parser takes NaN and Infinity (not JSON) and reads 1e400 as inf: job.description, a text key,
+    # took them as "nan" and "inf" (201)
+    before = run_dirs(fake_service)
+    body = b'{"toml": "", "name": "not-finite", "overrides": {"job.description": ' + number + b"}}"
+    r = post_raw(fake_service, body, "application/json")
+    assert r.status_code == 422, r.text
+    (error,) = r.json()["detail"]
+    assert error["loc"] == ["body", "overrides", "job.description"], error
+    assert error["msg"] == "Input should be a finite number", error
+    assert run_dirs(fake_service) == before
+
+
+def test_a_count_given_as_nan_is_refused_not_500(fake_service):
+    # the 422 echoed NaN as its input, which JSON cannot write (500)
+    r = post_raw(fake_service, b'{"toml": "", "nproc_per_node": NaN}', "application/json")
+    assert r.status_code == 422, r.text
+    (error,) = r.json()["detail"]
+    assert error["loc"] == ["body", "nproc_per_node"] and error["input"] is None, error
 
 
 def test_a_run_id_outside_the_rule_in_the_path_is_told_the_rule(fake_service):
