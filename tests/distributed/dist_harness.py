@@ -1,4 +1,4 @@
-"""Spawn N local gloo processes (`spawn_gloo`); run the real Trainer in them (or in one plain process) and collect per-step numbers.
+"""Run the real Trainer in spawned gloo processes (tests/gloo_workers.py) or in one plain process and collect per-step numbers.
 
 Every run sees the same global batch: GLOBAL_BATCH sequences per microbatch,
 split by the loader over the data-parallel ranks (local_batch_size =
@@ -12,13 +12,10 @@ fell at functions dynamo skips.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from ports import free_port
+from gloo_workers import spawn_gloo
 
 GLOBAL_BATCH = 4
 STEPS = 5
@@ -121,36 +118,6 @@ def _routing_identical(trainer) -> bool:
     gathered = [torch.empty_like(state) for _ in range(dist.get_world_size(trainer.dp_group))]
     dist.all_gather(gathered, state, group=trainer.dp_group)
     return all(torch.equal(g, state) for g in gathered)
-
-
-def spawn_gloo(world: int, fn, *args, result_file=None) -> list | None:
-    """Run fn(rank, world, *args) in `world` spawned processes joined in one gloo group (one torch thread each).
-
-    `fn` must be a module-level function (the processes import it). With
-    `result_file`, every rank's return value is gathered on rank 0, saved
-    there, and returned in rank order.
-    """
-    out = None if result_file is None else str(result_file)
-    mp.spawn(_gloo_worker, args=(world, free_port(), fn, args, out), nprocs=world, join=True)
-    return None if out is None else torch.load(out, weights_only=False)
-
-
-def _gloo_worker(rank: int, world: int, port: int, fn, args: tuple, result_file: str | None) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = fn(rank, world, *args)
-        if result_file is not None:
-            gathered = [None] * world
-            dist.all_gather_object(gathered, result)
-            if rank == 0:
-                torch.save(gathered, result_file)
-        # NOTE: leave together: a rank tearing gloo down while its peer still talks aborts the peer (SIGABRT).
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def _train_runs(rank: int, world: int, runs: list, dump: str) -> dict:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
-from dist_harness import spawn_gloo  # noqa: E402
+from gloo_workers import spawn_gloo  # noqa: E402
 from test_checkpoint_manager import Run  # noqa: E402
 from titan_k3.checkpoint import integrity  # noqa: E402
 from titan_k3.checkpoint.manager import check_resumable  # noqa: E402

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from dist_harness import GLOBAL_BATCH, STEPS, check_equivalent, run_trainer, spawn_gloo
+from dist_harness import GLOBAL_BATCH, STEPS, check_equivalent, run_trainer
+from gloo_workers import spawn_gloo
 
 pytestmark = [
     pytest.mark.slow,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dist_harness import spawn_gloo
+from gloo_workers import spawn_gloo
 
 WORLD = 2
 ARGS = [

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_harness import spawn_gloo
+from gloo_workers import spawn_gloo
 
 # NOTE: E > 2 x 256: the all_gather dispatch sends ids as (id // 256, id % 256), and both parts must be exercised.
 WORLD, T, K, E, L, F = 2, 24, 3, 520, 16, 12

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from dist_harness import spawn_gloo
+from gloo_workers import spawn_gloo
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")]
 

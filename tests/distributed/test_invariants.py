@@ -17,9 +17,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+
+from gloo_workers import spawn_gloo
 
 WORLD, STEPS, INTERVAL, SEQ, BATCH = 2, 4, 2, 32, 2
 DP_SCENARIOS = ("clean", "same_data", "routing_drift", "local_normaliser")
@@ -141,26 +142,20 @@ def _ep_scenario(bug: str, rank: int, group, out: Path) -> list:
     return [[INTERVAL, v.check, v.metric, v.message] for v in found]
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+def _scenarios(rank: int, world: int, out_dir: str) -> None:
     from titan_k3.data.tokenizer import load_tokenizer
 
-    try:
-        group, out = dist.group.WORLD, Path(out_dir)
-        tokenizer = load_tokenizer("embedded")
-        results = {bug: _dp_scenario(bug, rank, group, tokenizer, out) for bug in DP_SCENARIOS}
-        results.update({bug: _ep_scenario(bug, rank, group, out) for bug in EP_SCENARIOS})
-        (out / f"rank{rank}.json").write_text(json.dumps(results))
-        dist.barrier()  # NOTE: leave together (see dist_harness)
-    finally:
-        dist.destroy_process_group()
+    group, out = dist.group.WORLD, Path(out_dir)
+    tokenizer = load_tokenizer("embedded")
+    results = {bug: _dp_scenario(bug, rank, group, tokenizer, out) for bug in DP_SCENARIOS}
+    results.update({bug: _ep_scenario(bug, rank, group, out) for bug in EP_SCENARIOS})
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("invariants")
-    mp.spawn(_worker, args=(str(out / "init"), str(out)), nprocs=WORLD, join=True)
+    spawn_gloo(WORLD, _scenarios, str(out))
     per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     return per_rank, out
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_harness import spawn_gloo
+from gloo_workers import spawn_gloo
 
 from titan_k3.invariants.checks import CHECKS
 

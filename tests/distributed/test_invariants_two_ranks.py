@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_harness import spawn_gloo
+from gloo_workers import spawn_gloo
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_harness import spawn_gloo
+from gloo_workers import spawn_gloo
 
 GLOBAL_BATCH, N_BATCHES, SEQ_LEN, SEED = 4, 2, 64, 7
 

@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from dist_harness import check_equivalent, run_trainer, spawn_gloo
+from dist_harness import check_equivalent, run_trainer
+from gloo_workers import spawn_gloo
 
 pytestmark = [
     pytest.mark.slow,

@@ -3,13 +3,11 @@
 Two CPU processes over gloo; rows that do not divide evenly across the ranks are included.
 """
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from gloo_workers import spawn_gloo
 from titan_k3.optim import ParamSpec, build_optimizers, qk_clip_
 
 WORLD = 2
@@ -45,31 +43,22 @@ def _run(make, params, grads, w_qb, w_kvb):
     return {n: p.detach() for n, p in ps.items()}, qb, kvb
 
 
-def _worker(rank, init_file, result_file):
+def _compare(rank, world):
+    """The plain run, and the sharded one gathered whole."""
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        inputs = _inputs()
-        plain = _run(lambda t: t, *inputs)
-        sharded = _run(lambda t: distribute_tensor(t, mesh, [Shard(0)]), *inputs)
-        params, qb, kvb = sharded
-        full = ({n: p.full_tensor() for n, p in params.items()}, qb.full_tensor(), kvb.full_tensor())
-        if rank == 0:
-            torch.save({"plain": plain, "sharded": full}, result_file)
-        # NOTE: leave together: a rank tearing gloo down while its peer still talks aborts the peer (SIGABRT).
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,))
+    inputs = _inputs()
+    plain = _run(lambda t: t, *inputs)
+    params, qb, kvb = _run(lambda t: distribute_tensor(t, mesh, [Shard(0)]), *inputs)
+    full = ({n: p.full_tensor() for n, p in params.items()}, qb.full_tensor(), kvb.full_tensor())
+    return {"plain": plain, "sharded": full}
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_sharded_params_match_plain(tmp_path):
-    result_file = tmp_path / "result.pt"
-    mp.spawn(_worker, args=(str(tmp_path / "init"), str(result_file)), nprocs=WORLD, join=True)
-    result = torch.load(result_file)
+    result, _ = spawn_gloo(WORLD, _compare, result_file=tmp_path / "result.pt")
     (plain_params, plain_qb, plain_kvb), (params, qb, kvb) = result["plain"], result["sharded"]
     for n in SHAPES:
         torch.testing.assert_close(params[n], plain_params[n], rtol=1e-5, atol=1e-6, msg=n)
