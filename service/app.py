@@ -415,7 +415,7 @@ def create_app(settings: Settings) -> FastAPI:
     # throughout (a write it makes waits up to 3 x 10 s for SQLite's lock), and on the event loop one such wait
     # paused every request and every log stream. List and get answer on the event loop only when that costs no wait
     # and no file read (the lock free, every view cached): the same answer, without the hop to a worker thread
-    # (0.2-0.65 ms of CPU a request, twice the p99 at 50 clients: benchmarks/results/service_load.md).
+    # (0.06-0.24 ms of service CPU a request on a 2-core VM: benchmarks/results/service_load.md).
     @app.get("/v1/runs", response_model=list[RunOut], dependencies=read, responses=read_auth)
     async def list_runs(state: list[Literal[STATES]] | None = Query(
             None, description="only runs in these states (repeat the parameter for several)")) -> Response:
