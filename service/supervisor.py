@@ -54,6 +54,7 @@ from service.registry import ACTIVE, BUSY_TIMEOUT_S, RESUMABLE, WRITE_TRIES, Att
 from service.rundir import RunFilesCache, tail_lines, tally_events
 from service.settings import Settings
 from titan_k3.config.check import CONFIG_ERROR_EXIT
+from titan_k3.config.run_files import RUN_FILE_PATTERNS, RUN_FILES, RUN_FOLDERS
 
 log = logging.getLogger("service.supervisor")
 
@@ -206,22 +207,15 @@ def kill_leftovers(a: Attempt, timeout: float = 10.0) -> int:
     return kill_processes(attempt_processes(a), timeout)
 
 
-# What a trainer run writes at the top of its run directory, which its job.overwrite deletes (the trainer's
-# titan_k3.metrics.run_dir RUN_FILES, RUN_FILE_PATTERNS and tensorboard/; that module imports torch).
-TRAINER_RUN_FILES = ("config.toml", "manifest.json", "metrics.jsonl", "events.jsonl", "stdout.log", "eval_table.md")
-TRAINER_RUN_FILE_PATTERNS = ("profile-rank*.txt", "trace-rank*.json*", "memory-peak-rank*.md", "events.out.tfevents.*")
-TRAINER_RUN_FOLDERS = ("tensorboard", "summary")
-
-
 def set_aside_records(run_dir: Path, n: int) -> list[str]:
     """Move attempt `n`'s trainer records out of `run_dir` into `run_dir/service/attempt-<n>/`; the names moved.
 
     NOTE: the next attempt starts over (no checkpoint) under job.overwrite, which deletes them: the metrics,
     events and console output of a crashed attempt are what tells why it crashed. OSError when they cannot move.
     """
-    found = [run_dir / name for name in TRAINER_RUN_FILES if (run_dir / name).is_file()]
-    found += sorted(p for pattern in TRAINER_RUN_FILE_PATTERNS for p in run_dir.glob(pattern) if p.is_file())
-    found += [run_dir / name for name in TRAINER_RUN_FOLDERS if (run_dir / name).is_dir()]
+    found = [run_dir / name for name in RUN_FILES if (run_dir / name).is_file()]
+    found += sorted(p for pattern in RUN_FILE_PATTERNS for p in run_dir.glob(pattern) if p.is_file())
+    found += [run_dir / name for name in RUN_FOLDERS if (run_dir / name).is_dir()]
     if not found:
         return []
     dest = run_dir / "service" / f"attempt-{n}"
@@ -604,7 +598,7 @@ class Supervisor:
             # still to carry).
             if not moved and aside.is_dir():
                 found = {p.name for p in aside.iterdir()}
-                moved = [n for n in TRAINER_RUN_FILES if n in found] + sorted(found - set(TRAINER_RUN_FILES))
+                moved = [n for n in RUN_FILES if n in found] + sorted(found - set(RUN_FILES))
             if moved:
                 kept = f"attempt {prev}'s {', '.join(moved)} moved to service/attempt-{prev}/"
                 carry = prev if prev not in run.carried_attempts else None

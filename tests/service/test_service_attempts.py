@@ -16,8 +16,8 @@ import psutil
 from service.registry import Attempt, Registry
 from service.rundir import RunFilesCache
 from service.settings import Settings
-from service.supervisor import (ATTEMPT_ENV, TRAINER_RUN_FILE_PATTERNS, TRAINER_RUN_FILES, TRAINER_RUN_FOLDERS, Supervisor,
-                                describe_exit, set_aside_records)
+from service.supervisor import ATTEMPT_ENV, Supervisor, describe_exit, set_aside_records
+from titan_k3.config.run_files import RUN_FILES, RUN_FOLDERS
 from service_harness import gone, wait_until
 
 INLINE = '[model]\nflavor = "debug"\n[training]\nsteps = 6\nseq_len = 64\n[metrics]\nlog_freq = 5\n'
@@ -61,23 +61,20 @@ def test_a_relaunch_from_update_0_keeps_the_crashed_attempts_records(fake_servic
 def test_set_aside_moves_every_file_the_trainers_overwrite_deletes(tmp_path):
     from titan_k3.metrics import run_dir as trainer_run_dir
 
-    assert TRAINER_RUN_FILES == trainer_run_dir.RUN_FILES
-    assert TRAINER_RUN_FILE_PATTERNS == trainer_run_dir.RUN_FILE_PATTERNS
-    assert TRAINER_RUN_FOLDERS == trainer_run_dir.RUN_FOLDERS
     # NOTE: memory-peak-rank0.md too (profiling.memory_peak_updates): a previous run's peak report left beside an
     # overwritten run would read as the new run's.
-    names = [*TRAINER_RUN_FILES, "profile-rank0.txt", "trace-rank1.json.gz", "memory-peak-rank0.md",
+    names = [*RUN_FILES, "profile-rank0.txt", "trace-rank1.json.gz", "memory-peak-rank0.md",
              "events.out.tfevents.1.host"]
     for name in names:
         (tmp_path / name).write_text(name)
-    for folder in TRAINER_RUN_FOLDERS:
+    for folder in RUN_FOLDERS:
         (tmp_path / folder).mkdir()
     (tmp_path / "submitted.toml").write_text("")  # the service's own file stays
     (tmp_path / "checkpoints").mkdir()
     assert trainer_run_dir.previous_run_files(tmp_path)
-    assert sorted(set_aside_records(tmp_path, 3)) == sorted([*names, *TRAINER_RUN_FOLDERS])
+    assert sorted(set_aside_records(tmp_path, 3)) == sorted([*names, *RUN_FOLDERS])
     assert trainer_run_dir.previous_run_files(tmp_path) == [] and not (tmp_path / "tensorboard").exists()
-    assert sorted(p.name for p in (tmp_path / "service" / "attempt-3").iterdir()) == sorted([*names, *TRAINER_RUN_FOLDERS])
+    assert sorted(p.name for p in (tmp_path / "service" / "attempt-3").iterdir()) == sorted([*names, *RUN_FOLDERS])
     assert (tmp_path / "submitted.toml").exists() and (tmp_path / "checkpoints").is_dir()
     assert set_aside_records(tmp_path, 4) == [] and not (tmp_path / "service" / "attempt-4").exists()
 

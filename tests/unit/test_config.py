@@ -98,13 +98,6 @@ def test_a_checkpoint_folder_on_a_file_the_run_writes_is_refused(folder):
     assert load_job_config(["--checkpoint.folder", "ckpt/config.toml"]).checkpoint.folder == "ckpt/config.toml"
 
 
-def test_the_run_directory_names_config_refuses_are_the_run_s():
-    from titan_k3.config.validate import RUN_DIR_NAMES
-    from titan_k3.metrics import run_dir
-
-    assert sorted(RUN_DIR_NAMES) == sorted(run_dir.RUN_FILES + run_dir.RUN_FILE_PATTERNS + run_dir.RUN_FOLDERS)
-
-
 def test_a_mixture_weight_of_zero_excludes_a_source():
     """The loader's own advice for a source left out of data.mixture ('0 excludes it') is a config that loads."""
     assert load_job_config(["--data.mixture", "prose:1,code:0"]).data.mixture == "prose:1,code:0"

@@ -13,15 +13,8 @@ from pathlib import PurePosixPath
 
 from titan_k3.config.errors import ConfigError, toml_value
 from titan_k3.config.job_config import JobConfig
+from titan_k3.config.run_files import RUN_DIR_NAMES
 from titan_k3.spec import KDA_CHUNK, MODEL_FLAVORS, experts_per_token, routed_experts
-
-
-RUN_DIR_NAMES = ("config.toml", "manifest.json", "metrics.jsonl", "events.jsonl", "stdout.log", "eval_table.md",
-                 "profile-rank*.txt", "trace-rank*.json*", "memory-peak-rank*.md", "events.out.tfevents.*", "tensorboard",
-                 "summary")
-"""What a run and its tools write at the top of its run directory (names and patterns): checkpoint.folder cannot start
-with one. NOTE: titan_k3/metrics/run_dir.py's RUN_FILES, RUN_FILE_PATTERNS and RUN_FOLDERS, which config cannot import
-(run_dir imports config); tests/unit/test_config.py holds the two lists equal."""
 
 
 def _require(ok: bool, message: str) -> None:

@@ -27,16 +27,9 @@ from typing import Any
 
 from titan_k3.checkpoint import layout
 from titan_k3.config import JobConfig, config_to_toml, load_job_config
-from titan_k3.config.check import unusable_folder
+from titan_k3.config.check import dump_folder_problem
 from titan_k3.config.errors import toml_value
-
-# What a trainer run writes at the top of its run directory (checkpoints live in their own folder).
-RUN_FILES = ("config.toml", "manifest.json", "metrics.jsonl", "events.jsonl", "stdout.log", "eval_table.md")
-RUN_FILE_PATTERNS = ("profile-rank*.txt", "trace-rank*.json*", "memory-peak-rank*.md", "events.out.tfevents.*")
-RUN_FOLDERS = ("tensorboard", "summary")
-"""What a run (and the tools that read it: offline evaluation's eval_table.md, summarize's summary/) writes at the top
-of its run directory: job.overwrite removes all of it, so nothing of the previous run reads as the new one's."""
-
+from titan_k3.config.run_files import RUN_FILE_PATTERNS, RUN_FILES, RUN_FOLDERS
 
 def run_dir_path(cfg: JobConfig) -> Path:
     """dump_folder/name; with no name, '<recipe stem>-<UTC timestamp>' (fixed once per process)."""
@@ -111,10 +104,9 @@ def is_torchrun_restart() -> bool:
 def run_dir_problem(cfg: JobConfig) -> str | None:
     """The one line that refuses this run's directory, or None: a dump folder that cannot hold it, a run
     directory that is a file, or a reused name with nothing to resume (without job.overwrite)."""
-    dump = Path(cfg.job.dump_folder)
-    why = unusable_folder(dump)
+    why = dump_folder_problem(cfg)
     if why:
-        return f"config key 'job.dump_folder' = {toml_value(cfg.job.dump_folder)}: {why}"
+        return why
     path = run_dir_path(cfg)
     if path.exists() and not path.is_dir():
         return f"config key 'job.name' = {toml_value(cfg.job.name)}: {path} is a file, not a run directory"
