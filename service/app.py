@@ -32,7 +32,7 @@ from service.admission import Submission, TrainerCheck, port_refusal, refusal
 from service.exporter import TRAINER_KEYS, ServiceCollector, is_trainer_key
 from service.limits import BodySizeLimit, MethodNotAllowed
 from service.registry import ACTIVE, STATES, TERMINAL, DuplicateRun, Registry, Run
-from service.rundir import LineCap, RunFilesCache, budget_note, read_tail
+from service.rundir import SERVICE_NAMES, LineCap, RunFilesCache, budget_note, read_tail
 from service.schemas import AttemptOut, Deleted, ErrorOut, Health, QUERY_BOOL, QUERY_INT, RunCreate, RunOut
 from service.settings import Settings
 from service.supervisor import STUCK_PASS_S, Conflict, FilesKept, Supervisor
@@ -273,7 +273,7 @@ class Service:
     def _check_paths(self, cfg: Any) -> None:
         """Configs may write only inside their run directory and read only from data roots."""
         roots = self.settings.data_roots
-        names.check_relative_subpath("checkpoint.folder", cfg.checkpoint.folder)
+        names.check_relative_subpath("checkpoint.folder", cfg.checkpoint.folder, taken=SERVICE_NAMES)
         names.check_readable_path("data.dataset", cfg.data.dataset, roots)
         names.check_readable_path("data.tokenizer", cfg.data.tokenizer, roots)
         names.check_readable_path("checkpoint.initial_load_path", cfg.checkpoint.initial_load_path, roots)

@@ -58,11 +58,15 @@ def check_override(key: str, value: str) -> None:
         raise ValueError(f"override {key!r}: value longer than 4096 characters")
 
 
-def check_relative_subpath(key: str, value: str) -> None:
-    """A folder the trainer creates inside the run directory: relative, no '..'."""
+def check_relative_subpath(key: str, value: str, taken: tuple[str, ...] = ()) -> None:
+    """A folder the trainer creates inside the run directory: relative, no '..', not under a name in `taken`."""
     p = Path(value)
     if p.is_absolute() or ".." in p.parts or "\\" in value:
         raise ValueError(f"config key '{key}' = {toml_value(value)}: must be a relative path inside the run directory (no '..')")
+    top = next((part for part in p.parts if part != "."), "")
+    if top in taken:
+        raise ValueError(f"config key '{key}' = {toml_value(value)}: {toml_value(top)} is the control service's own in "
+                         "the run directory; name another folder (default 'checkpoints')")
 
 
 def check_readable_path(key: str, value: str, roots: list[Path]) -> None:

@@ -1,6 +1,7 @@
 """Read-only views of a run directory, as the trainer writes it.
 
-    <runs>/<id>/config.toml manifest.json metrics.jsonl events.jsonl stdout.log
+    <runs>/<id>/submitted.toml                            (written by the service)
+                config.toml manifest.json metrics.jsonl events.jsonl stdout.log
                 checkpoints/latest checkpoints/step-N/
                 service/attempt-N.log service/attempt-N.exit     (written by the service)
                 service/attempt-N/       attempt N's trainer files, moved aside before a later attempt
@@ -23,6 +24,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import tomli
+
+SERVICE_NAMES = ("submitted.toml", "service")
+"""What the service itself keeps at the top of a run directory: the TOML as submitted, and the attempts' records."""
 
 HISTORY_POINTS = 4000
 RECENT_EVENTS = 20

@@ -97,6 +97,9 @@ def test_bad_config_is_422_with_the_trainers_message_and_creates_nothing(fake_se
     ({"recipe": "/etc/passwd"}, "recipe"),
     ({"toml": INLINE, "overrides": {"checkpoint.folder": "../../outside"}}, "checkpoint.folder"),
     ({"toml": INLINE, "overrides": {"checkpoint.folder": "/tmp/outside"}}, "checkpoint.folder"),
+    # the service's own names in the run directory: the first save would meet a file there (FileExistsError)
+    ({"toml": INLINE, "overrides": {"checkpoint.folder": "submitted.toml"}}, "the control service's own"),
+    ({"toml": INLINE, "overrides": {"checkpoint.folder": "./service/ckpt"}}, "the control service's own"),
     ({"toml": INLINE, "overrides": {"data.dataset": "/etc"}}, "data.dataset"),
     ({"toml": INLINE, "overrides": {"job.dump_folder": "/tmp"}}, "job.dump_folder"),
     ({"toml": INLINE, "overrides": {"job.name": "../x"}}, "job.name"),
