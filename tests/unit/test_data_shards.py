@@ -93,3 +93,38 @@ def test_not_a_dataset(tmp_path):
 def test_token_too_large_for_dtype(tmp_path):
     with pytest.raises(ValueError, match="does not fit uint16"):
         write_shard(tmp_path, "x", [np.array([70000, 0])], source="a", dtype=np.dtype("<u2"))
+
+
+def _edit_index(tmp_path, edit):
+    index = json.loads((tmp_path / "index.json").read_text())
+    edit(index)
+    (tmp_path / "index.json").write_text(json.dumps(index))
+
+
+def _drop(key):
+    return lambda index: index.pop(key)
+
+
+def _shard(key, value=None):
+    def edit(index):
+        rec = index["splits"]["train"]["shards"][1]
+        rec.pop(key) if value is None else rec.__setitem__(key, value)
+    return edit
+
+
+@pytest.mark.parametrize("edit,named", [
+    (_drop("tokenizer"), "key 'tokenizer' is missing"),
+    (_drop("splits"), "key 'splits' is missing"),
+    (lambda index: index["tokenizer"].pop("sha256"), "key 'tokenizer.sha256' is missing"),
+    (lambda index: index.__setitem__("dtype", "float32"), "key 'dtype': 'float32', expected 'uint16'"),
+    (lambda index: index.__setitem__("splits", []), "key 'splits': .* is not a table of splits"),
+    (_shard("n_tokens"), r"key 'splits\.train\.shards\[1\]\.n_tokens' is missing"),
+    (_shard("n_docs", "2"), r"key 'splits\.train\.shards\[1\]\.n_docs': '2' is not an integer"),
+    (_shard("file", "../train-b-00000.bin"), r"key 'splits\.train\.shards\[1\]\.file': '\.\./train-b-00000\.bin' is not a file name"),
+    (lambda index: index.__setitem__("mixture", {"a": "high"}), "key 'mixture'"),
+])
+def test_an_index_missing_or_mistyping_a_key_names_it(tmp_path, edit, named):
+    tok, _ = _write(tmp_path)
+    _edit_index(tmp_path, edit)
+    with pytest.raises(ValueError, match=rf"^dataset '{tmp_path}': index\.json {named}"):
+        open_dataset(tmp_path, tok, verify="size")

@@ -21,7 +21,7 @@ index.json::
      "sources": [{"name", "n_docs", "n_tokens"}, ...]}        (totals over all splits)
 
 Every file is written under a temporary name and renamed, so a reader never sees a
-half-written shard. `open_dataset` checks sizes and offsets always and sha256
+half-written shard. `open_dataset` checks the index's keys and types, sizes and offsets always, and sha256
 when asked (by default for datasets under 256 MiB), and raises ValueError naming
 the shard and what is wrong.
 
@@ -244,6 +244,69 @@ def _open_shard(root: Path, rec: dict, dtype: np.dtype, verify_sha: bool) -> Sha
     return Shard(name=name, source=rec["source"], tokens=tokens, offsets=offsets)
 
 
+def _index_problem(index: dict) -> str | None:
+    """The first place where `index` is not what `write_index` writes ("key 'splits.train.shards[0].n_tokens': ..."),
+    or None; so that a hand-edited or foreign index stops on one line naming the key, not on a KeyError."""
+
+    def bad(where: str, value, kind: type, what: str) -> str | None:
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        return None if ok else f"key {where!r}: {value!r} is not {what}"
+
+    def fields(where: str, body, spec: dict) -> str | None:
+        if not isinstance(body, dict):
+            return f"key {where!r}: {body!r} is not a table"
+        for key, (kind, what) in spec.items():
+            if key not in body:
+                return f"key {where + '.' + key!r} is missing"
+            problem = bad(f"{where}.{key}", body[key], kind, what)
+            if problem:
+                return problem
+        return None
+
+    missing = [key for key in ("tokenizer", "dtype", "splits", "sources") if key not in index]
+    if missing:
+        return f"key {missing[0]!r} is missing"
+    text, count = (str, "a string"), (int, "an integer")
+    problem = fields("tokenizer", index["tokenizer"], {"name": text, "sha256": text, "vocab_size": count, "eos_id": count})
+    if problem:
+        return problem
+    vocab, dtype = index["tokenizer"]["vocab_size"], index["dtype"]
+    if vocab < 1 or dtype != token_dtype(vocab).name:
+        return f"key 'dtype': {dtype!r}, expected {token_dtype(max(vocab, 1)).name!r} for tokenizer.vocab_size {vocab}"
+    splits = index["splits"]
+    if not isinstance(splits, dict):
+        return f"key 'splits': {splits!r} is not a table of splits"
+    record = {"file": text, "offsets": text, "source": text, "n_tokens": count, "n_docs": count, "sha256": text,
+              "offsets_sha256": text}
+    for split, body in splits.items():
+        shards = body.get("shards") if isinstance(body, dict) else None
+        if not isinstance(shards, list):
+            return f"key 'splits.{split}.shards': {shards!r} is not a list of shard records"
+        for i, rec in enumerate(shards):
+            where = f"splits.{split}.shards[{i}]"
+            problem = fields(where, rec, record)
+            if problem:
+                return problem
+            for key in ("file", "offsets"):
+                if Path(rec[key]).name != rec[key] or rec[key] in ("", ".", ".."):
+                    return f"key '{where}.{key}': {rec[key]!r} is not a file name in the dataset directory"
+            if rec["n_tokens"] < 0 or rec["n_docs"] < 0:
+                return f"key '{where}': n_tokens {rec['n_tokens']} and n_docs {rec['n_docs']} must be >= 0"
+    sources = index["sources"]
+    if not isinstance(sources, list):
+        return f"key 'sources': {sources!r} is not a list of sources"
+    for i, body in enumerate(sources):
+        problem = fields(f"sources[{i}]", body, {"name": text})
+        if problem:
+            return problem
+    mixture = index.get("mixture")
+    if mixture is not None and not (isinstance(mixture, dict) and all(
+            isinstance(w, (int, float)) and not isinstance(w, bool) and np.isfinite(w) and w >= 0
+            for w in mixture.values())):
+        return f"key 'mixture': {mixture!r} is not a table of source weights >= 0"
+    return None
+
+
 def open_dataset(
     path: str | os.PathLike, tokenizer: Tokenizer | None = None, verify: str = "auto"
 ) -> Dataset:
@@ -263,11 +326,15 @@ def open_dataset(
         index = json.loads(index_path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"dataset {str(root)!r}: {INDEX_NAME} is not valid JSON ({e})") from None
-    if index.get("format") != FORMAT or index.get("version") != VERSION:
+    if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != VERSION:
+        got = index if isinstance(index, dict) else {}
         raise ValueError(
-            f"dataset {str(root)!r}: format {index.get('format')!r} v{index.get('version')}, "
+            f"dataset {str(root)!r}: format {got.get('format')!r} v{got.get('version')}, "
             f"expected {FORMAT!r} v{VERSION}"
         )
+    problem = _index_problem(index)
+    if problem:
+        raise ValueError(f"dataset {str(root)!r}: {INDEX_NAME} {problem}")
     if tokenizer is not None and index["tokenizer"]["sha256"] != tokenizer.sha256:
         raise ValueError(
             f"dataset {str(root)!r}: built with tokenizer {index['tokenizer']['name']!r} "
