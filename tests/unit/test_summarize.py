@@ -120,3 +120,55 @@ def test_what_the_summary_cannot_read_or_write_is_one_line(tmp_path, capsys):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     (run / "events.jsonl").write_text('"text"\n')
     assert error() == f"error: {run}/events.jsonl: event 1 is not an object with a 'kind' (the trainer writes no such line)"
+
+
+def test_a_run_directory_the_summary_cannot_read_is_one_line_before_anything_is_written(tmp_path, capsys):
+    """Each ended in a traceback (a record without a key the plots read, after summary.md was written; a folder
+    where a file should be; a file that is not UTF-8, named by no path) or in a line that did not say the
+    directory was missing."""
+    def error(run):
+        assert main([str(run)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+        assert not (run / "summary").exists()
+        return err[0]
+
+    assert error(tmp_path / "missing") == f"error: run_dir='{tmp_path}/missing': no such directory"
+    (tmp_path / "r").mkdir()
+    run = _run_dir(tmp_path / "r", "smoke", RECORDS)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS[:3]) + json.dumps(
+        {k: v for k, v in RECORDS[3].items() if k != "tokens_per_second_session"}) + "\n")
+    assert error(run) == (f"error: {run}/metrics.jsonl:4: record without a number for 'tokens_per_second_session' "
+                          "(the trainer writes each in every record)")
+    (run / "metrics.jsonl").write_bytes(b"\xff\n")
+    assert error(run) == f"error: {run}/metrics.jsonl: not UTF-8 text (byte 0: invalid start byte)"
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    for name in ("events.jsonl", "config.toml"):
+        (run / name).unlink()
+        (run / name).mkdir()
+        assert error(run) == f"error: {run}/{name}: cannot read it (Is a directory)"
+        (run / name).rmdir()
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").mkdir()
+    assert error(run) == f"error: {run}/metrics.jsonl: cannot read it (Is a directory)"
+
+
+def test_a_run_being_written_is_summarised_and_plotted_from_one_reading(tmp_path, monkeypatch):
+    """The plots re-read metrics.jsonl after the summary: a record the run appended in between was plotted beside a
+    summary that did not count it."""
+    from titan_k3.tools import summarize as summarize_module
+
+    run = _run_dir(tmp_path, "smoke", RECORDS)
+    plotted = []
+    monkeypatch.setattr(summarize_module, "plot", lambda records, out: plotted.append(records))
+    real = summarize_module.summarize
+
+    def summarize_then_append(*args, **kwargs):
+        result = real(*args, **kwargs)
+        with open(run / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(_rec(50, 5000, 100.0, 130.0)) + "\n" + '{"step": 60, "cut short')
+        return result
+
+    monkeypatch.setattr(summarize_module, "summarize", summarize_then_append)
+    assert main([str(run)]) == 0
+    assert [r["step"] for r in plotted[0]] == [10, 20, 30, 40]

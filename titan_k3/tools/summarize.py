@@ -30,7 +30,7 @@ from pathlib import Path
 
 import tomli
 
-from titan_k3.metrics.run_dir import read_jsonl
+from titan_k3.tools.run_records import read_events, read_records, run_dir_problem
 
 PROBES = {
     "smoke": "does the whole step execute end to end?",
@@ -241,39 +241,35 @@ def plot(records: list[dict], out: Path) -> list[Path]:
     return paths
 
 
-RECORD_KEYS = ("step", "tokens_seen", "training_seconds", "session_seconds", "loss")
-"""What the summary reads of every metrics.jsonl record (the trainer writes each in every record)."""
+RECORD_KEYS = ("step", "tokens_seen", "training_seconds", "session_seconds", "loss", "grad_norm",
+               "tokens_per_second_training", "tokens_per_second_session")
+"""What the summary and its plots read of every metrics.jsonl record (the trainer writes each in every record)."""
 
 
-def _check_records(path: Path, records: list) -> list[dict]:
-    """`records`, each an object with the RECORD_KEYS as numbers; else ValueError naming the line and the key."""
-    for n, r in enumerate(records, 1):
-        if not isinstance(r, dict):
-            raise ValueError(f"{path}:{n}: not a JSON object")
-        missing = [k for k in RECORD_KEYS if not isinstance(r.get(k), (int, float)) or isinstance(r.get(k), bool)]
-        if missing:
-            raise ValueError(f"{path}:{n}: record without a number for {', '.join(map(repr, missing))} (the trainer "
-                             "writes each in every record)")
-    return records
-
-
-def summarize(run_dir: Path, warmup_step: int = 0) -> tuple[str, dict]:
-    """(Markdown text, the numbers as a dict) for one run directory."""
+def load(run_dir: Path) -> tuple[list[dict], list[dict], dict]:
+    """(metrics.jsonl's records, events.jsonl's events, config.toml) of a run directory, each checked as the trainer
+    writes it; ValueError of one line naming the file otherwise."""
     run_dir = Path(run_dir)
-    if not (run_dir / "metrics.jsonl").exists():
-        raise ValueError(f"run_dir={str(run_dir)!r}: no metrics.jsonl (is it a titan_k3 run directory?)")
-    records = _check_records(run_dir / "metrics.jsonl", read_jsonl(run_dir / "metrics.jsonl"))
-    events = read_jsonl(run_dir / "events.jsonl")
-    if not all(isinstance(e, dict) and "kind" in e for e in events):
-        n = next(n for n, e in enumerate(events, 1) if not (isinstance(e, dict) and "kind" in e))
-        raise ValueError(f"{run_dir / 'events.jsonl'}: event {n} is not an object with a 'kind' (the trainer writes "
-                         "no such line)")
+    if problem := run_dir_problem(run_dir):
+        raise ValueError(f"run_dir={problem}")
+    records = read_records(run_dir / "metrics.jsonl", RECORD_KEYS)
+    events = read_events(run_dir / "events.jsonl")
     config = {}
     if (run_dir / "config.toml").exists():
         try:
             config = tomli.loads((run_dir / "config.toml").read_text())
         except (tomli.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{run_dir / 'config.toml'}: not valid TOML ({e})") from None
+        except OSError as e:
+            raise ValueError(f"{run_dir / 'config.toml'}: cannot read it ({e.strerror or e})") from None
+    return records, events, config
+
+
+def summarize(run_dir: Path, warmup_step: int = 0, loaded: tuple[list[dict], list[dict], dict] | None = None
+              ) -> tuple[str, dict]:
+    """(Markdown text, the numbers as a dict) for one run directory (`loaded`: its `load(run_dir)`, read once)."""
+    run_dir = Path(run_dir)
+    records, events, config = loaded or load(run_dir)
     if not records:
         raise ValueError(f"run_dir={str(run_dir)!r}: metrics.jsonl has no records")
     checked = checked_updates(records)
@@ -353,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --warmup-step={args.warmup_step}: must be >= 0", file=sys.stderr)
         return 2
     try:
-        text, _ = summarize(args.run_dir, args.warmup_step)
+        # NOTE: read once: a run still being written adds records between two reads, and the plots are the summary's.
+        loaded = load(args.run_dir)
+        text, _ = summarize(args.run_dir, args.warmup_step, loaded)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -361,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / "summary.md").write_text(text)
-        plot(final_records(read_jsonl(args.run_dir / "metrics.jsonl"))[0], out)
+        plot(final_records(loaded[0])[0], out)
     except OSError as e:
         print(f"error: --out {str(out)!r}: cannot write the summary there ({e.strerror or e})", file=sys.stderr)
         return 2
