@@ -349,3 +349,16 @@ def test_a_small_source_read_twice_in_an_update_is_not_one_sequence_on_two_ranks
     assert max(texts) > 0  # the same text did sit on both ranks
     same = [build_dataloader(str(tmp_path), tok, T, 4, 0, 2, seed=0, mixture=mix, prefetch=0) for _ in range(2)]
     assert torch.equal(next(same[0]).fingerprints, next(same[1]).fingerprints)
+
+
+def test_a_resume_says_what_of_the_mixture_it_does_not_take_as_saved(tmp_path):
+    tok, _ = make_dataset(tmp_path, {"code": lengths(20, 10, 90, 1), "web": lengths(20, 10, 90, 2)})
+    first = build_dataloader(str(tmp_path), tok, 16, 2, 0, 1, seed=0, prefetch=0, mixture={"code": 1, "web": 3})
+    take(first, 2)
+    same = build_dataloader(str(tmp_path), tok, 16, 2, 0, 1, seed=0, prefetch=0, mixture={"code": 2, "web": 6})
+    same.load_state_dict(first.state_dict())
+    assert same.resume_note == ""
+    other = build_dataloader(str(tmp_path), tok, 16, 2, 0, 1, seed=0, prefetch=0, mixture={"code": 1, "web": 1})
+    other.load_state_dict(first.state_dict())
+    assert other.resume_note == ("data mixture changed since the checkpoint, from this update on: code 0.25 -> 0.5, "
+                                 "web 0.75 -> 0.5 (per-source counts restart)")

@@ -418,7 +418,7 @@ class CheckpointManager:
             self.train_state.load_state_dict(self._saved_train_state(path, meta))
         except ValueError as e:
             raise ValueError(f"checkpoint {path}: {e}") from None
-        note = self._load_rng(path, meta)
+        note = "; ".join(filter(None, (self._load_rng(path, meta), getattr(self.train_state.data, "resume_note", ""))))
         step = int(meta["step"])
         self._last_saved_step = step
         self.events.emit("resumed", f"resumed from {path} at update {step}" + (f"; {note}" if note else ""),

@@ -298,6 +298,8 @@ class DataLoader:
         source_tokens_total: {source: tokens received by this rank's consumer so far, resumed runs included}.
         weights: {source: normalised mixture weight}.
         dataset: what `describe()` says of the dataset (set by `build_dataloader`).
+        resume_note: what the last `load_state_dict` did not take as saved (a changed mixture), "" when nothing;
+            the checkpointer's `resumed` event says it.
     """
 
     def __init__(self, core: _Core, prefetch: int, dataset: dict | None = None):
@@ -308,6 +310,7 @@ class DataLoader:
         self.weights = {s.name: float(w) for s, w in zip(core.streams, core.weights)}
         self.source_tokens_total = {s.name: 0 for s in core.streams}
         self.wait_seconds = 0.0
+        self.resume_note = ""
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
@@ -376,6 +379,10 @@ class DataLoader:
         self.close()
         self._core.set_state(state)
         self._state = self._core.get_state()
+        saved = dict(zip(state["sources"], state["weights"]))
+        self.resume_note = "" if np.allclose(state["weights"], self._core.weights) else (
+            "data mixture changed since the checkpoint, from this update on: " + ", ".join(
+                f"{name} {saved[name]:.3g} -> {w:.3g}" for name, w in self.weights.items()) + " (per-source counts restart)")
         # NOTE: the counts go on from the saved position (this rank's share since the mixture started; zero after a
         # change of mixture; an even share of the global counts after a change of data-parallel world), so a resumed
         # run's tokens_per_source and source-mix check, summed over the ranks, read as the uninterrupted run's.
