@@ -197,7 +197,55 @@ def test_compare_says_when_runs_differ_in_more_than_the_knob(two_runs, tmp_path)
 def test_compare_refuses_what_it_cannot_read(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["--compare", str(tmp_path / "empty"), str(tmp_path / "empty")]) == 2
-    assert "no metrics.jsonl records" in capsys.readouterr().err
+    assert "no metrics.jsonl (is it a titan_k3 run directory?)" in capsys.readouterr().err
+
+
+def test_compare_refuses_run_files_the_trainer_does_not_write_in_one_line(two_runs, tmp_path, capsys):
+    """Each was a traceback (a null loss, a line that is no object, an event without a kind, a folder for
+    metrics.jsonl) or dropped records without a loss silently; a missing directory was called one without records."""
+    a, b = two_runs
+    good = (b / "metrics.jsonl").read_text()
+
+    def error(run, text=None, events=None):
+        if text is not None:
+            (run / "metrics.jsonl").write_text(text)
+        if events is not None:
+            (run / "events.jsonl").write_text(events)
+        assert main(["--compare", str(a), str(run), "--report", str(tmp_path / "r.md")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+        assert not (tmp_path / "r.md").exists()
+        return err[0]
+
+    assert error(tmp_path / "missing") == f"error: run '{tmp_path}/missing': no such directory"
+    no_loss = json.dumps({k: v for k, v in _rec(9, 1.0).items() if k != "loss"})
+    assert error(b, good + no_loss + "\n") == (f"error: {b}/metrics.jsonl:9: record without a number for 'loss' (the "
+                                             "trainer writes each in every record)")
+    assert error(b, good + json.dumps(_rec(9, None)) + "\n").startswith(f"error: {b}/metrics.jsonl:9: record without")
+    assert error(b, good + "5\n") == f"error: {b}/metrics.jsonl:9: not a JSON object"
+    assert error(b, good + json.dumps(_rec(9, 1.0, val_loss="7.7")) + "\n") == (
+        f"error: {b}/metrics.jsonl:9: 'val_loss' = '7.7', not a number (the trainer writes no such record)")
+    assert error(b, good, '{"step": 3}\n') == (f"error: {b}/events.jsonl: event 1 is not an object with a 'kind' (the "
+                                               "trainer writes no such line)")
+    assert error(b, events='{"step": "3", "kind": "nonfinite"}\n').startswith(f"error: {b}/events.jsonl: event 1: 'step'")
+    (b / "events.jsonl").write_text("")
+    (b / "metrics.jsonl").unlink()
+    (b / "metrics.jsonl").mkdir()
+    assert error(b) == f"error: {b}/metrics.jsonl: cannot read it (Is a directory)"
+
+
+def test_compare_refuses_a_run_whose_first_record_is_past_the_common_budget(two_runs, tmp_path, capsys):
+    """A run logged less often than another had gone (one still early, or logging every 100 updates) ended in an
+    IndexError."""
+    a, _ = two_runs
+    early = _run_dir(tmp_path, "early", 1e-2, [_rec(s, 9.0) for s in (1, 2)])
+    assert main(["--compare", str(a), str(early), "--report", str(tmp_path / "r.md")]) == 0
+    capsys.readouterr()
+    (early / "metrics.jsonl").write_text(json.dumps(dict(_rec(1, 9.0), tokens_seen=50)) + "\n")
+    assert main(["--compare", str(a), str(early), "--report", str(tmp_path / "r.md")]) == 2
+    assert capsys.readouterr().err == (
+        "error: --compare: run 'a' logged its first record at 100 tokens, past the 50 that 'early' reached: nothing of "
+        "it to compare at that budget (compare once that run has gone further)\n")
 
 
 class _FakeTrainer:

@@ -36,9 +36,10 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def read_records(path: Path, keys: tuple[str, ...]) -> list[dict]:
+def read_records(path: Path, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> list[dict]:
     """metrics.jsonl's records, each an object with a number for every one of `keys` (keys the trainer writes in
-    every record); else ValueError naming the line and the keys."""
+    every record) and for each of `optional` it holds (val_loss: evaluation steps only); else ValueError naming the
+    line and the keys."""
     records = read_lines(path)
     for n, r in enumerate(records, 1):
         if not isinstance(r, dict):
@@ -47,6 +48,9 @@ def read_records(path: Path, keys: tuple[str, ...]) -> list[dict]:
         if missing:
             raise ValueError(f"{path}:{n}: record without a number for {', '.join(map(repr, missing))} (the trainer "
                              "writes each in every record)")
+        for k in optional:
+            if k in r and not _is_number(r[k]):
+                raise ValueError(f"{path}:{n}: {k!r} = {r[k]!r}, not a number (the trainer writes no such record)")
     return records
 
 

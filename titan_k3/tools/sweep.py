@@ -47,7 +47,8 @@ import tomli_w
 from titan_k3.config import JobConfig, config_to_dict, load_job_config
 from titan_k3.config.errors import toml_value
 from titan_k3.config.manager import is_run_config
-from titan_k3.metrics.run_dir import load_run_config, read_jsonl
+from titan_k3.metrics.run_dir import load_run_config
+from titan_k3.tools.run_records import read_events, read_records, run_dir_problem
 
 # NOTE: kernels.loss_grad_fp8 trades precision in the loss's gradients for speed: whether a run's loss notices is
 # a question for a paired sweep (benchmarks/results/fp8.md, session 26).
@@ -269,13 +270,20 @@ class RunView:
         return self.records[-1]["tokens_seen"]
 
 
+RECORD_KEYS = ("step", "tokens_seen", "loss", "grad_norm", "skipped_updates")
+"""What the comparison reads of every metrics.jsonl record (the trainer writes each in every record)."""
+
+
 def load_run(path: Path) -> RunView:
-    # NOTE: a resumed run logs again the steps after its last checkpoint; the later record of a step wins.
+    if problem := run_dir_problem(path):
+        raise SweepError(f"run {problem}")
     try:
-        metrics, events = read_jsonl(path / "metrics.jsonl"), read_jsonl(path / "events.jsonl")
+        metrics = read_records(path / "metrics.jsonl", RECORD_KEYS, optional=("val_loss",))
+        events = read_events(path / "events.jsonl")
     except ValueError as e:
         raise SweepError(str(e)) from None
-    by_step = {r["step"]: r for r in metrics if "loss" in r and "tokens_seen" in r}
+    # NOTE: a resumed run logs again the steps after its last checkpoint; the later record of a step wins.
+    by_step = {r["step"]: r for r in metrics}
     records = [by_step[s] for s in sorted(by_step)]
     if not records:
         raise SweepError(f"run {str(path)!r}: no metrics.jsonl records (is it a finished titan_k3 run directory?)")
@@ -341,6 +349,12 @@ def compare_runs(runs: list[RunView], window: float = 0.1) -> tuple[int, str | N
     if not 0 < window <= 1:
         raise SweepError(f"--window={window}: must be in (0, 1]")
     budget = min(r.max_tokens for r in runs)
+    shortest = min(runs, key=lambda r: r.max_tokens)
+    for r in runs:
+        if r.records[0]["tokens_seen"] > budget:
+            raise SweepError(f"--compare: run {r.name!r} logged its first record at {r.records[0]['tokens_seen']:,} "
+                             f"tokens, past the {budget:,} that {shortest.name!r} reached: nothing of it to compare "
+                             "at that budget (compare once that run has gone further)")
     flats = [r.flat for r in runs if r.flat]
     differing = sorted(k for k in (flats[0] if flats else {}) if k not in FREE_KEYS
                        and len({repr(f.get(k)) for f in flats}) > 1) if len(flats) == len(runs) else []
