@@ -1,15 +1,35 @@
 """check_data (`--job.validate_only`, the trainer's start, the service's config check): what the run's loader would
 refuse after the model is built is refused before any work, in one line naming the key."""
 
+import json
+
 import pytest
 
 from titan_k3.config import ConfigError, load_job_config
 from titan_k3.config.check import check_data
-from tests.unit.test_data_loader import lengths, make_dataset
+from titan_k3.data.tokenizer import tokenizer_identity
+from tests.unit.test_data_loader import lengths
+from tests.unit.test_data_loader import make_dataset as make_stub_dataset
 
 
 def _cfg(path, *extra):
     return load_job_config(["--data.dataset", str(path), "--model.flavor", "debug", *extra])
+
+
+def make_dataset(path, docs, **index_extra):
+    """The loader tests' dataset, recorded as built with the embedded tokenizer (these configs' data.tokenizer)."""
+    make_stub_dataset(path, docs, **index_extra)
+    index = json.loads((path / "index.json").read_text())
+    index["tokenizer"]["name"], index["tokenizer"]["sha256"] = tokenizer_identity("embedded")
+    (path / "index.json").write_text(json.dumps(index))
+
+
+def test_a_dataset_built_with_another_tokenizer_is_refused_naming_both(tmp_path):
+    """The trainer's loader refused it after building the model; --job.validate_only and the service said 'ok'."""
+    make_stub_dataset(tmp_path, {"web": lengths(20, 10, 90, 1)})
+    with pytest.raises(ConfigError, match=rf"^config key 'data.dataset' = '{tmp_path}': dataset .* built with tokenizer "
+                                          r"'stub' \(sha256 cccccccccccc\.\.\.\), but the tokenizer given is 'embedded"):
+        check_data(_cfg(tmp_path, "--training.seq_len", "64"))
 
 
 def test_prepare_weights_naming_a_source_without_documents_are_refused_as_the_loader_does(tmp_path):

@@ -93,10 +93,11 @@ def port_error(cfg: JobConfig, e: OSError) -> ConfigError:
 
 
 def check_data(cfg: JobConfig) -> None:
-    """The dataset opens (index and shard sizes), `data.mixture` weighs exactly its sources, the loader takes the
-    training split as the run will (the prepare weights it falls back on name sources with documents there), and the
-    longest sequence the run asks for fits in that split."""
+    """The dataset opens (index and shard sizes) and was built with data.tokenizer, `data.mixture` weighs exactly its
+    sources, the loader takes the training split as the run will (the prepare weights it falls back on name sources
+    with documents there), and the longest sequence the run asks for fits in that split."""
     from titan_k3.data.shards import open_dataset
+    from titan_k3.data.tokenizer import tokenizer_identity
 
     d = cfg.data
     if d.dataset == "embedded":
@@ -107,6 +108,7 @@ def check_data(cfg: JobConfig) -> None:
         path = Path(d.dataset)
     try:
         ds = open_dataset(path, verify="size")
+        ds.check_tokenizer(*tokenizer_identity(d.tokenizer))
     except (OSError, ValueError) as e:
         raise ConfigError(f"config key 'data.dataset' = {toml_value(d.dataset)}: {e}") from None
     sources = ds.source_names

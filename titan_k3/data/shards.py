@@ -165,6 +165,11 @@ class Dataset:
     def source_names(self) -> list[str]:
         return [s["name"] for s in self.index["sources"]]
 
+    def check_tokenizer(self, name: str, sha256: str) -> None:
+        """ValueError naming both when the dataset was built with another tokenizer than (`name`, `sha256`): what
+        `open_dataset` checks of a tokenizer it is given, for a caller that has only its identity (no tokenizer built)."""
+        _check_tokenizer(self.path, self.index, name, sha256)
+
     def split_shards(self, split: str) -> list[Shard]:
         if split not in self.shards:
             raise ValueError(f"split={split!r}: not in dataset {str(self.path)!r}; have {sorted(self.shards)}")
@@ -203,6 +208,15 @@ class Dataset:
                 f"in split {split!r}; set data.mixture to weights of the sources it has: {sorted(by_source)}"
             )
         return {name: w for name, w in recorded.items() if name in by_source}
+
+
+def _check_tokenizer(root: Path, index: dict, name: str, sha256: str) -> None:
+    if index["tokenizer"]["sha256"] != sha256:
+        raise ValueError(
+            f"dataset {str(root)!r}: built with tokenizer {index['tokenizer']['name']!r} "
+            f"(sha256 {index['tokenizer']['sha256'][:12]}...), but the tokenizer given is "
+            f"{name!r} (sha256 {sha256[:12]}...)"
+        )
 
 
 def _open_shard(root: Path, rec: dict, dtype: np.dtype, verify_sha: bool) -> Shard:
@@ -335,12 +349,8 @@ def open_dataset(
     problem = _index_problem(index)
     if problem:
         raise ValueError(f"dataset {str(root)!r}: {INDEX_NAME} {problem}")
-    if tokenizer is not None and index["tokenizer"]["sha256"] != tokenizer.sha256:
-        raise ValueError(
-            f"dataset {str(root)!r}: built with tokenizer {index['tokenizer']['name']!r} "
-            f"(sha256 {index['tokenizer']['sha256'][:12]}...), but the tokenizer given is "
-            f"{tokenizer.name!r} (sha256 {tokenizer.sha256[:12]}...)"
-        )
+    if tokenizer is not None:
+        _check_tokenizer(root, index, tokenizer.name, tokenizer.sha256)
     dtype = np.dtype(index["dtype"]).newbyteorder("<")
     records = [r for split in index["splits"].values() for r in split["shards"]]
     total = sum(r["n_tokens"] for r in records) * dtype.itemsize
