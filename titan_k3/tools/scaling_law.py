@@ -8,7 +8,8 @@ G = (alpha A / (beta B))^(1 / (alpha + beta)), D* = C / (6 N*).
 
     python -m titan_k3.tools.scaling_law runs.jsonl --budget 1e20 --out fit/
 runs.jsonl: one {"params": N, "tokens": D, "loss": L} per line, each a positive
-number, at least 5 lines. Bad input: one line `error: ...`, exit status 2.
+number, at least 5 lines and 3 distinct values of params and of tokens. Bad input:
+one line `error: ...`, exit status 2.
 """
 
 from __future__ import annotations
@@ -156,6 +157,8 @@ def plot(result: FitWithIntervals, N, D, L, out_dir: Path, budget: float | None)
 
 
 EXIT_BAD_INPUT = 2
+MIN_DISTINCT = 3
+"""Distinct model sizes (and token counts) a fit needs: a power law and the constant E have three unknowns."""
 
 
 class PointsError(ValueError):
@@ -184,6 +187,14 @@ def read_points(path: Path) -> tuple[list[float], list[float], list[float]]:
                 column.append(float(v))
     if len(N) < 5:
         raise PointsError(f"{path}: {len(N)} points; a five-parameter fit needs at least 5")
+    # NOTE: the points fix A / N^alpha only through its differences between sizes: two sizes give one difference
+    # for two unknowns, and E takes up the rest. The fit would still print coefficients (and an optimum), with
+    # bootstrap intervals as narrow as the noise, because every resample holds the same sizes.
+    for column, name, term in ((N, "params", "E, A and alpha"), (D, "tokens", "E, B and beta")):
+        values = sorted(set(column))
+        if len(values) < MIN_DISTINCT:
+            raise PointsError(f"{path}: {len(values)} distinct {name} value(s) ({', '.join(f'{v:g}' for v in values)}); "
+                              f"the fit needs at least {MIN_DISTINCT} to tell {term} apart")
     return N, D, L
 
 
