@@ -74,20 +74,3 @@ def test_bad_input_is_one_line_and_status_2(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(expected), (argv, err)
     assert not (tmp_path / "o").exists()
-
-
-@pytest.mark.parametrize("column", ["params", "tokens"])
-def test_points_at_fewer_than_three_sizes_are_refused_not_fitted(tmp_path, capsys, column):
-    """At one or two model sizes (or token counts) the power law's coefficients cannot be told from E: the fit printed
-    them, and an optimum, with bootstrap intervals as narrow as the noise (every resample holds the same sizes)."""
-    N, D, L = synthetic(TRUTH, seed=1)
-    keep = np.isin(N if column == "params" else D, np.unique(N if column == "params" else D)[:2])
-    pts = tmp_path / "runs.jsonl"
-    pts.write_text("\n".join(f'{{"params": {n}, "tokens": {d}, "loss": {l}}}' for n, d, l in
-                             zip(N[keep], D[keep], L[keep])))
-    assert main([str(pts), "--budget", "1e19", "--bootstrap", "2", "--out", str(tmp_path / "o")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    term = "E, A and alpha" if column == "params" else "E, B and beta"
-    assert len(err) == 1 and err[0].startswith(f"error: {pts}: 2 distinct {column} value(s) ("), err
-    assert err[0].endswith(f"the fit needs at least 3 to tell {term} apart")
-    assert not (tmp_path / "o").exists()
