@@ -51,3 +51,14 @@ def test_a_sequence_longer_than_the_training_split_is_refused_naming_its_key(tmp
         check_data(_cfg(tmp_path, "--training.seq_len", "128"))
     with pytest.raises(ConfigError, match=r"^config key 'training.context_stages' = '5:192': a row of 193 tokens"):
         check_data(_cfg(tmp_path, "--training.seq_len", "64", "--training.context_stages", "5:192"))
+
+
+def test_a_weighted_source_without_training_documents_is_refused_naming_the_mixture(tmp_path):
+    make_dataset(tmp_path, {"web": lengths(20, 10, 90, 1)})
+    index = json.loads((tmp_path / "index.json").read_text())
+    index["sources"].append({"name": "code", "n_docs": 0, "n_tokens": 0})  # documents in no split of training
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=r"^config key 'data.mixture' = 'web:1,code:1': source\(s\) \['code'\] "
+                                          r"weighted above 0 have no documents in the training split; it has \['web'\]$"):
+        check_data(_cfg(tmp_path, "--training.seq_len", "64", "--data.mixture", "web:1,code:1"))
+    check_data(_cfg(tmp_path, "--training.seq_len", "64", "--data.mixture", "web:1,code:0"))

@@ -362,3 +362,18 @@ def test_a_resume_says_what_of_the_mixture_it_does_not_take_as_saved(tmp_path):
     other.load_state_dict(first.state_dict())
     assert other.resume_note == ("data mixture changed since the checkpoint, from this update on: code 0.25 -> 0.5, "
                                  "web 0.75 -> 0.5 (per-source counts restart)")
+
+
+def test_a_weighted_source_without_documents_in_the_split_is_refused(tmp_path):
+    """A source of the dataset with documents only in another split took its weight's share from nobody: the others
+    trained on it, so 'code:1,prose:3' trained on code alone."""
+    tok, dtype = StubTokenizer(), token_dtype(VOCAB)
+    docs = [np.arange(1, 40).astype(dtype), np.arange(40, 90).astype(dtype)]
+    train = [write_shard(tmp_path, "train-code-00000", docs, source="code", dtype=dtype)]
+    val = [write_shard(tmp_path, f"validation-{s}-00000", docs, source=s, dtype=dtype) for s in ("code", "prose")]
+    write_index(tmp_path, tok, {"train": train, "validation": val})
+    with pytest.raises(ValueError, match=r"^mixture: source\(s\) \['prose'\] weighted above 0 have no documents in "
+                                         r"split 'train'; its sources with documents: \['code'\]"):
+        build_dataloader(str(tmp_path), tok, 16, 2, 0, 1, seed=0, mixture={"code": 1, "prose": 3})
+    loader = build_dataloader(str(tmp_path), tok, 16, 2, 0, 1, seed=0, mixture={"code": 1, "prose": 0})
+    assert loader.weights == {"code": 1.0}

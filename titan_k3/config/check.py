@@ -128,6 +128,10 @@ def check_data(cfg: JobConfig) -> None:
             ds.prepared_weights("train")
     except ValueError as e:
         raise ConfigError(f"config key 'data.dataset' = {toml_value(d.dataset)}: {e}") from None
+    empty = sorted(name for name, w in (mixture or {}).items() if name not in by_source and w > 0)
+    if empty:
+        raise ConfigError(f"config key 'data.mixture' = {toml_value(d.mixture)}: source(s) {empty} weighted above 0 "
+                          f"have no documents in the training split; it has {toml_value(sorted(by_source))}")
     tokens = sum(int(shard.offsets[-1] - shard.offsets[0]) for shards in by_source.values() for shard in shards)
     key, longest = "training.seq_len", t.seq_len
     if t.context_stages and (stage := max(s for _, s in parse_context_stages(t.context_stages))) > longest:

@@ -437,6 +437,11 @@ def _normalise_mixture(dataset: Dataset, split: str, mixture: dict[str, float] |
         raise ValueError(
             f"mixture={mixture}: weights must be finite numbers >= 0 with a positive sum over split {split!r}'s sources {names}"
         )
+    # NOTE: a weighted source without documents in the split would hand its share to the others without a word.
+    empty = sorted(n for n, w in mixture.items() if n not in names and w > 0)
+    if empty:
+        raise ValueError(f"mixture: source(s) {empty} weighted above 0 have no documents in split {split!r}; "
+                         f"its sources with documents: {names} (0 leaves a source out)")
     return [mixture[n] / total for n in names]
 
 
