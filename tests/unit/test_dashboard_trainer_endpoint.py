@@ -64,6 +64,12 @@ def test_panels_say_what_their_series_hold():
     assert panels["Peak memory allocated (GiB)"]["fieldConfig"]["defaults"]["unit"] == "gbytes"
     # A dead expert is one under DEAD_SHARE of the uniform share (moe_stats), not one that received no tokens.
     assert f"under {DEAD_SHARE:.0%} of the uniform share" in panels["Dead-expert fraction"]["description"]
+    # The training clock times the batch fetch (TwoClocks.training wraps the whole update, the loader's wait inside it):
+    # the panels said data waits were the session clock's alone, and the data-wait panel spoke of "the same signals".
+    throughput = panels["Throughput (tokens/s)"]["description"]
+    assert "batch fetch included" in throughput and "data waits" not in throughput
+    wait = next(p for title, p in panels.items() if title.startswith("Data wait"))["description"]
+    assert "on the training clock" in wait and "same signals" not in wait
 
 
 def test_every_panel_query_parses(tmp_path):
