@@ -343,6 +343,8 @@ def test_bad_arguments_stop_with_one_line_before_any_work(base, tmp_path, two_ru
     differ in the declared knob"."""
     monkeypatch.setattr(sweep.subprocess, "Popen", lambda *a, **k: pytest.fail("a run was started"))
     a, b = two_runs
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(b'[job]\nname = "caf\xe9"\n')
     for argv, expected in [
         (["--base", str(base), "--knob", "optimizer.lr", "--values", "1e-3,2e-3", "--run", "--parallel", "0"],
          "error: --parallel=0: must be >= 1"),
@@ -355,6 +357,10 @@ def test_bad_arguments_stop_with_one_line_before_any_work(base, tmp_path, two_ru
         (["--compare", str(a), str(b), "--report", str(base / "r.md")], f"error: --report '{base}/r.md': cannot write"),
         (["--compare", str(a), str(a.parent / ".." / a.parent.name / a.name)],
          f"error: --compare: run '{a.parent}/../{a.parent.name}/{a.name}' is given twice (as '{a}')"),
+        # a config file that is not UTF-8 was a UnicodeDecodeError traceback, as --base and in --configs
+        (["--base", str(latin1), "--knob", "optimizer.lr", "--values", "1e-3,2e-3"],
+         f"error: config '{latin1}': not UTF-8 text (byte 17: invalid continuation byte)"),
+        (["--configs", str(base), str(latin1)], f"error: config '{latin1}': not UTF-8 text (byte 17: invalid continuation byte)"),
     ]:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()

@@ -96,7 +96,12 @@ class Member:
 def load_member(path: Path) -> Member:
     if not path.is_file():
         raise SweepError(f"config {str(path)!r}: no such file")
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise SweepError(f"config {str(path)!r}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except OSError as e:
+        raise SweepError(f"config {str(path)!r}: cannot read it ({e.strerror or e})") from None
     try:
         return Member(str(path), text, load_job_config([], toml_text=text, resolved=is_run_config(path),
                                                        toml_origin=str(path)))
