@@ -190,12 +190,32 @@ def _resolve_kernels(cfg: JobConfig, spec, device: torch.device, args):
     return impl
 
 
-def _saved_train_state(resume: ResumePlan) -> dict | None:
+def _build_loader(cfg: JobConfig, tokenizer, dp_rank: int, dp_world: int, prefetch: int):
+    """The run's data loader for data-parallel rank `dp_rank` of `dp_world`."""
+    from titan_k3.data.loader import build_dataloader
+
+    t = cfg.training
+    return build_dataloader(cfg.data.dataset, tokenizer, t.seq_len, t.local_batch_size, dp_rank, dp_world, t.seed,
+                            mixture=parse_mixture(cfg.data.mixture), prefetch=prefetch)
+
+
+def _saved_train_state(cfg: JobConfig, resume: ResumePlan, loader) -> dict | None:
     """The TrainState.state_dict() the checkpoint the run resumes from recorded; None for a fresh start or initial
-    weights (checkpoint.initial_load_path: the run's own count starts at 0)."""
+    weights (checkpoint.initial_load_path: the run's own count starts at 0).
+
+    Its data position must fit this run's `loader`, which takes it (the checkpointer loads it again): one that does
+    not (another seed or dataset, a batch that does not divide it) stops the run before its directory's config and
+    manifest are rewritten, and --job.validate_only with the same line.
+    """
     if resume.path is None or resume.initial:
         return None
-    return json.loads((resume.path / META_FILE).read_text())["train"]
+    saved = json.loads((resume.path / META_FILE).read_text())["train"]
+    if not cfg.training.fixed_batch:
+        try:
+            TrainState(data=loader).load_state_dict(saved)
+        except ValueError as e:
+            raise ValueError(f"checkpoint {resume.path}: {e}") from None
+    return saved
 
 
 def _state_field(name: str) -> property:
@@ -223,7 +243,6 @@ class Trainer:
         self.rank = int(os.environ.get("RANK", 0))
         t = cfg.training
 
-        from titan_k3.data.loader import build_dataloader
         self.tokenizer, vocab = _tokenizer_and_vocab(cfg)
         self.model_spec = get_model_spec(cfg.model.name)
         self.args = self.model_spec.args(cfg.model.flavor, vocab)
@@ -233,10 +252,7 @@ class Trainer:
         check_injections(cfg.debug, self.dp_world)
         # debug.inject_same_data: the last data-parallel rank reads the first one's sequences.
         data_rank = 0 if cfg.debug.inject_same_data and self.dp_rank == self.dp_world - 1 else self.dp_rank
-        self.loader = build_dataloader(
-            cfg.data.dataset, self.tokenizer, t.seq_len, t.local_batch_size, data_rank, self.dp_world,
-            t.seed, mixture=parse_mixture(cfg.data.mixture), prefetch=cfg.data.prefetch,
-        )
+        self.loader = _build_loader(cfg, self.tokenizer, data_rank, self.dp_world, cfg.data.prefetch)
         # Before the model: a task file that does not parse stops the run before any work.
         self.evaluator = _evaluator(cfg, self.tokenizer, self.device, self.dp_rank, self.dp_world, self.dp_group)
 
@@ -282,14 +298,7 @@ class Trainer:
         self._fixed = None
 
         resume = check_resumable(cfg, run_dir_path(cfg), model, self.optimizers)
-        saved = _saved_train_state(resume)
-        if saved is not None and not t.fixed_batch:
-            # NOTE: a data position the loader refuses (another seed, a batch that does not divide it) stops the run
-            # here, before its directory's config and manifest are rewritten; the checkpointer loads it again.
-            try:
-                TrainState(data=self.loader).load_state_dict(saved)
-            except ValueError as e:
-                raise ValueError(f"checkpoint {resume.path}: {e}") from None
+        saved = _saved_train_state(cfg, resume, self.loader)
         done_steps, done_tokens = (int(saved["step"]), int(saved["tokens_seen"])) if saved is not None else (0, 0)
         self.data = describe_run_data(self.loader.describe(), fixed_batch=t.fixed_batch, total_tokens=run_tokens(
             steps=t.steps, seq_len=t.seq_len, context_stages=t.context_stages, local_batch_size=t.local_batch_size,
@@ -806,7 +815,8 @@ def _validate_only(cfg: JobConfig) -> None:
     calls: the device, the memory-peak trace, the tokenizer's vocabulary, job.strict against the kernels', the CUDA
     graph's, the side stream's, FP8's and bf16's fallbacks, the mesh against this launch's world size (WORLD_SIZE, 1
     outside torchrun) and the fault injections it allows, the evaluator (task files, batch, validation split), the
-    run directory, and the checkpoint the run would start from (its checksums, not its shapes: those need the model)."""
+    run directory, and the checkpoint the run would start from (its checksums and its data position against this
+    run's seed, dataset and batch; not its shapes: those need the model)."""
     check_host(cfg)
     device = _device(cfg)
     _expandable_segments_to_set(cfg, device)  # PYTORCH_CUDA_ALLOC_CONF against it
@@ -825,7 +835,8 @@ def _validate_only(cfg: JobConfig) -> None:
     problem = run_dir_problem(cfg)  # a reused name or a dump folder the run would refuse at its start
     if problem:
         raise ConfigError(problem)
-    plan_resume(cfg, run_dir_path(cfg))  # the checkpoint it would start from, checked as the run checks it
+    resume = plan_resume(cfg, run_dir_path(cfg))  # the checkpoint it would start from, checked as the run checks it
+    _saved_train_state(cfg, resume, _build_loader(cfg, tokenizer, 0, dims.dp, prefetch=0))  # and its data position
 
 
 def _main(argv: list[str], stop: StopSignals, own_process: bool = False) -> int:

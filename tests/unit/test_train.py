@@ -497,3 +497,22 @@ def test_validate_only_refuses_a_side_stream_that_job_strict_refuses(tmp_path, c
     assert main(argv) == 0 and capsys.readouterr().out == "config ok\n"
     assert main([*argv, "--optimizer.side_stream", "true"]) == 2
     assert capsys.readouterr().err.startswith("error: job.strict = true and optimizer.side_stream falls back to 'off'")
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--training.seed", "7"], "loader state seed 0: this loader has seed 7"),
+    (["--training.local_batch_size", "3"], "loader state seq_index 2: not a multiple of local_batch_size x dp_world = 3"),
+])
+def test_validate_only_refuses_a_data_position_the_resume_would_refuse(tmp_path, capsys, argv, why):
+    """--job.validate_only said 'config ok' for a resume whose saved data position does not fit the run (another seed,
+    a batch that does not divide it), and the run then stopped on it after building its model."""
+    run = [*FAST, "--job.dump_folder", str(tmp_path), "--job.name", "r", "--training.local_batch_size", "1",
+           "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+    assert main([*run, "--training.steps", "2"]) == 0
+    capsys.readouterr()
+    line = f"error: checkpoint {tmp_path}/r/checkpoints/step-2: data loader position does not fit this run: {why}"
+    assert main([*run, "--training.steps", "4", *argv, "--job.validate_only"]) == 2
+    assert capsys.readouterr().err.splitlines()[0] == line
+    assert main([*run, "--training.steps", "4", *argv]) == 2
+    assert capsys.readouterr().err.splitlines()[0] == line
+    assert main([*run, "--training.steps", "4", "--job.validate_only"]) == 0
