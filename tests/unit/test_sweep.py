@@ -293,6 +293,25 @@ def test_local_run_reports_a_failed_run(base, tmp_path, monkeypatch, capsys):
     assert "error: runs failed: base-lr-1e-2 (status 1)" in capsys.readouterr().err
 
 
+def test_a_run_that_failed_before_the_others_first_record_is_reported_as_failed(base, tmp_path, monkeypatch, capsys):
+    """The comparison's refusal of a run that stopped early (here: before the others' first record) was the only line,
+    and the failed run went unnamed."""
+    class Early(_FakeTrainer):
+        def __init__(self, cmd, env=None, *, root):
+            super().__init__(cmd, env, root=root, status=1 if "base-lr-1e-2" in cmd else 0)
+            if self.returncode:
+                name = cmd[cmd.index("--job.name") + 1]
+                (root / name / "metrics.jsonl").write_text(json.dumps(dict(_rec(1, 9.0), tokens_seen=50)) + "\n")
+
+    (tmp_path / "runs").mkdir()
+    monkeypatch.setattr(sweep.subprocess, "Popen", lambda cmd, env=None: Early(cmd, env, root=tmp_path / "runs"))
+    assert main(["--base", str(base), "--knob", "optimizer.lr", "--values", "1e-3,1e-2", "--out", str(tmp_path / "f"),
+                 "--run", "--dump-folder", str(tmp_path / "runs")]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: runs failed: base-lr-1e-2 (status 1); the others are not "
+                                               "compared: --compare: run 'base-lr-1e-3' logged its first record"), err
+
+
 def test_paired_reading_sees_a_consistent_gap_that_the_spread_hides(tmp_path):
     """Both runs read the same batches: the loss swings by ±1 from batch to batch, the difference stays 0.1."""
     swing = [((-1) ** s) * 1.0 for s in range(1, 21)]

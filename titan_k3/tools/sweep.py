@@ -554,11 +554,19 @@ def main(argv: list[str] | None = None) -> int:
             results = run_local(members, paths, args.dump_folder, args.parallel)
             failed = [f"{d.name} (status {rc})" for d, rc in results if rc != 0]
             done = [d for d, _ in results if (d / "metrics.jsonl").exists()]
+            unreadable = None
             if len(done) >= 2:
-                runs = [load_run(d) for d in done]
-                _write_report(report(runs, args.window), args.report or args.out / "compare.md", runs)
+                try:
+                    runs = [load_run(d) for d in done]
+                    _write_report(report(runs, args.window), args.report or args.out / "compare.md", runs)
+                except SweepError as e:
+                    if not failed:
+                        raise
+                    # NOTE: a run that failed early is often what the comparison cannot read; the failure comes first.
+                    unreadable = e
             if failed:
-                print(f"error: runs failed: {', '.join(failed)}", file=sys.stderr)
+                print(f"error: runs failed: {', '.join(failed)}"
+                      + (f"; the others are not compared: {unreadable}" if unreadable else ""), file=sys.stderr)
                 return 1
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
