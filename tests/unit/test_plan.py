@@ -115,6 +115,19 @@ def test_cost_table_scales_with_tokens_and_refuses_bad_files(tmp_path):
     bad.write_text(json.dumps({"entries": [{"kind": "kda", "shape": {}}]}))
     with pytest.raises(ValueError, match="entry 0 lacks"):
         CostTable.load(bad)
+    # each was a traceback (AttributeError, TypeError, UnicodeDecodeError), or "no such file" for a folder
+    good = {"kind": "kda", "shape": {}, "tokens": 1, "seq_len": 1, "fwd_bwd_ms": 1.0}
+    for entries, why in [([1], "entry 0 is int, not an object"),
+                         ([{**good, "fwd_bwd_ms": "1"}], "entry 0 needs fwd_bwd_ms, tokens, seq_len: numbers > 0"),
+                         ([{**good, "shape": []}], "entry 0 lacks a known kind and a shape")]:
+        bad.write_text(json.dumps({"entries": entries}))
+        with pytest.raises(ValueError, match=why):
+            CostTable.load(bad)
+    bad.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        CostTable.load(bad)
+    with pytest.raises(ValueError, match="a folder, not a file"):
+        CostTable.load(tmp_path)
 
 
 def _cli(capsys, *argv):

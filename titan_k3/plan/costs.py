@@ -38,6 +38,10 @@ def layer_shape(a: K3Args, kind: str, experts_local: int | None = None) -> dict[
     return shape
 
 
+def _positive_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
 @dataclass(frozen=True)
 class KindCost:
     """Seconds of one sublayer of a kind for one micro-batch (forward + backward), and where it came from."""
@@ -53,22 +57,26 @@ class CostTable:
     @classmethod
     def load(cls, path: str | Path = DEFAULT_TABLE) -> "CostTable":
         path = Path(path)
+        if path.is_dir():
+            raise ValueError(f"layer cost table '{path}': a folder, not a file (benchmarks/layer_cost.py writes it)")
         if not path.is_file():
             raise ValueError(f"layer cost table '{path}': no such file (benchmarks/layer_cost.py writes it)")
         try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+            data = json.loads(path.read_bytes())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"layer cost table '{path}': not valid JSON ({e})") from None
         entries = data.get("entries") if isinstance(data, dict) else None
         if not isinstance(entries, list):
             raise ValueError(f"layer cost table '{path}': expected an object with an 'entries' list")
         for i, e in enumerate(entries):
+            if not isinstance(e, dict):
+                raise ValueError(f"layer cost table '{path}': entry {i} is {type(e).__name__}, not an object")
             missing = [k for k in ("kind", "shape", "tokens", "seq_len", "fwd_bwd_ms") if k not in e]
-            if missing or e.get("kind") not in SHAPE_FIELDS:
-                raise ValueError(f"layer cost table '{path}': entry {i} lacks {missing or 'a known kind'} "
+            if missing or e.get("kind") not in SHAPE_FIELDS or not isinstance(e["shape"], dict):
+                raise ValueError(f"layer cost table '{path}': entry {i} lacks {missing or 'a known kind and a shape'} "
                                  f"(kinds: {', '.join(KINDS)})")
-            if not (e["fwd_bwd_ms"] > 0 and e["tokens"] > 0 and e["seq_len"] > 0):
-                raise ValueError(f"layer cost table '{path}': entry {i} needs fwd_bwd_ms, tokens, seq_len > 0")
+            if not all(_positive_number(e[k]) for k in ("fwd_bwd_ms", "tokens", "seq_len")):
+                raise ValueError(f"layer cost table '{path}': entry {i} needs fwd_bwd_ms, tokens, seq_len: numbers > 0")
         return cls(entries, str(path))
 
     def find(self, a: K3Args, kind: str, experts_local: int, seq_len: int, compiled: bool) -> dict | None:
