@@ -103,7 +103,7 @@ LABELLED = (
     Labelled("titan_k3_run_grad_norm_by_group", re.compile(r"^grad_norm/([^/]+)$"), "group",
              "Gradient norm per parameter group"),
     Labelled("titan_k3_run_moe_dead_fraction_by_layer", re.compile(r"^moe/([^/]+)/dead_fraction$"), "layer",
-             "Fraction of routed experts that received no tokens, per MoE layer"),
+             "Fraction of routed experts whose load is under 10% of the uniform share 1/E (dead), per MoE layer"),
     Labelled("titan_k3_run_moe_maxvio_by_layer", re.compile(r"^moe/([^/]+)/maxvio$"), "layer",
              "Max load violation (max expert load / mean load - 1), per MoE layer"),
     Labelled("titan_k3_run_moe_load_cv_by_layer", re.compile(r"^moe/([^/]+)/load_cv$"), "layer",
