@@ -24,7 +24,7 @@ NAMES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "titan_k3_tokens_per_second": ("gauge", ("clock",), "Tokens/s: clock=training (last window) or session (since start)."),
     "titan_k3_mfu": ("gauge", (), "Model FLOP utilisation of the last window against the device's dense bf16 peak (metrics.peak_tflops, or its datasheet figure)."),
     "titan_k3_grad_norm": ("gauge", ("group",), "Gradient L2 norm before clipping; group=global or a parameter group."),
-    "titan_k3_memory_bytes": ("gauge", ("kind",), "Memory: kind=peak_allocated, peak_reserved (accelerator) or host_rss."),
+    "titan_k3_memory_bytes": ("gauge", ("kind",), "Memory, the largest over the ranks: kind=peak_allocated, peak_reserved (accelerator, since the process started) or host_rss (now)."),
     "titan_k3_tokens_total": ("counter", (), "Tokens trained on (all data-parallel ranks)."),
     "titan_k3_skipped_updates_total": ("counter", (), "Updates skipped for a non-finite loss or grad norm."),
     "titan_k3_tokens_by_source_total": ("counter", ("source",), "Tokens trained on from each data source (all data-parallel ranks)."),
