@@ -21,7 +21,9 @@ from kernels.device import triton_runs_on
 from kernels.fused_ce import reference as ce_reference
 from kernels.grouped_gemm import reference as gg_reference
 from kernels.kda import reference as kda_reference
+from kernels.max_logit.kernel import MAX_WIDTH
 from kernels.max_logit.reference import max_logit_per_head_reference
+from kernels.router.ops import MAX_EXPERTS
 from kernels.router.reference import top_k_rows_reference
 from kernels.short_conv.reference import causal_conv_silu_reference
 from titan_k3.models.k3.mla import FLEX, VARLEN
@@ -150,14 +152,21 @@ def fla_chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
                      use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens, **gate)
 
 
-def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None = None) -> Impl:
+def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None = None, *,
+                 router_experts: int | None = None, qk_width: int | None = None) -> Impl:
     """Turn the [kernels] config section into callables, recording each choice.
 
-    max_mix_sources: the most sources a residual mix of the model reads (`K3Args.max_mix_sources`), checked
-    against the Triton mix's limit here, before any work (None: left to the mix's own check at its first call).
+    The model's shapes are checked here against the Triton kernels' limits, before any work (None: left to the
+    kernel's own check at its first call): max_mix_sources, the most sources a residual mix reads
+    (`K3Args.max_mix_sources`); router_experts, the experts a router ranks (None without MoE layers); qk_width,
+    the query-key width of MLA's heads (None without MLA layers). A kernel asked for ('triton') that cannot serve
+    them is refused; 'auto' falls back to the reference, reported.
     """
     on_cuda = device.type == "cuda"
     if kernels_cfg.kda == "fla":
+        if not on_cuda and not triton_runs_on("cpu"):
+            raise ValueError("config key 'kernels.kda' = 'fla': flash-linear-attention's Triton kernels need a CUDA "
+                             "device (or TRITON_INTERPRET=1 for Triton's CPU interpreter)")
         try:
             import fla.ops.kda  # noqa: F401
         except ImportError as e:
@@ -196,19 +205,26 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
     # compiled on its own beat the kernel in isolation (benchmarks/results/attn_res.md).
     attn_res, c_res = _pick("attn_res", kernels_cfg.attn_res, on_cuda,
                             ("kernels.attn_res", "pseudo_query_mix", "triton"), pseudo_query_mix_reference)
-    if c_res.chosen == "triton" and max_mix_sources is not None and max_mix_sources > MAX_SOURCES:
-        why = f"the model's mixes read up to {max_mix_sources} sources; the Triton mix takes at most {MAX_SOURCES}"
-        if kernels_cfg.attn_res == "triton":
-            raise ValueError(f"config key 'kernels.attn_res' = 'triton': {why}")
-        attn_res, c_res = pseudo_query_mix_reference, KernelChoice("attn_res", "auto", "torch", True, why)
+    if max_mix_sources is not None and max_mix_sources > MAX_SOURCES:
+        attn_res, c_res = _unserved(attn_res, c_res, pseudo_query_mix_reference,
+                                    f"the model's mixes read up to {max_mix_sources} sources; the Triton mix takes at "
+                                    f"most {MAX_SOURCES}")
     c_sums = _lever("kernels.attn_res_grad_in_place", kernels_cfg.attn_res_grad_in_place, c_res, "the Triton mix",
                     KernelChoice("attn_res_grads", "in_place", "in_place", False), "autograd")
     c_norms = _lever("kernels.attn_res_norm_in_mix", kernels_cfg.attn_res_norm_in_mix, c_res, "the Triton mix",
                      KernelChoice("pre_norms", "in_mix", "in_mix", False), "in_sublayer")
     router, c_router = _pick("router", kernels_cfg.router, on_cuda, ("kernels.router", "top_k_rows", "triton"),
                              top_k_rows_reference)
+    if router_experts is not None and router_experts > MAX_EXPERTS:
+        router, c_router = _unserved(router, c_router, top_k_rows_reference,
+                                     f"the model's routers rank {router_experts} experts; the Triton top-k holds rows "
+                                     f"of at most {MAX_EXPERTS}")
     max_logit, c_max = _pick("max_logit", kernels_cfg.max_logit, on_cuda,
                              ("kernels.max_logit", "max_logit_per_head", "triton"), max_logit_per_head_reference)
+    if qk_width is not None and qk_width > MAX_WIDTH:
+        max_logit, c_max = _unserved(max_logit, c_max, max_logit_per_head_reference,
+                                     f"the model's MLA heads have a query-key width of {qk_width}; the Triton max "
+                                     f"logit takes at most {MAX_WIDTH}")
     conv, c_conv = _pick("conv", kernels_cfg.conv, on_cuda, ("kernels.short_conv", "causal_conv_silu", "triton"),
                          causal_conv_silu_reference)
     backends, c_attn = _attention_backends(kernels_cfg.attention, on_cuda)
@@ -216,6 +232,17 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
                 attn_res_norm=c_norms.chosen == "in_mix", router=router, max_logit=max_logit, conv=conv,
                 choices=[c_kda, c_exp, c_weights, c_loss, c_grads, c_res, c_sums, c_norms, c_router, c_max, c_conv,
                          c_attn])
+
+
+def _unserved(fn: Callable, choice: KernelChoice, reference: Callable, why: str) -> tuple[Callable, KernelChoice]:
+    """The choice for an op whose Triton kernel cannot serve the model's shape (`why`): refused (ValueError naming
+    the config key) where kernels.<op> = 'triton' asked for it, the reference as a reported fallback where 'auto'
+    picked it; a choice that is not the Triton kernel stays as it is."""
+    if choice.chosen != "triton":
+        return fn, choice
+    if choice.requested == "triton":
+        raise ValueError(f"config key 'kernels.{choice.op}' = 'triton': {why}")
+    return reference, KernelChoice(choice.op, choice.requested, "torch", True, why)
 
 
 def _lever(key: str, asked: bool, choice: KernelChoice, what: str, on: KernelChoice, off: str) -> KernelChoice:
