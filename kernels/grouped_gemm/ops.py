@@ -204,8 +204,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     """
     if x.dim() != 2:
         raise ValueError(f"x has shape {tuple(x.shape)}; expected [N, K]")
-    if w.dim() != 3 or w.shape[1] != x.shape[1]:
-        raise ValueError(f"w has shape {tuple(w.shape)}; expected [E, K={x.shape[1]}, M]")
+    if w.dim() != 3 or w.shape[1] != x.shape[1] or w.shape[0] == 0:
+        raise ValueError(f"w has shape {tuple(w.shape)}; expected [E, K={x.shape[1]}, M] with E >= 1")
     if offsets.dim() != 1 or offsets.dtype != torch.int32 or offsets.shape[0] != w.shape[0]:
         raise ValueError(
             f"offsets is {offsets.dtype} of shape {tuple(offsets.shape)}; expected int32 [E={w.shape[0]}]"
@@ -366,8 +366,8 @@ def _check_moe(x_TL, w1_ELF, w3_ELF, w2_EFL, topk_idx_TK, topk_weight_TK) -> Non
     n_tokens, latent = x_TL.shape
     if x_TL.dtype not in _DTYPES:
         raise ValueError(f"x_TL has dtype {x_TL.dtype}; allowed: {', '.join(str(d) for d in _DTYPES)}")
-    if w1_ELF.dim() != 3 or w1_ELF.shape[1] != latent:
-        raise ValueError(f"w1_ELF has shape {tuple(w1_ELF.shape)}; expected [E, L={latent}, F]")
+    if w1_ELF.dim() != 3 or w1_ELF.shape[1] != latent or w1_ELF.shape[0] == 0:
+        raise ValueError(f"w1_ELF has shape {tuple(w1_ELF.shape)}; expected [E, L={latent}, F] with E >= 1")
     n_experts, _, hidden = w1_ELF.shape
     if w3_ELF.shape != w1_ELF.shape:
         raise ValueError(f"w3_ELF has shape {tuple(w3_ELF.shape)}; expected w1's {tuple(w1_ELF.shape)}")

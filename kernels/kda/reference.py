@@ -123,8 +123,8 @@ def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias
         raise ValueError(f"g must have q's shape {tuple(q.shape)}, got {tuple(g.shape)}")
     if beta.shape != (B, T, H):
         raise ValueError(f"beta must be [B, T, H] = [{B}, {T}, {H}], got {tuple(beta.shape)}")
-    if K > 256 or V > 256:
-        raise ValueError(f"K and V must be <= 256, got K={K}, V={V}")
+    if not 1 <= K <= 256 or V > 256:
+        raise ValueError(f"K must be in 1..256 and V <= 256, got K={K}, V={V}")
     named = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias)
     for name, t in named.items():
         if t is not None and not t.is_floating_point():
