@@ -1,7 +1,8 @@
 """Checks on a whole JobConfig: ranges and combinations of keys.
 
 Each failure is a ConfigError whose one line names the key, the value and
-what is allowed. Torch-free; world-size checks happen in parallel/dims.py.
+what is allowed. Torch-free; the degrees against a world size are
+`resolve_degrees`, which the trainer (parallel/dims.py) calls under torchrun.
 """
 
 from __future__ import annotations
@@ -82,6 +83,29 @@ def seq_len_at(update: int, base_seq_len: int, stages: list[tuple[int, int]]) ->
         if update >= start:
             seq = stage_seq
     return seq
+
+
+def resolve_degrees(parallelism, world_size: int, n_experts: int) -> tuple[int, int, int]:
+    """(replicate, shard, ep) of the [parallelism] section `parallelism` on `world_size` ranks, shard -1 resolved;
+    a degree that does not fit is a one-line ConfigError naming its key.
+
+    NOTE: torch-free, so that a launcher that knows the world size before the run (the control service) refuses a
+    layout with the line the run's ranks would print.
+    """
+    rep, shard, ep = (parallelism.data_parallel_replicate_degree, parallelism.data_parallel_shard_degree,
+                      parallelism.expert_parallel_degree)
+    _require(rep >= 1 and world_size % rep == 0,
+             f"config key 'parallelism.data_parallel_replicate_degree' = {rep}: must divide the world size {world_size}")
+    if shard == -1:
+        shard = world_size // rep
+    _require(shard >= 1 and rep * shard == world_size,
+             f"config key 'parallelism.data_parallel_shard_degree' = {shard}: replicate {rep} x shard {shard} must equal "
+             f"the world size {world_size} (use -1 for the rest)")
+    _require(ep >= 1 and shard % ep == 0,
+             f"config key 'parallelism.expert_parallel_degree' = {ep}: must divide the data-parallel shard degree {shard}")
+    _require(n_experts % ep == 0,
+             f"config key 'parallelism.expert_parallel_degree' = {ep}: must divide the number of experts {n_experts}")
+    return rep, shard, ep
 
 
 DEFAULT_WARMUP_STEPS = 2

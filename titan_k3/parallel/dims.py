@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan_k3.config import ConfigError
+from titan_k3.config.validate import resolve_degrees
 
 
 @dataclass(frozen=True)
@@ -28,31 +28,8 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, parallelism, world_size: int, n_experts: int) -> "ParallelDims":
-        """Resolve -1 and check every degree; a bad one is a one-line ConfigError."""
-        rep, shard, ep = (
-            parallelism.data_parallel_replicate_degree,
-            parallelism.data_parallel_shard_degree,
-            parallelism.expert_parallel_degree,
-        )
-        if rep < 1 or world_size % rep:
-            raise ConfigError(
-                f"config key 'parallelism.data_parallel_replicate_degree' = {rep}: must divide the world size {world_size}"
-            )
-        if shard == -1:
-            shard = world_size // rep
-        if shard < 1 or rep * shard != world_size:
-            raise ConfigError(
-                f"config key 'parallelism.data_parallel_shard_degree' = {shard}: replicate {rep} x shard {shard} "
-                f"must equal the world size {world_size} (use -1 for the rest)"
-            )
-        if ep < 1 or shard % ep:
-            raise ConfigError(
-                f"config key 'parallelism.expert_parallel_degree' = {ep}: must divide the data-parallel shard degree {shard}"
-            )
-        if n_experts % ep:
-            raise ConfigError(
-                f"config key 'parallelism.expert_parallel_degree' = {ep}: must divide the number of experts {n_experts}"
-            )
+        """Resolve -1 and check every degree (config/validate.py:resolve_degrees); a bad one is a one-line ConfigError."""
+        rep, shard, ep = resolve_degrees(parallelism, world_size, n_experts)
         return cls(rep, shard, ep, world_size)
 
     @property
