@@ -154,11 +154,11 @@ class LRScheduler:
 @dataclass
 class Parallelism:
     data_parallel_replicate_degree: int = 1
-    """Replicas for HSDP (each replica shards over data_parallel_shard_degree ranks)."""
+    """Replicas for HSDP (each replica shards over data_parallel_shard_degree ranks); must divide the world size."""
     data_parallel_shard_degree: int = -1
-    """FSDP2 shard degree; -1 takes the rest of the world size."""
+    """FSDP2 shard degree; -1 takes the rest of the world size (replicate x shard must equal it)."""
     expert_parallel_degree: int = 1
-    """Ranks the routed experts are split over (folded onto the data-parallel ranks)."""
+    """Ranks the routed experts are split over, folded onto the data-parallel shard ranks (not the replicas): must divide data_parallel_shard_degree and the flavor's routed experts."""
     expert_dispatch: Literal["all_gather", "all_to_all"] = "all_gather"
     """How routed rows reach the experts' ranks under EP. all_gather: every rank gathers the group's latent rows and routing, runs its own experts on the rows routed to them, and a reduce-scatter sums the outputs home; fixed sizes, so no host wait and the MoE sublayer compiles whole, at the cost of expert buffers sized for all the group's token-slots (right for small EP inside a node). all_to_all: only the routed rows travel, sized by a per-layer count exchange the host waits for (right for large EP)."""
     fsdp_reshard_after_forward: bool = True
