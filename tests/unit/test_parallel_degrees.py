@@ -42,7 +42,8 @@ def test_degrees_resolve(args, world, degrees):
      "config key 'parallelism.expert_parallel_degree' = 4: must divide the data-parallel shard degree 2"),
     # EP is folded over the shard ranks, not the replicas.
     (["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.expert_parallel_degree", "2"], 2,
-     "config key 'parallelism.expert_parallel_degree' = 2: must divide the data-parallel shard degree 1"),
+     "config key 'parallelism.expert_parallel_degree' = 2: must divide the data-parallel shard degree 1 (EP splits the "
+     "experts over the shard ranks, not over the 2 replicas)"),
 ])
 def test_a_degree_that_does_not_fit_is_the_runs_line(args, world, line):
     from titan_k3.parallel.dims import ParallelDims

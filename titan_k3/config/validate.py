@@ -101,8 +101,10 @@ def resolve_degrees(parallelism, world_size: int, n_experts: int) -> tuple[int, 
     _require(shard >= 1 and rep * shard == world_size,
              f"config key 'parallelism.data_parallel_shard_degree' = {shard}: replicate {rep} x shard {shard} must equal "
              f"the world size {world_size} (use -1 for the rest)")
+    replicas = f" (EP splits the experts over the shard ranks, not over the {rep} replicas)" if rep > 1 else ""
     _require(ep >= 1 and shard % ep == 0,
-             f"config key 'parallelism.expert_parallel_degree' = {ep}: must divide the data-parallel shard degree {shard}")
+             f"config key 'parallelism.expert_parallel_degree' = {ep}: must divide the data-parallel shard degree "
+             f"{shard}{replicas}")
     _require(n_experts % ep == 0,
              f"config key 'parallelism.expert_parallel_degree' = {ep}: must divide the number of experts {n_experts}")
     return rep, shard, ep
