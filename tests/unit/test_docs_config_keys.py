@@ -97,13 +97,15 @@ def test_every_value_the_docs_give_a_key_is_of_its_type():
     shown = shown_values()
     assert len(shown) > 20, "the docs give few values: the pattern is wrong"
     types = key_types()
-    wrong = sorted(((doc, key, value) for doc, key, value in shown if key in types and not fits(value, types[key])), key=str)
+    wrong = sorted(((doc, key, value) for doc, key, value in shown if key in types and not fits(value, types[key])),
+                   key=str)
     assert not wrong, f"the docs give these keys a value of another type or outside their choices: {wrong}"
 
 
 def test_a_value_outside_the_choices_is_found_and_a_placeholder_is_no_value(tmp_path):
     doc = tmp_path / "x.md"
-    doc.write_text('`kernels.kda = "fal"`, `--data.dataset DIR`, `--training.steps 50`, `debug.kill_in_save_at_step = N`\n')
+    doc.write_text('`kernels.kda = "fal"`, `--data.dataset DIR`, `--training.steps 50`,\n'
+                   '`debug.kill_in_save_at_step = N`\n')
     assert shown_values([doc]) == {("x.md", "kernels.kda", "fal"), ("x.md", "training.steps", 50)}
     types = key_types()
     assert not fits("fal", types["kernels.kda"]) and fits("fla", types["kernels.kda"])
