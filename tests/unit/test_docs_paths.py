@@ -1,4 +1,5 @@
-"""Every repository path the documentation cites exists, and every `path.py:name` it cites defines that name.
+"""Every repository path the documentation cites exists, every `path.py:name` it cites defines that name, and
+every relative Markdown link ([k3.md §1](k3.md#1-the-decoder)) leads to a file and, with an anchor, to a heading.
 
 A path is cited from the repository root (`titan_k3/...`, `benchmarks/...`, `.ci/...`) or, in a README below
 the root, from its own folder (deploy/README.md's `prometheus/alerts.yml`). A path with a placeholder in it
@@ -66,3 +67,30 @@ def test_the_pattern_finds_paths_and_names_and_skips_placeholders(tmp_path):
     assert resolve("x.md", "titan_k3/nowhere.py") is None
     assert defines("class A:\n    x = 1\n\n    def step(self):\n        pass\n", "A.step")
     assert not defines("def step():\n    pass\n", "A.step")
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def broken_links(docs: list[Path] = DOCS, root: Path = REPO) -> list[tuple[str, str]]:
+    broken = []
+    for doc in docs:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file, _, anchor = target.partition("#")
+            linked = doc.parent / file if file else doc
+            if not linked.is_file() or anchor and anchor not in {
+                    slug(h) for h in re.findall(r"^#+\s+(.*)$", linked.read_text(), re.M)}:
+                broken.append((doc.relative_to(root).as_posix(), target))
+    return broken
+
+
+def test_every_relative_link_leads_to_a_file_and_a_heading(tmp_path):
+    assert not broken_links(), f"links in the docs that lead nowhere: {broken_links()}"
+    (tmp_path / "a.md").write_text("# A\n## 2.1 Kimi Delta Attention (KDA)\n")
+    doc = tmp_path / "b.md"
+    doc.write_text("[x](a.md#21-kimi-delta-attention-kda) [y](a.md#22-mla) [z](c.md) [w](https://example.org)\n")
+    assert broken_links([doc], tmp_path) == [("b.md", "a.md#22-mla"), ("b.md", "c.md")]
