@@ -46,14 +46,19 @@ def test_degrees_resolve(args, world, degrees):
      "experts over the shard ranks, not over the 2 replicas)"),
 ])
 def test_a_degree_that_does_not_fit_is_the_runs_line(args, world, line):
+    """The function's line is the run's, and the planner's, which the control service refuses a submission with
+    (titan_k3/plan/search.py:resolve_layout; it had a copy of the checks whose EP line differed)."""
     from titan_k3.parallel.dims import ParallelDims
+    from titan_k3.plan.search import resolve_layout
 
     p = _parallelism(*args)
     with pytest.raises(ConfigError) as here:
         resolve_degrees(p, world, 8)
     with pytest.raises(ConfigError) as run:
         ParallelDims.from_config(p, world, 8)
-    assert str(here.value) == str(run.value) == line
+    with pytest.raises(ConfigError) as planner:
+        resolve_layout(load_job_config(["--model.flavor", "debug", *args]), world, 8)
+    assert str(here.value) == str(run.value) == str(planner.value) == line
 
 
 def test_resolving_degrees_imports_no_torch():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from titan_k3.config.validate import resolve_degrees
 from titan_k3.models.k3.args import K3Args, get_flavor
 from titan_k3.plan.cluster import Cluster
 from titan_k3.plan.costs import DEFAULT_TABLE, CostTable
@@ -29,19 +30,10 @@ def divisors(n: int, at_most: int | None = None) -> list[int]:
 
 
 def resolve_layout(cfg, world: int, n_experts: int) -> Layout:
-    """The config's layout on `world` GPUs; a degree that does not fit is a one-line ValueError (as the trainer)."""
+    """The config's layout on `world` GPUs; a degree that does not fit is the trainer's one-line ConfigError (a
+    ValueError), from the trainer's function."""
     p, t = cfg.parallelism, cfg.training
-    rep, shard, ep = p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.expert_parallel_degree
-    if world % rep:
-        raise ValueError(f"config key 'parallelism.data_parallel_replicate_degree' = {rep}: must divide the "
-                         f"world size {world}")
-    shard = world // rep if shard == -1 else shard
-    if rep * shard != world:
-        raise ValueError(f"config key 'parallelism.data_parallel_shard_degree' = {shard}: replicate {rep} x shard "
-                         f"{shard} must equal the world size {world} (use -1 for the rest)")
-    if shard % ep or n_experts % ep:
-        raise ValueError(f"config key 'parallelism.expert_parallel_degree' = {ep}: must divide the data-parallel "
-                         f"shard degree {shard} and the number of experts {n_experts}")
+    rep, shard, ep = resolve_degrees(p, world, n_experts)
     return Layout(rep, shard, ep, t.local_batch_size, t.grad_accum, t.seq_len, cfg.activation_checkpoint.mode,
                   reshard_after_forward=p.fsdp_reshard_after_forward, defer_grad_reduce=p.fsdp_defer_grad_reduce,
                   expert_dispatch=p.expert_dispatch, optimizer=cfg.optimizer.name,
