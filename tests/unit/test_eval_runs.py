@@ -78,9 +78,13 @@ def test_offline_eval_bad_input_is_one_line_and_exit_2(run, tmp_path, capsys):
 
 
 def test_eval_batch_must_split_evenly_over_ranks():
-    cfg = load_job_config(["--eval.batch_size", "8"])
+    cfg = load_job_config(["--eval.batch_size", "8", "--eval.interval", "10"])
     with pytest.raises(ConfigError, match="'eval.batch_size' = 8: must be a multiple of the 3 data-parallel ranks"):
         Evaluator(cfg, tokenizer=None, device=torch.device("cpu"), dp_rank=0, dp_world=3)
+    # Evaluation off (eval.interval = 0, the default) or without validation batches: nothing is split over the ranks,
+    # and a world of 3 was refused on the defaults.
+    Evaluator(load_job_config(["--eval.batch_size", "8"]), tokenizer=None, device=torch.device("cpu"), dp_world=3)
+    Evaluator(cfg, tokenizer=None, device=torch.device("cpu"), dp_world=3, val_steps=0)
 
 
 def test_evaluation_without_a_validation_split_stops_at_start(monkeypatch):

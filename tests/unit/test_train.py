@@ -459,7 +459,8 @@ def test_validate_only_refuses_a_taken_metrics_port_with_the_line_the_run_gives(
 def test_validate_only_refuses_an_eval_batch_the_launchs_ranks_do_not_divide(tmp_path, capsys, monkeypatch):
     """The run's evaluator refuses it at the start of a two-rank launch; --job.validate_only said 'config ok'."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main(["--job.dump_folder", str(tmp_path), "--job.validate_only", "--eval.batch_size", "3"]) == 2
+    assert main(["--job.dump_folder", str(tmp_path), "--job.validate_only", "--eval.batch_size", "3",
+                 "--eval.interval", "10"]) == 2
     assert capsys.readouterr().err.startswith(
         "error: config key 'eval.batch_size' = 3: must be a multiple of the 2 data-parallel ranks")
 

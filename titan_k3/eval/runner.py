@@ -57,11 +57,14 @@ class Evaluator:
     def __init__(self, cfg: JobConfig, tokenizer, device: torch.device, *, dp_rank: int = 0, dp_world: int = 1,
                  dp_group=None, val_steps: int | None = None, tasks: str | None = None, offline: bool = False):
         e = cfg.eval
-        if e.batch_size % dp_world:
-            raise ConfigError(f"config key 'eval.batch_size' = {e.batch_size}: must be a multiple of the "
-                              f"{dp_world} data-parallel ranks")
         if val_steps is not None and val_steps < 0:
             raise ValueError(f"val_steps={val_steps}: must be >= 0")
+        evaluates = offline or e.interval > 0
+        # NOTE: only the validation batches are split over the ranks; with evaluation off (eval.interval = 0) the
+        # default batch of 8 refused a world of 3, which never evaluates
+        if evaluates and (e.steps if val_steps is None else val_steps) and e.batch_size % dp_world:
+            raise ConfigError(f"config key 'eval.batch_size' = {e.batch_size}: must be a multiple of the "
+                              f"{dp_world} data-parallel ranks")
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
         self.dp_rank, self.dp_world, self.dp_group = dp_rank, dp_world, dp_group
         self.val_steps = e.steps if val_steps is None else val_steps
@@ -70,7 +73,7 @@ class Evaluator:
         self.batch_inputs = get_model_spec(cfg.model.name).batch_inputs
         # NOTE: the Triton KDA kernels take whole chunks; the reference takes any length.
         self.pad_to = 1 if cfg.kernels.kda == "torch" else KDA_CHUNK
-        if self.val_steps and (offline or e.interval > 0):
+        if self.val_steps and evaluates:
             self._check_split(dp_rank == 0)
 
     def _check_split(self, loud: bool) -> None:
