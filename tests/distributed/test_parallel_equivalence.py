@@ -71,6 +71,9 @@ def test_four_processes_hsdp_and_ep(reference, tmp_path):
     runs = [
         ("hsdp_2x2", ["--parallelism.data_parallel_replicate_degree", "2"], STEPS),
         ("fsdp4_ep2", ["--parallelism.expert_parallel_degree", "2"], STEPS),
+        # EP as wide as the shard degree: each rank holds its experts whole, which FSDP only replicates
+        ("hsdp_2x2_ep2", ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.expert_parallel_degree",
+                          "2"], STEPS),
     ]
     ranks = run_distributed(4, runs, tmp_path)
     for name, _, steps in runs:
