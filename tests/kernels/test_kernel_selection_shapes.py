@@ -54,3 +54,22 @@ def test_fla_kda_without_cuda_or_the_interpreter_is_refused_before_its_import(mo
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="'kernels.kda' = 'fla': .*need a CUDA device"):
         resolve_k3_kernels(load_job_config(["--kernels.kda", "fla"]).kernels, torch.device("cpu"), get_flavor("debug"))
+
+
+def test_mla_heads_wider_than_flash_attention_are_refused_or_reported():
+    from titan_k3.models.k3.impl import FLASH_MAX_WIDTH
+    from titan_k3.models.k3.mla import VARLEN
+
+    wide = get_flavor("debug").replace(qk_nope_dim=FLASH_MAX_WIDTH, qk_rope_dim=16)  # q, k and v padded to 272
+    for asked in ("varlen", "flash"):
+        with pytest.raises(ValueError, match=rf"'kernels.attention' = '{asked}': .*width of {FLASH_MAX_WIDTH + 16}"):
+            bf16 = ["--training.compute_dtype", "bfloat16"]  # flash's own condition, checked first
+            resolve_k3_kernels(load_job_config(["--kernels.attention", asked, *bf16]).kernels, CUDA, wide)
+    impl = resolve_k3_kernels(load_job_config([]).kernels, CUDA, wide)
+    assert VARLEN not in impl.sdpa_backends and _choice(impl, "attention").fallback
+    narrow_v = get_flavor("debug").replace(v_head_dim=FLASH_MAX_WIDTH + 1)  # the value side sets the width too
+    assert _choice(resolve_k3_kernels(load_job_config([]).kernels, CUDA, narrow_v), "attention").fallback
+    fits = get_flavor("debug").replace(qk_nope_dim=FLASH_MAX_WIDTH - 16, qk_rope_dim=16)
+    assert VARLEN in resolve_k3_kernels(load_job_config([]).kernels, CUDA, fits).sdpa_backends
+    on_cpu = resolve_k3_kernels(load_job_config(["--kernels.attention", "math"]).kernels, torch.device("cpu"), wide)
+    assert not _choice(on_cpu, "attention").fallback

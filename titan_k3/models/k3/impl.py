@@ -153,14 +153,16 @@ def fla_chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
 
 
 def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None = None, *,
-                 router_experts: int | None = None, qk_width: int | None = None) -> Impl:
+                 router_experts: int | None = None, qk_width: int | None = None,
+                 attention_width: int | None = None) -> Impl:
     """Turn the [kernels] config section into callables, recording each choice.
 
     The model's shapes are checked here against the Triton kernels' limits, before any work (None: left to the
     kernel's own check at its first call): max_mix_sources, the most sources a residual mix reads
     (`K3Args.max_mix_sources`); router_experts, the experts a router ranks (None without MoE layers); qk_width,
-    the query-key width of MLA's heads (None without MLA layers). A kernel asked for ('triton') that cannot serve
-    them is refused; 'auto' falls back to the reference, reported.
+    the query-key width of MLA's heads (None without MLA layers); attention_width, the one width flash attention
+    takes MLA's q, k and v at (max of the query-key and value widths). A kernel asked for ('triton', or flash
+    attention) that cannot serve them is refused; 'auto' falls back to the reference (SDPA's others), reported.
     """
     on_cuda = device.type == "cuda"
     if kernels_cfg.kda == "fla":
@@ -227,7 +229,7 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
                                      f"logit takes at most {MAX_WIDTH}")
     conv, c_conv = _pick("conv", kernels_cfg.conv, on_cuda, ("kernels.short_conv", "causal_conv_silu", "triton"),
                          causal_conv_silu_reference)
-    backends, c_attn = _attention_backends(kernels_cfg.attention, on_cuda)
+    backends, c_attn = _attention_backends(kernels_cfg.attention, on_cuda, attention_width)
     return Impl(kda, experts, loss, backends, attn_res=attn_res, attn_res_sinks=c_sums.chosen == "in_place",
                 attn_res_norm=c_norms.chosen == "in_mix", router=router, max_logit=max_logit, conv=conv,
                 choices=[c_kda, c_exp, c_weights, c_loss, c_grads, c_res, c_sums, c_norms, c_router, c_max, c_conv,
@@ -285,7 +287,12 @@ def _fp8_loss_grads(loss: Callable, c_loss: KernelChoice, device: torch.device) 
     return functools.partial(loss, fp8_grads=True)
 
 
-def _attention_backends(requested: str, on_cuda: bool) -> tuple[list | None, KernelChoice]:
+FLASH_MAX_WIDTH = 256
+"""The widest head flash attention takes (its variable-length kernel and SDPA's flash backend): a wider one stopped
+the first forward."""
+
+
+def _attention_backends(requested: str, on_cuda: bool, width: int | None = None) -> tuple[list | None, KernelChoice]:
     from torch.nn.attention import SDPBackend
 
     table = {
@@ -294,6 +301,13 @@ def _attention_backends(requested: str, on_cuda: bool) -> tuple[list | None, Ker
         "efficient": SDPBackend.EFFICIENT_ATTENTION,
         "math": SDPBackend.MATH,
     }
+    if on_cuda and width is not None and width > FLASH_MAX_WIDTH:
+        why = (f"the model's MLA heads take q, k and v at a width of {width} in flash attention; it takes at most "
+               f"{FLASH_MAX_WIDTH}")
+        if requested in ("varlen", "flash"):
+            raise ValueError(f"config key 'kernels.attention' = {requested!r}: {why}")
+        if requested == "auto":
+            return [table["cudnn"], table["efficient"]], KernelChoice("attention", "auto", "cudnn", True, why)
     if requested == "flex":
         if not on_cuda:
             # NOTE: torch's flex_attention runs forward on CPU but refuses backward there, so a CPU run could
