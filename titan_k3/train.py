@@ -45,7 +45,7 @@ from titan_k3.config import ConfigError, JobConfig, load_job_config
 from titan_k3.config.errors import toml_value
 from titan_k3.config.manager import print_help
 from titan_k3.config.check import (
-    CONFIG_ERROR_EXIT, check_compile_cache, check_data, check_files, check_host, check_packages,
+    CONFIG_ERROR_EXIT, check_compile_cache, check_data, check_files, check_host, check_packages, load_data_tokenizer,
 )
 from titan_k3.config.validate import parse_context_stages, parse_mixture, seq_len_at, warmup_updates
 from titan_k3.data.budget import describe_run_data, report_lines, run_tokens
@@ -155,12 +155,7 @@ def _allocator_settings(cfg: JobConfig, device: torch.device) -> None:
 
 def _tokenizer_and_vocab(cfg: JobConfig):
     """(data.tokenizer loaded, the model's vocabulary: model.vocab_size, or 0's the tokenizer's rounded up to 64)."""
-    from titan_k3.data.tokenizer import load_tokenizer
-
-    try:
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
-    except ValueError as e:
-        raise ConfigError(f"config key 'data.tokenizer' = {toml_value(cfg.data.tokenizer)}: {e}") from None
+    tokenizer = load_data_tokenizer(cfg)
     vocab = cfg.model.vocab_size or -(-tokenizer.vocab_size // 64) * 64
     if vocab < tokenizer.vocab_size:
         raise ConfigError(f"config key 'model.vocab_size' = {vocab}: below the tokenizer's vocabulary of "

@@ -142,9 +142,20 @@ def check_data(cfg: JobConfig) -> None:
                           f"training split of data.dataset = {toml_value(d.dataset)} ({tokens:,} tokens)")
 
 
+def load_data_tokenizer(cfg: JobConfig):
+    """data.tokenizer, loaded as the run loads it; one that does not load is a ConfigError naming the key."""
+    from titan_k3.data.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(cfg.data.tokenizer)
+    except ValueError as e:
+        raise ConfigError(f"config key 'data.tokenizer' = {toml_value(cfg.data.tokenizer)}: {e}") from None
+
+
 def check_files(cfg: JobConfig) -> None:
     """Files the run reads exist, each of its kind: tokenizer and evaluation tasks files, the initial checkpoint a
-    directory (a checkpoint, a checkpoints folder or an export)."""
+    directory (a checkpoint, a checkpoints folder or an export); the tokenizer loads (before check_data compares it
+    with the dataset's: a file that is no tokenizer was reported as another tokenizer than the dataset's)."""
     named = [("data.tokenizer", cfg.data.tokenizer, False),
              ("checkpoint.initial_load_path", cfg.checkpoint.initial_load_path, True)]
     named += [("eval.tasks", t.strip(), False) for t in cfg.eval.tasks.split(",") if t.strip()]
@@ -159,6 +170,8 @@ def check_files(cfg: JobConfig) -> None:
                               "step-N directory, a checkpoints folder or an exported model)")
         if not folder and path.is_dir():
             raise ConfigError(f"config key '{key}' = {toml_value(value)}: is a directory, not a file")
+    if cfg.data.tokenizer not in ("", "embedded"):
+        load_data_tokenizer(cfg)
 
 
 def check_compile_cache(cfg: JobConfig) -> None:
