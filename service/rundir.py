@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import tomli
 
+from titan_k3.values import is_number
+
 SERVICE_NAMES = ("submitted.toml", "service")
 """What the service itself keeps at the top of a run directory: the TOML as submitted, and the attempts' records."""
 
@@ -72,19 +74,15 @@ class JsonlFollower:
         return out
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def numeric(record: dict[str, Any]) -> dict[str, float]:
     """The int/float entries of a metrics record (bools, strings and lists dropped)."""
-    return {k: float(v) for k, v in record.items() if _is_number(v)}
+    return {k: float(v) for k, v in record.items() if is_number(v)}
 
 
 def vectors(record: dict[str, Any]) -> dict[str, list[float]]:
     """The list-of-number entries of a metrics record (e.g. per-expert load shares)."""
     return {k: [float(x) for x in v] for k, v in record.items()
-            if isinstance(v, list) and v and all(_is_number(x) for x in v)}
+            if isinstance(v, list) and v and all(is_number(x) for x in v)}
 
 
 class StatCache:
@@ -179,7 +177,7 @@ class RunFiles:
                     self._latest_vectors = vectors(rec)
             for ev in self._events.poll():
                 step = ev.get("step")
-                if _is_number(step) and math.isfinite(step):
+                if is_number(step, finite=True):
                     self._max_event_step = max(self._max_event_step, int(step))
                 self._recent_events.append(ev)
                 if _count(ev, self._event_counts, self._violations):

@@ -39,6 +39,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from titan_k3.data.bpe import Tokenizer, file_sha256
+from titan_k3.values import is_integer, is_number
 
 FORMAT = "titan_k3-shards"
 VERSION = 1
@@ -263,7 +264,7 @@ def _index_problem(index: dict) -> str | None:
     or None; so that a hand-edited or foreign index stops on one line naming the key, not on a KeyError."""
 
     def bad(where: str, value, kind: type, what: str) -> str | None:
-        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        ok = is_integer(value) if kind is int else isinstance(value, kind)
         return None if ok else f"key {where!r}: {value!r} is not {what}"
 
     def fields(where: str, body, spec: dict) -> str | None:
@@ -315,7 +316,7 @@ def _index_problem(index: dict) -> str | None:
             return problem
     mixture = index.get("mixture")
     if mixture is not None and not (isinstance(mixture, dict) and all(
-            isinstance(w, (int, float)) and not isinstance(w, bool) and np.isfinite(w) and w >= 0
+            is_number(w, finite=True) and w >= 0
             for w in mixture.values())):
         return f"key 'mixture': {mixture!r} is not a table of source weights >= 0"
     return None

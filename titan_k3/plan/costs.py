@@ -17,6 +17,7 @@ from pathlib import Path
 
 from titan_k3.models.k3.args import K3Args
 from titan_k3.plan.shapes import kind_flops
+from titan_k3.values import is_number
 
 DEFAULT_TABLE = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "layer_costs.json"
 
@@ -36,10 +37,6 @@ def layer_shape(a: K3Args, kind: str, experts_local: int | None = None) -> dict[
     if kind == "moe":
         shape["experts_local"] = a.n_experts if experts_local is None else experts_local
     return shape
-
-
-def _positive_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 @dataclass(frozen=True)
@@ -75,7 +72,7 @@ class CostTable:
             if missing or e.get("kind") not in SHAPE_FIELDS or not isinstance(e["shape"], dict):
                 raise ValueError(f"layer cost table '{path}': entry {i} lacks {missing or 'a known kind and a shape'} "
                                  f"(kinds: {', '.join(KINDS)})")
-            if not all(_positive_number(e[k]) for k in ("fwd_bwd_ms", "tokens", "seq_len")):
+            if not all(is_number(e[k]) and e[k] > 0 for k in ("fwd_bwd_ms", "tokens", "seq_len")):
                 raise ValueError(f"layer cost table '{path}': entry {i} needs fwd_bwd_ms, tokens, seq_len: numbers > 0")
         return cls(entries, str(path))
 

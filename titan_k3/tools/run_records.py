@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from titan_k3.metrics.run_dir import read_jsonl
+from titan_k3.values import is_number
 
 
 def run_dir_problem(run_dir: Path) -> str | None:
@@ -32,10 +33,6 @@ def read_lines(path: Path) -> list:
         raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def read_records(path: Path, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> list[dict]:
     """metrics.jsonl's records, each an object with a number for every one of `keys` (keys the trainer writes in
     every record) and for each of `optional` it holds (val_loss: evaluation steps only); else ValueError naming the
@@ -44,12 +41,12 @@ def read_records(path: Path, keys: tuple[str, ...], optional: tuple[str, ...] = 
     for n, r in enumerate(records, 1):
         if not isinstance(r, dict):
             raise ValueError(f"{path}:{n}: not a JSON object")
-        missing = [k for k in keys if not _is_number(r.get(k))]
+        missing = [k for k in keys if not is_number(r.get(k))]
         if missing:
             raise ValueError(f"{path}:{n}: record without a number for {', '.join(map(repr, missing))} (the trainer "
                              "writes each in every record)")
         for k in optional:
-            if k in r and not _is_number(r[k]):
+            if k in r and not is_number(r[k]):
                 raise ValueError(f"{path}:{n}: {k!r} = {r[k]!r}, not a number (the trainer writes no such record)")
     return records
 
@@ -60,7 +57,7 @@ def read_events(path: Path) -> list[dict]:
     for n, e in enumerate(events, 1):
         if not (isinstance(e, dict) and isinstance(e.get("kind"), str)):
             raise ValueError(f"{path}: event {n} is not an object with a 'kind' (the trainer writes no such line)")
-        if "step" in e and not _is_number(e["step"]):
+        if "step" in e and not is_number(e["step"]):
             raise ValueError(f"{path}: event {n}: 'step' = {e['step']!r}, not a number (the trainer writes no such "
                              "line)")
     return events

@@ -26,6 +26,8 @@ import numpy as np
 from scipy.optimize import minimize
 from scipy.special import huber, logsumexp
 
+from titan_k3.values import is_number
+
 HUBER_DELTA = 1e-3
 
 
@@ -179,8 +181,7 @@ def read_points(path: Path) -> tuple[list[float], list[float], list[float]]:
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise PointsError(f"{path} line {n}: expected {{params, tokens, loss}} ({e})") from None
             # NOTE: the fit works on logarithms: a zero, negative or non-finite value has none.
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-                       for v in values):
+            if not all(is_number(v, finite=True) and v > 0 for v in values):
                 raise PointsError(f"{path} line {n}: params, tokens and loss must be positive numbers, got "
                                   f"{', '.join(json.dumps(v) for v in values)}")
             for column, v in zip((N, D, L), values):

@@ -9,10 +9,10 @@ k experts per token, L latent width, F expert hidden width, T sequence length.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from titan_k3.spec import K3_FLAVORS, KDA_CHUNK
+from titan_k3.values import is_integer, is_number
 
 
 # The widest KDA head (K = V) the kernels take: kernels/kda checks it again per call, with the dtype (float32
@@ -87,19 +87,11 @@ _COUNTS = ("qk_nope_dim", "qk_rope_dim", "n_shared_experts", "n_dense_layers")
 """Fields that may be 0: integers >= 0."""
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def shape_problem(a: K3Args) -> str | None:
     """The one line 'field=value: why' of the first field the model cannot be built or run with, or None."""
     for name in _SIZES + _COUNTS:
         value, least = getattr(a, name), 1 if name in _SIZES else 0
-        if not _is_int(value) or value < least:
+        if not is_integer(value) or value < least:
             return f"{name}={value!r}: must be an integer >= {least}"
     if a.kda_head_dim > KDA_MAX_HEAD_DIM:
         return f"kda_head_dim={a.kda_head_dim}: the KDA kernels take head widths 1..{KDA_MAX_HEAD_DIM}"
@@ -114,15 +106,15 @@ def shape_problem(a: K3Args) -> str | None:
                 "top_k + 1 largest scores)")
     if a.n_dense_layers > a.n_layers:
         return f"n_dense_layers={a.n_dense_layers}: must be at most n_layers={a.n_layers}"
-    if not _is_real(a.norm_eps) or a.norm_eps <= 0:
+    if not is_number(a.norm_eps, finite=True) or a.norm_eps <= 0:
         return f"norm_eps={a.norm_eps!r}: must be a finite number > 0 (RMSNorm divides by sqrt(mean(x^2) + eps))"
     lb = a.kda_gate_lower_bound
-    if lb is not None and (not _is_real(lb) or lb >= 0):
+    if lb is not None and (not is_number(lb, finite=True) or lb >= 0):
         return (f"kda_gate_lower_bound={lb!r}: must be None (the softplus gate) or a finite number < 0 (the safe "
                 "gate's log decay lies in [bound, 0))")
     layers = a.full_attention_layers
     if layers is not None:
-        fine = isinstance(layers, tuple) and all(_is_int(i) and 0 <= i < a.n_layers for i in layers)
+        fine = isinstance(layers, tuple) and all(is_integer(i) and 0 <= i < a.n_layers for i in layers)
         if not fine or len(set(layers)) != len(layers):
             return (f"full_attention_layers={layers!r}: must be a tuple of distinct layer indices in "
                     f"0..{a.n_layers - 1} (an index past the layers made no layer MLA and was counted as one)")
