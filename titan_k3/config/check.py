@@ -108,8 +108,14 @@ def check_data(cfg: JobConfig) -> None:
         path = Path(d.dataset)
     try:
         ds = open_dataset(path, verify="size")
-        ds.check_tokenizer(*tokenizer_identity(d.tokenizer))
     except (OSError, ValueError) as e:
+        raise ConfigError(f"config key 'data.dataset' = {toml_value(d.dataset)}: {e}") from None
+    try:
+        ds.check_tokenizer(*tokenizer_identity(d.tokenizer))
+    except ValueError as e:
+        # NOTE: a file that is no tokenizer is that, not another tokenizer than the dataset's; loaded only here, on
+        # the way to a refusal (the run loads it once, when it starts)
+        load_data_tokenizer(cfg)
         raise ConfigError(f"config key 'data.dataset' = {toml_value(d.dataset)}: {e}") from None
     sources = ds.source_names
     mixture = parse_mixture(d.mixture)
@@ -154,8 +160,7 @@ def load_data_tokenizer(cfg: JobConfig):
 
 def check_files(cfg: JobConfig) -> None:
     """Files the run reads exist, each of its kind: tokenizer and evaluation tasks files, the initial checkpoint a
-    directory (a checkpoint, a checkpoints folder or an export); the tokenizer loads (before check_data compares it
-    with the dataset's: a file that is no tokenizer was reported as another tokenizer than the dataset's)."""
+    directory (a checkpoint, a checkpoints folder or an export)."""
     named = [("data.tokenizer", cfg.data.tokenizer, False),
              ("checkpoint.initial_load_path", cfg.checkpoint.initial_load_path, True)]
     named += [("eval.tasks", t.strip(), False) for t in cfg.eval.tasks.split(",") if t.strip()]
@@ -170,8 +175,6 @@ def check_files(cfg: JobConfig) -> None:
                               "step-N directory, a checkpoints folder or an exported model)")
         if not folder and path.is_dir():
             raise ConfigError(f"config key '{key}' = {toml_value(value)}: is a directory, not a file")
-    if cfg.data.tokenizer not in ("", "embedded"):
-        load_data_tokenizer(cfg)
 
 
 def check_compile_cache(cfg: JobConfig) -> None:

@@ -31,6 +31,7 @@ from titan_k3.config.check import dump_folder_problem
 from titan_k3.config.errors import toml_value
 from titan_k3.config.run_files import RUN_FILE_PATTERNS, RUN_FILES, RUN_FOLDERS
 
+
 def run_dir_path(cfg: JobConfig) -> Path:
     """dump_folder/name; with no name, '<recipe stem>-<UTC timestamp>' (fixed once per process)."""
     name = cfg.job.name
