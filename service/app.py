@@ -7,7 +7,6 @@ import fcntl
 import hmac
 import json
 import logging
-import math
 import os
 import secrets
 import shutil
@@ -46,17 +45,6 @@ of its registry row (its files no longer change). List and status answer from th
 PROBE_THREADS = 4
 """Worker threads of their own for /healthz and /metrics: requests that wait for the registry's lock in the shared
 pool (40 threads) during a slow supervisor pass cannot leave a probe or a scrape without one."""
-
-
-def _finite(obj: Any) -> Any:
-    """JSON has no NaN/Infinity: non-finite floats become null (a NaN loss must not break the API)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 def _view_key(run: Run, unsettled: dict[str, str]) -> tuple[float, int, str | None]:
@@ -312,8 +300,8 @@ class Service:
                                  exit_code=a.exit_code, gpus=a.assigned_gpus) for a in run.attempts],
             exit_codes=[a.exit_code for a in run.attempts if a.ended_at is not None],
             step=files.step(last.started_at if last else None), checkpoint_step=files.checkpoint_step(),
-            latest_checkpoint=files.latest_checkpoint(), latest_metrics=_finite(files.latest_metrics()),
-            invariant_violations=self.scrub(_finite(ev["invariant_violations"])), events=ev["counts"],
+            latest_checkpoint=files.latest_checkpoint(), latest_metrics=errors.finite(files.latest_metrics()),
+            invariant_violations=self.scrub(errors.finite(ev["invariant_violations"])), events=ev["counts"],
             registry_error=self.scrub(self.supervisor.unsettled().get(run.id)),
         )
 
@@ -497,7 +485,7 @@ def create_app(settings: Settings) -> FastAPI:
                 have = (f"run {run.id!r} records {', '.join(sorted(recorded))}" if recorded else
                         f"run {run.id!r} has recorded none yet; the trainer writes {', '.join(TRAINER_KEYS)}")
                 raise unprocessable(f"unknown metric key {unknown!r} in 'keys': {have}", "query", "keys")
-        return JSONResponse(_finite(files.history(tail, wanted)))
+        return JSONResponse(errors.finite(files.history(tail, wanted)))
 
     @app.get("/v1/recipes", response_model=list[str], dependencies=read, responses=read_auth)
     def list_recipes() -> list[str]:

@@ -77,18 +77,18 @@ async def validation_error(request: Request, exc: RequestValidationError) -> Res
             e = {**e, "msg": "request body is missing: expected a JSON object"}
         rule = _rule(e)
         out.append({**e, "msg": rule} if rule else e)
-    return JSONResponse({"detail": _finite(jsonable_encoder(out))}, status_code=422)
+    return JSONResponse({"detail": finite(jsonable_encoder(out))}, status_code=422)
 
 
-def _finite(obj: Any) -> Any:
-    """`obj` with its non-finite floats as null: an error echoes its input, and NaN or Infinity (which Python's JSON
-    parser takes) cannot be written back as JSON (the answer was a 500)."""
+def finite(obj: Any) -> Any:
+    """`obj` with its non-finite floats as null, for a JSON answer: JSON has no NaN or Infinity (a NaN loss must not
+    break the API, and an error that echoes its input, which Python's JSON parser took as NaN, was a 500)."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
+        return {str(k): finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
     return obj
 
 
