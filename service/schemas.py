@@ -32,8 +32,23 @@ def _one_value_error(value: Any, handler):
     return value
 
 
+# NOTE: no JsonInt here: an override reaches the trainer as command-line text, where 1.0 stays "1.0" and an integer
+# key refuses it as a TOML file's `steps = 1.0` is refused (taken as 1, it would pass here and not in the file)
 OverrideValue = Annotated[Union[bool, int, float, str], WrapValidator(_one_value_error)]
 OverrideKey = Annotated[str, StringConstraints(pattern=OVERRIDE_KEY_RE.pattern, max_length=200)]
+
+
+def _json_int(value: Any) -> Any:
+    """A JSON number of integral value (1.0, 2e0) as that integer: JSON Schema's integer, which the OpenAPI schema
+    says, counts it as one, and strict pydantic refused it. A boolean, a string, 1.5 and NaN/Infinity (1e400 is read
+    as inf) stay strict pydantic's to refuse, the field's bounds its to check."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# Every integer of a request body (the body is strict: `true` and "2" are no integers).
+JsonInt = Annotated[int, BeforeValidator(_json_int)]
 
 
 _QUERY_INT = re.compile(r"-?(0|[1-9][0-9]*)")
@@ -63,7 +78,7 @@ QUERY_BOOL = BeforeValidator(_query_bool)
 
 class RunCreate(BaseModel):
     # strict: the schema's integer refuses `true` and "2" (lax pydantic took them as 1 and 2), and the
-    # fuzzing test holds the service to its schema
+    # fuzzing test holds the service to its schema; its integers are JsonInt, which takes 1.0 as the schema does
     model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str | None = Field(None, max_length=RUN_ID_MAX, pattern=RUN_ID_PATTERN,
@@ -77,11 +92,11 @@ class RunCreate(BaseModel):
                     "job.validate_only, compile.cache_dir, checkpoint.save_on_stop and metrics.prometheus_host are "
                     "the service's.",
         examples=[{"model.flavor": "debug", "training.steps": 6}])
-    nproc_per_node: int = Field(1, ge=1, le=64, description="torchrun processes per node: at most `gpus`, or the "
+    nproc_per_node: JsonInt = Field(1, ge=1, le=64, description="torchrun processes per node: at most `gpus`, or the "
                                                               "host's CPU cores for a run without GPUs.")
-    gpus: int = Field(0, ge=0, le=64, description="GPUs wanted (at most the service's); the run waits in the queue "
+    gpus: JsonInt = Field(0, ge=0, le=64, description="GPUs wanted (at most the service's); the run waits in the queue "
                                                   "until they are free. 0: CPU (debug and tiny flavors only).")
-    restart_limit: int = Field(2, ge=0, le=100, description="Relaunches after a crash before the run is failed.")
+    restart_limit: JsonInt = Field(2, ge=0, le=100, description="Relaunches after a crash before the run is failed.")
 
 
 class AttemptOut(BaseModel):
