@@ -117,6 +117,10 @@ def test_toml_errors_name_the_file(tmp_path):
         load_job_config(["--job.config_file", str(toml)])
     with pytest.raises(ConfigError, match="no such file"):
         load_job_config(["--job.config_file", str(tmp_path / "missing.toml")])
+    toml.write_bytes(b"[job]\nname = 'caf\xe9'\n")  # the whole UnicodeDecodeError's text was the message
+    with pytest.raises(ConfigError) as e:
+        load_job_config(["--job.config_file", str(toml)])
+    assert str(e.value) == f"config key 'job.config_file' = '{toml}': not UTF-8 text (byte 17: invalid continuation byte)"
 
 
 def test_every_field_has_help_and_roundtrips():

@@ -59,11 +59,14 @@ def test_bad_input_is_one_line_and_status_2(tmp_path, capsys):
     good = "\n".join(f'{{"params": {n}, "tokens": {d}, "loss": {l}}}' for n, d, l in zip(N, D, L))
     pts = tmp_path / "runs.jsonl"
     pts.write_text(good)
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"params": "caf\xe9"}\n')
     zero = tmp_path / "zero.jsonl"
     zero.write_text(good + '\n{"params": 1e6, "tokens": 1e9, "loss": 0}\n')
     out = ["--out", str(tmp_path / "o")]
     for argv, expected in [
         ([str(tmp_path / "missing.jsonl"), *out], f"error: {tmp_path}/missing.jsonl: cannot read it (No such file"),
+        ([str(latin1), *out], f"error: {latin1}: not UTF-8 text (byte 15: invalid continuation byte)"),
         ([str(pts), "--bootstrap", "0", *out], "error: --bootstrap=0: must be >= 1"),
         ([str(pts), "--budget", "-1", *out], "error: --budget=-1.0: must be a positive number of FLOPs"),
         ([str(zero), *out], f"error: {zero} line {len(N) + 1}: params, tokens and loss must be positive numbers, got "

@@ -112,6 +112,8 @@ def test_what_the_summary_cannot_read_or_write_is_one_line(tmp_path, capsys):
                                             "starts at update 30: the run's steady rate would be nan)")
     (run / "config.toml").write_text("[job\n")
     assert error().startswith(f"error: {run}/config.toml: not valid TOML (")
+    (run / "config.toml").write_bytes(b"[job]\nname = 'caf\xe9'\n")
+    assert error() == f"error: {run}/config.toml: not UTF-8 text (byte 17: invalid continuation byte)"
     (run / "config.toml").write_text("")
     for line, expected in [("[1, 2]", "not a JSON object"),
                            ('{"step": 50}', "record without a number for 'tokens_seen', 'training_seconds'")]:

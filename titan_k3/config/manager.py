@@ -24,6 +24,7 @@ import tomli
 from titan_k3.config import job_config
 from titan_k3.config.errors import ConfigError, toml_value
 from titan_k3.config.job_config import JobConfig
+from titan_k3.textfiles import unreadable
 
 
 @functools.cache
@@ -244,7 +245,7 @@ def load_job_config(argv: list[str] | None = None, toml_text: str | None = None,
         try:
             text = path.read_text()
         except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config key 'job.config_file' = {toml_value(config_file)}: cannot read it ({e})") from None
+            raise ConfigError(unreadable(f"config key 'job.config_file' = {toml_value(config_file)}", e)) from None
         origin = str(path)
         from_toml = _apply_toml(cfg, parse_toml_text(text, origin), origin)
         _names_no_file(cfg, origin, is_run_config(path))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from titan_k3.metrics.run_dir import read_jsonl
+from titan_k3.textfiles import unreadable
 from titan_k3.values import is_number
 
 
@@ -24,13 +25,11 @@ def run_dir_problem(run_dir: Path) -> str | None:
 
 
 def read_lines(path: Path) -> list:
-    """read_jsonl, with a file that cannot be read (a folder, no permission, not UTF-8) named in one line."""
+    """read_jsonl, with a file that cannot be read named in one line."""
     try:
         return read_jsonl(path)
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(unreadable(str(path), e)) from None
 
 
 def read_records(path: Path, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> list[dict]:

@@ -26,6 +26,7 @@ import numpy as np
 from scipy.optimize import minimize
 from scipy.special import huber, logsumexp
 
+from titan_k3.textfiles import unreadable
 from titan_k3.values import is_number
 
 HUBER_DELTA = 1e-3
@@ -172,7 +173,7 @@ def read_points(path: Path) -> tuple[list[float], list[float], list[float]]:
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise PointsError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+        raise PointsError(unreadable(str(path), e)) from None
     for n, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:

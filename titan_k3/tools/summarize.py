@@ -30,6 +30,7 @@ from pathlib import Path
 
 import tomli
 
+from titan_k3.textfiles import unreadable
 from titan_k3.tools.run_records import read_events, read_records, run_dir_problem
 
 PROBES = {
@@ -258,10 +259,10 @@ def load(run_dir: Path) -> tuple[list[dict], list[dict], dict]:
     if (run_dir / "config.toml").exists():
         try:
             config = tomli.loads((run_dir / "config.toml").read_text())
-        except (tomli.TOMLDecodeError, UnicodeDecodeError) as e:
+        except tomli.TOMLDecodeError as e:
             raise ValueError(f"{run_dir / 'config.toml'}: not valid TOML ({e})") from None
-        except OSError as e:
-            raise ValueError(f"{run_dir / 'config.toml'}: cannot read it ({e.strerror or e})") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(unreadable(str(run_dir / "config.toml"), e)) from None
     return records, events, config
 
 

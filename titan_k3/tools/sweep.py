@@ -48,6 +48,7 @@ from titan_k3.config import JobConfig, config_to_dict, load_job_config
 from titan_k3.config.errors import toml_value
 from titan_k3.config.manager import is_run_config
 from titan_k3.metrics.run_dir import load_run_config
+from titan_k3.textfiles import unreadable
 from titan_k3.tools.run_records import read_events, read_records, run_dir_problem
 
 # NOTE: kernels.loss_grad_fp8 trades precision in the loss's gradients for speed: whether a run's loss notices is
@@ -98,10 +99,8 @@ def load_member(path: Path) -> Member:
         raise SweepError(f"config {str(path)!r}: no such file")
     try:
         text = path.read_text()
-    except UnicodeDecodeError as e:
-        raise SweepError(f"config {str(path)!r}: not UTF-8 text (byte {e.start}: {e.reason})") from None
-    except OSError as e:
-        raise SweepError(f"config {str(path)!r}: cannot read it ({e.strerror or e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SweepError(unreadable(f"config {str(path)!r}", e)) from None
     try:
         return Member(str(path), text, load_job_config([], toml_text=text, resolved=is_run_config(path),
                                                        toml_origin=str(path)))
