@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from service.rundir import LINE_BYTES, READ_BYTES
+from titan_k3.textfiles import unreadable
 
 TOKEN_ENV = "K3_SERVICE_TOKEN"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -194,7 +195,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         try:
             token = Path(a.token_file).read_text().strip()
         except (OSError, UnicodeDecodeError) as e:
-            p.error(f"--token-file {a.token_file!r}: cannot read it ({getattr(e, 'strerror', None) or e})")
+            p.error(unreadable(f"--token-file {a.token_file!r}", e))
         if not token:
             p.error(f"--token-file {a.token_file!r}: file is empty")
     return Settings(

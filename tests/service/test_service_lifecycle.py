@@ -97,6 +97,13 @@ def test_a_token_file_that_cannot_be_read_is_one_line(tmp_path):
     assert out.stderr.strip().splitlines()[-1] == (
         f"python -m service: error: --token-file '{tmp_path / 'absent'}': cannot read it (No such file or directory)")
     assert not (tmp_path / "state").exists()
+    latin1 = tmp_path / "token"
+    latin1.write_bytes(b"caf\xe9\n")
+    out = start_alone(["--state-dir", str(tmp_path / "state"), "--token-file", str(latin1)])
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"python -m service: error: --token-file '{latin1}': not UTF-8 text (byte 3: invalid continuation byte)")
+    assert not (tmp_path / "state").exists()
 
 
 def test_a_registry_that_is_not_a_database_is_one_line(tmp_path):
