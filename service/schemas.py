@@ -41,8 +41,9 @@ OverrideKey = Annotated[str, StringConstraints(pattern=OVERRIDE_KEY_RE.pattern, 
 def _json_int(value: Any) -> Any:
     """A JSON number of integral value (1.0, 2e0) as that integer: JSON Schema's integer, which the OpenAPI schema
     says, counts it as one, and strict pydantic refused it. A boolean, a string, 1.5 and NaN/Infinity (1e400 is read
-    as inf) stay strict pydantic's to refuse, the field's bounds its to check."""
-    if isinstance(value, float) and value.is_integer():
+    as inf) stay strict pydantic's to refuse, the field's bounds its to check. Past 2**53, where a double holds no
+    longer every integer, the float is left as it came (refused as no integer, echoed as written, not in 300 digits)."""
+    if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
         return int(value)
     return value
 
