@@ -50,7 +50,7 @@ from titan_k3.config.check import (
 from titan_k3.config.validate import parse_context_stages, parse_mixture, seq_len_at, warmup_updates
 from titan_k3.data.budget import describe_run_data, report_lines, run_tokens
 from titan_k3.data.loader import check_token_ids
-from titan_k3.eval.runner import Evaluator, format_metrics
+from titan_k3.eval.runner import Evaluator, format_metrics, training_dtype
 from titan_k3.gc_schedule import ScheduledGC
 from titan_k3.metrics.clocks import TwoClocks, process_start_time
 from titan_k3.metrics.events import EventLog
@@ -176,8 +176,9 @@ def _evaluator(cfg: JobConfig, tokenizer, device: torch.device, dp_rank: int = 0
 
 
 def _resolve_kernels(cfg: JobConfig, spec, device: torch.device, args):
-    """The model's kernel choices on `device`; job.strict refuses the first fallback among them."""
-    impl = spec.resolve_kernels(cfg.kernels, device, args)
+    """The model's kernel choices on `device` for the run's compute dtype; job.strict refuses the first fallback among
+    them."""
+    impl = spec.resolve_kernels(cfg.kernels, device, args, training_dtype(cfg))
     if cfg.job.strict and impl.fallbacks:
         first = impl.fallbacks[0]
         raise ConfigError(f"job.strict = true and {first.op} falls back to '{first.chosen}' (asked "

@@ -78,8 +78,14 @@ def intra_precision(dtype: torch.dtype, device: torch.device, opts: dict) -> tup
     return opts, INTRA_SPLITS[split] if device.type == "cuda" else INTRA_SPLITS[0]
 
 
+FLOAT32_MAX_WIDTH = 128
+"""The widest K a float32 call takes on a GPU: `launch_plan`'s shared-memory fit refuses wider heads (the model's
+kernel choice checks it at start-up, titan_k3/models/k3/impl.py; tests/kernels/test_kda_smem.py holds the two
+together)."""
+
 # What the widths' limit is, in words (the shared-memory fit of `launch_plan` decides it on a GPU).
-SUPPORTED_WIDTHS = "K and V up to 256 in bfloat16 / float16, up to 128 in float32 on a GPU"
+SUPPORTED_WIDTHS = (f"K and V up to 256 in bfloat16 / float16, up to {FLOAT32_MAX_WIDTH} in float32 "
+                    "on a GPU")
 
 
 def _bounded(gate) -> tuple[bool, bool]:

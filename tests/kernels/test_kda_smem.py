@@ -136,3 +136,16 @@ def test_model_args_refuse_heads_wider_than_the_kernels_take():
     assert debug.replace(kda_head_dim=KDA_MAX_HEAD_DIM).kda_head_dim == 256
     with pytest.raises(ValueError, match=r"^kda_head_dim=512: the KDA kernels take head widths 1\.\.256$"):
         debug.replace(kda_head_dim=512)
+
+
+@pytest.mark.parametrize("gate", GATES.values(), ids=GATES.keys())
+def test_float32_max_width_is_where_the_launch_plan_stops_fitting(gate):
+    """ops.FLOAT32_MAX_WIDTH, which the model's kernel choice checks at start-up, is the widest float32 head whose
+    plan fits the H200; bfloat16 fits to 256."""
+    for walks in (1, 4096):
+        ops.launch_plan(ops.FLOAT32_MAX_WIDTH, ops.FLOAT32_MAX_WIDTH, torch.float32, walks, 132, gate,
+                        limit=smem.SHARED_LIMIT)
+        wider = ops.FLOAT32_MAX_WIDTH + 1
+        with pytest.raises(ValueError, match=rf"^chunk_kda: K={wider}, V={wider} in torch.float32 needs "):
+            ops.launch_plan(wider, wider, torch.float32, walks, 132, gate, limit=smem.SHARED_LIMIT)
+        ops.launch_plan(256, 256, torch.bfloat16, walks, 132, gate, limit=smem.SHARED_LIMIT)

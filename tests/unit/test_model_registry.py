@@ -47,7 +47,7 @@ def test_the_card_flavor_counts_as_the_published_card():
 def _debug_k3(cfg: JobConfig):
     spec: ModelSpec = get_model_spec("k3")
     args = spec.args("debug", 0)
-    impl = spec.resolve_kernels(cfg.kernels, torch.device("cpu"), args)
+    impl = spec.resolve_kernels(cfg.kernels, torch.device("cpu"), args, torch.float32)
     torch.manual_seed(0)
     model = spec.build(args, impl, cfg.model)
     model.init_weights(0)

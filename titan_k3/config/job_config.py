@@ -47,7 +47,7 @@ class Model:
 @dataclass
 class Kernels:
     kda: Literal["auto", "triton", "fla", "torch"] = "auto"
-    """KDA implementation: our triton kernel, flash-linear-attention's chunk_kda, torch chunked reference (float32 under bf16 autocast too, as the kernel; its speed on a GPU in that form not measured), or auto (triton on CUDA)."""
+    """KDA implementation: our triton kernel, flash-linear-attention's chunk_kda, torch chunked reference (float32 under bf16 autocast too, as the kernel; its speed on a GPU in that form not measured), or auto (triton on CUDA). On a GPU the triton kernel takes float32 heads up to 128 wide (bf16 up to 256): with training.compute_dtype = 'float32' a wider head is refused at start-up under triton and falls back to torch under auto, reported."""
     experts: Literal["auto", "triton", "grouped_mm", "torch"] = "auto"
     """Routed-expert implementation: triton grouped GEMM, torch._grouped_mm, torch loop, or auto."""
     experts_cast_in_kernel: bool = False

@@ -51,7 +51,7 @@ from titan_k3.checkpoint.export import (
 from titan_k3.checkpoint.layout import TOKENIZER_KEY
 from titan_k3.checkpoint.manager import saved_tokenizer
 from titan_k3.config import JobConfig
-from titan_k3.eval.runner import Evaluator, load_tasks, task_names
+from titan_k3.eval.runner import Evaluator, load_tasks, task_names, training_dtype
 from titan_k3.eval.validation import validation_split_tokens
 from titan_k3.metrics.run_dir import load_run_config
 
@@ -78,7 +78,7 @@ def build_model(cfg: JobConfig, device: torch.device, args=None):
         # NOTE: the trainer's rule for the vocabulary (titan_k3/train.py): the tokenizer's, rounded up to 64.
         vocab = cfg.model.vocab_size or -(-tokenizer.vocab_size // 64) * 64
         args = spec.args(cfg.model.flavor, vocab)
-    impl = spec.resolve_kernels(cfg.kernels, device, args)
+    impl = spec.resolve_kernels(cfg.kernels, device, args, training_dtype(cfg))
     with torch.device(device):
         model = spec.build(args, impl, cfg.model)
     return model.eval(), tokenizer, impl.fallbacks

@@ -33,6 +33,12 @@ def training_autocast(cfg: JobConfig, device: torch.device):
                           enabled=device.type == "cuda" and cfg.training.compute_dtype == "bfloat16")
 
 
+def training_dtype(cfg: JobConfig) -> torch.dtype:
+    """The dtype the trainer's layers compute in on a GPU (training.compute_dtype): bf16 under `training_autocast`
+    and as FSDP2's parameter dtype, float32 otherwise. What the kernel choice checks KDA's heads against."""
+    return torch.bfloat16 if cfg.training.compute_dtype == "bfloat16" else torch.float32
+
+
 def load_tasks(spec: str) -> dict[str, list[Example]]:
     """'a.jsonl,b.jsonl' -> {task name: examples}; a bad file or a repeated name stops here."""
     tasks: dict[str, list[Example]] = {}

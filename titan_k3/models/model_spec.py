@@ -41,8 +41,9 @@ class ModelSpec:
     """The published shape, counted beside the run's own at start-up."""
     args: Callable[[str, int], Any]
     """(flavor, vocab_size; 0 keeps the flavor's) -> argument object."""
-    resolve_kernels: Callable[[Any, "torch.device", Any], Any]
-    """(the [kernels] section, device, args) -> the implementation of each fast path, with `.choices` (every
+    resolve_kernels: Callable[[Any, "torch.device", Any, "torch.dtype"], Any]
+    """(the [kernels] section, device, args, the dtype the layers compute in on a GPU,
+    titan_k3/eval/runner.py:training_dtype) -> the implementation of each fast path, with `.choices` (every
     KernelChoice, for the kernel report) and `.fallbacks`."""
     build: Callable[[Any, Any, Any], "nn.Module"]
     """(args, kernels, the [model] section) -> the model, on the current default device (the meta device first)."""

@@ -16,7 +16,8 @@ from titan_k3.values import is_integer, is_number
 
 
 # The widest KDA head (K = V) the kernels take: kernels/kda checks it again per call, with the dtype (float32
-# on a GPU stops at 128: kernels.kda.ops.SUPPORTED_WIDTHS).
+# on a GPU stops at 128, kernels.kda.ops.FLOAT32_MAX_WIDTH, which the kernel choice checks at start-up against
+# training.compute_dtype: models/k3/impl.py).
 KDA_MAX_HEAD_DIM = 256
 
 

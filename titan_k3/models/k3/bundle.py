@@ -26,12 +26,14 @@ def build_k3(args: K3Args, impl: Impl, model_cfg) -> K3Model:
     return K3Model(args, impl, model_cfg.qb_eta)
 
 
-def resolve_k3_kernels(kernels_cfg, device: torch.device, args: K3Args) -> Impl:
+def resolve_k3_kernels(kernels_cfg, device: torch.device, args: K3Args, compute_dtype: torch.dtype) -> Impl:
     return resolve_impl(kernels_cfg, device, args.max_mix_sources,
                         router_experts=args.n_experts if args.n_dense_layers < args.n_layers else None,
                         qk_width=args.qk_nope_dim + args.qk_rope_dim if args.mla_layers else None,
                         attention_width=max(args.qk_nope_dim + args.qk_rope_dim, args.v_head_dim)
-                        if args.mla_layers else None)
+                        if args.mla_layers else None,
+                        kda_width=args.kda_head_dim if len(args.mla_layers) < args.n_layers else None,
+                        compute_dtype=compute_dtype)
 
 
 def k3_batch_inputs(batch, device: torch.device) -> tuple:

@@ -21,6 +21,7 @@ from kernels.device import triton_runs_on
 from kernels.fused_ce import reference as ce_reference
 from kernels.grouped_gemm import reference as gg_reference
 from kernels.kda import reference as kda_reference
+from kernels.kda.ops import FLOAT32_MAX_WIDTH as KDA_FLOAT32_MAX_WIDTH
 from kernels.max_logit.kernel import MAX_WIDTH
 from kernels.max_logit.reference import max_logit_per_head_reference
 from kernels.router.ops import MAX_EXPERTS
@@ -154,15 +155,18 @@ def fla_chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
 
 def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None = None, *,
                  router_experts: int | None = None, qk_width: int | None = None,
-                 attention_width: int | None = None) -> Impl:
+                 attention_width: int | None = None, kda_width: int | None = None,
+                 compute_dtype: torch.dtype = torch.float32) -> Impl:
     """Turn the [kernels] config section into callables, recording each choice.
 
     The model's shapes are checked here against the Triton kernels' limits, before any work (None: left to the
     kernel's own check at its first call): max_mix_sources, the most sources a residual mix reads
     (`K3Args.max_mix_sources`); router_experts, the experts a router ranks (None without MoE layers); qk_width,
     the query-key width of MLA's heads (None without MLA layers); attention_width, the one width flash attention
-    takes MLA's q, k and v at (max of the query-key and value widths). A kernel asked for ('triton', or flash
-    attention) that cannot serve them is refused; 'auto' falls back to the reference (SDPA's others), reported.
+    takes MLA's q, k and v at (max of the query-key and value widths); kda_width, the width of KDA's heads (None
+    without KDA layers), in compute_dtype, the dtype the layers compute in on a GPU (training.compute_dtype: bf16
+    autocast, FSDP2's parameter dtype). A kernel asked for ('triton', or flash attention) that cannot serve them is
+    refused; 'auto' falls back to the reference (SDPA's others), reported.
     """
     on_cuda = device.type == "cuda"
     if kernels_cfg.kda == "fla":
@@ -175,8 +179,15 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
             raise ValueError(f"config key 'kernels.kda' = 'fla': flash-linear-attention is not importable ({e})") from None
         kda, c_kda = fla_chunk_kda, KernelChoice("kda", "fla", "fla", False)
     else:
-        kda, c_kda = _pick("kda", kernels_cfg.kda, on_cuda, ("kernels.kda", "chunk_kda", "triton"),
-                           reads_own_layout(kda_reference.chunk_kda_reference))
+        kda_ref = reads_own_layout(kda_reference.chunk_kda_reference)
+        kda, c_kda = _pick("kda", kernels_cfg.kda, on_cuda, ("kernels.kda", "chunk_kda", "triton"), kda_ref)
+        # NOTE: on a GPU only: Triton's CPU interpreter has no shared memory to exceed.
+        if on_cuda and kda_width is not None and compute_dtype == torch.float32 and kda_width > KDA_FLOAT32_MAX_WIDTH:
+            kda, c_kda = _unserved(kda, c_kda, kda_ref,
+                                   f"the model's KDA heads are {kda_width} wide and training.compute_dtype = "
+                                   f"'float32'; the Triton kernel takes float32 heads up to {KDA_FLOAT32_MAX_WIDTH} "
+                                   "wide on a GPU: set training.compute_dtype = 'bfloat16' to run it, or kernels.kda = "
+                                   "'torch'")
     loss, c_loss = _pick("loss", kernels_cfg.loss, on_cuda, ("kernels.fused_ce", "linear_cross_entropy", "triton"), ce_reference.linear_cross_entropy)
     if kernels_cfg.loss_chunk_rows:
         loss = functools.partial(loss, chunk_rows=kernels_cfg.loss_chunk_rows)
