@@ -76,12 +76,31 @@ def test_a_flavor_whose_top_k_leaves_no_expert_out_is_refused(monkeypatch, top_k
 def test_a_fault_at_an_update_the_run_never_makes_is_refused(key, step):
     """debug.crash_at_step = 0 (or past training.steps, or below -1) loaded, was announced as on (>= 0) and never
     fired: the restart it was to test never came."""
+    saves = ["--checkpoint.enable", "true"]  # the save faults need a save (the test below)
     with pytest.raises(ConfigError) as e:
-        load_job_config(["--training.steps", "10", f"--debug.{key}", str(step)])
+        load_job_config(["--training.steps", "10", *saves, f"--debug.{key}", str(step)])
     assert str(e.value) == (f"config key 'debug.{key}' = {step}: must be -1 (off) or an update in 1..training.steps "
                             "= 10")
-    assert getattr(load_job_config(["--training.steps", "10", f"--debug.{key}", "10"]).debug, key) == 10
-    assert getattr(load_job_config(["--training.steps", "10", f"--debug.{key}", "1"]).debug, key) == 1
+    assert getattr(load_job_config(["--training.steps", "10", *saves, f"--debug.{key}", "10"]).debug, key) == 10
+    assert getattr(load_job_config(["--training.steps", "10", *saves, f"--debug.{key}", "1"]).debug, key) == 1
+
+
+@pytest.mark.parametrize("key", ["kill_in_save_at_step", "checkpoint_write_error_at_step"])
+def test_a_save_fault_where_no_update_saves_is_refused(key):
+    """debug.kill_in_save_at_step = 4 with checkpointing off (the default) was taken, announced, and never fired: no
+    update saves. A stop signal's save may come after any update (checkpoint.enable or save_on_stop), so with either
+    on every update in range is taken, a scheduled save's or not."""
+    with pytest.raises(ConfigError) as e:
+        load_job_config(["--training.steps", "20", "--checkpoint.interval", "2", f"--debug.{key}", "4"])
+    assert str(e.value) == (f"config key 'debug.{key}' = 4: no update saves with checkpoint.enable = false and "
+                            "checkpoint.save_on_stop = false, so the fault never fires; set checkpoint.enable = true "
+                            "(saves at multiples of checkpoint.interval = 2 and the last update 20), or -1 (off)")
+    for saves in (["--checkpoint.enable", "true"], ["--checkpoint.save_on_stop", "true"]):
+        for step in ("4", "5", "20"):
+            argv = ["--training.steps", "20", "--checkpoint.interval", "2", *saves, f"--debug.{key}", step]
+            cfg = load_job_config(argv)
+            assert getattr(cfg.debug, key) == int(step)
+    assert load_job_config(["--training.steps", "20", "--debug.crash_at_step", "4"]).debug.crash_at_step == 4
 
 
 @pytest.mark.parametrize("folder", ["config.toml", "./metrics.jsonl/ckpt", "summary", "tensorboard/ckpt",

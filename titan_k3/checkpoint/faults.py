@@ -9,7 +9,9 @@
                                            one); -1 measures
 
 The manager asks this object at the three points where a fault can apply;
-nothing else in the save path knows about faults.
+nothing else in the save path knows about faults. The two save faults fire only
+at an update that saves (CheckpointManager.after_step: the schedule, or a stop
+signal's save); config validation refuses them where no update saves.
 """
 
 from __future__ import annotations

@@ -296,9 +296,9 @@ class Debug:
     crash_at_step: int = -1
     """Exit with status 3 right after this update (tests of restarts); -1 never."""
     kill_in_save_at_step: int = -1
-    """Exit with status 3 inside the checkpoint save of this update, after its files are written and before the rename (tests of atomic saves); -1 never."""
+    """Exit with status 3 inside the checkpoint save of this update, after its files are written and before the rename (tests of atomic saves); -1 never. Fires only if that update saves: with checkpoint.enable a multiple of checkpoint.interval or the last update, or the update a stop signal ends (checkpoint.enable or save_on_stop); refused with both off."""
     checkpoint_write_error_at_step: int = -1
-    """Fault injection: the checkpoint save of this update fails as a full disk would: DCP's writer raises OSError(ENOSPC) after writing its data files (sync or async); -1 never."""
+    """Fault injection: the checkpoint save of this update fails as a full disk would: DCP's writer raises OSError(ENOSPC) after writing its data files (sync or async); -1 never. Fires only if that update saves, as debug.kill_in_save_at_step; refused with checkpoint.enable and save_on_stop both off."""
     checkpoint_free_bytes: int = -1
     """Fault injection: the free space, in bytes, every checkpoint save's space check sees instead of the file system's (0 simulates a full disk); -1 measures."""
     inject_same_data: bool = False

@@ -259,6 +259,15 @@ def validate(cfg: JobConfig, needs_data: bool = True) -> None:
         step = getattr(cfg.debug, key)
         _require(step == -1 or 1 <= step <= t.steps,
                  f"config key 'debug.{key}' = {step}: must be -1 (off) or an update in 1..training.steps = {t.steps}")
+    c = cfg.checkpoint
+    for key in ("kill_in_save_at_step", "checkpoint_write_error_at_step"):
+        # NOTE: refused only where no update saves: with checkpoint.enable or save_on_stop a stop signal saves after
+        # whichever update it ends (CheckpointManager.after_step), so any update may save and the fault may fire.
+        step = getattr(cfg.debug, key)
+        _require(step == -1 or c.enable or c.save_on_stop,
+                 f"config key 'debug.{key}' = {step}: no update saves with checkpoint.enable = false and "
+                 f"checkpoint.save_on_stop = false, so the fault never fires; set checkpoint.enable = true (saves at "
+                 f"multiples of checkpoint.interval = {c.interval} and the last update {t.steps}), or -1 (off)")
     _require(cfg.debug.checkpoint_free_bytes >= -1,
              f"config key 'debug.checkpoint_free_bytes' = {cfg.debug.checkpoint_free_bytes}: must be -1 (off) or >= 0")
     _non_negative("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k)
