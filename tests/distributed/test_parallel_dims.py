@@ -1,5 +1,7 @@
-"""ParallelDims: degrees resolve and bad ones stop with one clear line; AC keeps Quantile Balancing single-update."""
+"""ParallelDims: degrees resolve and bad ones stop with one clear line; each layout's meshes hold the ranks that
+titan_k3/parallel/dims.py describes, without torch's mesh warnings; AC keeps Quantile Balancing single-update."""
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -34,6 +36,69 @@ def test_bad_degree_is_one_line_config_error(parallelism, world, experts, key):
         ParallelDims.from_config(parallelism, world, experts)
     message = str(err.value)
     assert f"parallelism.{key}" in message and "\n" not in message
+
+
+# name: (dp_replicate, ep) on 4 ranks, dp_shard the rest
+LAYOUTS = {"fsdp4": (1, 1), "fsdp4_ep2": (1, 2), "fsdp4_ep4": (1, 4), "hsdp_2x2": (2, 1), "hsdp_2x2_ep2": (2, 2)}
+
+
+def _mesh_groups(rank: int, world: int) -> dict:
+    """Per layout: the ranks of every mesh the run uses, whether the views share the process groups that building
+    the mesh made, and the mesh warnings torch raised while building and slicing."""
+    import torch.distributed as dist
+
+    from titan_k3.parallel.distributed import setup_distributed
+
+    def ranks(mesh):
+        return [dist.get_process_group_ranks(mesh.get_group(d)) for d in range(mesh.ndim)]
+
+    out = {}
+    for name, (rep, ep) in LAYOUTS.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run = setup_distributed(_p(rep=rep, ep=ep), torch.device("cpu"), n_experts=8)
+            dims, mesh = run.dims, run.mesh
+            dense, dp_shard = dims.dense_mesh(mesh), dims.dp_shard_mesh(mesh)
+            groups = {"dp": ranks(dims.dp_mesh(mesh)), "dp_shard": ranks(dp_shard), "dense": ranks(dense)}
+            if ep > 1:
+                groups.update(ep=ranks(mesh["ep"]), expert=ranks(dims.expert_mesh(mesh)))
+            shared = (run.dp_group is dims.dp_mesh(mesh).get_group()
+                      and dense.get_group(dense.ndim - 1) is dp_shard.get_group()
+                      and (rep == 1 or dense.get_group(0) is mesh.get_group("dp_replicate")))
+        warned = [f"{w.category.__name__}: {w.message}" for w in caught
+                  if "mesh" in f"{w.message} {w.filename}".lower()]
+        out[name] = (groups, (run.dp_rank, run.dp_world), shared, warned)
+    return out
+
+
+def _expected_groups(rank: int, world: int, rep: int, ep: int) -> dict:
+    """The ranks as build_mesh always laid them out: replicas outermost, then efsdp, EP innermost."""
+    shard = world // rep
+    efsdp = shard // ep
+    first = rank - rank % shard
+    replicas = [rank % shard + r * shard for r in range(rep)]
+    shards = list(range(first, first + shard))
+    groups = {"dp": [list(range(world))], "dp_shard": [shards], "dense": [replicas, shards] if rep > 1 else [shards]}
+    if ep > 1:
+        experts = [first + e * ep + rank % ep for e in range(efsdp)]
+        groups.update(ep=[list(range(rank - rank % ep, rank - rank % ep + ep))],
+                      expert=[replicas, experts] if rep > 1 else [experts])
+    return groups
+
+
+def test_each_layout_builds_its_meshes_without_mesh_warnings(tmp_path):
+    """FSDP, FSDP+EP, HSDP and HSDP+EP on 4 gloo ranks: the meshes hold the same ranks as they always did, the
+    views reuse the groups made once, and no flattened dim is sliced from the world mesh (torch's UserWarning)."""
+    from gloo_workers import spawn_gloo
+
+    world = 4
+    ranks = spawn_gloo(world, _mesh_groups, result_file=tmp_path / "out.pt")
+    for rank, layouts in enumerate(ranks):
+        for name, (rep, ep) in LAYOUTS.items():
+            groups, dp_position, shared, warned = layouts[name]
+            assert groups == _expected_groups(rank, world, rep, ep), (name, rank)
+            assert dp_position == (rank, world) and shared, (name, rank)
+            assert warned == [], (name, rank)
 
 
 def test_activation_checkpointing_reuses_routing_and_updates_once():

@@ -48,23 +48,44 @@ class ParallelDims:
         return text
 
     def build_mesh(self, device_type: str):
-        """The world DeviceMesh with the flattened dims named in the module docstring."""
+        """The world DeviceMesh, its flattened dims (module docstring) created once, "dp_shard" before "dp".
+
+        NOTE: a flattened dim is never sliced back out of the world mesh (mesh["dp"]): torch deprecates that, with a
+        UserWarning on every rank ("Slicing a flattened dim from root mesh will be deprecated"), and asks that the
+        flattened mesh be kept. `_flatten` with a name the world mesh already holds returns that mesh and its one
+        process group (torch 2.11 on), so the views below flatten again to get it.
+        """
         from torch.distributed.device_mesh import init_device_mesh
 
         if self.ep > 1:
             mesh = init_device_mesh(
                 device_type, (self.dp_replicate, self.efsdp, self.ep), mesh_dim_names=("dp_replicate", "efsdp", "ep")
             )
-            mesh["efsdp", "ep"]._flatten("dp_shard")
-            mesh["dp_replicate", "efsdp", "ep"]._flatten("dp")
         else:
             mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
-            mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        self.dp_shard_mesh(mesh)
+        self.dp_mesh(mesh)
         return mesh
+
+    def dp_mesh(self, mesh):
+        """Every data-parallel rank: the world mesh flattened ("dp")."""
+        return mesh._flatten("dp")
+
+    def dp_shard_mesh(self, mesh):
+        """The ranks one replica shards over: a dim of the world mesh, or efsdp x ep flattened under EP."""
+        return mesh["efsdp", "ep"]._flatten("dp_shard") if self.ep > 1 else mesh["dp_shard"]
 
     def dense_mesh(self, mesh):
         """Mesh FSDP shards dense parameters over: (dp_replicate, dp_shard) for HSDP, else dp_shard."""
-        return mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]
+        if self.dp_replicate == 1:
+            return self.dp_shard_mesh(mesh)
+        if self.ep == 1:
+            return mesh
+        from torch.distributed.device_mesh import DeviceMesh
+
+        # NOTE: a world dim beside a flattened one is joined as FSDP2 joins meshes (DeviceMesh._concatenate):
+        # the two meshes' process groups, no new one.
+        return DeviceMesh._concatenate([mesh["dp_replicate"], self.dp_shard_mesh(mesh)])
 
     def expert_mesh(self, mesh):
         """Mesh FSDP shards the experts' local groups over: (dp_replicate, efsdp) for HSDP, else efsdp."""

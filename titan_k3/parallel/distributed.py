@@ -65,7 +65,7 @@ def setup_distributed(parallelism_cfg, device: torch.device, n_experts: int) -> 
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None,
                                 **_attempt_store(world))
     mesh = dims.build_mesh(device.type)
-    dp = mesh["dp"]
+    dp = dims.dp_mesh(mesh)
     return Distributed(dims, mesh, dp.get_local_rank(), dp.size(), dp.get_group())
 
 
