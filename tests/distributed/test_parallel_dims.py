@@ -169,3 +169,41 @@ def test_torchrun_with_one_process_trains_as_a_plain_process(monkeypatch):
     with pytest.raises(ConfigError, match="expert_parallel_degree"):  # degrees are still checked against the world
         setup_distributed(load_job_config(["--parallelism.expert_parallel_degree", "2"]).parallelism,
                           torch.device("cpu"), n_experts=8)
+
+
+def _root_after_forward(rank: int, world: int) -> dict:
+    """FSDP2 with fsdp_reshard_after_forward on: which parameters are still gathered between forward and backward,
+    and whether the backward that follows gives every parameter a finite gradient."""
+    from torch.distributed.tensor import DTensor
+
+    from titan_k3.models.k3.args import get_flavor
+    from titan_k3.models.k3.impl import reference_impl
+    from titan_k3.models.k3.model import K3Model
+    from titan_k3.parallel.distributed import setup_distributed
+    from titan_k3.parallel.parallelize import apply_fsdp
+
+    run = setup_distributed(_p(), torch.device("cpu"), n_experts=8)
+    model = K3Model(get_flavor("debug", 512), reference_impl())
+    model.init_weights(seed=0)
+    apply_fsdp(model, run.dims, run.mesh, torch.float32, reshard_after_forward=True)
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(rank))
+    out = model(ids, ids)
+    gathered = {name: not isinstance(p, DTensor) for name, p in
+                (("output.weight", model.output.weight), ("layers.0 first weight", next(model.layers["0"].parameters())))}
+    out.loss_sum.backward()
+    grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+             for name, p in model.named_parameters() if p.grad is not None}
+    return {"gathered": gathered, "head grad": "output.weight" in grads,
+            "not finite": [name for name, g in grads.items() if not torch.isfinite(g).all()]}
+
+
+def test_the_root_stays_gathered_between_forward_and_backward(tmp_path):
+    """The root's parameters (the head among them) are used last in forward and first in backward: FSDP2 must not
+    reshard them after forward whatever fsdp_reshard_after_forward says. Told to, torch 2.13 resharded the root and
+    gathered it again for backward, and torch 2.11's loss backward read the freed head weight ('setStorage ... out of
+    bounds for storage of size 0')."""
+    from gloo_workers import spawn_gloo
+
+    for result in spawn_gloo(2, _root_after_forward, result_file=tmp_path / "out.pt"):
+        assert result["gathered"] == {"output.weight": True, "layers.0 first weight": False}, result
+        assert result["head grad"] and result["not finite"] == [], result

@@ -221,10 +221,10 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, mesh, param_dtype: torch.dt
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     mesh_sizes: dict[int, int] = {}
 
-    def shard(modules, mesh, **kwargs):
+    def shard(modules, mesh, reshard=reshard_after_forward, **kwargs):
         for m in modules if isinstance(modules, list) else [modules]:
             mesh_sizes[id(m)] = mesh.size()
-        return fully_shard(modules, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, **kwargs)
+        return fully_shard(modules, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, **kwargs)
 
     hints = model.optim_hints()
     replicated = {p for name, p in model.named_parameters() if hints[name].get("replicated", False)}
@@ -241,8 +241,11 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, mesh, param_dtype: torch.dt
             shard(moe, mesh=expert_mesh, ignored_params=replicated)
         shard(block, mesh=dense, ignored_params=unsharded)
     # NOTE: the root's parameters (embedding, final mix and norm, head) are used last in forward and first in
-    # backward: FSDP2 keeps a root gathered between the two whatever it is told.
-    shard(model, mesh=dense, ignored_params=unsharded)
+    # backward, so the root is never resharded between the two. FSDP2 keeps a root gathered only when
+    # reshard_after_forward is left unset: told True, torch 2.13 resharded it and gathered it again for backward
+    # (one all-gather of the head more per update), and torch 2.11 left the loss's backward, which saved the
+    # gathered head weight, reading a freed storage ('setStorage ... out of bounds for storage of size 0').
+    shard(model, mesh=dense, reshard=False, ignored_params=unsharded)
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):
             _sum_gradients(module, divide_by=float(mesh_sizes[id(module)]) if average_gradients else 1.0)
