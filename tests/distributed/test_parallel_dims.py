@@ -147,6 +147,9 @@ def test_activation_checkpointing_reuses_routing_and_updates_once():
     for mode, (other, _) in runs.items():
         for layer, router in plain.moe_routers().items():
             assert torch.equal(router.qb_bias, other.moe_routers()[layer].qb_bias), (mode, layer)
+            # a recompute that is not seen as one counts the expert load a second time (torch 2.11's compiled
+            # routers, before the flag was a module global)
+            assert torch.equal(router.load_counts, other.moe_routers()[layer].load_counts), (mode, layer)
             assert router.qb_bias.abs().max() > 0
         for (name, p), q in zip(plain.named_parameters(), other.parameters()):
             if p.grad is not None:

@@ -126,8 +126,11 @@ def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
     return low + (exact - low.detach())
 
 
-class _RoutingRecompute:
-    active = False
+# NOTE: a module global, not a class attribute: a compiled router must guard on it (one graph for the forward, one
+# for the recompute), and torch 2.11's dynamo installs no guard on a class attribute read through a function: the
+# recompute ran the forward's graph, counted the expert load twice and, without deferred updates, moved the bias
+# again (torch 2.13 guards on both).
+_routing_recompute_active = False
 
 
 @contextlib.contextmanager
@@ -137,16 +140,17 @@ def routing_recompute():
     Whoever recomputes a forward in backward (titan_k3/parallel's checkpoint
     wrapper, via `checkpoint(..., context_fn=...)`) runs the recompute inside it.
     """
-    previous, _RoutingRecompute.active = _RoutingRecompute.active, True
+    global _routing_recompute_active
+    previous, _routing_recompute_active = _routing_recompute_active, True
     try:
         yield
     finally:
-        _RoutingRecompute.active = previous
+        _routing_recompute_active = previous
 
 
 def in_routing_recompute() -> bool:
     """True inside `routing_recompute` (an activation-checkpoint recompute in backward)."""
-    return _RoutingRecompute.active
+    return _routing_recompute_active
 
 
 class QuantileBalancedRouter(nn.Module):
