@@ -83,6 +83,26 @@ def test_estimate_moves_the_way_the_trainer_does():
     assert all(c.across_nodes for c in across.collectives if c.group == "shard")
 
 
+def test_resharding_after_forward_gathers_the_blocks_twice_and_the_root_once():
+    """The trainer keeps the FSDP root (embedding, head) gathered from forward to backward whatever
+    fsdp_reshard_after_forward says: resharding gathers every block twice per micro-batch and the root once, and
+    keeps the root's bf16 copy beside the two blocks in flight."""
+    from titan_k3.plan.shapes import largest_block_params, layer_expert_params, param_groups
+
+    g, A, S = param_groups(FLAVORS["k3-mini"]), 2, 8
+    on, off = (_est(grad_accum=A, defer_grad_reduce=False, reshard_after_forward=r) for r in (True, False))
+    gather = lambda e: next(c for c in e.collectives if c.name == "FSDP all-gather (bf16 parameters)")  # noqa: E731
+    assert (gather(on).calls, gather(off).calls) == (2 * A, A)
+    per_gather = 2 * (S - 1) / S  # bf16 bytes each rank receives per parameter gathered
+    assert gather(off).bytes_per_rank == pytest.approx(A * g.sharded * per_gather)
+    assert gather(on).bytes_per_rank == pytest.approx(A * (2 * g.sharded - g.root) * per_gather)
+    copies = "bf16 parameter copies (gathered / cast)"
+    a = FLAVORS["k3-mini"]
+    in_flight = 2 * largest_block_params(a) + 2 * layer_expert_params(a)  # the running block and the prefetched one
+    assert on.memory_gib[copies] * 2**30 == pytest.approx(2 * (in_flight + g.root))
+    assert g.root == 2 * FLAVORS["k3-mini"].vocab_size * FLAVORS["k3-mini"].dim
+
+
 def test_bf16_momentum_halves_the_muon_state_and_nothing_else():
     fp32, bf16 = _est(dp_shard=1), _est(dp_shard=1, momentum_dtype="bfloat16")
     muon = fp32.memory_gib["optimizer: Muon momentum (fp32)"]

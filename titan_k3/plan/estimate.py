@@ -179,7 +179,9 @@ def estimate(a: K3Args, lay: Layout, cluster: Cluster, table: CostTable) -> Esti
     if single:
         copies = BF16 * (g.total - g.embedding - g.routers)  # autocast's weight cache + the explicit casts
     else:
-        copies = BF16 * (g.sharded if keep_all else 2 * largest_block_params(a))
+        # NOTE: resharding after forward, the gathered blocks are the one running and the one prefetched; the root
+        # (embedding, head) stays gathered from the start of forward to the end of backward.
+        copies = BF16 * (g.sharded if keep_all else 2 * largest_block_params(a) + g.root)
         copies += BF16 * (g.muon_experts / e if keep_all or not experts_in_fsdp else 2 * layer_expert_params(a) / e)
     mem["bf16 parameter copies (gathered / cast)"] = copies
     mem["deferred unsharded gradients (fp32)"] = FP32 * (g.sharded + (g.muon_experts / e if efsdp > 1 else 0)) if defer else 0.0
@@ -242,8 +244,11 @@ def estimate(a: K3Args, lay: Layout, cluster: Cluster, table: CostTable) -> Esti
         reduces = 1 if defer else A
         gathers = 1 if defer else A * (1 if not lay.reshard_after_forward else 2)
         if S > 1:
+            # NOTE: the root (embedding, head) is gathered once per micro-batch even when the blocks are gathered
+            # twice (titan_k3/parallel/parallelize.py): its second gather is taken off the buffer's average.
+            root_share = g.root * (gathers - (1 if defer else A)) / gathers
             colls.append(_collective(cluster, "FSDP all-gather (bf16 parameters)", "shard", S, S, "all_gather",
-                                     BF16 * g.sharded, gathers, True))
+                                     BF16 * (g.sharded - root_share), gathers, True))
             colls.append(_collective(cluster, "FSDP reduce-scatter (fp32 gradients)", "shard", S, S, "reduce_scatter",
                                      FP32 * g.sharded, reduces, True))
         if efsdp > 1:

@@ -44,6 +44,12 @@ class ParamGroups:
         """Everything FSDP shards over the data-parallel shard ranks (all but the routers and experts)."""
         return self.muon_dense + self.adamw
 
+    @property
+    def root(self) -> int:
+        """The FSDP root's share of `sharded`: the embedding and the head (its final norm and query are a rounding
+        error). The trainer never reshards the root between forward and backward (titan_k3/parallel/parallelize.py)."""
+        return 2 * self.embedding
+
 
 @functools.cache
 def param_groups(a: K3Args) -> ParamGroups:
