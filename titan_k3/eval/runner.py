@@ -35,7 +35,8 @@ def training_autocast(cfg: JobConfig, device: torch.device):
 
 def training_dtype(cfg: JobConfig) -> torch.dtype:
     """The dtype the trainer's layers compute in on a GPU (training.compute_dtype): bf16 under `training_autocast`
-    and as FSDP2's parameter dtype, float32 otherwise. What the kernel choice checks KDA's heads against."""
+    and as FSDP2's parameter dtype (titan_k3/parallel/parallelize.py), float32 otherwise; the kernel choice checks
+    KDA's heads against it."""
     return torch.bfloat16 if cfg.training.compute_dtype == "bfloat16" else torch.float32
 
 

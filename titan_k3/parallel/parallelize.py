@@ -22,12 +22,11 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels.attn_res import pseudo_query_mix_reference
 from titan_k3.config import ConfigError
+from titan_k3.eval.runner import training_dtype
 from titan_k3.models.k3.impl import KernelChoice
 from titan_k3.models.k3.moe import routing_recompute
 from titan_k3.parallel.dims import ParallelDims
 from titan_k3.parallel.expert_parallel import ExpertParallel
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg, device: torch.device) -> list[KernelChoice]:
@@ -49,7 +48,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg, device: torch.d
         apply_compile(model, cfg.compile.backend)
         choices.append(KernelChoice("compile", cfg.compile.backend, cfg.compile.backend, False, "per sublayer"))
     if mesh is not None:
-        apply_fsdp(model, dims, mesh, param_dtype=DTYPES[cfg.training.compute_dtype],
+        apply_fsdp(model, dims, mesh, param_dtype=training_dtype(cfg),
                    reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
                    average_gradients=cfg.debug.inject_grad_scale == "fsdp_average")
     return choices
