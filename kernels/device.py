@@ -10,7 +10,35 @@ import torch
 
 def triton_runs_on(device: torch.device | str) -> bool:
     """Triton kernels run on CUDA devices, and on the CPU only in Triton's interpreter (TRITON_INTERPRET=1)."""
-    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if torch.device(device).type == "cuda":
+        return True
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    # NOTE: imported here: the interpreter's own dependencies, needed only where it runs.
+    import numpy
+    import triton
+
+    check_interpreter(triton.__version__, numpy.__version__)
+    return True
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def check_interpreter(triton_version: str, numpy_version: str) -> None:
+    """Raise RuntimeError (one line) where Triton's interpreter cannot run a kernel of ours.
+
+    NOTE: numpy 2.4 refuses int() of a one-element array, which the interpreter of Triton before 3.7 calls for
+    every scalar used as an index or a loop bound: each kernel then stops deep inside Triton with "only
+    0-dimensional arrays can be converted to Python scalars" (fixed in Triton 3.7).
+    """
+    if _major_minor(triton_version) < (3, 7) and _major_minor(numpy_version) >= (2, 4):
+        raise RuntimeError(
+            f"Triton {triton_version}'s interpreter (TRITON_INTERPRET=1) cannot run with numpy {numpy_version}: "
+            "numpy 2.4 refuses the one-element arrays it converts to ints (fixed in Triton 3.7); install "
+            "'numpy<2.4' or triton>=3.7")
 
 
 def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
