@@ -233,6 +233,16 @@ def _plan_for(K: int, V: int, dtype: torch.dtype, device: torch.device, walks: i
     return launch_plan(K, V, dtype, walks, _sm_count(device), gate, limit=limit)
 
 
+def _call(q, v, batch, layout, gate) -> tuple:
+    """What the forward and the backward of one call share: (T, H, K, V, cu_seqlens, chunk_indices,
+    chunk_offsets, N sequences, NT chunks, BK covering all of K, the launch plan, the dots' precision)."""
+    T, H, K = q.shape
+    cu, chunk_indices, chunk_offsets, N, NT = _layout(T, batch, layout, q.device)
+    V = v.shape[-1]
+    plan = _plan_for(K, V, q.dtype, q.device, N * H, gate)
+    return T, H, K, V, cu, chunk_indices, chunk_offsets, N, NT, _tiles(K, V)[0], plan, dot_precision(q.dtype)
+
+
 def kda_forward(q, k, v, g, beta, scale, h0, output_final_state, batch, layout, gate):
     """Runs the forward kernels on packed [T, H, *] tensors: `batch` sequences of T / batch (layout None)
     or packed documents, layout = (cu_seqlens, chunk_indices, chunk_offsets) int32 on q's device.
@@ -240,12 +250,7 @@ def kda_forward(q, k, v, g, beta, scale, h0, output_final_state, batch, layout, 
     gate: None (g is the log decay) or (A_log [H], dt_bias [H, K] or None, lower_bound or None).
     Returns o [T, H, V], the final state [N, H, K, V] float32 or None, and what backward needs.
     """
-    T, H, K = q.shape
-    cu, chunk_indices, chunk_offsets, N, NT = _layout(T, batch, layout, q.device)
-    V = v.shape[-1]
-    BK_full = _tiles(K, V)[0]
-    plan = _plan_for(K, V, q.dtype, q.device, N * H, gate)
-    prec = dot_precision(q.dtype)
+    T, H, K, V, cu, chunk_indices, chunk_offsets, N, NT, BK_full, plan, prec = _call(q, v, batch, layout, gate)
     dev = q.device
     b = torch.empty(T, H, K, device=dev, dtype=torch.float32)
     A_log, dt_bias, lower_bound = gate if gate is not None else (None, None, None)
@@ -287,12 +292,7 @@ def kda_forward(q, k, v, g, beta, scale, h0, output_final_state, batch, layout, 
 def kda_backward(q, k, v, g, beta, scale, h0, do, dht, batch, layout, gate, saved):
     """Runs the backward kernels; returns dq, dk, dv, dg (of the raw gate when fused), dbeta, dh0, dA_log, ddt_bias."""
     b, M, A, Ai, Wk, h, U = saved
-    T, H, K = q.shape
-    cu, chunk_indices, chunk_offsets, N, NT = _layout(T, batch, layout, q.device)
-    V = v.shape[-1]
-    BK_full = _tiles(K, V)[0]
-    plan = _plan_for(K, V, q.dtype, q.device, N * H, gate)
-    prec = dot_precision(q.dtype)
+    T, H, K, V, cu, chunk_indices, chunk_offsets, N, NT, BK_full, plan, prec = _call(q, v, batch, layout, gate)
     dev = q.device
     dh = torch.empty_like(h)
     dU = torch.empty_like(v)
