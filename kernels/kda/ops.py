@@ -521,7 +521,10 @@ def chunk_kda(
         chunk_layout = _host_layout(cu_seqlens, T, q.device)
     N = B if chunk_layout is None else chunk_layout[0].shape[0] - 1
     # Widths whose kernels exceed the GPU's shared memory stop here, before any work (one line, ValueError).
-    _plan_for(K, V, q.dtype, q.device, N * H, None if A_log is None else (A_log, dt_bias, lower_bound))
+    # NOTE: not while torch.compile traces (dynamo warns at the plan cache's lru_cache on every compile): a compiled
+    # call meets the same check in the op, where kda_forward plans before its first kernel.
+    if not torch.compiler.is_compiling():
+        _plan_for(K, V, q.dtype, q.device, N * H, None if A_log is None else (A_log, dt_bias, lower_bound))
     scale = K**-0.5 if scale is None else float(scale)
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
