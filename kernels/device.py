@@ -4,6 +4,7 @@ Shared by the kernels and the trainer.
 """
 
 import os
+import re
 
 import torch
 
@@ -23,8 +24,9 @@ def triton_runs_on(device: torch.device | str) -> bool:
 
 
 def _major_minor(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string; the minor's leading digits only ('6rc1' is 6)."""
     major, minor = version.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+    return int(major), int(re.match(r"\d*", minor).group() or 0)
 
 
 def check_interpreter(triton_version: str, numpy_version: str) -> None:

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("triton_version, numpy_version", [("3.6.0", "2.4.0"), ("3.6.0", "2.4.6"), ("3.5.1", "3.0.0"),
-                                                            ("3.6.0+git8a1b2c3", "2.4.0rc1")])
+                                                            ("3.6.0+git8a1b2c3", "2.4.0rc1"), ("3.6rc1", "2.4")])
 def test_an_old_interpreter_with_numpy_2_4_is_refused_in_one_line(triton_version, numpy_version):
     with pytest.raises(RuntimeError) as info:
         device.check_interpreter(triton_version, numpy_version)
