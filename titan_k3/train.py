@@ -9,11 +9,9 @@ AdamW, apply QK-Clip, advance the LR schedule, report.
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
-import signal
 import sys
 import time
 from collections import deque
@@ -55,6 +53,7 @@ from titan_k3.gc_schedule import ScheduledGC
 from titan_k3.metrics.clocks import TwoClocks, process_start_time
 from titan_k3.metrics.events import EventLog
 from titan_k3.invariants import InvariantRunner, InvariantViolationError
+from titan_k3.job_errors import OutlivesItsReader, exit_on_config_error, first_to_report, report_error
 from titan_k3.metrics.memory_peak import PeakRecorder, check_memory_peak
 from titan_k3.metrics.profile import StepProfiler
 from titan_k3.metrics.reporter import MetricsReporter
@@ -666,131 +665,19 @@ class Trainer:
         ])
 
 
-def _first_to_report(line: str, wait_s: float = 0.0) -> bool:
-    """Whether this rank is the first of its torchrun job to report `line` (True outside torchrun).
-
-    wait_s: how long to wait, at most, for every rank of the job to have reported the same line before answering.
-
-    NOTE: every rank validates the same arguments, so a bad key would print one line per rank. The ranks count each
-    line in torchrun's own key-value store (on MASTER_ADDR:MASTER_PORT from before the workers start, kept by
-    torchrun's agent) and the first to count it prints it: a line only some ranks raise, a file missing on one host,
-    is still printed by its rank. Where the store cannot answer, every rank prints.
-    """
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if world == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return True
-    import hashlib
-    from datetime import timedelta
-
-    key = f"titan_k3/reported/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/{hashlib.sha1(line.encode()).hexdigest()}"
-    try:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timedelta(seconds=10))
-        first = store.add(key, 1) == 1
-        deadline = time.monotonic() + wait_s
-        while store.add(key, 0) < world and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return first
-    except (KeyError, ValueError, RuntimeError):  # RuntimeError: torch's DistStoreError and connection failures
-        return True
-
-
-def _report_error(e: BaseException, wait_s: float = 0.0) -> None:
-    """`error: <e>` on stderr, one line, once per torchrun job (`_first_to_report`), and in every rank's error file."""
-    line = "error: " + " ".join(str(e).split())
-    _write_error_file(line)
-    if _first_to_report(line, wait_s):
-        print(line, file=sys.stderr, flush=True)
-
-
-CONFIG_ERROR_PEERS_S = 2.0
-"""Seconds a rank refusing its configuration waits, at most, for the job's other ranks to refuse it too."""
-
-
-def _exit_on_config_error(e: BaseException) -> None:
-    """The command line's end on a configuration error: `error: <e>` and status CONFIG_ERROR_EXIT, on every rank.
-
-    NOTE: once one rank has exited, torchrun sends SIGTERM to the others. A rank still on its way to the same refusal
-    then ended as a stop (status 0, and a [stopped] line) or, in the interpreter's shutdown, by the signal itself
-    (-15): torchrun's failure summary no longer said every rank refused its configuration, which is how the control
-    service knows not to relaunch it. So the ranks wait for each other (CONFIG_ERROR_PEERS_S), take no stop signal
-    from here on, and end at once; there is nothing to save or close before any work.
-    """
-    for s in StopSignals.SIGNALS:
-        signal.signal(s, signal.SIG_IGN)
-    _report_error(e, wait_s=CONFIG_ERROR_PEERS_S)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(CONFIG_ERROR_EXIT)
-
-
-def _write_error_file(line: str) -> None:
-    """`line` as this rank's failure in torchrun's failure summary: its `traceback :` field shows it in place of a
-    link to torch's documentation.
-
-    NOTE: torchrun's agent names a file per worker in TORCHELASTIC_ERROR_FILE and reads it when the worker fails. The
-    JSON is the one torch.distributed.elastic's ErrorHandler.record_exception writes, less the `py_callstack` the
-    summary would show in its place (a mistake in the input has no traceback worth showing); torch 2.11 and 2.13 read
-    it alike. Unwritable, the summary shows torch's link, and the `error:` line still says what went wrong.
-    """
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    failure = {"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}
-    try:
-        with open(path, "w") as f:
-            json.dump(failure, f)
-    except OSError:
-        pass
-
-
-class _OutlivesItsReader:
-    """A standard stream that keeps taking writes after its reader has gone (`| head`, a `| tee` that was killed, a
-    closed terminal): its file descriptor then points to /dev/null, and the run trains on, or saves on the SIGHUP of
-    its closed terminal (stdout.log keeps every line).
-
-    NOTE: Python ignores SIGPIPE, so a write to a closed pipe raises BrokenPipeError wherever the trainer prints:
-    a training run ended with a traceback at its next log line, without its stop's checkpoint.
-    """
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text: str) -> int:
-        try:
-            return self.stream.write(text)
-        except OSError as e:
-            self._to_devnull(e)
-            return len(text)
-
-    def flush(self) -> None:
-        try:
-            self.stream.flush()
-        except OSError as e:
-            self._to_devnull(e)
-
-    def _to_devnull(self, e: OSError) -> None:
-        if e.errno not in (errno.EPIPE, errno.EIO):  # EIO: the terminal it wrote to has closed (SIGHUP's)
-            raise e
-        os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
-
-    def __getattr__(self, name: str):
-        return getattr(self.stream, name)
-
-
 def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     """Exit status: 0 done (or stopped by SIGTERM), 1 stopped by the run's own checks, 130 stopped by SIGINT, 129
     by SIGHUP, CONFIG_ERROR_EXIT bad input; a stop signal saves first (titan_k3/signals.py).
 
     own_process: the process is the trainer's (the command line): a stop during start-up that a rank waiting in
     C++ code (a rendezvous, a collective) cannot act on ends the process (StopSignals' watchdog), and stdout and
-    stderr outlive their readers (_OutlivesItsReader).
+    stderr outlive their readers (OutlivesItsReader).
     """
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         return print_help()
     if own_process:
-        sys.stdout, sys.stderr = _OutlivesItsReader(sys.stdout), _OutlivesItsReader(sys.stderr)
+        sys.stdout, sys.stderr = OutlivesItsReader(sys.stdout), OutlivesItsReader(sys.stderr)
     stop = StopSignals(watchdog=own_process)
     try:
         return _main(argv, stop, own_process)
@@ -840,7 +727,7 @@ def _main(argv: list[str], stop: StopSignals, own_process: bool = False) -> int:
         cfg = load_job_config(argv)
         if cfg.job.validate_only:
             _validate_only(cfg)
-            if _first_to_report("config ok"):
+            if first_to_report("config ok"):
                 print("config ok")
             return 0
         # NOTE: the refusals --job.validate_only and the control service give, each naming its key (the metrics
@@ -852,15 +739,15 @@ def _main(argv: list[str], stop: StopSignals, own_process: bool = False) -> int:
         trainer = Trainer(cfg, stop)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         if own_process:
-            _exit_on_config_error(e)
-        _report_error(e)
+            exit_on_config_error(e)
+        report_error(e)
         return CONFIG_ERROR_EXIT  # the control service does not retry it
     try:
         results = trainer.train()
         if trainer.rank == 0:
             print(trainer.summary(results))
     except (TrainingStopped, InvariantViolationError, CheckpointSaveError) as e:
-        _report_error(e)
+        report_error(e)
         return 1
     except StopNow as e:
         where = f"checkpoint update {trainer.step}" if trainer.step else "the start"
