@@ -16,7 +16,8 @@ import psutil
 from service.registry import Attempt, Registry
 from service.rundir import RunFilesCache
 from service.settings import Settings
-from service.supervisor import ATTEMPT_ENV, Supervisor, describe_exit, set_aside_records
+from service.attempts import ATTEMPT_ENV, describe_exit, set_aside_records
+from service.supervisor import Supervisor
 from titan_k3.config.run_files import RUN_FILES, RUN_FOLDERS
 from service_harness import gone, wait_until
 

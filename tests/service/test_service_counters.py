@@ -15,7 +15,8 @@ import subprocess
 from service.registry import Registry
 from service.settings import Settings
 from service.rundir import RunFilesCache, tally_events
-from service.supervisor import Supervisor, set_aside_records
+from service.attempts import set_aside_records
+from service.supervisor import Supervisor
 from service_harness import wait_until
 
 PROMTOOL = shutil.which("promtool")

@@ -27,7 +27,8 @@ from service.app import create_app
 from service.registry import Attempt, Registry
 from service.rundir import RunFilesCache
 from service.settings import Settings
-from service.supervisor import ATTEMPT_ENV, Supervisor, processes_by_attempt
+from service.attempts import ATTEMPT_ENV, processes_by_attempt
+from service.supervisor import Supervisor
 from service_harness import HERE, gone, wait_until
 
 INLINE = '[model]\nflavor = "debug"\n[training]\nsteps = {steps}\nseq_len = 64\n[metrics]\nlog_freq = 1\n'

@@ -20,7 +20,8 @@ import pytest
 from service.registry import Registry
 from service.rundir import RunFilesCache
 from service.settings import Settings
-from service.supervisor import Supervisor, processes_by_attempt, read_exit
+from service.attempts import processes_by_attempt, read_exit
+from service.supervisor import Supervisor
 from service_harness import HERE, gone, wait_until
 
 INLINE = '[model]\nflavor = "debug"\n[training]\nsteps = {steps}\nseq_len = 64\n[metrics]\nlog_freq = 1\n'

@@ -12,7 +12,8 @@ import psutil
 from service.registry import Attempt, Registry
 from service.rundir import RunFilesCache
 from service.settings import Settings
-from service.supervisor import Supervisor, launch_command, process_alive
+from service.attempts import launch_command, process_alive
+from service.supervisor import Supervisor
 
 
 def sleeper() -> tuple[subprocess.Popen, float]:
@@ -145,7 +146,7 @@ def test_every_string_config_key_is_classified_for_path_checks():
 
 def test_a_config_error_under_torchrun_is_read_from_its_failure_summary(tmp_path):
     """torchrun exits 1 whatever its workers' statuses; the service reads theirs from torchrun's summary."""
-    from service.supervisor import config_error
+    from service.attempts import config_error
 
     script = tmp_path / "worker.py"
     script.write_text("import sys\nprint(\"error: config key 'data.mixture' = 'web:1': unknown source(s)\", "
