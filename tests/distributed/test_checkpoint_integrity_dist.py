@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from gloo_workers import spawn_gloo  # noqa: E402
 from test_checkpoint_manager import Run  # noqa: E402
 from titan_k3.checkpoint import integrity  # noqa: E402
-from titan_k3.checkpoint.manager import check_resumable  # noqa: E402
+from titan_k3.checkpoint.resume import check_resumable  # noqa: E402
 from titan_k3.metrics.events import EventLog  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")

@@ -11,7 +11,8 @@ import torch
 
 from titan_k3.checkpoint.export import INDEX_FILE, export_checkpoint, import_state_dict, main
 from titan_k3.checkpoint.hf import args_from_hf_config, from_hf, hf_config, to_hf
-from titan_k3.checkpoint.manager import CheckpointManager, load_model_weights
+from titan_k3.checkpoint.manager import CheckpointManager
+from titan_k3.checkpoint.resume import load_model_weights
 from titan_k3.config import load_job_config
 from titan_k3.metrics.events import EventLog
 from titan_k3.models.k3.args import FLAVORS, get_flavor

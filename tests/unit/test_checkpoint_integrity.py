@@ -18,7 +18,8 @@ import torch
 
 from test_checkpoint_manager import Run, _assert_same, _events
 from titan_k3.checkpoint import integrity, layout
-from titan_k3.checkpoint.manager import META_VERSION, check_resumable
+from titan_k3.checkpoint.manager import META_VERSION
+from titan_k3.checkpoint.resume import check_resumable
 
 
 def _run(path: Path, **kw) -> Run:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from titan_k3.checkpoint import layout
-from titan_k3.checkpoint.manager import CheckpointManager, check_resumable, load_model_weights
+from titan_k3.checkpoint.manager import CheckpointManager
+from titan_k3.checkpoint.resume import check_resumable, load_model_weights
 from titan_k3.config import load_job_config
 from titan_k3.metrics.events import EventLog
 from titan_k3.models.k3.args import get_flavor

@@ -19,7 +19,7 @@ import pytest
 from test_checkpoint_manager import Run, _events
 from titan_k3.checkpoint import layout, verify
 from titan_k3.checkpoint.export import export_checkpoint
-from titan_k3.checkpoint.manager import check_resumable
+from titan_k3.checkpoint.resume import check_resumable
 from titan_k3.data.tokenizer import file_sha256, tokenizer_identity
 from titan_k3.models.k3.args import get_flavor
 

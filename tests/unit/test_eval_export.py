@@ -143,7 +143,7 @@ def test_initial_load_path_refuses_a_damaged_export(run, tmp_path):
     """A weights-only start checked an export's shapes only: flipped weight bytes loaded without a word."""
     from types import SimpleNamespace
 
-    from titan_k3.checkpoint.manager import plan_start
+    from titan_k3.checkpoint.resume import plan_start
 
     root, _ = run
     export = tmp_path / "exp"

@@ -49,7 +49,7 @@ from titan_k3.checkpoint.export import (
     verify_export,
 )
 from titan_k3.checkpoint.layout import TOKENIZER_KEY
-from titan_k3.checkpoint.manager import saved_tokenizer
+from titan_k3.checkpoint.resume import saved_tokenizer
 from titan_k3.config import JobConfig
 from titan_k3.eval.runner import Evaluator, load_tasks, task_names, training_dtype
 from titan_k3.eval.validation import validation_split_tokens
