@@ -24,6 +24,8 @@ from titan_k3.config.check import CONFIG_ERROR_EXIT
 from titan_k3.config.run_files import RUN_FILE_PATTERNS, RUN_FILES, RUN_FOLDERS
 
 START_TIME_TOLERANCE_S = 0.05
+"""Seconds a process's start time may differ from the recorded one and still be the attempt's (a reused pid has
+another start time)."""
 ATTEMPT_ENV = "K3_SERVICE_ATTEMPT"
 """Set in every attempt's environment to its exit file's path (unique per service, run and attempt): every process
 the attempt starts inherits it, so its leftovers are found even once their parents are gone."""
