@@ -9,7 +9,6 @@ AdamW, apply QK-Clip, advance the LR schedule, report.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -37,18 +36,16 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 from kernels.device import host_to_device
 from kernels.specializations import Precompile
 from titan_k3.checkpoint import CheckpointSaveError, build_checkpointer, check_resumable, plan_resume
-from titan_k3.checkpoint.layout import META_FILE
-from titan_k3.checkpoint.verify import ResumePlan
 from titan_k3.config import ConfigError, JobConfig, load_job_config
 from titan_k3.config.errors import toml_value
 from titan_k3.config.manager import print_help
 from titan_k3.config.check import (
-    CONFIG_ERROR_EXIT, check_compile_cache, check_data, check_files, check_host, check_packages, load_data_tokenizer,
+    CONFIG_ERROR_EXIT, check_compile_cache, check_data, check_files, check_host, check_packages,
 )
-from titan_k3.config.validate import parse_context_stages, parse_mixture, seq_len_at, warmup_updates
+from titan_k3.config.validate import parse_context_stages, seq_len_at, warmup_updates
 from titan_k3.data.budget import describe_run_data, report_lines, run_tokens
 from titan_k3.data.loader import check_token_ids
-from titan_k3.eval.runner import Evaluator, format_metrics, training_dtype
+from titan_k3.eval.runner import format_metrics
 from titan_k3.gc_schedule import ScheduledGC
 from titan_k3.metrics.clocks import TwoClocks, process_start_time
 from titan_k3.metrics.events import EventLog
@@ -70,6 +67,10 @@ from titan_k3.signals import EXIT_STATUS, StopNow, StopSignals
 from titan_k3.spec import routed_experts
 from titan_k3.step_graph import StepGraph, check_capturable, side_stream_choice
 from titan_k3.train_state import TrainState
+from titan_k3.trainer_setup import (
+    build_evaluator, build_loader, expandable_segments_to_set, pick_device, resolve_kernels, saved_train_state,
+    set_allocator, tokenizer_and_vocab,
+)
 
 IGNORE_INDEX = -100
 
@@ -114,105 +115,6 @@ def _copy_to_host(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | Non
     return host, copied
 
 
-def _device(cfg: JobConfig) -> torch.device:
-    want = cfg.training.device
-    if want == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("config key 'training.device' = 'cuda': no CUDA device is visible")
-    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-
-
-EXPANDABLE = "expandable_segments:True"
-
-
-def _expandable_segments_to_set(cfg: JobConfig, device: torch.device) -> bool:
-    """Whether training.expandable_segments is left for the trainer to set (on CUDA, PYTORCH_CUDA_ALLOC_CONF silent on
-    it); ConfigError where that variable sets it otherwise."""
-    if not cfg.training.expandable_segments or device.type != "cuda":
-        return False
-    current = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if "expandable_segments" in current and EXPANDABLE not in current:
-        raise ConfigError(f"config key 'training.expandable_segments' = true: PYTORCH_CUDA_ALLOC_CONF={current!r} "
-                          "in the environment sets it otherwise; drop one of the two")
-    return "expandable_segments" not in current
-
-
-def _allocator_settings(cfg: JobConfig, device: torch.device) -> None:
-    """training.expandable_segments: have CUDA's caching allocator grow one mapping per stream (before it starts)."""
-    if not _expandable_segments_to_set(cfg, device):
-        return
-    current = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if torch.cuda.is_initialized():
-        # NOTE: CUDA started before the trainer (an embedding process): the setting still applies to every
-        # segment the allocator creates from here on.
-        torch.cuda.memory._set_allocator_settings(EXPANDABLE)
-    else:
-        # The allocator reads this when CUDA starts; child processes (compile workers) inherit it.
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, (current, EXPANDABLE)))
-
-
-def _tokenizer_and_vocab(cfg: JobConfig):
-    """(data.tokenizer loaded, the model's vocabulary: model.vocab_size, or 0's the tokenizer's rounded up to 64)."""
-    tokenizer = load_data_tokenizer(cfg)
-    vocab = cfg.model.vocab_size or -(-tokenizer.vocab_size // 64) * 64
-    if vocab < tokenizer.vocab_size:
-        raise ConfigError(f"config key 'model.vocab_size' = {vocab}: below the tokenizer's vocabulary of "
-                          f"{tokenizer.vocab_size}")
-    return tokenizer, vocab
-
-
-def _evaluator(cfg: JobConfig, tokenizer, device: torch.device, dp_rank: int = 0, dp_world: int = 1,
-               dp_group=None) -> Evaluator:
-    """The run's Evaluator, which refuses eval.batch_size against the data-parallel ranks, a missing validation split
-    and (as a ConfigError naming eval.tasks) a task file that does not parse."""
-    try:
-        return Evaluator(cfg, tokenizer, device, dp_rank=dp_rank, dp_world=dp_world, dp_group=dp_group)
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise ConfigError(f"config key 'eval.tasks' = {toml_value(cfg.eval.tasks)}: {e}") from None
-
-
-def _resolve_kernels(cfg: JobConfig, spec, device: torch.device, args):
-    """The model's kernel choices on `device` for the run's compute dtype; job.strict refuses the first fallback among
-    them."""
-    impl = spec.resolve_kernels(cfg.kernels, device, args, training_dtype(cfg))
-    if cfg.job.strict and impl.fallbacks:
-        first = impl.fallbacks[0]
-        raise ConfigError(f"job.strict = true and {first.op} falls back to '{first.chosen}' (asked "
-                          f"'{first.requested}'): {first.reason}")
-    return impl
-
-
-def _build_loader(cfg: JobConfig, tokenizer, dp_rank: int, dp_world: int, prefetch: int):
-    """The run's data loader for data-parallel rank `dp_rank` of `dp_world`."""
-    from titan_k3.data.loader import build_dataloader
-
-    t = cfg.training
-    return build_dataloader(cfg.data.dataset, tokenizer, t.seq_len, t.local_batch_size, dp_rank, dp_world, t.seed,
-                            mixture=parse_mixture(cfg.data.mixture), prefetch=prefetch)
-
-
-def _saved_train_state(cfg: JobConfig, resume: ResumePlan, loader) -> dict | None:
-    """The TrainState.state_dict() the checkpoint the run resumes from recorded; None for a fresh start or initial
-    weights (checkpoint.initial_load_path: the run's own count starts at 0).
-
-    Its data position must fit this run's `loader`, which takes it (the checkpointer loads it again): one that does
-    not (another seed or dataset, a batch that does not divide it) stops the run before its directory's config and
-    manifest are rewritten, and --job.validate_only with the same line.
-    """
-    if resume.path is None or resume.initial:
-        return None
-    saved = json.loads((resume.path / META_FILE).read_text())["train"]
-    if not cfg.training.fixed_batch:
-        try:
-            TrainState(data=loader).load_state_dict(saved)
-        except ValueError as e:
-            raise ValueError(f"checkpoint {resume.path}: {e}") from None
-    return saved
-
-
 def _state_field(name: str) -> property:
     """A Trainer attribute that is `self.state.<name>` (read and write)."""
     return property(lambda self: getattr(self.state, name), lambda self, value: setattr(self.state, name, value),
@@ -227,8 +129,8 @@ class Trainer:
         self.clocks = TwoClocks()
         self.startup_seconds = float("nan")  # set after this process's first update
         self._session_first: StepResult | None = None  # this session's first update (train())
-        self.device = _device(cfg)
-        _allocator_settings(cfg, self.device)
+        self.device = pick_device(cfg)
+        set_allocator(cfg, self.device)
         # First, so that everything the run allocates is in the trace.
         self.memory_peak = PeakRecorder(cfg.profiling.memory_peak_updates, self.device)
         # First: our kernels compile in the background while everything below builds and dynamo traces.
@@ -238,7 +140,7 @@ class Trainer:
         self.rank = int(os.environ.get("RANK", 0))
         t = cfg.training
 
-        self.tokenizer, vocab = _tokenizer_and_vocab(cfg)
+        self.tokenizer, vocab = tokenizer_and_vocab(cfg)
         self.model_spec = get_model_spec(cfg.model.name)
         self.args = self.model_spec.args(cfg.model.flavor, vocab)
         self.dist = setup_distributed(cfg.parallelism, self.device, self.model_spec.routed_experts(self.args))
@@ -247,11 +149,11 @@ class Trainer:
         check_injections(cfg.debug, self.dp_world)
         # debug.inject_same_data: the last data-parallel rank reads the first one's sequences.
         data_rank = 0 if cfg.debug.inject_same_data and self.dp_rank == self.dp_world - 1 else self.dp_rank
-        self.loader = _build_loader(cfg, self.tokenizer, data_rank, self.dp_world, cfg.data.prefetch)
+        self.loader = build_loader(cfg, self.tokenizer, data_rank, self.dp_world, cfg.data.prefetch)
         # Before the model: a task file that does not parse stops the run before any work.
-        self.evaluator = _evaluator(cfg, self.tokenizer, self.device, self.dp_rank, self.dp_world, self.dp_group)
+        self.evaluator = build_evaluator(cfg, self.tokenizer, self.device, self.dp_rank, self.dp_world, self.dp_group)
 
-        self.impl = _resolve_kernels(cfg, self.model_spec, self.device, self.args)
+        self.impl = resolve_kernels(cfg, self.model_spec, self.device, self.args)
         self._graph_choice = None
         if cfg.compile.cuda_graph:
             self._graph_choice = check_capturable(cfg, self.device, self.world_size, self.impl.choices,
@@ -293,7 +195,7 @@ class Trainer:
         self._fixed = None
 
         resume = check_resumable(cfg, run_dir_path(cfg), model, self.optimizers)
-        saved = _saved_train_state(cfg, resume, self.loader)
+        saved = saved_train_state(cfg, resume, self.loader)
         done_steps, done_tokens = (int(saved["step"]), int(saved["tokens_seen"])) if saved is not None else (0, 0)
         self.data = describe_run_data(self.loader.describe(), fixed_batch=t.fixed_batch, total_tokens=run_tokens(
             steps=t.steps, seq_len=t.seq_len, context_stages=t.context_stages, local_batch_size=t.local_batch_size,
@@ -701,12 +603,12 @@ def _validate_only(cfg: JobConfig) -> None:
     run directory, and the checkpoint the run would start from (its checksums and its data position against this
     run's seed, dataset and batch; not its shapes: those need the model)."""
     check_host(cfg)
-    device = _device(cfg)
-    _expandable_segments_to_set(cfg, device)  # PYTORCH_CUDA_ALLOC_CONF against it
+    device = pick_device(cfg)
+    expandable_segments_to_set(cfg, device)  # PYTORCH_CUDA_ALLOC_CONF against it
     check_memory_peak(cfg.profiling.memory_peak_updates, device)
-    tokenizer, vocab = _tokenizer_and_vocab(cfg)
+    tokenizer, vocab = tokenizer_and_vocab(cfg)
     spec = get_model_spec(cfg.model.name)
-    impl = _resolve_kernels(cfg, spec, device, spec.args(cfg.model.flavor, vocab))
+    impl = resolve_kernels(cfg, spec, device, spec.args(cfg.model.flavor, vocab))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if cfg.compile.cuda_graph:  # what the config chose against a capture, and job.strict against its fallback
         check_capturable(cfg, device, world, impl.choices, spec.graph_inputs)
@@ -714,12 +616,12 @@ def _validate_only(cfg: JobConfig) -> None:
     precision_fallbacks(cfg, device, sharded=world > 1)  # job.strict against FP8's and bf16's
     dims = ParallelDims.from_config(cfg.parallelism, world, routed_experts(cfg.model.name, cfg.model.flavor))
     check_injections(cfg.debug, dims.dp)
-    _evaluator(cfg, tokenizer, device, dp_world=dims.dp)
+    build_evaluator(cfg, tokenizer, device, dp_world=dims.dp)
     problem = run_dir_problem(cfg)  # a reused name or a dump folder the run would refuse at its start
     if problem:
         raise ConfigError(problem)
     resume = plan_resume(cfg, run_dir_path(cfg))  # the checkpoint it would start from, checked as the run checks it
-    _saved_train_state(cfg, resume, _build_loader(cfg, tokenizer, 0, dims.dp, prefetch=0))  # and its data position
+    saved_train_state(cfg, resume, build_loader(cfg, tokenizer, 0, dims.dp, prefetch=0))  # and its data position
 
 
 def _main(argv: list[str], stop: StopSignals, own_process: bool = False) -> int:

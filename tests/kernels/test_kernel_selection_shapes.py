@@ -111,12 +111,12 @@ def test_the_run_resolves_kda_in_its_compute_dtype_and_job_strict_refuses_the_fa
     from kernels.kda.ops import FLOAT32_MAX_WIDTH
     from titan_k3.config import ConfigError
     from titan_k3.models.registry import get_model_spec
-    from titan_k3.train import _resolve_kernels
+    from titan_k3.trainer_setup import resolve_kernels
 
     spec, wide = get_model_spec("k3"), get_flavor("debug").replace(kda_head_dim=FLOAT32_MAX_WIDTH + 64)
-    assert _choice(_resolve_kernels(load_job_config([]), spec, CUDA, wide), "kda").fallback
+    assert _choice(resolve_kernels(load_job_config([]), spec, CUDA, wide), "kda").fallback
     bf16 = load_job_config(["--training.compute_dtype", "bfloat16"])
-    assert _choice(_resolve_kernels(bf16, spec, CUDA, wide), "kda").chosen == "triton"
+    assert _choice(resolve_kernels(bf16, spec, CUDA, wide), "kda").chosen == "triton"
     with pytest.raises(ConfigError, match=r"^job.strict = true and kda falls back to 'torch' \(asked 'auto'\): the "
                                           rf"model's KDA heads are {FLOAT32_MAX_WIDTH + 64} wide"):
-        _resolve_kernels(load_job_config(["--job.strict", "true"]), spec, CUDA, wide)
+        resolve_kernels(load_job_config(["--job.strict", "true"]), spec, CUDA, wide)

@@ -238,23 +238,23 @@ def test_expandable_segments_reach_the_allocator_before_cuda_starts(monkeypatch)
     """training.expandable_segments sets PYTORCH_CUDA_ALLOC_CONF for a CUDA run (kept beside the user's own
     settings), leaves a CPU run alone, and refuses an environment that says otherwise."""
     from titan_k3.config.errors import ConfigError
-    from titan_k3.train import _allocator_settings
+    from titan_k3.trainer_setup import set_allocator
 
     on = load_job_config(["--training.expandable_segments", "true"])
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    _allocator_settings(on, torch.device("cpu"))
-    _allocator_settings(load_job_config([]), cuda)
+    set_allocator(on, torch.device("cpu"))
+    set_allocator(load_job_config([]), cuda)
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
-    _allocator_settings(on, cuda)
+    set_allocator(on, cuda)
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
-    _allocator_settings(on, cuda)
+    set_allocator(on, cuda)
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128,expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     with pytest.raises(ConfigError, match="'training.expandable_segments' = true: PYTORCH_CUDA_ALLOC_CONF="):
-        _allocator_settings(on, cuda)
+        set_allocator(on, cuda)
 
 
 def test_loss_chunk_rows_reaches_the_loss_and_keeps_its_value(monkeypatch):
@@ -430,7 +430,7 @@ def test_validate_only_refuses_with_the_line_the_run_gives(tmp_path, capsys, arg
 def test_validate_only_refuses_an_allocator_setting_the_cuda_run_refuses(tmp_path, capsys, monkeypatch):
     """training.expandable_segments under a PYTORCH_CUDA_ALLOC_CONF that sets it otherwise stops a CUDA run at its
     start; --job.validate_only said 'config ok'. The device is said to be CUDA: both stop before they use it."""
-    monkeypatch.setattr("titan_k3.train._device", lambda cfg: torch.device("cuda", 0))
+    monkeypatch.setattr("titan_k3.train.pick_device", lambda cfg: torch.device("cuda", 0))
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     argv = [*FAST, "--job.dump_folder", str(tmp_path), "--job.name", "r", "--training.expandable_segments", "true"]
     assert main([*argv, "--job.validate_only"]) == 2
