@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from titan_k3.optim.muon import NewtonSchulzGraphs
+from titan_k3.optim.ns_graphs import NewtonSchulzGraphs
 
 
 class FakeGraph:
