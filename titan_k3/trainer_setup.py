@@ -54,7 +54,7 @@ def set_allocator(cfg: JobConfig, device: torch.device) -> None:
     if torch.cuda.is_initialized():
         # NOTE: CUDA started before the trainer (an embedding process): the setting still applies to every
         # segment the allocator creates from here on.
-        torch.cuda.memory._setset_allocator(EXPANDABLE)
+        torch.cuda.memory._set_allocator_settings(EXPANDABLE)
     else:
         # The allocator reads this when CUDA starts; child processes (compile workers) inherit it.
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, (current, EXPANDABLE)))

@@ -14,6 +14,22 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+@pytest.fixture(autouse=True)
+def inductor_picks_configs_without_timing():
+    """Inductor's deterministic mode for the compiled trainers these tests compare.
+
+    NOTE: each trainer compiles its own kernels, and inductor times a reduction's candidate configs (its block and
+    warps: the summation order) on the GPU as it first runs them; near-tied candidates can fall either way in each
+    trainer. Two trainers of one process then differ in the last bits (on an H100, session 43: losses 1e-5 apart by
+    update 4-6, in every compiled comparison; the eager one agreed), which the exact comparisons below would read as
+    a captured value gone stale. The mode picks those configs without timing, so both trainers run the same kernels.
+    """
+    import torch._inductor.config
+
+    with torch._inductor.config.patch(deterministic=True):
+        yield
+
+
 def _trainer(tmp_path, name: str, *extra: str):
     from titan_k3.config import load_job_config
     from titan_k3.train import Trainer

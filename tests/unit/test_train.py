@@ -255,6 +255,14 @@ def test_expandable_segments_reach_the_allocator_before_cuda_starts(monkeypatch)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     with pytest.raises(ConfigError, match="'training.expandable_segments' = true: PYTORCH_CUDA_ALLOC_CONF="):
         set_allocator(on, cuda)
+    # CUDA started before the trainer: the setting goes to the running allocator (through torch's own setter, which
+    # must exist under that name: setattr refuses a missing attribute) and the environment is left as it is.
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    told = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", told.append)
+    set_allocator(on, cuda)
+    assert told == ["expandable_segments:True"] and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
 
 
 def test_loss_chunk_rows_reaches_the_loss_and_keeps_its_value(monkeypatch):
