@@ -139,17 +139,19 @@ def test_empty_padding_documents_leave_flash_varlen_attention_alone():
         torch.testing.assert_close(pad, plain, rtol=tol, atol=tol)
 
 
-def test_optimizer_side_stream_changes_no_number(tmp_path):
+@pytest.mark.parametrize("side_stream", [False, True], ids=["the same trainer twice", "a side stream"])
+def test_optimizer_side_stream_changes_no_number(tmp_path, side_stream):
     """optimizer.side_stream in the recipe's setting (update graph, Newton-Schulz graphs in its pool): AdamW and
-    Muon's update passes on a second stream train exactly like one stream, update for update."""
+    Muon's update passes on a second stream train exactly like one stream, update for update. The same trainer built
+    twice must agree too (else a mismatch with the side stream says nothing about the stream)."""
     flags = ["--compile.enable", "true", "--compile.cuda_graph", "true", "--compile.cuda_graph_warmup", "1",
              "--compile.cuda_graph_max_documents", "32", "--optimizer.ns_cuda_graphs", "true",
              "--compile.cuda_graph_share_pool", "true", "--optimizer.ns_chunk", "4", *DETERMINISTIC_ATTENTION]
     one = _trainer(tmp_path, "one", *flags)
-    two = _trainer(tmp_path, "two", *flags, "--optimizer.side_stream", "true")
+    two = _trainer(tmp_path, "two", *flags, "--optimizer.side_stream", str(side_stream).lower())
     try:
-        assert [c.chosen for c in two.impl.choices if c.op == "optimizer_stream"] == ["on"]
-        assert two.optimizers.side_stream is not None and one.optimizers.side_stream is None
+        assert [c.chosen for c in two.impl.choices if c.op == "optimizer_stream"] == (["on"] if side_stream else [])
+        assert (two.optimizers.side_stream is not None) == side_stream and one.optimizers.side_stream is None
         for update in range(1, 7):
             a, b = one.train_step(), two.train_step()
             one.step = two.step = update
