@@ -13,7 +13,7 @@ import httpx
 import pytest
 from fastapi import HTTPException
 
-from service.app import Service
+from service.operations import Service
 from service.settings import Settings
 
 INLINE = '[model]\nflavor = "debug"\n[training]\nsteps = 6\nseq_len = 64\n[metrics]\nlog_freq = 1\n'

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from service.app import Service, _follow
+from service.app import _follow
+from service.operations import Service
 from service.registry import Attempt
 from service.settings import Settings
 from service_harness import REPO, wait_until
