@@ -88,8 +88,9 @@ def test_replayed_updates_equal_eager_ones(tmp_path, compiled):
 # NOTE: the optimizer tests below compare two trainers update for update, so every kernel of their updates must give
 # the same bits on every run. Flash attention's backward does not: it adds dq up with atomics, in any order, and
 # Muon's bf16 Newton-Schulz turns a last-bit difference into ~1e-5 of the next loss (on an H100, session 43, the side
-# stream's exact comparison failed at update 3 in one run and 5 in another). Those trainers run MLA on SDPA's math
-# path instead; what they test is the optimizer, and the graph's own handling of documents has the test above.
+# stream's exact comparison failed at update 3 in one run and 5 in another, flash in both trainers; the same trainer
+# built twice now tells that apart from the stream). Those trainers run MLA on SDPA's math path instead; what they
+# test is the optimizer, and the graph's own handling of documents has the test above.
 DETERMINISTIC_ATTENTION = ["--kernels.attention", "math"]
 
 
