@@ -24,6 +24,7 @@ import triton.testing
 import kernels.fused_ce.ce_rows as ce_rows_module
 from benchmarks.common import environment, rel_rms
 from kernels.fused_ce import linear_cross_entropy, reference
+from kernels.fused_ce.ce_rows import RowsLaunch, ce_rows
 
 IGNORE = -100
 GiB = 2**30
@@ -69,29 +70,90 @@ def time_ms(fn, h, weight, targets, **kw):
     )
 
 
-def sweep_row_kernel(logits_src, targets_C):
-    """Time the Triton row kernel alone (loss + in-place gradient) on one chunk per (block, warps).
+ROW_LAUNCHES = {
+    # The launch config sweep of one program per row (session 1's table).
+    "block 2048, 4 warps": RowsLaunch(2048, 4),
+    "block 4096, 8 warps (default)": RowsLaunch(),
+    "block 8192, 8 warps": RowsLaunch(8192, 8),
+    "block 8192, 16 warps": RowsLaunch(8192, 16),
+    "block 16384, 16 warps": RowsLaunch(16384, 16),
+}
+L2_LAUNCHES = {
+    # The second read from L2: one program per row keeps ~1,000 rows (~330 MB at V 163,840) in flight, far more
+    # than L2's 50 MB, so it reads every row twice from HBM. A few programs per SM hold fewer rows in flight;
+    # walking the second pass backwards starts it on what the first pass read last; prefetching keeps two steps
+    # in flight per program, which the lost parallelism needs; the hints ask L2 to keep the first pass's lines.
+    "per row, backwards": RowsLaunch(reverse=True),
+    "per row, backwards, prefetch": RowsLaunch(reverse=True, prefetch=True),
+    "per row, backwards, hints": RowsLaunch(reverse=True, l2_hints=True),
+    **{f"{k}/SM, block {b} x {w} warps, {'backwards' if r else 'forwards'}{', prefetch' if p else ''}{', hints' if h else ''}":
+       RowsLaunch(b, w, k, r, p, h)
+       for k, b, w, r, p, h in (
+           (1, 16384, 16, False, True, False),
+           (1, 16384, 16, True, True, False),
+           (1, 16384, 16, True, True, True),
+           (1, 8192, 16, True, True, True),
+           (2, 8192, 8, True, True, False),
+           (2, 8192, 8, True, True, True),
+           (2, 16384, 16, True, True, True),
+           (2, 4096, 8, True, True, True),
+           (4, 4096, 8, True, True, True),
+           (4, 4096, 8, True, False, True),
+       )},
+}
 
-    Returns [(block, warps, ms)]; the losses must agree across configs (only the summation order differs).
+
+def sweep_row_kernel(logits_src, targets_C, launches: dict[str, RowsLaunch]):
+    """Time the Triton row kernel alone (loss + in-place gradient) on one chunk per launch.
+
+    Returns [(name, launch, ms)]. Each launch's loss must agree with the first's (only the summation order differs),
+    and its gradient with the first's to bf16 rounding.
     """
     loss_C = torch.empty(logits_src.shape[0], dtype=torch.float32, device=logits_src.device)
     buf = torch.empty_like(logits_src)
-    first_loss = None
+    first = None
     copy_ms = triton.testing.do_bench(lambda: buf.copy_(logits_src), return_mode="median")
     results = []
-    for block, warps in ((2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)):
-        ce_rows_module.BLOCK_V, ce_rows_module.NUM_WARPS = block, warps
-
+    for name, launch in launches.items():
         def run():
             buf.copy_(logits_src)
-            ce_rows_module.ce_rows(buf, targets_C, loss_C, IGNORE, True)
+            ce_rows(buf, targets_C, loss_C, IGNORE, True, launch=launch)
 
         run()
-        first_loss = loss_C.clone() if first_loss is None else first_loss
-        assert torch.allclose(loss_C, first_loss, rtol=1e-5, atol=1e-5), (block, warps)
+        if first is None:
+            first = loss_C.clone(), buf.clone()
+        assert torch.allclose(loss_C, first[0], rtol=1e-5, atol=1e-5), name
+        assert torch.allclose(buf.float(), first[1].float(), rtol=1e-2, atol=1e-6), name
         ms = triton.testing.do_bench(run, return_mode="median") - copy_ms
-        results.append((block, warps, ms))
+        results.append((name, launch, ms))
     return results
+
+
+def rows_launch_probe(logits, targets_C, out: str) -> None:
+    """--rows-launch: every launch of L2_LAUNCHES against the default on one chunk, each timed twice in turn (the
+    order of a run must not decide), appended to `out` as a dated table."""
+    chunk_bytes = logits.numel() * logits.element_size()
+    launches = {"block 4096, 8 warps (default)": RowsLaunch(), **L2_LAUNCHES}
+    runs = [sweep_row_kernel(logits, targets_C, launches) for _ in range(2)]
+    env = environment()
+    c, v = logits.shape
+    lines = ["", f"### The row kernel's launch, one {c}-row chunk of V {v} {str(logits.dtype).removeprefix('torch.')}"
+             " (`benchmarks/fused_ce.py --rows-launch`)", "",
+             "| date | commit | GPU | torch | triton | launch | ms (two runs) | GB/s (2 reads + 1 write) | vs default |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    base = min(r[2] for run in runs for r in run if r[1] == RowsLaunch())
+    for i, (name, _launch, _) in enumerate(runs[0]):
+        ms = [run[i][2] for run in runs]
+        best = min(ms)
+        lines.append(f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | {name} "
+                     f"| {ms[0]:.3f} / {ms[1]:.3f} | {3 * chunk_bytes / best / 1e6:.0f} | {base / best:.3f}x |")
+    text = "\n".join(lines) + "\n"
+    print(text, flush=True)
+    fastest = min(zip(runs[0], runs[1]), key=lambda pair: min(pair[0][2], pair[1][2]))[0][1]
+    # NOTE: the form `benchmarks/train_throughput.py --rows-launch` takes, for the update's own measurement.
+    print("fastest launch:", ",".join(str(int(f)) for f in fastest), flush=True)
+    with open(out, "a") as f:
+        f.write(text)
 
 
 def main():
@@ -100,6 +162,8 @@ def main():
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=163840)
     parser.add_argument("--out", default="benchmarks/results/fused_ce.md")
+    parser.add_argument("--rows-launch", action="store_true",
+                        help="only the row kernel's launches (L2_LAUNCHES) against the default, on one 4096-row chunk")
     args = parser.parse_args()
     n, d, v = args.tokens, args.dim, args.vocab
     dev = "cuda"
@@ -113,14 +177,15 @@ def main():
     c = 4096
     hc = h[:c]
     logits = hc @ weight.t()
-    sweep = sweep_row_kernel(logits, targets[:c].contiguous())
+    if args.rows_launch:
+        rows_launch_probe(logits, targets[:c].contiguous(), args.out)
+        return
+    sweep = sweep_row_kernel(logits, targets[:c].contiguous(), ROW_LAUNCHES)
     chunk_bytes = c * v * 2
-    for block, warps, ms in sweep:
-        print(f"row kernel block {block} warps {warps}: {ms:.3f} ms "
-              f"({3 * chunk_bytes / ms / 1e6:.0f} GB/s counting 2 reads + 1 write)", flush=True)
-    block, warps, _ = min(sweep, key=lambda r: r[2])
-    ce_rows_module.BLOCK_V, ce_rows_module.NUM_WARPS = block, warps
-    best_row_kernel = f"block {block}, {warps} warps"
+    for name, _, ms in sweep:
+        print(f"row kernel {name}: {ms:.3f} ms ({3 * chunk_bytes / ms / 1e6:.0f} GB/s counting 2 reads + 1 write)",
+              flush=True)
+    best_row_kernel, ce_rows_module.LAUNCH, _ = min(sweep, key=lambda r: r[2])
     print(f"chosen row kernel: {best_row_kernel}", flush=True)
 
     # Breakdown of the same chunk: the three matmuls.

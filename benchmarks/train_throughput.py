@@ -26,6 +26,7 @@ runs minutes apart, and a summary gives the medians.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -150,6 +151,12 @@ VARIANTS = {
     "ours-recipe-adamw": [*RECIPE, "--optimizer.name", "adamw", "--optimizer.ns_cuda_graphs", "false",
                           "--compile.cuda_graph_share_pool", "false"],
     "ours-recipe-ce-default": [*RECIPE, "--kernels.loss_chunk_rows", "0"],
+    # The recipe with the fused loss's row kernel launched as --rows-launch says (kernels/fused_ce/ce_rows.py
+    # RowsLaunch: a few programs per SM, the second pass backwards, so that it reads from L2 what the first read last).
+    # Predicted: up to one of the kernel's three passes over each chunk, ~2.7 ms of its 8.1 per update on an H200.
+    "ours-recipe-rows-launch": RECIPE,
+    # ... and 8,192 rows at a time with it.
+    "ours-recipe-ce-default-rows-launch": [*RECIPE, "--kernels.loss_chunk_rows", "0"],
     # ... with the fused loss 2,048 rows at a time (the recipe: 4,096). Predicted: ~0.6 GiB less peak allocated
     # (4,096 rows took 30.1 -> 28.9 GiB against the default in session 17, at the cost of noise), where the recipe
     # is 0.2 GiB above the strongest peer's 27.8 (session 24); twice the loss's launches, ~0.3 ms. Measured (session 25,
@@ -226,8 +233,45 @@ STRONG_PEERS = ("peer-compiled", "peer-compiled-graphs", "peer-compiled-graphs-b
 """A row's strong-peer ratio is to the fastest of these in its slot: the strongest baseline a user could pick."""
 
 
+def rows_launch(spec: str):
+    """--rows-launch's 'block,warps,programs_per_sm,reverse,prefetch,l2_hints' as a RowsLaunch."""
+    from kernels.fused_ce.ce_rows import RowsLaunch
+
+    fields = [int(f) for f in spec.split(",")]
+    if len(fields) != len(RowsLaunch._fields):
+        raise SystemExit(f"--rows-launch {spec!r}: {len(RowsLaunch._fields)} comma-separated integers "
+                         f"({','.join(RowsLaunch._fields)})")
+    return RowsLaunch(*(bool(f) if isinstance(d, bool) else f for f, d in zip(fields, RowsLaunch._field_defaults.values())))
+
+
+@contextlib.contextmanager
+def variant_rows_launch(name: str, spec: str):
+    """The row kernel's launch for a *-rows-launch variant while it runs; the module's default before and after."""
+    import kernels.fused_ce.ce_rows as ce_rows_module
+
+    if not name.endswith("-rows-launch"):
+        yield
+        return
+    if not spec:
+        raise SystemExit(f"variant {name}: needs --rows-launch")
+    saved, ce_rows_module.LAUNCH = ce_rows_module.LAUNCH, rows_launch(spec)
+    try:
+        yield
+    finally:
+        ce_rows_module.LAUNCH = saved
+
+
 def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps: int, out: Path, profile: bool,
-                memory_peak: bool = False) -> dict:
+                memory_peak: bool = False, rows_launch_spec: str = "") -> dict:
+    with variant_rows_launch(name, rows_launch_spec):
+        row = _run_variant(name, flavor, seq, batch, warmup, steps, out, profile, memory_peak)
+    if name.endswith("-rows-launch"):
+        row["rows_launch"] = rows_launch_spec
+    return row
+
+
+def _run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps: int, out: Path, profile: bool,
+                 memory_peak: bool) -> dict:
     reset_peak()
     traced = memory_peak and torch.cuda.is_available()
     if memory_peak and not traced:
@@ -372,6 +416,8 @@ def _note(row: dict, rounds: int) -> str:
     parts = [f"round {row['round']} of {rounds}"] if rounds > 1 else []
     if "graphs" in row:
         parts.append(f"{row['graphs']} graphs, {row['graph_breaks']} graph breaks")
+    if row.get("rows_launch"):
+        parts.append(f"row kernel launch {row['rows_launch']}")
     if row.get("memory_traced"):
         parts.append(f"allocator traced (times not its speed): {row['memory_peak']}")
     stall = _stall(row)
@@ -414,7 +460,7 @@ def run_isolated(name: str, seq: int, batch: int, args, time_left_s: float, prof
         cmd = [sys.executable, __file__, "--variants", name, "--flavor", args.flavor, "--seq", str(seq),
                "--batch", str(batch), "--warmup", str(args.warmup), "--steps", str(args.steps),
                "--profile", profile, "--memory-peak", args.memory_peak, "--out", str(args.out),
-               "--row-json", str(row_json)]
+               "--rows-launch", args.rows_launch, "--row-json", str(row_json)]
         try:
             done = subprocess.run(cmd, timeout=time_left_s, env={**os.environ, **VARIANT_ENV.get(name, {})})
         except subprocess.TimeoutExpired:
@@ -445,6 +491,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="run the variant list this many times in turn (A B A B ...); each row's ratio is to the peer "
                         "of its own round, and a summary gives medians over the rounds")
+    p.add_argument("--rows-launch", default="",
+                   help="the fused loss's row-kernel launch for the variants named *-rows-launch, as "
+                        "block,warps,programs_per_sm,reverse,prefetch,l2_hints (kernels/fused_ce/ce_rows.py RowsLaunch; "
+                        "benchmarks/fused_ce.py --rows-launch prints its fastest in this form)")
     p.add_argument("--row-json", type=Path, help=argparse.SUPPRESS)  # an --isolate child: its rows go here, no table
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -468,7 +518,7 @@ def main() -> int:
             try:
                 row = run_variant(name, args.flavor, seq, batch, args.warmup, args.steps, args.out,
                                   round_ == 1 and (args.profile == "all" or name in args.profile.split(",")),
-                                  args.memory_peak == "all" or name in args.memory_peak.split(","))
+                                  args.memory_peak == "all" or name in args.memory_peak.split(","), args.rows_launch)
             except Exception as e:  # one failing variant must not lose the others' numbers
                 row = {"variant": name, "seq": seq, "batch": batch, "error": f"{type(e).__name__}: {e}"}
                 traceback.print_exc()

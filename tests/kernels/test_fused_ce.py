@@ -110,7 +110,7 @@ def test_reference_chunk_logits_stay_bounded(monkeypatch):
 @pytest.fixture
 def small_block(monkeypatch):
     """A 32-wide vocabulary block so that small vocabularies span several blocks and a ragged tail."""
-    monkeypatch.setattr(ce_rows_module, "BLOCK_V", 32)
+    monkeypatch.setattr(ce_rows_module, "LAUNCH", ce_rows_module.RowsLaunch(block=32))
 
 
 @pytest.mark.parametrize(
@@ -145,8 +145,23 @@ def test_a_float32_weight_with_half_h_gets_its_gradient_in_float32(small_block, 
     assert _rel_rms(gw32, truth) < _rel_rms(gw16, truth)
 
 
-def test_row_kernel_matches_float64_softmax_grad(small_block):
-    """The row kernel alone: per-row loss, and the gradient written in place only when asked."""
+ROW_LAUNCHES = {
+    "one program per row": dict(),
+    "second pass backwards": dict(reverse=True),
+    "one program per SM": dict(programs_per_sm=1, reverse=True),
+    "two per SM, prefetched, L2 hints": dict(programs_per_sm=2, reverse=True, prefetch=True, l2_hints=True),
+    "forwards, prefetched": dict(programs_per_sm=3, prefetch=True),
+    "one per row, prefetched": dict(reverse=True, prefetch=True),
+}
+
+
+@pytest.mark.parametrize("launch", ROW_LAUNCHES.values(), ids=ROW_LAUNCHES.keys())
+def test_row_kernel_matches_float64_softmax_grad(monkeypatch, launch):
+    """The row kernel alone, at every launch: per-row loss, and the gradient written in place only when asked.
+
+    77 columns are two 32-wide tiles and a ragged one; 11 rows are more than the programs of a launch that loops
+    over rows (the interpreter counts two SMs), so a program takes several rows, the last ones unevenly."""
+    monkeypatch.setattr(ce_rows_module, "LAUNCH", ce_rows_module.RowsLaunch(block=32, **launch))
     gen = torch.Generator().manual_seed(3)
     logits = (torch.randn(11, 77, generator=gen) * 4).to(DEVICE)
     targets = torch.randint(0, 77, (11,), generator=gen).to(DEVICE)

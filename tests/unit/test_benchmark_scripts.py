@@ -286,6 +286,27 @@ def test_expert_tiles_smoke_pins_another_setting_and_checks_its_outputs(tmp_path
     assert other_w2["rel_rms"] > 0 and other_w2["layer_rel_rms"] > 0  # the pin reaches the whole layer too
 
 
+def test_rows_launch_variants_run_the_named_launch_and_restore_the_default():
+    sys.path.insert(0, str(REPO))
+    import kernels.fused_ce.ce_rows as ce_rows_module
+    from benchmarks.train_throughput import VARIANTS, rows_launch, variant_rows_launch
+
+    assert "ours-recipe-rows-launch" in VARIANTS
+    launch = ce_rows_module.RowsLaunch(8192, 16, 2, True, True, False)
+    assert rows_launch("8192,16,2,1,1,0") == launch
+    before = ce_rows_module.LAUNCH
+    with variant_rows_launch("ours-recipe-rows-launch", "8192,16,2,1,1,0"):
+        assert ce_rows_module.LAUNCH == launch
+    assert ce_rows_module.LAUNCH is before
+    with variant_rows_launch("ours-recipe", "8192,16,2,1,1,0"):
+        assert ce_rows_module.LAUNCH is before
+    with pytest.raises(SystemExit, match="needs --rows-launch"), variant_rows_launch("ours-recipe-rows-launch", ""):
+        pass
+    with pytest.raises(SystemExit, match="6 comma-separated integers"):
+        rows_launch("8192,16")
+    assert ce_rows_module.LAUNCH is before
+
+
 def test_expert_tiles_pins_the_setting_and_restores_the_kernel():
     from benchmarks import expert_tiles
     from kernels.grouped_gemm import ops, triton_moe
