@@ -73,7 +73,7 @@ def time_ms(fn, h, weight, targets, **kw):
 ROW_LAUNCHES = {
     # The launch config sweep of one program per row (session 1's table).
     "block 2048, 4 warps": RowsLaunch(2048, 4),
-    "block 4096, 8 warps (default)": RowsLaunch(),
+    "block 4096, 8 warps (before session 44)": RowsLaunch(),
     "block 8192, 8 warps": RowsLaunch(8192, 8),
     "block 8192, 16 warps": RowsLaunch(8192, 16),
     "block 16384, 16 warps": RowsLaunch(16384, 16),
@@ -130,16 +130,16 @@ def sweep_row_kernel(logits_src, targets_C, launches: dict[str, RowsLaunch]):
 
 
 def rows_launch_probe(logits, targets_C, out: str) -> None:
-    """--rows-launch: every launch of L2_LAUNCHES against the default on one chunk, each timed twice in turn (the
+    """--rows-launch: every launch of L2_LAUNCHES against one program per row on one chunk, each timed twice in turn (the
     order of a run must not decide), appended to `out` as a dated table."""
     chunk_bytes = logits.numel() * logits.element_size()
-    launches = {"block 4096, 8 warps (default)": RowsLaunch(), **L2_LAUNCHES}
+    launches = {"per row, block 4096 x 8 warps": RowsLaunch(), **L2_LAUNCHES}
     runs = [sweep_row_kernel(logits, targets_C, launches) for _ in range(2)]
     env = environment()
     c, v = logits.shape
     lines = ["", f"### The row kernel's launch, one {c}-row chunk of V {v} {str(logits.dtype).removeprefix('torch.')}"
              " (`benchmarks/fused_ce.py --rows-launch`)", "",
-             "| date | commit | GPU | torch | triton | launch | ms (two runs) | GB/s (2 reads + 1 write) | vs default |",
+             "| date | commit | GPU | torch | triton | launch | ms (two runs) | GB/s (2 reads + 1 write) | vs one per row |",
              "|---|---|---|---|---|---|---|---|---|"]
     base = min(r[2] for run in runs for r in run if r[1] == RowsLaunch())
     for i, (name, _launch, _) in enumerate(runs[0]):
@@ -163,7 +163,7 @@ def main():
     parser.add_argument("--vocab", type=int, default=163840)
     parser.add_argument("--out", default="benchmarks/results/fused_ce.md")
     parser.add_argument("--rows-launch", action="store_true",
-                        help="only the row kernel's launches (L2_LAUNCHES) against the default, on one 4096-row chunk")
+                        help="only the row kernel's launches (L2_LAUNCHES) against one program per row, on one 4096-row chunk")
     args = parser.parse_args()
     n, d, v = args.tokens, args.dim, args.vocab
     dev = "cuda"

@@ -152,8 +152,10 @@ VARIANTS = {
                           "--compile.cuda_graph_share_pool", "false"],
     "ours-recipe-ce-default": [*RECIPE, "--kernels.loss_chunk_rows", "0"],
     # The recipe with the fused loss's row kernel launched as --rows-launch says (kernels/fused_ce/ce_rows.py
-    # RowsLaunch: a few programs per SM, the second pass backwards, so that it reads from L2 what the first read last).
-    # Predicted: up to one of the kernel's three passes over each chunk, ~2.7 ms of its 8.1 per update on an H200.
+    # RowsLaunch). Session 44 measured two per SM with the second pass backwards (so that it reads from L2 what the
+    # first read last; predicted up to one of the kernel's three passes over each chunk, ~2.7 ms of its 8.1 per
+    # update on an H200): -1.0 ms at B32 T1024 on an H100, now the kernel's default; `--rows-launch 4096,8,0,0,0,0`
+    # runs the launch before it, one program per row.
     "ours-recipe-rows-launch": RECIPE,
     # ... and 8,192 rows at a time with it.
     "ours-recipe-ce-default-rows-launch": [*RECIPE, "--kernels.loss_chunk_rows", "0"],

@@ -10,12 +10,12 @@ wanted, a second pass overwrites the logits with `softmax - onehot(target)`
 gradient matmuls with no extra memory.
 
 The kernel is memory-bound: two reads and one write of the chunk, at about
-4 TB/s on an H200 with one program per row (`RowsLaunch()`). The launch can
-instead run a few programs per SM that loop over the rows, and walk the second
-pass backwards: the part of a row the first pass read last is then the part
-most likely still in L2 (a forward second pass starts with the part read
-longest ago, which a cache holding less than the rows in flight has dropped).
-benchmarks/fused_ce.py --rows-launch times each launch on one chunk.
+4 TB/s on an H200 with one program per row (`RowsLaunch()`). The default launch
+(`LAUNCH`) instead runs two programs per SM that loop over the rows, and walks
+the second pass backwards: the part of a row the first pass read last is then
+the part most likely still in L2 (a forward second pass starts with the part
+read longest ago, which a cache holding less than the rows in flight has
+dropped). benchmarks/fused_ce.py --rows-launch times each launch on one chunk.
 """
 
 from typing import NamedTuple
@@ -45,10 +45,13 @@ class RowsLaunch(NamedTuple):
     l2_hints: bool = False
 
 
-# NOTE: 4096 logits per step and 8 warps give each thread 16 bf16 values (two
-# 16-byte loads); blocks of 2048-16384 with 4-16 warps all ran within 10% of
-# this on an H200 with one program per row (benchmarks/results/fused_ce.md).
-LAUNCH = RowsLaunch()
+# NOTE: two programs of 16 warps per SM, 16,384 logits per step, the second
+# pass backwards with two steps in flight and the L2 hints: 1.374 against
+# 1.523 ms for one program per row (block 4096, 8 warps) on a 4,096-row chunk
+# of V 163,840 on an H100, the fastest of 14 launches; -1.0 ms per k3-mini
+# update at B32 T1024 (benchmarks/results/fused_ce.md, train_throughput.md,
+# session 44).
+LAUNCH = RowsLaunch(block=16384, warps=16, programs_per_sm=2, reverse=True, prefetch=True, l2_hints=True)
 
 
 @triton.jit
@@ -111,6 +114,12 @@ def _ce_rows_kernel(
         tl.store(loss_ptr + row, tl.where(valid, row_loss, 0.0))
 
         if WRITE_GRAD:
+            # NOTE: every warp has read the target's logit before any warp overwrites the row. Without the
+            # barrier a warp that ran ahead could store the gradient over that logit before a slower warp
+            # loaded it, and the row's loss (never its gradient) came out wrong on a GPU, at random: two
+            # trainers of one process reported losses ~4e-4 apart at their first update with equal grad
+            # norms (tests/gpu/test_step_graph_gpu.py, session 44, on an H100).
+            tl.debug_barrier()
             row_scale = tl.where(valid, 1.0, 0.0)
             # NOTE: backwards, step -1 is the one past the end: masked like n_tiles forwards.
             first = n_tiles - 1 if REVERSE else 0
