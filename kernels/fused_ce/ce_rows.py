@@ -115,10 +115,10 @@ def _ce_rows_kernel(
 
         if WRITE_GRAD:
             # NOTE: every warp has read the target's logit before any warp overwrites the row. Without the
-            # barrier a warp that ran ahead could store the gradient over that logit before a slower warp
-            # loaded it, and the row's loss (never its gradient) came out wrong on a GPU, at random: two
-            # trainers of one process reported losses ~4e-4 apart at their first update with equal grad
-            # norms (tests/gpu/test_step_graph_gpu.py, session 44, on an H100).
+            # barrier a warp that ran ahead could store the gradient over that logit before the warp that
+            # computes the loss loaded it, and the row's loss (never its gradient) came out wrong at random:
+            # on an H100 two trainers of one process reported losses up to 4e-4 apart with bit-equal grad
+            # norms until this barrier (benchmarks/results/fused_ce.md, session 44).
             tl.debug_barrier()
             row_scale = tl.where(valid, 1.0, 0.0)
             # NOTE: backwards, step -1 is the one past the end: masked like n_tiles forwards.
