@@ -5,10 +5,12 @@ Forward + backward time (median of `triton.testing.do_bench`) and peak memory
 for the fused path, the naive path (bf16 logits, `F.cross_entropy`) and the
 chunked PyTorch reference, at 32,768 tokens x D 512 x V 163,840 in bf16.
 Correctness of each against a float32 reference is checked before timing.
-Then: a sweep of the fused chunk size, the Triton row kernel's block / warps,
-and a time breakdown of one chunk (matmuls vs the row kernel).
+Then: a sweep of the fused chunk size, the Triton row kernel's launches, and a
+time breakdown of one chunk (matmuls vs the row kernel). `--rows-launch` runs
+only the row kernel's launches that read its second pass from L2 (kernels/fused_ce/ce_rows.py
+RowsLaunch) against one program per row, each twice in turn.
 
-    PYTHONPATH=. python benchmarks/fused_ce.py [--tokens 32768 --dim 512 --vocab 163840] [--out FILE]
+    PYTHONPATH=. python benchmarks/fused_ce.py [--tokens 32768 --dim 512 --vocab 163840] [--out FILE] [--rows-launch]
 
 Prints a table last and appends a dated Markdown row to the results file.
 """
@@ -71,7 +73,9 @@ def time_ms(fn, h, weight, targets, **kw):
 
 
 ROW_LAUNCHES = {
-    # The launch config sweep of one program per row (session 1's table).
+    # The kernel's default launch (two per SM, the second pass backwards), then the sweep of one program per row
+    # (session 1's table); the fused timings below run the fastest.
+    "default (two per SM, backwards)": ce_rows_module.LAUNCH,
     "block 2048, 4 warps": RowsLaunch(2048, 4),
     "block 4096, 8 warps (before session 44)": RowsLaunch(),
     "block 8192, 8 warps": RowsLaunch(8192, 8),
