@@ -103,6 +103,15 @@ L2_LAUNCHES = {
            (2, 4096, 8, True, True, True),
            (4, 4096, 8, True, True, True),
            (4, 4096, 8, True, False, True),
+           # Around session 44's fastest (2/SM, 16,384 x 16 warps, backwards, prefetch, hints): each of its
+           # choices undone alone, and its neighbours in block, warps and programs.
+           (2, 16384, 16, False, True, True),
+           (2, 16384, 16, True, False, True),
+           (2, 16384, 8, True, True, True),
+           (3, 16384, 8, True, True, True),
+           (2, 32768, 16, True, True, True),
+           (1, 32768, 32, True, True, True),
+           (1, 16384, 32, True, True, True),
        )},
 }
 
