@@ -48,9 +48,9 @@ class RowsLaunch(NamedTuple):
 # NOTE: two programs of 16 warps per SM, 16,384 logits per step, the second
 # pass backwards with two steps in flight and the L2 hints: 1.374 against
 # 1.523 ms for one program per row (block 4096, 8 warps) on a 4,096-row chunk
-# of V 163,840 on an H100, the fastest of 14 launches; -1.0 ms per k3-mini
-# update at B32 T1024 (benchmarks/results/fused_ce.md, train_throughput.md,
-# session 44).
+# of V 163,840 on an H100, the fastest of 14 launches; -0.8 to -1.0 ms per
+# k3-mini update at B32 T1024 and B8 T4096 (benchmarks/results/fused_ce.md,
+# train_throughput.md, session 44).
 LAUNCH = RowsLaunch(block=16384, warps=16, programs_per_sm=2, reverse=True, prefetch=True, l2_hints=True)
 
 
