@@ -462,7 +462,7 @@ def run_isolated(name: str, seq: int, batch: int, args, time_left_s: float, prof
         cmd = [sys.executable, __file__, "--variants", name, "--flavor", args.flavor, "--seq", str(seq),
                "--batch", str(batch), "--warmup", str(args.warmup), "--steps", str(args.steps),
                "--profile", profile, "--memory-peak", args.memory_peak, "--out", str(args.out),
-               "--rows-launch", args.rows_launch, "--row-json", str(row_json)]
+               *(["--rows-launch", args.rows_launch] if args.rows_launch else []), "--row-json", str(row_json)]
         try:
             done = subprocess.run(cmd, timeout=time_left_s, env={**os.environ, **VARIANT_ENV.get(name, {})})
         except subprocess.TimeoutExpired:

@@ -286,7 +286,7 @@ def test_expert_tiles_smoke_pins_another_setting_and_checks_its_outputs(tmp_path
     assert other_w2["rel_rms"] > 0 and other_w2["layer_rel_rms"] > 0  # the pin reaches the whole layer too
 
 
-def test_rows_launch_variants_run_the_named_launch_and_restore_the_default():
+def test_rows_launch_variants_run_the_named_launch_and_restore_the_default(tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO))
     import kernels.fused_ce.ce_rows as ce_rows_module
     from benchmarks.train_throughput import VARIANTS, rows_launch, variant_rows_launch
@@ -305,6 +305,18 @@ def test_rows_launch_variants_run_the_named_launch_and_restore_the_default():
     with pytest.raises(SystemExit, match="6 comma-separated integers"):
         rows_launch("8192,16")
     assert ce_rows_module.LAUNCH is before
+
+    # --isolate hands the launch to the variant's own process.
+    from types import SimpleNamespace
+
+    from benchmarks import train_throughput
+
+    seen = {}
+    monkeypatch.setattr(subprocess, "run", lambda cmd, timeout, env: seen.update(cmd=cmd) or SimpleNamespace(returncode=3))
+    args = SimpleNamespace(flavor="debug", warmup=1, steps=1, out=tmp_path, memory_peak="none",
+                           rows_launch="8192,16,2,1,1,0")
+    train_throughput.run_isolated("ours-recipe-rows-launch", 64, 2, args, 60.0, "none")
+    assert seen["cmd"][seen["cmd"].index("--rows-launch") + 1] == "8192,16,2,1,1,0"
 
 
 def test_expert_tiles_pins_the_setting_and_restores_the_kernel():
@@ -609,7 +621,8 @@ def test_a_variant_that_needs_an_allocator_setting_runs_only_in_its_own_process(
     seen = {}
     monkeypatch.setattr(subprocess, "run",
                         lambda cmd, timeout, env: seen.update(env=env, cmd=cmd) or SimpleNamespace(returncode=3))
-    args = SimpleNamespace(flavor="debug", warmup=1, steps=1, out=tmp_path, memory_peak="ours-recipe-expandable")
+    args = SimpleNamespace(flavor="debug", warmup=1, steps=1, out=tmp_path, memory_peak="ours-recipe-expandable",
+                           rows_launch="")
     row = train_throughput.run_isolated("ours-recipe-expandable", 64, 2, args, 60.0, "none")
     assert seen["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True" and "PATH" in seen["env"]
     flag = seen["cmd"].index("--memory-peak")  # the child traces the allocator when the parent was asked to
