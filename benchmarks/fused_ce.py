@@ -112,6 +112,15 @@ L2_LAUNCHES = {
            (2, 32768, 16, True, True, True),
            (1, 32768, 32, True, True, True),
            (1, 16384, 32, True, True, True),
+           # Around session 45's fastest (1/SM, 32,768 x 32 warps, backwards, prefetch, hints): larger steps won,
+           # so the next size up, each of its choices undone alone, and two programs per SM of that size.
+           (1, 65536, 32, True, True, True),
+           (1, 65536, 32, True, False, True),
+           (1, 32768, 32, True, False, True),
+           (1, 32768, 32, False, True, True),
+           (1, 32768, 32, True, True, False),
+           (1, 32768, 16, True, True, True),
+           (2, 32768, 16, True, False, True),
        )},
 }
 
