@@ -94,13 +94,14 @@ VARIANTS = {
     "ours-compile-step-graph-lean": ["--compile.enable", "true", "--optimizer.ns_cuda_graphs", "true",
                                      "--compile.cuda_graph", "true", "--compile.cuda_graph_share_pool", "true",
                                      "--optimizer.momentum_dtype", "bfloat16"],
-    # ... with the three memory levers measured on 2026-12-02: expandable segments, the fused loss 4,096 rows at a
-    # time, Newton-Schulz over 512 blocks at a time, the two mix levers of session 31 and the optimizer's second
-    # stream of session 36 (tomls/pretrain.toml since)
+    # ... with the memory levers measured on 2026-12-02: expandable segments and Newton-Schulz over 512 blocks at a
+    # time (and the fused loss 4,096 rows at a time, given back for 8,192 in session 45: the peak stays under the
+    # strongest peer's), the two mix levers of session 31 and the optimizer's second stream of session 36
+    # (tomls/pretrain.toml since)
     "ours-compile-step-graph-lean-memory": ["--compile.enable", "true", "--optimizer.ns_cuda_graphs", "true",
                                             "--compile.cuda_graph", "true", "--compile.cuda_graph_share_pool", "true",
                                             "--optimizer.momentum_dtype", "bfloat16", "--training.expandable_segments",
-                                            "true", "--kernels.loss_chunk_rows", "4096", "--optimizer.ns_chunk", "512",
+                                            "true", "--kernels.loss_chunk_rows", "0", "--optimizer.ns_chunk", "512",
                                             "--lr_scheduler.warmup_fraction", "0.01",
                                             "--kernels.attn_res_grad_in_place", "true",
                                             "--kernels.attn_res_norm_in_mix", "true", "--optimizer.side_stream", "true"],

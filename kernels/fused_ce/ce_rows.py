@@ -45,13 +45,15 @@ class RowsLaunch(NamedTuple):
     l2_hints: bool = False
 
 
-# NOTE: two programs of 16 warps per SM, 16,384 logits per step, the second
-# pass backwards with two steps in flight and the L2 hints: 1.374 against
-# 1.523 ms for one program per row (block 4096, 8 warps) on a 4,096-row chunk
-# of V 163,840 on an H100, the fastest of 14 launches; -0.8 to -1.0 ms per
-# k3-mini update at B32 T1024 and B8 T4096 (benchmarks/results/fused_ce.md,
-# train_throughput.md, session 44).
-LAUNCH = RowsLaunch(block=16384, warps=16, programs_per_sm=2, reverse=True, prefetch=True, l2_hints=True)
+# NOTE: one program of 32 warps per SM, 32,768 logits per step, the second
+# pass backwards with two steps in flight and the L2 hints: 1.167-1.173 against
+# 1.357-1.371 ms for session 44's launch (two programs of 16 warps per SM,
+# 16,384 logits per step) and 1.492 for one program per row, on a 4,096-row
+# chunk of V 163,840 on an H100, the fastest of 28 launches in two calls; -0.3
+# to -1.3 ms per k3-mini update against session 44's launch, and session 44's
+# -0.8 to -1.0 against one program per row (benchmarks/results/fused_ce.md,
+# train_throughput.md, sessions 44-45).
+LAUNCH = RowsLaunch(block=32768, warps=32, programs_per_sm=1, reverse=True, prefetch=True, l2_hints=True)
 
 
 @triton.jit

@@ -579,7 +579,7 @@ def test_the_headline_variant_is_the_pretraining_recipe():
     # One process on one GPU runs without FSDP, so the recipe's multi-GPU setting changes nothing there.
     assert set(differing) <= {"parallelism.fsdp_reshard_after_forward"}, differing
     assert recipe["optimizer"]["momentum_dtype"] == "bfloat16" and recipe["compile"]["cuda_graph_share_pool"]
-    assert recipe["training"]["expandable_segments"] and recipe["kernels"]["loss_chunk_rows"] == 4096
+    assert recipe["training"]["expandable_segments"] and recipe["kernels"]["loss_chunk_rows"] == 0
     assert recipe["optimizer"]["ns_chunk"] == 512
 
 
