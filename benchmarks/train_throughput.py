@@ -151,14 +151,17 @@ VARIANTS = {
     # "ours with AdamW" column (what Muon's step costs inside the update); Muon's graph settings go with Muon
     "ours-recipe-adamw": [*RECIPE, "--optimizer.name", "adamw", "--optimizer.ns_cuda_graphs", "false",
                           "--compile.cuda_graph_share_pool", "false"],
+    # The fused loss 8,192 rows at a time: -1.1 ms in session 43, -1.0 at both shapes in session 45 for 1.25 GiB,
+    # the recipe's setting since (so this variant is the recipe again).
     "ours-recipe-ce-default": [*RECIPE, "--kernels.loss_chunk_rows", "0"],
     # The recipe with the fused loss's row kernel launched as --rows-launch says (kernels/fused_ce/ce_rows.py
     # RowsLaunch). Session 44 measured two per SM with the second pass backwards (so that it reads from L2 what the
     # first read last; predicted up to one of the kernel's three passes over each chunk, ~2.7 ms of its 8.1 per
-    # update on an H200): -0.8 to -1.0 ms at both shapes on an H100, now the kernel's default; `--rows-launch
-    # 4096,8,0,0,0,0` runs the launch before it, one program per row.
+    # update on an H200): -0.8 to -1.0 ms at both shapes on an H100; session 45 one per SM of 32 warps, 32,768
+    # logits per step: -0.7 to -1.0 ms more, the kernel's default since. `--rows-launch 4096,8,0,0,0,0` runs one
+    # program per row, `16384,16,2,1,1,1` session 44's launch.
     "ours-recipe-rows-launch": RECIPE,
-    # ... and 8,192 rows at a time with it (ours-recipe-ce-default, -1.1 ms in session 43, with a launch to compare).
+    # ... and 8,192 rows at a time with it (the launch of a session's probe beside the recipe's loss chunks).
     "ours-recipe-ce-default-rows-launch": [*RECIPE, "--kernels.loss_chunk_rows", "0"],
     # ... with the fused loss 2,048 rows at a time (the recipe: 4,096). Predicted: ~0.6 GiB less peak allocated
     # (4,096 rows took 30.1 -> 28.9 GiB against the default in session 17, at the cost of noise), where the recipe

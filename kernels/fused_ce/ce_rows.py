@@ -11,7 +11,7 @@ gradient matmuls with no extra memory.
 
 The kernel is memory-bound: two reads and one write of the chunk, at about
 4 TB/s on an H200 with one program per row (`RowsLaunch()`). The default launch
-(`LAUNCH`) instead runs two programs per SM that loop over the rows, and walks
+(`LAUNCH`) instead runs one program per SM that loops over the rows, and walks
 the second pass backwards: the part of a row the first pass read last is then
 the part most likely still in L2 (a forward second pass starts with the part
 read longest ago, which a cache holding less than the rows in flight has
