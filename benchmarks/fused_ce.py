@@ -73,9 +73,9 @@ def time_ms(fn, h, weight, targets, **kw):
 
 
 ROW_LAUNCHES = {
-    # The kernel's default launch (two per SM, the second pass backwards), then the sweep of one program per row
-    # (session 1's table); the fused timings below run the fastest.
-    "default (two per SM, backwards)": ce_rows_module.LAUNCH,
+    # The kernel's default launch (one program per SM looping over the rows, the second pass backwards), then the
+    # sweep of one program per row (session 1's table); the fused timings below run the fastest.
+    "default (one per SM, backwards)": ce_rows_module.LAUNCH,
     "block 2048, 4 warps": RowsLaunch(2048, 4),
     "block 4096, 8 warps (before session 44)": RowsLaunch(),
     "block 8192, 8 warps": RowsLaunch(8192, 8),

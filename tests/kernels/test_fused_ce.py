@@ -152,6 +152,8 @@ ROW_LAUNCHES = {
     "two per SM, prefetched, L2 hints": dict(programs_per_sm=2, reverse=True, prefetch=True, l2_hints=True),
     "forwards, prefetched": dict(programs_per_sm=3, prefetch=True),
     "one per row, prefetched": dict(reverse=True, prefetch=True),
+    # whatever the kernel launches by default, at the test's block
+    "the default launch": {k: v for k, v in ce_rows_module.LAUNCH._asdict().items() if k != "block"},
 }
 
 
