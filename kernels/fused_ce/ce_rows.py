@@ -57,7 +57,7 @@ LAUNCH = RowsLaunch(block=32768, warps=32, programs_per_sm=1, reverse=True, pref
 
 
 @triton.jit
-def _tile(row_ptr, t, n_cols, BLOCK: tl.constexpr, EVICT: tl.constexpr):
+def row_step(row_ptr, t, n_cols, BLOCK: tl.constexpr, EVICT: tl.constexpr):
     """Columns and float32 values of step t of a row (-inf outside it: t may be one step past either end)."""
     cols = t * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(row_ptr + cols, mask=(cols >= 0) & (cols < n_cols), other=float("-inf"), eviction_policy=EVICT)
@@ -90,13 +90,13 @@ def _ce_rows_kernel(
         m = float("-inf")
         s = 0.0
         if PREFETCH:
-            cols, x_next = _tile(row_ptr, 0, n_cols, BLOCK, KEEP)
+            cols, x_next = row_step(row_ptr, 0, n_cols, BLOCK, KEEP)
         for t in range(0, n_tiles):
             if PREFETCH:
                 x = x_next
-                cols, x_next = _tile(row_ptr, t + 1, n_cols, BLOCK, KEEP)
+                cols, x_next = row_step(row_ptr, t + 1, n_cols, BLOCK, KEEP)
             else:
-                cols, x = _tile(row_ptr, t, n_cols, BLOCK, KEEP)
+                cols, x = row_step(row_ptr, t, n_cols, BLOCK, KEEP)
             m_new = tl.maximum(m, tl.max(x, axis=0))
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
             m = m_new
@@ -127,20 +127,21 @@ def _ce_rows_kernel(
             first = n_tiles - 1 if REVERSE else 0
             step = -1 if REVERSE else 1
             if PREFETCH:
-                cols_next, x_next = _tile(row_ptr, first, n_cols, BLOCK, DROP)
+                cols_next, x_next = row_step(row_ptr, first, n_cols, BLOCK, DROP)
             for i in range(0, n_tiles):
                 if PREFETCH:
                     cols, x = cols_next, x_next
-                    cols_next, x_next = _tile(row_ptr, first + (i + 1) * step, n_cols, BLOCK, DROP)
+                    cols_next, x_next = row_step(row_ptr, first + (i + 1) * step, n_cols, BLOCK, DROP)
                 else:
-                    cols, x = _tile(row_ptr, first + i * step, n_cols, BLOCK, DROP)
+                    cols, x = row_step(row_ptr, first + i * step, n_cols, BLOCK, DROP)
                 p = tl.exp(x - lse)
                 p = tl.where(cols == safe_target, p - 1.0, p) * row_scale
                 tl.store(row_ptr + cols, p.to(row_ptr.dtype.element_ty), mask=(cols >= 0) & (cols < n_cols),
                          eviction_policy=DROP)
 
 
-def _programs(n_rows: int, device: torch.device, programs_per_sm: int) -> int:
+def row_programs(n_rows: int, device: torch.device, programs_per_sm: int) -> int:
+    """Programs of a launch over n_rows rows: one per row (programs_per_sm = 0), else that many per SM."""
     if not programs_per_sm:
         return n_rows
     # NOTE: Triton's CPU interpreter has no SMs; two "SMs" there still run the loop over rows.
@@ -163,7 +164,7 @@ def ce_rows(logits_CV, targets_C, loss_C, ignore_index: int, write_grad: bool, l
     n_rows, n_cols = logits_CV.shape
     if n_rows == 0:
         return
-    _ce_rows_kernel[(_programs(n_rows, logits_CV.device, launch.programs_per_sm),)](
+    _ce_rows_kernel[(row_programs(n_rows, logits_CV.device, launch.programs_per_sm),)](
         logits_CV,
         logits_CV.stride(0),
         targets_C,

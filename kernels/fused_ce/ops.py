@@ -15,6 +15,10 @@ than four); the backward only scales the stored float32 gradients by the
 upstream scalar. The price is holding dH (N x D) and dW (V x D) in float32
 between forward and backward.
 
+With `one_pass`, the row kernel is `ce_one_pass.py`'s, which reads each chunk's logits once instead of twice: it
+leaves exp(logits - r) with the target's entry adjusted and a float32 scale per row, which the two products take on
+their narrow side (dH's rows after its product, h's rows before dW's).
+
 With `fp8_grads`, the two gradient products run in FP8 instead (`grad_fp8.py`):
 the row kernel leaves each row's log-sum-exp, and a second pass writes the
 gradient in e5m2, in both layouts those products read (the transposed one in
@@ -28,6 +32,7 @@ import torch
 
 from kernels.device import triton_runs_on
 from kernels.fused_ce import grad_fp8
+from kernels.fused_ce.ce_one_pass import ce_rows_one_pass
 from kernels.fused_ce.ce_rows import ce_rows
 from kernels.fused_ce.reference import check_inputs, check_target_values, rows_per_chunk
 
@@ -76,10 +81,11 @@ def _fused_linear_ce(
     need_grad_w: bool,
     check_targets: bool,
     fp8_grads: bool = False,
+    one_pass: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss_sum [], grad_h32 [N, D] or [0], grad_w [V, D] or [0]) for unit upstream gradient; fp8_grads: the two
-    gradient products in FP8 (`kernels.fused_ce.grad_fp8`). grad_w is float32, or bf16 with fp8_grads
-    (`grad_w_dtype`)."""
+    gradient products in FP8 (`kernels.fused_ce.grad_fp8`); one_pass: the row kernel that reads the logits once
+    (`kernels.fused_ce.ce_one_pass`). grad_w is float32, or bf16 with fp8_grads (`grad_w_dtype`)."""
     if check_targets:
         check_target_values(targets, weight.shape[0], ignore_index)
     n_rows, dim = h.shape
@@ -98,6 +104,7 @@ def _fused_linear_ce(
     weight = weight.to(h.dtype)
     weight_t = weight.t()
     fp8 = _Fp8Grads(weight, logits_buf, need_grad_h) if fp8_grads and write_grad else None
+    scale_buf = torch.empty(logits_buf.shape[0], **f32) if one_pass and write_grad else None
     for start in range(0, n_rows, chunk_rows):
         end = min(start + chunk_rows, n_rows)
         h_CD = h[start:end]
@@ -108,14 +115,26 @@ def _fused_linear_ce(
             fp8.backward(logits_CV, targets[start:end], ignore_index, h_CD,
                          grad_h32[start:end] if need_grad_h else None, grad_w if need_grad_w else None, start == 0)
             continue
-        ce_rows(logits_CV, targets[start:end], loss_N[start:end], ignore_index, write_grad)
-        # logits_CV now holds dloss/dlogits.
+        scale_C, h_w = None, h_CD
+        if scale_buf is not None:
+            scale_C = scale_buf[: end - start]
+            ce_rows_one_pass(logits_CV, targets[start:end], loss_N[start:end], scale_C, ignore_index)
+            # NOTE: logits_CV now holds E', and dloss/dlogits = scale_C[:, None] * E': the scale rides on the narrow
+            # side of each product, dH's rows after it and h's rows before dW's. Rounding h's scaled rows to h's
+            # dtype is the one rounding this path adds to dW (the two-pass path rounds the scaled gradient instead).
+            if need_grad_w:
+                h_w = (h_CD.float() * scale_C[:, None]).to(h.dtype)
+        else:
+            ce_rows(logits_CV, targets[start:end], loss_N[start:end], ignore_index, write_grad)
+            # logits_CV now holds dloss/dlogits.
         if need_grad_h:
             _mm_f32(logits_CV, weight, grad_h32[start:end])
+            if scale_C is not None:
+                grad_h32[start:end].mul_(scale_C[:, None])
         if need_grad_w and start == 0:
-            _mm_f32(logits_CV.t(), h_CD, grad_w)
+            _mm_f32(logits_CV.t(), h_w, grad_w)
         elif need_grad_w:
-            _addmm_f32(grad_w, logits_CV.t(), h_CD)
+            _addmm_f32(grad_w, logits_CV.t(), h_w)
     return loss_N.sum(), grad_h32, grad_w
 
 
@@ -166,7 +185,8 @@ class _Fp8Grads:
 
 
 @_fused_linear_ce.register_fake
-def _(h, weight, targets, ignore_index, chunk_rows, need_grad_h, need_grad_w, check_targets, fp8_grads=False):
+def _(h, weight, targets, ignore_index, chunk_rows, need_grad_h, need_grad_w, check_targets, fp8_grads=False,
+      one_pass=False):
     loss = h.new_empty((), dtype=torch.float32)
     grad_h32 = h.new_empty(h.shape if need_grad_h else (0,), dtype=torch.float32)
     grad_w = (weight.new_empty(weight.shape, dtype=grad_w_dtype(fp8_grads)) if need_grad_w
@@ -196,7 +216,7 @@ def _backward(ctx, grad_loss, _grad_h32, _grad_w):
             # NOTE: the product is written straight into the input's dtype, so no
             # second [V, D] float32 buffer exists.
             grads[i] = torch.mul(stored, grad_loss.float(), out=torch.empty_like(stored, dtype=dtype))
-    return grads[0], grads[1], None, None, None, None, None, None, None
+    return grads[0], grads[1], None, None, None, None, None, None, None, None
 
 
 _fused_linear_ce.register_autograd(_backward, setup_context=_setup_context)
@@ -222,6 +242,7 @@ def linear_cross_entropy(
     chunk_rows: int | None = None,
     check_targets: bool = True,
     fp8_grads: bool = False,
+    one_pass: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of `h @ weight.T` against `targets`, fused and chunked.
 
@@ -238,7 +259,8 @@ def linear_cross_entropy(
     range then gives that row a NaN loss instead of an error. `fp8_grads` runs
     the two gradient products in FP8 (`kernels.fused_ce.grad_fp8`: ~2x their bf16
     rate on an H200, ~2.6e-2 relative error against ~2e-3); it needs FP8 matmuls
-    (CUDA compute capability 8.9+) and V and D multiples of 16. Needs CUDA tensors, or
+    (CUDA compute capability 8.9+) and V and D multiples of 16. `one_pass` reads each chunk's logits once
+    instead of twice for the gradient (`kernels.fused_ce.ce_one_pass`; not with fp8_grads). Needs CUDA tensors, or
     TRITON_INTERPRET=1 on CPU; the CPU path of a model is
     `kernels.fused_ce.reference.linear_cross_entropy`.
 
@@ -260,6 +282,8 @@ def linear_cross_entropy(
         chunk_rows = rows_per_chunk(h.shape[0], weight.shape[0], h.element_size(), DEFAULT_CHUNK_BYTES)
     elif chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    if fp8_grads and one_pass:
+        raise ValueError("fp8_grads and one_pass are two ways to write the gradient; pass one of them")
     if fp8_grads:
         check_fp8_grads(h, weight)
     grad_on = torch.is_grad_enabled()
@@ -273,6 +297,7 @@ def linear_cross_entropy(
         grad_on and weight.requires_grad,
         check_targets,
         fp8_grads,
+        one_pass,
     )
     n_valid = (targets != ignore_index).sum()
     return loss_sum, n_valid

@@ -9,6 +9,7 @@ if not os.path.exists("/dev/nvidia0"):
 import pytest
 import torch
 
+import kernels.fused_ce.ce_one_pass as ce_one_pass_module
 import kernels.fused_ce.ce_rows as ce_rows_module
 from kernels.fused_ce import linear_cross_entropy, reference
 
@@ -109,8 +110,16 @@ def test_reference_chunk_logits_stay_bounded(monkeypatch):
 
 @pytest.fixture
 def small_block(monkeypatch):
-    """A 32-wide vocabulary block so that small vocabularies span several blocks and a ragged tail."""
+    """A 32-wide vocabulary block so that small vocabularies span several blocks and a ragged tail (both row
+    kernels)."""
     monkeypatch.setattr(ce_rows_module, "LAUNCH", ce_rows_module.RowsLaunch(block=32))
+    monkeypatch.setattr(ce_one_pass_module, "LAUNCH", ce_rows_module.RowsLaunch(block=32, programs_per_sm=1,
+                                                                                 prefetch=True))
+
+
+# NOTE: the fused loss's tests run with both ways of writing the gradient: the two-pass row kernel and the one-pass
+# one (kernels/fused_ce/ce_one_pass.py), which must give the same loss and gradients.
+ONE_PASS = pytest.mark.parametrize("one_pass", [False, True], ids=["two-pass", "one-pass"])
 
 
 @pytest.mark.parametrize(
@@ -122,10 +131,11 @@ def small_block(monkeypatch):
         (48, 16, 96, 17, torch.float16),  # V a multiple of the block
     ],
 )
-def test_fused_matches_float64_ground_truth(small_block, n, d, v, chunk_rows, dtype):
+@ONE_PASS
+def test_fused_matches_float64_ground_truth(small_block, n, d, v, chunk_rows, dtype, one_pass):
     h, weight, targets = _inputs(n, d, v, dtype=dtype, ignore_every=5)
     truth = _ground_truth(h, weight, targets)
-    got = _loss_and_grads(linear_cross_entropy, h, weight, targets, chunk_rows=chunk_rows)
+    got = _loss_and_grads(linear_cross_entropy, h, weight, targets, chunk_rows=chunk_rows, one_pass=one_pass)
     _assert_close_to_truth(got, truth, 1e-5 if dtype == torch.float32 else 5e-3)
     assert got[2].dtype == dtype and got[3].dtype == dtype
 
@@ -182,10 +192,47 @@ def test_row_kernel_matches_float64_softmax_grad(monkeypatch, launch):
     assert torch.equal(untouched, logits) and torch.equal(loss_only, loss)
 
 
-def test_fused_all_ignored_gives_zero_loss_and_grads(small_block):
+ONE_PASS_LAUNCHES = {
+    "one program per row": dict(),
+    "one program per SM, prefetched": dict(programs_per_sm=1, prefetch=True),
+    "two per SM": dict(programs_per_sm=2),
+    # whatever the one-pass kernel launches by default, at the test's block
+    "the default launch": {k: v for k, v in ce_one_pass_module.LAUNCH._asdict().items() if k != "block"},
+}
+
+
+@pytest.mark.parametrize("rescale_at", [ce_one_pass_module.RESCALE_AT, 0.25], ids=["recipe", "every-step-moves"])
+@pytest.mark.parametrize("launch", ONE_PASS_LAUNCHES.values(), ids=ONE_PASS_LAUNCHES.keys())
+def test_one_pass_row_kernel_matches_float64_softmax_grad(launch, rescale_at):
+    """The one-pass row kernel alone: per-row loss, and scale * E' equal to softmax - onehot, with ignored rows at
+    scale 0 and loss 0. Row 3's largest logit sits 60 above its first step's (the reference moves even at the
+    recipe's threshold) and is its target; row 4's target is column 0 and row 5's the last column; at a threshold of
+    0.25 nearly every step moves the reference and rescales the steps before it."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(11, 77, generator=gen) * 4).to(DEVICE)
+    targets = torch.randint(0, 77, (11,), generator=gen).to(DEVICE)
+    logits[3, 70] = 60.0
+    targets[3], targets[4], targets[5] = 70, 0, 76
+    targets[[1, 6]] = IGNORE
+    x64 = logits.double().requires_grad_(True)
+    torch.nn.functional.cross_entropy(x64, targets, ignore_index=IGNORE, reduction="sum").backward()
+    ref_loss = torch.nn.functional.cross_entropy(logits.double(), targets, ignore_index=IGNORE, reduction="none")
+    loss = torch.full((11,), float("nan"), device=DEVICE)
+    scale = torch.full((11,), float("nan"), device=DEVICE)
+    e = logits.clone()
+    ce_one_pass_module.ce_rows_one_pass(e, targets, loss, scale, IGNORE,
+                                        launch=ce_rows_module.RowsLaunch(block=32, **launch), rescale_at=rescale_at)
+    assert torch.allclose(loss.double(), ref_loss, rtol=1e-5, atol=1e-5)
+    assert torch.equal(scale[[1, 6]], torch.zeros(2, device=DEVICE)) and bool((scale[targets != IGNORE] > 0).all())
+    assert torch.isfinite(e).all()
+    assert torch.allclose(e.double() * scale.double()[:, None], x64.grad, rtol=1e-5, atol=1e-6)
+
+
+@ONE_PASS
+def test_fused_all_ignored_gives_zero_loss_and_grads(small_block, one_pass):
     h, weight, targets = _inputs(9, 8, 40)
     targets[:] = IGNORE
-    loss, n_valid, gh, gw = _loss_and_grads(linear_cross_entropy, h, weight, targets, chunk_rows=4)
+    loss, n_valid, gh, gw = _loss_and_grads(linear_cross_entropy, h, weight, targets, chunk_rows=4, one_pass=one_pass)
     assert loss.item() == 0.0 and n_valid.item() == 0
     assert torch.equal(gh, torch.zeros_like(gh)) and torch.equal(gw, torch.zeros_like(gw))
 
@@ -203,28 +250,31 @@ def test_fused_grad_of_one_input_and_no_grad_forward(small_block):
     assert abs(loss_ng.item() - t_loss.item()) <= 1e-5 * abs(t_loss.item())
 
 
-def test_fused_is_deterministic(small_block):
+@ONE_PASS
+def test_fused_is_deterministic(small_block, one_pass):
     h, weight, targets = _inputs(30, 8, 50, ignore_every=4)
-    first = _loss_and_grads(linear_cross_entropy, h, weight, targets, chunk_rows=7)
-    second = _loss_and_grads(linear_cross_entropy, h, weight, targets, chunk_rows=7)
+    first = _loss_and_grads(linear_cross_entropy, h, weight, targets, chunk_rows=7, one_pass=one_pass)
+    second = _loss_and_grads(linear_cross_entropy, h, weight, targets, chunk_rows=7, one_pass=one_pass)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
 
 
-def test_fused_compiles_without_graph_break(small_block):
+@ONE_PASS
+def test_fused_compiles_without_graph_break(small_block, one_pass):
     h, weight, targets = _inputs(16, 8, 40, ignore_every=3)
     truth = _ground_truth(h, weight, targets)
     compiled = torch.compile(linear_cross_entropy, backend="eager", fullgraph=True)
-    got = _loss_and_grads(compiled, h, weight, targets, chunk_rows=8)
+    got = _loss_and_grads(compiled, h, weight, targets, chunk_rows=8, one_pass=one_pass)
     _assert_close_to_truth(got, truth, 1e-5)
 
 
-def test_fused_op_passes_opcheck():
+@ONE_PASS
+def test_fused_op_passes_opcheck(one_pass):
     h, weight, targets = _inputs(12, 8, 20, ignore_every=4)
     h.requires_grad_(True)
     weight.requires_grad_(True)
     op = torch.ops.fused_ce.linear_cross_entropy.default
-    torch.library.opcheck(op, (h, weight, targets, IGNORE, 5, True, True, True))
+    torch.library.opcheck(op, (h, weight, targets, IGNORE, 5, True, True, True, False, one_pass))
 
 
 @pytest.mark.parametrize(
@@ -261,14 +311,17 @@ def test_bad_input_raises_value_error(fn, case, match):
         fn(h, weight, targets, IGNORE)
 
 
-def test_unchecked_target_out_of_range_gives_nan_not_a_wrong_number():
-    """check_targets=False skips the device read; a bad target must still be loud (NaN), never a valid-looking loss."""
+@ONE_PASS
+def test_unchecked_target_out_of_range_gives_nan_not_a_wrong_number(one_pass):
+    """check_targets=False skips the device read; a bad target must still be loud (NaN), never a valid-looking loss
+    (with the gradient written too: the one-pass kernel runs only then)."""
     h, weight, targets = _inputs(6, 4, 11)
-    good, _ = linear_cross_entropy(h, weight, targets, IGNORE, check_targets=False)
+    h.requires_grad_(True)
+    good, _ = linear_cross_entropy(h, weight, targets, IGNORE, check_targets=False, one_pass=one_pass)
     assert torch.isfinite(good)
     for bad in (11, -3):
         targets[2] = bad
-        loss, _ = linear_cross_entropy(h, weight, targets, IGNORE, check_targets=False)
+        loss, _ = linear_cross_entropy(h, weight, targets, IGNORE, check_targets=False, one_pass=one_pass)
         assert torch.isnan(loss), bad
 
 
@@ -380,6 +433,12 @@ def test_fp8_grads_refuse_widths_cublas_cannot_take():
         linear_cross_entropy(h, weight, targets, IGNORE, fp8_grads=True)
 
 
+def test_fp8_grads_and_one_pass_are_refused_together():
+    h, weight, targets = _inputs(6, 16, 32)
+    with pytest.raises(ValueError, match="fp8_grads and one_pass are two ways to write the gradient"):
+        linear_cross_entropy(h, weight, targets, IGNORE, fp8_grads=True, one_pass=True)
+
+
 def test_chunked_reference_gradcheck_in_float64():
     """torch.autograd.gradcheck of the chunked reference's hand-written backward (the CPU path's gradients), over a
     ragged last chunk and ignored rows; the naive reference's through autograd alongside."""
@@ -398,10 +457,11 @@ def test_chunked_reference_gradcheck_in_float64():
 
 
 @pytest.mark.parametrize("n", [0, 1])
-def test_fused_no_rows_and_one_row(small_block, n):
+@ONE_PASS
+def test_fused_no_rows_and_one_row(small_block, n, one_pass):
     """An empty microbatch gives a zero loss, no valid rows and zero gradients; one row matches float64."""
     h, weight, targets = _inputs(n, 8, 40, seed=71)
-    got = _loss_and_grads(linear_cross_entropy, h, weight, targets)
+    got = _loss_and_grads(linear_cross_entropy, h, weight, targets, one_pass=one_pass)
     truth = _ground_truth(h, weight, targets)
     if n == 0:
         loss, n_valid, gh, gw = got
@@ -420,12 +480,14 @@ def test_fused_refuses_float64_and_points_at_the_reference():
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 4, 100])
-def test_fused_ignore_index_inside_vocab_and_any_chunk(small_block, chunk_rows):
+@ONE_PASS
+def test_fused_ignore_index_inside_vocab_and_any_chunk(small_block, chunk_rows, one_pass):
     """ignore_index = 0 is a real token id: its rows are dropped, not picked, at one row per chunk, ragged chunks and
     one chunk holding every row."""
     h, weight, targets = _inputs(9, 4, 40, seed=72)
     targets[::2] = 0
-    got = _loss_and_grads(linear_cross_entropy, h, weight, targets, ignore_index=0, chunk_rows=chunk_rows)
+    got = _loss_and_grads(linear_cross_entropy, h, weight, targets, ignore_index=0, chunk_rows=chunk_rows,
+                          one_pass=one_pass)
     truth = _loss_and_grads(reference.linear_cross_entropy_naive, h.double(), weight.double(), targets, ignore_index=0)
     _assert_close_to_truth(got, truth, 1e-5)
     assert torch.equal(got[2][::2], torch.zeros_like(got[2][::2]))
