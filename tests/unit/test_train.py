@@ -321,6 +321,47 @@ def test_loss_grad_fp8_is_refused_without_the_fused_loss_on_an_fp8_gpu(monkeypat
     assert [c.chosen for c in plain.choices if c.op == "loss_grads"] == ["torch"]
 
 
+def test_loss_one_pass_reaches_the_fused_loss_and_is_refused_where_it_cannot_run(monkeypatch):
+    """kernels.loss_one_pass: with loss_grad_fp8 too, one config error; with the loss set to the torch reference,
+    one line naming both keys before any work; with the loss on auto where it fell back (a CPU run), a fallback in
+    the kernel report; with the fused loss (here in Triton's interpreter), the loss and its gradients of the one-pass
+    row kernel, equal to the reference's."""
+    from titan_k3.config.errors import ConfigError
+    from titan_k3.models.k3.impl import resolve_impl
+
+    with pytest.raises(ConfigError, match="'kernels.loss_one_pass' and 'kernels.loss_grad_fp8' are both true"):
+        load_job_config(["--kernels.loss_one_pass", "true", "--kernels.loss_grad_fp8", "true"])
+    asked = ["--kernels.loss_one_pass", "true"]
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match=r"'kernels.loss_one_pass' = true: needs the fused Triton loss.*'torch'"):
+        resolve_impl(load_job_config([*asked, "--kernels.loss", "torch"]).kernels, cpu)
+    (rows,) = [c for c in resolve_impl(load_job_config(asked).kernels, cpu).choices if c.op == "loss_rows"]
+    assert rows.fallback and rows.chosen == "two_pass" and "kernels.loss_one_pass" in rows.reason
+    plain = resolve_impl(load_job_config([]).kernels, cpu)
+    assert [(c.chosen, c.fallback) for c in plain.choices if c.op == "loss_rows"] == [("two_pass", False)]
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import kernels.fused_ce.ce_one_pass as one_pass_module
+
+    seen = []
+    real = one_pass_module.ce_rows_one_pass
+    monkeypatch.setattr("kernels.fused_ce.ops.ce_rows_one_pass", lambda *a, **k: (seen.append(1), real(*a, **k)))
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(37, 8, generator=g)
+    w = torch.randn(50, 8, generator=g)
+    targets = torch.randint(0, 50, (37,), generator=g)
+    results = []
+    for args in ([*asked, "--kernels.loss", "triton"], ["--kernels.loss", "torch"]):
+        impl = resolve_impl(load_job_config(args).kernels, cpu)
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss, n = impl.loss(hh, ww, targets)
+        loss.backward()
+        results.append((loss.detach(), n, hh.grad, ww.grad))
+    assert seen, "the one-pass row kernel did not run"
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_a_resume_at_or_past_training_steps_says_nothing_is_left_to_train(tmp_path, capsys):
     """A finished run started again (or with training.steps lowered below its checkpoint) says so, without nan."""
     args = [*FAST, "--job.dump_folder", str(tmp_path), "--job.name", "done", "--checkpoint.enable", "true",

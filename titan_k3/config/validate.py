@@ -186,6 +186,9 @@ def validate(cfg: JobConfig, needs_data: bool = True) -> None:
     _non_negative("training.seed", t.seed)
     _non_negative("kernels.precompile_threads", cfg.kernels.precompile_threads)
     _non_negative("kernels.loss_chunk_rows", cfg.kernels.loss_chunk_rows)
+    _require(not (cfg.kernels.loss_one_pass and cfg.kernels.loss_grad_fp8),
+             "config keys 'kernels.loss_one_pass' and 'kernels.loss_grad_fp8' are both true: they are two ways to "
+             "write the loss's gradient; set one of them")
     if cfg.kernels.kda != "torch":
         _require(
             t.seq_len % KDA_CHUNK == 0,

@@ -194,6 +194,10 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
     c_grads = KernelChoice("loss_grads", "bf16", "bf16" if c_loss.chosen == "triton" else "torch", False)
     if kernels_cfg.loss_grad_fp8:
         loss, c_grads = _fp8_loss_grads(loss, c_loss, device), KernelChoice("loss_grads", "fp8", "fp8", False)
+    c_rows = _lever("kernels.loss_one_pass", kernels_cfg.loss_one_pass, c_loss, "the fused Triton loss",
+                    KernelChoice("loss_rows", "one_pass", "one_pass", False), "two_pass")
+    if c_rows.chosen == "one_pass":
+        loss = functools.partial(loss, one_pass=True)
     if c_loss.chosen == "triton":
         # NOTE: the trainer checks token ids on the host before they reach the GPU, so the
         # kernel's own range check (a device sync per micro-batch) is skipped; a bad id
@@ -243,8 +247,8 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
     backends, c_attn = _attention_backends(kernels_cfg.attention, on_cuda, attention_width)
     return Impl(kda, experts, loss, backends, attn_res=attn_res, attn_res_sinks=c_sums.chosen == "in_place",
                 attn_res_norm=c_norms.chosen == "in_mix", router=router, max_logit=max_logit, conv=conv,
-                choices=[c_kda, c_exp, c_weights, c_loss, c_grads, c_res, c_sums, c_norms, c_router, c_max, c_conv,
-                         c_attn])
+                choices=[c_kda, c_exp, c_weights, c_loss, c_grads, c_rows, c_res, c_sums, c_norms, c_router, c_max,
+                         c_conv, c_attn])
 
 
 def _unserved(fn: Callable, choice: KernelChoice, reference: Callable, why: str) -> tuple[Callable, KernelChoice]:
