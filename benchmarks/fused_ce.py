@@ -8,9 +8,12 @@ Correctness of each against a float32 reference is checked before timing.
 Then: a sweep of the fused chunk size, the Triton row kernel's launches, and a
 time breakdown of one chunk (matmuls vs the row kernel). `--rows-launch` runs
 only the row kernel's launches that read its second pass from L2 (kernels/fused_ce/ce_rows.py
-RowsLaunch) against one program per row, each twice in turn.
+RowsLaunch) against one program per row, each twice in turn. `--one-pass` runs only
+the one-pass row kernel's launches (kernels/fused_ce/ce_one_pass.py, with the two row
+scalings it adds to the gradient products) against the two-pass kernel's default launch.
 
-    PYTHONPATH=. python benchmarks/fused_ce.py [--tokens 32768 --dim 512 --vocab 163840] [--out FILE] [--rows-launch]
+    PYTHONPATH=. python benchmarks/fused_ce.py [--tokens 32768 --dim 512 --vocab 163840] [--out FILE]
+        [--rows-launch | --one-pass]
 
 Prints a table last and appends a dated Markdown row to the results file.
 """
@@ -26,6 +29,7 @@ import triton.testing
 import kernels.fused_ce.ce_rows as ce_rows_module
 from benchmarks.common import environment, rel_rms
 from kernels.fused_ce import linear_cross_entropy, reference
+from kernels.fused_ce.ce_one_pass import ce_rows_one_pass
 from kernels.fused_ce.ce_rows import RowsLaunch, ce_rows
 
 IGNORE = -100
@@ -124,6 +128,23 @@ L2_LAUNCHES = {
        )},
 }
 
+ONE_PASS_LAUNCHES = {
+    # One read and one write of each row, no second pass to keep in L2: so many rows in flight may serve as well
+    # as few. The launch's reverse and L2 hints do not apply.
+    **{f"{f'{k}/SM' if k else 'per row'}, block {b} x {w} warps{', prefetch' if p else ''}": RowsLaunch(b, w, k, False, p)
+       for k, b, w, p in (
+           (0, 4096, 8, False),
+           (0, 4096, 8, True),
+           (0, 16384, 16, True),
+           (1, 16384, 16, True),
+           (1, 32768, 32, True),
+           (1, 32768, 32, False),
+           (2, 16384, 16, True),
+           (2, 8192, 8, True),
+           (4, 4096, 8, True),
+       )},
+}
+
 
 def sweep_row_kernel(logits_src, targets_C, launches: dict[str, RowsLaunch]):
     """Time the Triton row kernel alone (loss + in-place gradient) on one chunk per launch.
@@ -151,31 +172,76 @@ def sweep_row_kernel(logits_src, targets_C, launches: dict[str, RowsLaunch]):
     return results
 
 
-def rows_launch_probe(logits, targets_C, out: str) -> None:
-    """--rows-launch: every launch of L2_LAUNCHES against one program per row on one chunk, each timed twice in turn (the
-    order of a run must not decide), appended to `out` as a dated table."""
-    chunk_bytes = logits.numel() * logits.element_size()
-    launches = {"per row, block 4096 x 8 warps": RowsLaunch(), **L2_LAUNCHES}
-    runs = [sweep_row_kernel(logits, targets_C, launches) for _ in range(2)]
-    env = environment()
+def sweep_one_pass(logits_src, targets_C, h_CD, launches: dict[str, RowsLaunch]):
+    """Time the one-pass row kernel on one chunk per launch, with the two [C, D] row scalings it adds to the
+    gradient products (h's rows in h's dtype, dH's float32 rows).
+
+    Returns [(name, launch, ms)]. Each launch's loss must agree with the two-pass kernel's, and scale * E' with its
+    gradient to bf16 rounding.
+    """
+    rows, dim = h_CD.shape
+    f32 = dict(dtype=torch.float32, device=logits_src.device)
+    loss_C, scale_C, dh_CD = torch.empty(rows, **f32), torch.empty(rows, **f32), torch.ones(rows, dim, **f32)
+    buf = logits_src.clone()
+    ce_rows(buf, targets_C, loss_C, IGNORE, True)
+    want_loss, want_grad = loss_C.clone(), buf.float()
+    copy_ms = triton.testing.do_bench(lambda: buf.copy_(logits_src), return_mode="median")
+    results = []
+    for name, launch in launches.items():
+        def run():
+            buf.copy_(logits_src)
+            ce_rows_one_pass(buf, targets_C, loss_C, scale_C, IGNORE, launch=launch)
+            (h_CD.float() * scale_C[:, None]).to(h_CD.dtype)
+            dh_CD.mul_(scale_C[:, None])
+
+        run()
+        assert torch.allclose(loss_C, want_loss, rtol=1e-5, atol=1e-5), name
+        assert torch.allclose(buf.float() * scale_C[:, None], want_grad, rtol=1e-2, atol=1e-6), name
+        ms = triton.testing.do_bench(run, return_mode="median") - copy_ms
+        results.append((name, launch, ms))
+    return results
+
+
+def _launch_table(logits, flag: str, what: str, runs, base_name: str, passes: int, out: str) -> None:
+    """Two runs of a launch sweep on the chunk `logits` as a dated table (ms of both runs, GB/s counting `passes`
+    passes over the chunk, the ratio to row `base_name`), printed and appended to `out`; then the fastest launch in
+    the form `benchmarks/train_throughput.py --rows-launch` takes."""
     c, v = logits.shape
-    lines = ["", f"### The row kernel's launch, one {c}-row chunk of V {v} {str(logits.dtype).removeprefix('torch.')}"
-             " (`benchmarks/fused_ce.py --rows-launch`)", "",
-             "| date | commit | GPU | torch | triton | launch | ms (two runs) | GB/s (2 reads + 1 write) | vs one per row |",
+    chunk_bytes = logits.numel() * logits.element_size()
+    title = f"### {what}, one {c}-row chunk of V {v} {str(logits.dtype).removeprefix('torch.')} (`benchmarks/fused_ce.py {flag}`)"
+    env = environment()
+    lines = ["", title, "",
+             f"| date | commit | GPU | torch | triton | launch | ms (two runs) | GB/s ({passes} passes) | vs {base_name} |",
              "|---|---|---|---|---|---|---|---|---|"]
-    base = min(r[2] for run in runs for r in run if r[1] == RowsLaunch())
+    base = min(r[2] for run in runs for r in run if r[0] == base_name)
     for i, (name, _launch, _) in enumerate(runs[0]):
         ms = [run[i][2] for run in runs]
         best = min(ms)
         lines.append(f"| {env['date']} | {env['commit']} | {env['gpu']} | {env['torch']} | {env['triton']} | {name} "
-                     f"| {ms[0]:.3f} / {ms[1]:.3f} | {3 * chunk_bytes / best / 1e6:.0f} | {base / best:.3f}x |")
+                     f"| {ms[0]:.3f} / {ms[1]:.3f} | {passes * chunk_bytes / best / 1e6:.0f} | {base / best:.3f}x |")
     text = "\n".join(lines) + "\n"
     print(text, flush=True)
     fastest = min(zip(runs[0], runs[1]), key=lambda pair: min(pair[0][2], pair[1][2]))[0][1]
-    # NOTE: the form `benchmarks/train_throughput.py --rows-launch` takes, for the update's own measurement.
     print("fastest launch:", ",".join(str(int(f)) for f in fastest), flush=True)
     with open(out, "a") as f:
         f.write(text)
+
+
+def rows_launch_probe(logits, targets_C, out: str) -> None:
+    """--rows-launch: every launch of L2_LAUNCHES against one program per row on one chunk, each timed twice in turn (the
+    order of a run must not decide), appended to `out` as a dated table."""
+    launches = {"per row, block 4096 x 8 warps": RowsLaunch(), **L2_LAUNCHES}
+    runs = [sweep_row_kernel(logits, targets_C, launches) for _ in range(2)]
+    _launch_table(logits, "--rows-launch", "The row kernel's launch", runs, "per row, block 4096 x 8 warps", 3, out)
+
+
+def one_pass_probe(logits, targets_C, h_CD, out: str) -> None:
+    """--one-pass: the one-pass row kernel at every launch of ONE_PASS_LAUNCHES against the two-pass kernel's default
+    launch, each timed twice in turn, appended to `out` as a dated table (GB/s counting one read and one write)."""
+    runs = [sweep_row_kernel(logits, targets_C, {"two-pass, default launch": ce_rows_module.LAUNCH})
+            + sweep_one_pass(logits, targets_C, h_CD, ONE_PASS_LAUNCHES) for _ in range(2)]
+    _launch_table(logits, "--one-pass", "The one-pass row kernel against the two-pass one", runs,
+                  "two-pass, default launch", 2, out)
 
 
 def main():
@@ -184,8 +250,12 @@ def main():
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=163840)
     parser.add_argument("--out", default="benchmarks/results/fused_ce.md")
-    parser.add_argument("--rows-launch", action="store_true",
-                        help="only the row kernel's launches (L2_LAUNCHES) against one program per row, on one 4096-row chunk")
+    probe = parser.add_mutually_exclusive_group()
+    probe.add_argument("--rows-launch", action="store_true",
+                       help="only the row kernel's launches (L2_LAUNCHES) against one program per row, on one 4096-row chunk")
+    probe.add_argument("--one-pass", action="store_true",
+                       help="only the one-pass row kernel's launches (ONE_PASS_LAUNCHES) against the two-pass kernel, "
+                            "on one 4096-row chunk")
     args = parser.parse_args()
     n, d, v = args.tokens, args.dim, args.vocab
     dev = "cuda"
@@ -201,6 +271,9 @@ def main():
     logits = hc @ weight.t()
     if args.rows_launch:
         rows_launch_probe(logits, targets[:c].contiguous(), args.out)
+        return
+    if args.one_pass:
+        one_pass_probe(logits, targets[:c].contiguous(), hc, args.out)
         return
     sweep = sweep_row_kernel(logits, targets[:c].contiguous(), ROW_LAUNCHES)
     chunk_bytes = c * v * 2

@@ -163,6 +163,13 @@ VARIANTS = {
     "ours-recipe-rows-launch": RECIPE,
     # ... and 8,192 rows at a time with it (the launch of a session's probe beside the recipe's loss chunks).
     "ours-recipe-ce-default-rows-launch": [*RECIPE, "--kernels.loss_chunk_rows", "0"],
+    # The recipe with the loss's one-pass row kernel (kernels.loss_one_pass, kernels/fused_ce/ce_one_pass.py: one
+    # read of each chunk's logits instead of two). Predicted from the two-pass kernel's 1.17 ms per 4,096 rows on an
+    # H100 (3.44 TB/s counting three passes) against ~0.89 ms for one read and one write at ~3 TB/s: ~-0.25 ms per
+    # 4,096 rows, ~-2 ms per update, less the two [C, D] row scalings it adds (~0.1 ms). With -rows-launch, its
+    # launch as `benchmarks/fused_ce.py --one-pass` prints the fastest.
+    "ours-recipe-loss-one-pass": [*RECIPE, "--kernels.loss_one_pass", "true"],
+    "ours-recipe-loss-one-pass-rows-launch": [*RECIPE, "--kernels.loss_one_pass", "true"],
     # ... with the fused loss 2,048 rows at a time (the recipe: 4,096). Predicted: ~0.6 GiB less peak allocated
     # (4,096 rows took 30.1 -> 28.9 GiB against the default in session 17, at the cost of noise), where the recipe
     # is 0.2 GiB above the strongest peer's 27.8 (session 24); twice the loss's launches, ~0.3 ms. Measured (session 25,
@@ -252,7 +259,9 @@ def rows_launch(spec: str):
 
 @contextlib.contextmanager
 def variant_rows_launch(name: str, spec: str):
-    """The row kernel's launch for a *-rows-launch variant while it runs; the module's default before and after."""
+    """The row kernel's launch for a *-rows-launch variant while it runs (the one-pass kernel's for a *one-pass*
+    variant); the module's default before and after."""
+    import kernels.fused_ce.ce_one_pass as ce_one_pass_module
     import kernels.fused_ce.ce_rows as ce_rows_module
 
     if not name.endswith("-rows-launch"):
@@ -260,11 +269,12 @@ def variant_rows_launch(name: str, spec: str):
         return
     if not spec:
         raise SystemExit(f"variant {name}: needs --rows-launch")
-    saved, ce_rows_module.LAUNCH = ce_rows_module.LAUNCH, rows_launch(spec)
+    module = ce_one_pass_module if "one-pass" in name else ce_rows_module
+    saved, module.LAUNCH = module.LAUNCH, rows_launch(spec)
     try:
         yield
     finally:
-        ce_rows_module.LAUNCH = saved
+        module.LAUNCH = saved
 
 
 def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps: int, out: Path, profile: bool,

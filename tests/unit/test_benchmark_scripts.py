@@ -300,6 +300,14 @@ def test_rows_launch_variants_run_the_named_launch_and_restore_the_default(tmp_p
     assert ce_rows_module.LAUNCH is before
     with variant_rows_launch("ours-recipe", "8192,16,2,1,1,0"):
         assert ce_rows_module.LAUNCH is before
+    # A one-pass variant sets the one-pass kernel's launch, not the two-pass one's.
+    import kernels.fused_ce.ce_one_pass as ce_one_pass_module
+
+    one_pass_before = ce_one_pass_module.LAUNCH
+    assert "--kernels.loss_one_pass" in VARIANTS["ours-recipe-loss-one-pass-rows-launch"]
+    with variant_rows_launch("ours-recipe-loss-one-pass-rows-launch", "8192,16,2,1,1,0"):
+        assert ce_one_pass_module.LAUNCH == launch and ce_rows_module.LAUNCH is before
+    assert ce_one_pass_module.LAUNCH is one_pass_before
     with pytest.raises(SystemExit, match="needs --rows-launch"), variant_rows_launch("ours-recipe-rows-launch", ""):
         pass
     with pytest.raises(SystemExit, match="6 comma-separated integers"):
