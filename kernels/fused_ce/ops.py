@@ -260,7 +260,8 @@ def linear_cross_entropy(
     the two gradient products in FP8 (`kernels.fused_ce.grad_fp8`: ~2x their bf16
     rate on an H200, ~2.6e-2 relative error against ~2e-3); it needs FP8 matmuls
     (CUDA compute capability 8.9+) and V and D multiples of 16. `one_pass` reads each chunk's logits once
-    instead of twice for the gradient (`kernels.fused_ce.ce_one_pass`; not with fp8_grads). Needs CUDA tensors, or
+    instead of twice for the gradient (`kernels.fused_ce.ce_one_pass`; bf16 or float32, not with fp8_grads). Needs
+    CUDA tensors, or
     TRITON_INTERPRET=1 on CPU; the CPU path of a model is
     `kernels.fused_ce.reference.linear_cross_entropy`.
 
@@ -284,6 +285,11 @@ def linear_cross_entropy(
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     if fp8_grads and one_pass:
         raise ValueError("fp8_grads and one_pass are two ways to write the gradient; pass one of them")
+    if one_pass and h.dtype == torch.float16:
+        # NOTE: the one-pass kernel stores exp(z - r) up to e^32 and, at the target, minus the row's sum (over 1e5 for
+        # a uniform row of 163,840): float16 tops out at 65,504.
+        raise ValueError("one_pass needs bfloat16 or float32 h and weight (float16 cannot hold exp(logit - r) and "
+                         "its row sums); use the two-pass row kernel (one_pass=False)")
     if fp8_grads:
         check_fp8_grads(h, weight)
     grad_on = torch.is_grad_enabled()
