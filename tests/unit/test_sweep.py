@@ -325,15 +325,16 @@ def test_paired_reading_sees_a_consistent_gap_that_the_spread_hides(tmp_path):
     assert "both read the same batches" not in text and "within the noise of one seed" in text
 
 
-def test_a_true_or_false_knob_is_written_as_toml_writes_it(base, tmp_path, capsys):
+@pytest.mark.parametrize("knob", ["kernels.loss_grad_fp8", "kernels.loss_one_pass"])
+def test_a_true_or_false_knob_is_written_as_toml_writes_it(base, tmp_path, capsys, knob):
     """kernels.loss_grad_fp8's values showed as Python's False / True in the listing and each job.description."""
     out = tmp_path / "family"
-    assert main(["--base", str(base), "--knob", "kernels.loss_grad_fp8", "--values", "false,true", "--out", str(out)]) == 0
+    assert main(["--base", str(base), "--knob", knob, "--values", "false,true", "--out", str(out)]) == 0
     listing = capsys.readouterr().out
-    assert "kernels.loss_grad_fp8 = false," in listing and "kernels.loss_grad_fp8 = true," in listing
+    assert f"{knob} = false," in listing and f"{knob} = true," in listing
     assert "True" not in listing and "False" not in listing
     descriptions = sorted(load_member(f).cfg.job.description for f in out.glob("*.toml"))
-    assert [d.split(": ", 1)[1] for d in descriptions] == ["kernels.loss_grad_fp8 = false", "kernels.loss_grad_fp8 = true"]
+    assert [d.split(": ", 1)[1] for d in descriptions] == [f"{knob} = false", f"{knob} = true"]
 
 
 def test_a_hand_made_config_naming_another_file_is_refused_as_the_trainer_refuses_it(tmp_path, capsys):

@@ -9,7 +9,7 @@
     python -m titan_k3.tools.sweep --compare runs/a runs/b runs/c --report sweep.md
 
 Knobs: optimizer.lr, training.local_batch_size, training.seq_len, lr_scheduler.warmup_steps,
-kernels.loss_grad_fp8.
+kernels.loss_grad_fp8, kernels.loss_one_pass.
 A batch or sequence-length knob changes the tokens per update, so generation
 sets training.steps to keep the token budget (steps x batch x seq_len x
 grad_accum) equal, and refuses a value for which no whole number of steps
@@ -51,10 +51,11 @@ from titan_k3.metrics.run_dir import load_run_config
 from titan_k3.textfiles import unreadable
 from titan_k3.tools.run_records import read_events, read_records, run_dir_problem
 
-# NOTE: kernels.loss_grad_fp8 trades precision in the loss's gradients for speed: whether a run's loss notices is
-# a question for a paired sweep (benchmarks/results/fp8.md, session 26).
+# NOTE: kernels.loss_grad_fp8 trades precision in the loss's gradients for speed, and kernels.loss_one_pass rounds
+# them once more (h's rows scaled in h's dtype before dW): whether a run's loss notices is a question for a paired
+# sweep (benchmarks/results/fp8.md, session 26; docs/k3.md §4).
 KNOBS = ("optimizer.lr", "training.local_batch_size", "training.seq_len", "lr_scheduler.warmup_steps",
-         "kernels.loss_grad_fp8")
+         "kernels.loss_grad_fp8", "kernels.loss_one_pass")
 TOKEN_KNOBS = ("training.local_batch_size", "training.seq_len")
 FREE_KEYS = frozenset({"job.name", "job.dump_folder", "job.description", "job.config_file"})
 SPIKE_FACTOR = 3.0
