@@ -146,6 +146,22 @@ ONE_PASS_LAUNCHES = {
 }
 
 
+def _time_launches(logits_src, buf, launches: dict[str, RowsLaunch], step, check):
+    """Per launch: `step(launch)` on a fresh copy of the chunk in `buf`, `check(name)` on its result, then its median
+    time less the copy's. Returns [(name, launch, ms)]."""
+    copy_ms = triton.testing.do_bench(lambda: buf.copy_(logits_src), return_mode="median")
+    results = []
+    for name, launch in launches.items():
+        def run():
+            buf.copy_(logits_src)
+            step(launch)
+
+        run()
+        check(name)
+        results.append((name, launch, triton.testing.do_bench(run, return_mode="median") - copy_ms))
+    return results
+
+
 def sweep_row_kernel(logits_src, targets_C, launches: dict[str, RowsLaunch]):
     """Time the Triton row kernel alone (loss + in-place gradient) on one chunk per launch.
 
@@ -154,22 +170,16 @@ def sweep_row_kernel(logits_src, targets_C, launches: dict[str, RowsLaunch]):
     """
     loss_C = torch.empty(logits_src.shape[0], dtype=torch.float32, device=logits_src.device)
     buf = torch.empty_like(logits_src)
-    first = None
-    copy_ms = triton.testing.do_bench(lambda: buf.copy_(logits_src), return_mode="median")
-    results = []
-    for name, launch in launches.items():
-        def run():
-            buf.copy_(logits_src)
-            ce_rows(buf, targets_C, loss_C, IGNORE, True, launch=launch)
+    first = []
 
-        run()
-        if first is None:
-            first = loss_C.clone(), buf.clone()
+    def check(name):
+        if not first:
+            first.extend((loss_C.clone(), buf.clone()))
         assert torch.allclose(loss_C, first[0], rtol=1e-5, atol=1e-5), name
         assert torch.allclose(buf.float(), first[1].float(), rtol=1e-2, atol=1e-6), name
-        ms = triton.testing.do_bench(run, return_mode="median") - copy_ms
-        results.append((name, launch, ms))
-    return results
+
+    return _time_launches(logits_src, buf, launches,
+                          lambda launch: ce_rows(buf, targets_C, loss_C, IGNORE, True, launch=launch), check)
 
 
 def sweep_one_pass(logits_src, targets_C, h_CD, launches: dict[str, RowsLaunch]):
@@ -184,22 +194,18 @@ def sweep_one_pass(logits_src, targets_C, h_CD, launches: dict[str, RowsLaunch])
     loss_C, scale_C, dh_CD = torch.empty(rows, **f32), torch.empty(rows, **f32), torch.ones(rows, dim, **f32)
     buf = logits_src.clone()
     ce_rows(buf, targets_C, loss_C, IGNORE, True)
-    want_loss, want_grad = loss_C.clone(), buf.float()
-    copy_ms = triton.testing.do_bench(lambda: buf.copy_(logits_src), return_mode="median")
-    results = []
-    for name, launch in launches.items():
-        def run():
-            buf.copy_(logits_src)
-            ce_rows_one_pass(buf, targets_C, loss_C, scale_C, IGNORE, launch=launch)
-            (h_CD.float() * scale_C[:, None]).to(h_CD.dtype)
-            dh_CD.mul_(scale_C[:, None])
+    want_loss, want_grad = loss_C.clone(), buf.to(torch.float32, copy=True)
 
-        run()
+    def step(launch):
+        ce_rows_one_pass(buf, targets_C, loss_C, scale_C, IGNORE, launch=launch)
+        (h_CD.float() * scale_C[:, None]).to(h_CD.dtype)
+        dh_CD.mul_(scale_C[:, None])
+
+    def check(name):
         assert torch.allclose(loss_C, want_loss, rtol=1e-5, atol=1e-5), name
         assert torch.allclose(buf.float() * scale_C[:, None], want_grad, rtol=1e-2, atol=1e-6), name
-        ms = triton.testing.do_bench(run, return_mode="median") - copy_ms
-        results.append((name, launch, ms))
-    return results
+
+    return _time_launches(logits_src, buf, launches, step, check)
 
 
 def _launch_table(logits, flag: str, what: str, runs, base_name: str, passes: int, out: str) -> None:

@@ -685,3 +685,36 @@ def test_ab_commits_summary_compares_medians_with_the_first_commit():
     assert "| aaa | ours-recipe | B8 T4096 | 2 | 157.6 | 157.4 | 157.8 | — |" in table
     assert "| bbb | ours-recipe | B8 T4096 | 3 | 154.6 | 154.2 | 155.0 | -3.0 ms |" in table
     assert "- ccc round 1: run failed: exit 1, no rows" in table
+
+
+def test_fused_ce_launch_probes_check_every_launch_and_write_their_tables(tmp_path, monkeypatch, capsys):
+    """benchmarks/fused_ce.py's --rows-launch and --one-pass probes on a small chunk in Triton's interpreter, with a
+    stand-in timer: every launch's loss and gradient pass the probe's checks against the reference launch, and each
+    probe appends its table and names its fastest launch in the form train_throughput's --rows-launch takes."""
+    sys.path.insert(0, str(REPO))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import torch
+    import triton.testing
+
+    from benchmarks import fused_ce
+
+    # NOTE: a launch's timed function is named run, the chunk's copy (subtracted from it) is a lambda.
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: (fn(), 1.5 if fn.__name__ == "run" else 1.0)[1])
+    small = {"per row": fused_ce.RowsLaunch(32), "one per SM": fused_ce.RowsLaunch(32, 4, 1, False, True)}
+    monkeypatch.setattr(fused_ce, "L2_LAUNCHES", {"two per SM, backwards": fused_ce.RowsLaunch(32, 4, 2, True)})
+    monkeypatch.setattr(fused_ce, "ONE_PASS_LAUNCHES", small)
+    monkeypatch.setattr(fused_ce.ce_rows_module, "LAUNCH", fused_ce.RowsLaunch(32, 4, 1, True, True, True))
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, 77, generator=gen) * 3
+    targets = torch.randint(0, 77, (9,), generator=gen)
+    targets[4] = fused_ce.IGNORE
+    out = tmp_path / "fused_ce.md"
+    fused_ce.rows_launch_probe(logits, targets, str(out))
+    fused_ce.one_pass_probe(logits, targets, torch.randn(9, 8, generator=gen), str(out))
+    text = out.read_text()
+    assert "`benchmarks/fused_ce.py --rows-launch`" in text and "`benchmarks/fused_ce.py --one-pass`" in text
+    assert text.count("| 0.500 / 0.500 |") == 2 + 3, text  # every launch timed twice by the stand-in
+    from benchmarks.train_throughput import rows_launch
+
+    fastest = [line.split(": ")[1] for line in capsys.readouterr().out.splitlines() if line.startswith("fastest launch")]
+    assert len(fastest) == 2 and all(isinstance(rows_launch(spec), fused_ce.RowsLaunch) for spec in fastest)
