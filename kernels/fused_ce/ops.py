@@ -259,10 +259,10 @@ def linear_cross_entropy(
     range then gives that row a NaN loss instead of an error. `fp8_grads` runs
     the two gradient products in FP8 (`kernels.fused_ce.grad_fp8`: ~2x their bf16
     rate on an H200, ~2.6e-2 relative error against ~2e-3); it needs FP8 matmuls
-    (CUDA compute capability 8.9+) and V and D multiples of 16. `one_pass` reads each chunk's logits once
-    instead of twice for the gradient (`kernels.fused_ce.ce_one_pass`; bf16 or float32, not with fp8_grads). Needs
-    CUDA tensors, or
-    TRITON_INTERPRET=1 on CPU; the CPU path of a model is
+    (CUDA compute capability 8.9+) and V and D multiples of 16. `one_pass` reads
+    each chunk's logits once instead of twice for the gradient
+    (`kernels.fused_ce.ce_one_pass`; bf16 or float32, not with fp8_grads).
+    Needs CUDA tensors, or TRITON_INTERPRET=1 on CPU; the CPU path of a model is
     `kernels.fused_ce.reference.linear_cross_entropy`.
 
     With grad enabled the forward does the gradient work too, so evaluate under
