@@ -170,6 +170,10 @@ VARIANTS = {
     # launch as `benchmarks/fused_ce.py --one-pass` prints the fastest.
     "ours-recipe-loss-one-pass": [*RECIPE, "--kernels.loss_one_pass", "true"],
     "ours-recipe-loss-one-pass-rows-launch": [*RECIPE, "--kernels.loss_one_pass", "true"],
+    # The recipe with Newton-Schulz iterating tall blocks from the right (VARIANT_SETTINGS: no transposed copy of
+    # the 544 x 256 expert blocks' input, 0.54 GB read and written less per Muon step; predicted ~-0.3 ms on an
+    # H100 if cuBLAS runs the other layouts as fast; `benchmarks/newton_schulz.py --tall-from-right` alone).
+    "ours-recipe-ns-tall-right": RECIPE,
     # ... with the fused loss 2,048 rows at a time (the recipe: 4,096). Predicted: ~0.6 GiB less peak allocated
     # (4,096 rows took 30.1 -> 28.9 GiB against the default in session 17, at the cost of noise), where the recipe
     # is 0.2 GiB above the strongest peer's 27.8 (session 24); twice the loss's launches, ~0.3 ms. Measured (session 25,
@@ -257,6 +261,30 @@ def rows_launch(spec: str):
     return RowsLaunch(*(bool(f) if isinstance(d, bool) else f for f, d in zip(fields, RowsLaunch._field_defaults.values())))
 
 
+VARIANT_SETTINGS = {
+    "ours-recipe-ns-tall-right": [("titan_k3.optim.orthogonalise", "TALL_FROM_RIGHT", True)],
+}
+"""Module settings a variant runs with (module, name, value): set in its process while it runs, restored after;
+a setting a lever keeps off until it is measured in the update."""
+
+
+@contextlib.contextmanager
+def variant_settings(name: str):
+    """VARIANT_SETTINGS of `name` while it runs; the modules' own values before and after."""
+    import importlib
+
+    saved = []
+    try:
+        for module_name, attr, value in VARIANT_SETTINGS.get(name, []):
+            module = importlib.import_module(module_name)
+            saved.append((module, attr, getattr(module, attr)))
+            setattr(module, attr, value)
+        yield
+    finally:
+        for module, attr, value in reversed(saved):
+            setattr(module, attr, value)
+
+
 @contextlib.contextmanager
 def variant_rows_launch(name: str, spec: str):
     """The row kernel's launch for a *-rows-launch variant while it runs (the one-pass kernel's for a *one-pass*
@@ -279,7 +307,7 @@ def variant_rows_launch(name: str, spec: str):
 
 def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps: int, out: Path, profile: bool,
                 memory_peak: bool = False, rows_launch_spec: str = "") -> dict:
-    with variant_rows_launch(name, rows_launch_spec):
+    with variant_rows_launch(name, rows_launch_spec), variant_settings(name):
         row = _run_variant(name, flavor, seq, batch, warmup, steps, out, profile, memory_peak)
     if name.endswith("-rows-launch"):
         row["rows_launch"] = rows_launch_spec

@@ -709,6 +709,22 @@ def test_ab_commits_summary_compares_medians_with_the_first_commit():
     assert "- ccc round 1: run failed: exit 1, no rows" in table
 
 
+def test_a_variant_runs_with_its_module_settings_and_restores_them():
+    sys.path.insert(0, str(REPO))
+    from benchmarks.train_throughput import VARIANT_SETTINGS, VARIANTS, variant_settings
+    from titan_k3.optim import orthogonalise
+
+    assert set(VARIANT_SETTINGS) <= set(VARIANTS)
+    with variant_settings("ours-recipe-ns-tall-right"):
+        assert orthogonalise.TALL_FROM_RIGHT is True
+    assert orthogonalise.TALL_FROM_RIGHT is False
+    with variant_settings("ours-recipe"):
+        assert orthogonalise.TALL_FROM_RIGHT is False
+    with pytest.raises(RuntimeError), variant_settings("ours-recipe-ns-tall-right"):
+        raise RuntimeError("a failing variant")
+    assert orthogonalise.TALL_FROM_RIGHT is False
+
+
 def test_fused_ce_launch_probes_check_every_launch_and_write_their_tables(tmp_path, monkeypatch, capsys):
     """benchmarks/fused_ce.py's --rows-launch and --one-pass probes on a small chunk in Triton's interpreter, with a
     stand-in timer: every launch's loss and gradient pass the probe's checks against the reference launch, and each
