@@ -57,7 +57,8 @@ def newton_schulz(
     tall = X.size(-2) > X.size(-1)
     right = tall and TALL_FROM_RIGHT
     transposed = tall and not right
-    X3 = (X.mT if transposed else X).reshape(-1, *(sorted(X.shape[-2:]) if transposed else X.shape[-2:]))
+    X3 = X.mT if transposed else X
+    X3 = X3.reshape(-1, *X3.shape[-2:])
     # NOTE: G is read only by the first step (a transposed G not even then: X3 is its copy), so from two steps on
     # the last product may write over it, chunk by chunk too (a chunk's rows of G are read only in its own steps).
     in_place = overwrite and steps > 1 and X is G and G.is_contiguous()
