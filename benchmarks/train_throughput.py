@@ -285,19 +285,23 @@ def variant_settings(name: str):
             setattr(module, attr, value)
 
 
+ROWS_LAUNCH_MODULES = {"ours-recipe-loss-one-pass-rows-launch": "kernels.fused_ce.ce_one_pass"}
+"""The module whose LAUNCH a *-rows-launch variant sets, where it is not the two-pass row kernel's
+(kernels.fused_ce.ce_rows)."""
+
+
 @contextlib.contextmanager
 def variant_rows_launch(name: str, spec: str):
-    """The row kernel's launch for a *-rows-launch variant while it runs (the one-pass kernel's for a *one-pass*
-    variant); the module's default before and after."""
-    import kernels.fused_ce.ce_one_pass as ce_one_pass_module
-    import kernels.fused_ce.ce_rows as ce_rows_module
+    """The row kernel's launch for a *-rows-launch variant while it runs (ROWS_LAUNCH_MODULES names the kernel);
+    the module's default before and after."""
+    import importlib
 
     if not name.endswith("-rows-launch"):
         yield
         return
     if not spec:
         raise SystemExit(f"variant {name}: needs --rows-launch")
-    module = ce_one_pass_module if "one-pass" in name else ce_rows_module
+    module = importlib.import_module(ROWS_LAUNCH_MODULES.get(name, "kernels.fused_ce.ce_rows"))
     saved, module.LAUNCH = module.LAUNCH, rows_launch(spec)
     try:
         yield

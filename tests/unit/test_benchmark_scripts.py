@@ -326,7 +326,10 @@ def test_rows_launch_variants_run_the_named_launch_and_restore_the_default(tmp_p
     import kernels.fused_ce.ce_one_pass as ce_one_pass_module
 
     one_pass_before = ce_one_pass_module.LAUNCH
+    from benchmarks.train_throughput import ROWS_LAUNCH_MODULES
+
     assert "--kernels.loss_one_pass" in VARIANTS["ours-recipe-loss-one-pass-rows-launch"]
+    assert set(ROWS_LAUNCH_MODULES) <= {v for v in VARIANTS if v.endswith("-rows-launch")}
     with variant_rows_launch("ours-recipe-loss-one-pass-rows-launch", "8192,16,2,1,1,0"):
         assert ce_one_pass_module.LAUNCH == launch and ce_rows_module.LAUNCH is before
     assert ce_one_pass_module.LAUNCH is one_pass_before
