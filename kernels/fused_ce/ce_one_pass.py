@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused_ce.ce_rows import RowsLaunch, row_programs, row_step
+from kernels.fused_ce.ce_rows import RowsLaunch, row_programs, row_step, row_target
 
 # NOTE: not yet measured on a GPU (benchmarks/fused_ce.py --one-pass times launches of this kernel): 16,384
 # logits per step and 16 warps, one program per SM looping over the rows, with the prefetch, as ce_rows' launches
@@ -60,13 +60,7 @@ def _ce_one_pass_kernel(
     for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         # NOTE: 64-bit row offsets: a chunk of 16K rows x 163,840 logits passes 2**31.
         row_ptr = logits_ptr + row * tl.cast(stride_row, tl.int64)
-        target = tl.load(targets_ptr + row)
-        valid = target != ignore_index
-        in_range = (target >= 0) & (target < n_cols)
-        # NOTE: as in ce_rows: an ignored row may carry any target (read column 0 instead); a target out of range
-        # makes the row's loss NaN, never a read outside the row.
-        safe_target = tl.where(valid & in_range, target, 0)
-        target_logit = tl.load(row_ptr + safe_target).to(tl.float32)
+        valid, in_range, safe_target, target_logit = row_target(row_ptr, targets_ptr, row, n_cols, ignore_index)
         # NOTE: every warp has read the target's logit before any warp overwrites the row (the race ce_rows had).
         tl.debug_barrier()
 

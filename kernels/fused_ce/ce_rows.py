@@ -65,6 +65,21 @@ def row_step(row_ptr, t, n_cols, BLOCK: tl.constexpr, EVICT: tl.constexpr):
 
 
 @triton.jit
+def row_target(row_ptr, targets_ptr, row, n_cols, ignore_index):
+    """The row's target: (valid, in_range, safe_target, the target's float32 logit).
+
+    NOTE: an ignored row may carry any target value; read column 0 instead. A target out of range (possible only
+    when the caller skipped the host check) makes the row's loss NaN (`in_range` false): loud at the step's
+    finiteness check, never a read outside the row.
+    """
+    target = tl.load(targets_ptr + row)
+    valid = target != ignore_index
+    in_range = (target >= 0) & (target < n_cols)
+    safe_target = tl.where(valid & in_range, target, 0)
+    return valid, in_range, safe_target, tl.load(row_ptr + safe_target).to(tl.float32)
+
+
+@triton.jit
 def _ce_rows_kernel(
     logits_ptr,
     stride_row,
@@ -104,14 +119,7 @@ def _ce_rows_kernel(
         if STORE_LSE:
             tl.store(lse_ptr + row, lse)
 
-        target = tl.load(targets_ptr + row)
-        valid = target != ignore_index
-        in_range = (target >= 0) & (target < n_cols)
-        # NOTE: an ignored row may carry any target value; read column 0 instead. A target out of
-        # range (possible only when the caller skipped the host check) makes the row's loss NaN:
-        # loud at the step's finiteness check, never a read outside the row.
-        safe_target = tl.where(valid & in_range, target, 0)
-        target_logit = tl.load(row_ptr + safe_target).to(tl.float32)
+        valid, in_range, safe_target, target_logit = row_target(row_ptr, targets_ptr, row, n_cols, ignore_index)
         row_loss = tl.where(in_range, lse - target_logit, float("nan"))
         tl.store(loss_ptr + row, tl.where(valid, row_loss, 0.0))
 
