@@ -226,11 +226,13 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 def _moe_fwd_op(
     x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, weight: torch.Tensor,
     order: torch.Tensor, token: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, save: bool,
-    cast_in_kernel: bool,
+    cast_in_kernel: bool, s1: torch.Tensor | None = None, s3: torch.Tensor | None = None,
+    s2: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, g, u, w1c, w3c, w2c); g and u are empty unless save (they are all the backward keeps of the experts'
     work); w1c, w3c, w2c are the weights in x's dtype when they come in another (`_compute_weights`), else empty
-    (and always empty when cast_in_kernel: the GEMMs round each weight tile as they load it).
+    (and always empty when cast_in_kernel: the GEMMs round each weight tile as they load it, or with shadows
+    s1, s3, s2: the weights' copies in x's dtype that the caller keeps, read in their place).
 
     NOTE: h = SiTU-GLU(g, u) and the slots' outputs h @ w2 live only until the combine: the backward's
     pointwise pass rebuilds h from g and u, which it reads anyway, and takes the routing weights' gradient
@@ -241,9 +243,11 @@ def _moe_fwd_op(
     hidden = w1.shape[2]
     n_slots = token.shape[0]
     new = dict(device=x.device, dtype=x.dtype)
-    casts = [] if cast_in_kernel else _compute_weights(x, w1, w3, w2)
+    casts = [] if cast_in_kernel or s1 is not None else _compute_weights(x, w1, w3, w2)
     if casts:
         w1, w3, w2 = casts
+    elif s1 is not None:
+        w1, w3, w2 = s1, s3, s2
     h = torch.empty(n_slots, hidden, **new)
     g = torch.empty(n_slots if save else 0, hidden, **new)
     u = torch.empty_like(g)
@@ -273,11 +277,11 @@ def _no_casts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 @_moe_fwd_op.register_fake
-def _(x, w1, w3, w2, weight, order, token, inverse, offsets, save, cast_in_kernel):
+def _(x, w1, w3, w2, weight, order, token, inverse, offsets, save, cast_in_kernel, s1=None, s3=None, s2=None):
     n_slots, hidden = token.shape[0], w1.shape[2]
     g = x.new_empty(n_slots if save else 0, hidden)
-    casts = (tuple(x.new_empty(w.shape) for w in (w1, w3, w2)) if save and w1.dtype != x.dtype and not cast_in_kernel
-             else _no_casts(x))
+    casts = (tuple(x.new_empty(w.shape) for w in (w1, w3, w2))
+             if save and w1.dtype != x.dtype and not cast_in_kernel and s1 is None else _no_casts(x))
     return x.new_empty(x.shape), g, torch.empty_like(g), *casts
 
 
@@ -340,21 +344,26 @@ def _(dy, x, w1, w3, w2, weight, order, token, inverse, offsets, g, u, grad_dtyp
 
 
 def _moe_setup(ctx, inputs, output):
-    x, w1, w3, w2, weight, order, token, inverse, offsets, _, cast_in_kernel = inputs
+    x, w1, w3, w2, weight, order, token, inverse, offsets, _, cast_in_kernel, *shadows = inputs
     _, g, u, *casts = output
     ctx.mark_non_differentiable(g, u, *casts)
     ctx.set_materialize_grads(False)
     ctx.grad_dtype = w1.dtype
-    # NOTE: the backward's GEMMs read the forward's casts when there were some, else the weights themselves.
-    weights = casts if w1.dtype != x.dtype and not cast_in_kernel else (w1, w3, w2)
+    # NOTE: the backward's GEMMs read the shadows when given, else the forward's casts when there were some, else
+    # the weights themselves.
+    if shadows and shadows[0] is not None:
+        weights = shadows
+    else:
+        weights = casts if w1.dtype != x.dtype and not cast_in_kernel else (w1, w3, w2)
     ctx.save_for_backward(x, *weights, weight, order, token, inverse, offsets, g, u)
+    ctx.n_inputs = len(inputs)
 
 
 def _moe_backward(ctx, dy, *_):
     if dy is None:
-        return (None,) * 11
+        return (None,) * ctx.n_inputs
     dx, dw1, dw3, dw2, d_weight = _moe_bwd_op(dy, *ctx.saved_tensors, ctx.grad_dtype)
-    return dx, dw1, dw3, dw2, d_weight, None, None, None, None, None, None
+    return dx, dw1, dw3, dw2, d_weight, *(None,) * (ctx.n_inputs - 5)
 
 
 _moe_fwd_op.register_autograd(_moe_backward, setup_context=_moe_setup)
@@ -396,6 +405,19 @@ def _check_moe(x_TL, w1_ELF, w3_ELF, w2_EFL, topk_idx_TK, topk_weight_TK) -> Non
     check_same_device("moe_experts", "x_TL", tensors)
 
 
+def _check_shadows(x_TL, masters, shadows, cast_in_kernel: bool) -> None:
+    if cast_in_kernel:
+        raise ValueError("moe_experts: shadows and cast_in_kernel are two ways to skip the cast pass; pass one")
+    if len(shadows) != 3:
+        raise ValueError(f"moe_experts: shadows must be (w1, w3, w2); got {len(shadows)} tensors")
+    for name, w, s in zip(("w1_ELF", "w3_ELF", "w2_EFL"), masters, shadows):
+        if w.dtype != torch.float32 or s.dtype != x_TL.dtype or s.shape != w.shape or not s.is_contiguous() \
+                or s.device != w.device:
+            raise ValueError(f"moe_experts: the shadow of {name} is {s.dtype} {tuple(s.shape)} on {s.device}; it "
+                             f"must be a contiguous {x_TL.dtype} tensor of the float32 master's shape "
+                             f"{tuple(w.shape)} on {w.device} (the master is {w.dtype})")
+
+
 def moe_experts(
     x_TL: torch.Tensor,
     w1_ELF: torch.Tensor,
@@ -404,6 +426,7 @@ def moe_experts(
     topk_idx_TK: torch.Tensor,
     topk_weight_TK: torch.Tensor,
     cast_in_kernel: bool = False,
+    shadows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The routed-expert block: y[t] = sum_j p[t, j] * Expert_{idx[t, j]}(x[t]).
 
@@ -416,10 +439,15 @@ def moe_experts(
     sync); the GLU and the combine run in float32; deterministic (no atomics).
     cast_in_kernel: float32 master weights are read as they are and each tile rounded to x's dtype in the GEMMs
     (the same numbers as a cast pass, which then neither runs nor keeps its copies for the backward).
+    shadows: (w1, w3, w2) in x's dtype, kept by the caller equal to the float32 master weights' casts
+    (`titan_k3.models.k3.expert_shadows`): the GEMMs read them in place of a cast pass each forward, and the
+    backward reads them too; the gradients still go to the masters, in float32.
     Returns y_TL [T, L] in x's dtype. Differentiable in x, w1, w3, w2 and
     topk_weight.
     """
     _check_moe(x_TL, w1_ELF, w3_ELF, w2_EFL, topk_idx_TK, topk_weight_TK)
+    if shadows is not None:
+        _check_shadows(x_TL, (w1_ELF, w3_ELF, w2_EFL), shadows, cast_in_kernel)
     n_tokens, top_k = topk_idx_TK.shape
     order_S, offsets_E = route_permutation(topk_idx_TK, w1_ELF.shape[0])
     n_slots = order_S.numel()
@@ -432,5 +460,6 @@ def moe_experts(
     y, *_ = _moe_fwd_op(
         x_TL, w1_ELF.contiguous(), w3_ELF.contiguous(), w2_EFL, topk_weight_TK.contiguous(),
         order_S.to(torch.int32), token_S, inverse_S, offsets_E, save, cast_in_kernel,
+        *(shadows if shadows is not None else ()),
     )
     return y

@@ -103,16 +103,24 @@ def _nesterov_momentum_multi_kernel(table, n_rows, out_ptr, grad_ptr, buf_ptr, s
 
 
 @triton.jit
-def _decay_add_multi_kernel(table, n_rows, u_ptr, p_ptr, skip_ptr, decay, alpha, HAS_SKIP: tl.constexpr,
-                            ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    row = _row(table, n_rows, 4)
+def _decay_add_multi_kernel(table, n_rows, u_ptr, p_ptr, s_ptr, skip_ptr, decay, alpha, HAS_SKIP: tl.constexpr,
+                            HAS_SHADOW: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    if HAS_SHADOW:
+        row = _row(table, n_rows, 5)
+    else:
+        row = _row(table, n_rows, 4)
     n = _field(row, 1, ALIGNED)
     u_ptr += _field(row, 2, ALIGNED)
     p_ptr += _field(row, 3, ALIGNED)
     offs, _, keep = _block(row, n, skip_ptr, HAS_SKIP, BLOCK)
     p = tl.load(p_ptr + offs, mask=keep).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=keep).to(tl.float32)
-    tl.store(p_ptr + offs, (decay * p + alpha * u).to(p_ptr.dtype.element_ty), mask=keep)
+    p = (decay * p + alpha * u).to(p_ptr.dtype.element_ty)
+    tl.store(p_ptr + offs, p, mask=keep)
+    if HAS_SHADOW:
+        # NOTE: rounded from the stored parameter, so the shadow is exactly what casting the parameter gives.
+        s_ptr += _field(row, 4, ALIGNED)
+        tl.store(s_ptr + offs, p.to(s_ptr.dtype.element_ty), mask=keep)
 
 
 def _use_triton(t: torch.Tensor, triton_: bool | None) -> bool:
@@ -185,9 +193,11 @@ def momentum_table(grads: list[torch.Tensor], bufs: list[torch.Tensor],
     return Table("nesterov_momentum_multi_", out, grads, bufs)
 
 
-def decay_add_table(params: list[torch.Tensor], update: torch.Tensor | list[torch.Tensor] | None = None) -> Table:
-    """The table of `decay_add_multi_(params, update)` (update None: one tensor to come, slots end to end)."""
-    return Table("decay_add_multi_", update, params)
+def decay_add_table(params: list[torch.Tensor], update: torch.Tensor | list[torch.Tensor] | None = None,
+                    shadows: list[torch.Tensor] | None = None) -> Table:
+    """The table of `decay_add_multi_(params, update, shadows=shadows)` (update None: one tensor to come, slots end
+    to end)."""
+    return Table("decay_add_multi_", update, params, *([shadows] if shadows is not None else []))
 
 
 def send_tables(tables: list[Table], device: torch.device | str) -> None:
@@ -256,25 +266,35 @@ def nesterov_momentum_multi_(
 
 def decay_add_multi_(
     params: list[torch.Tensor], update: torch.Tensor | list[torch.Tensor], decay: float, alpha: float, *,
-    skip_if: torch.Tensor | None = None, table: Table | None = None, triton_: bool | None = None,
+    shadows: list[torch.Tensor] | None = None, skip_if: torch.Tensor | None = None, table: Table | None = None,
+    triton_: bool | None = None,
 ) -> None:
     """params[i] <- decay * params[i] + alpha * update's slot i, in place: every tensor of the list in one launch.
 
     update: one contiguous tensor holding the slots end to end (a Newton-Schulz output), or one tensor per slot
-    (of one dtype, possibly lower than the parameters'). skip_if: nonzero leaves every parameter as it was.
-    table: `decay_add_table` of the same tensors, possibly already sent; None: built and sent here.
+    (of one dtype, possibly lower than the parameters'). shadows: one contiguous tensor per parameter, of its numel
+    and of one (lower) dtype, written with the new parameter rounded to it (the parameter's cast, in the same pass
+    that writes it). skip_if: nonzero leaves every parameter and shadow as it was. table: `decay_add_table` of the
+    same tensors, possibly already sent; None: built and sent here.
     """
-    table, bases = _prepare(table, lambda: decay_add_table(params, update), update, skip_if, [params], triton_,
-                            ("update", "params"))
+    lists, names = ([params, shadows], ("update", "params", "shadows")) if shadows is not None else ([params], ("update", "params"))
+    table, bases = _prepare(table, lambda: decay_add_table(params, update, shadows), update, skip_if, lists, triton_,
+                            names)
     if table is None:
         if bases:
             slots = update if isinstance(update, list) else update.reshape(-1).split([p.numel() for p in params])
-            for p, u in zip(params, slots):
-                reference.decay_add_(p.view(-1), u.reshape(-1), decay, alpha, skip_if)
+            for i, (p, u) in enumerate(zip(params, slots)):
+                reference.decay_add_(p.view(-1), u.reshape(-1), decay, alpha, skip_if,
+                                     shadow=shadows[i].view(-1) if shadows is not None else None)
         return
+    if table.cols != 3 + len(lists):
+        raise ValueError(f"decay_add_multi_: the table has {table.cols - 3} operands; shadows "
+                         f"{'given' if shadows is not None else 'not given'} needs {len(lists)}")
+    u_base, p_base, *s_base = bases
     _decay_add_multi_kernel[(table.programs,)](
-        table.device, table.n_rows, *bases, skip_if if skip_if is not None else table.device, float(decay),
-        float(alpha), HAS_SKIP=skip_if is not None, ALIGNED=table.aligned, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        table.device, table.n_rows, u_base, p_base, s_base[0] if s_base else p_base,
+        skip_if if skip_if is not None else table.device, float(decay), float(alpha), HAS_SKIP=skip_if is not None,
+        HAS_SHADOW=shadows is not None, ALIGNED=table.aligned, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
 # NOTE: A^2 of k3-mini's [256, 256] Gram matrices: cuBLAS's baddbmm ran at 211 TFLOP/s on an H200 against 472 for a

@@ -43,16 +43,21 @@ def nesterov_momentum_(
 
 
 def decay_add_(
-    param: torch.Tensor, update: torch.Tensor, decay: float, alpha: float, skip_if: torch.Tensor | None = None
+    param: torch.Tensor, update: torch.Tensor, decay: float, alpha: float, skip_if: torch.Tensor | None = None,
+    shadow: torch.Tensor | None = None,
 ) -> None:
-    """param <- decay * param + alpha * update, in place (update may be of a lower dtype); skipped: unchanged."""
+    """param <- decay * param + alpha * update, in place (update may be of a lower dtype); shadow, if given, <- the
+    new param in its dtype; skipped: both unchanged."""
     if skip_if is None:
         if decay != 1.0:
             param.mul_(decay)
         param.add_(update, alpha=alpha)
-        return
-    new = param.mul(decay) if decay != 1.0 else param.clone()
-    param.copy_(torch.where((skip_if == 0).reshape(()), new.add_(update, alpha=alpha), param))
+    else:
+        new = param.mul(decay) if decay != 1.0 else param.clone()
+        param.copy_(torch.where((skip_if == 0).reshape(()), new.add_(update, alpha=alpha), param))
+    if shadow is not None:
+        shadow.copy_(torch.where((skip_if == 0).reshape(()), param.to(shadow.dtype), shadow) if skip_if is not None
+                     else param)
 
 
 def ns_scale_(x: torch.Tensor, sumsq: torch.Tensor, *, square: bool, diag: float = 0.0, eps: float) -> torch.Tensor:

@@ -213,25 +213,30 @@ def test_moe_experts_gate_far_from_zero():
         assert rel_rms(got, ref) < 5e-3, name
 
 
-@pytest.mark.parametrize("cast_in_kernel", [False, True], ids=["cast-pass", "cast-in-kernel"])
+WEIGHT_MODES = ["cast-pass", "cast-in-kernel", "shadows"]
+
+
+@pytest.mark.parametrize("mode", WEIGHT_MODES)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_moe_experts_float32_master_weights(compiled, cast_in_kernel):
+def test_moe_experts_float32_master_weights(compiled, mode):
     """float32 weights with float16 x: the products run on the float16 weights, and each weight's gradient is the
     float32 accumulator itself: rounded to float16 it is bit for bit the gradient of weights cast outside. The
-    same whether a pass casts the weights or the GEMMs round each tile as they load it (cast_in_kernel)."""
+    same whether a pass casts the weights, the GEMMs round each tile as they load it (cast_in_kernel), or the
+    caller hands in float16 shadows of the masters."""
     x, w1, w3, w2, idx, prob = make_moe(37, 8, 3, 40, 72, torch.float32, seed=16)
     masters = [t.detach().to(DEVICE).requires_grad_() for t in (w1, w3, w2)]
     x16 = x.detach().to(DEVICE, torch.float16).requires_grad_()
     prob16 = prob.detach().to(DEVICE, torch.float16).requires_grad_()
     idx = idx.to(DEVICE)
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(17)).to(DEVICE, torch.float16)
+    shadows = tuple(m.detach().half() for m in masters) if mode == "shadows" else None
 
-    def block(a, b, c, d, p, cast_in_kernel=False):
-        return moe_experts(a, b, c, d, idx, p, cast_in_kernel=cast_in_kernel)
+    def block(a, b, c, d, p, cast_in_kernel=False, shadows=None):
+        return moe_experts(a, b, c, d, idx, p, cast_in_kernel=cast_in_kernel, shadows=shadows)
 
     torch._dynamo.reset()
     run = torch.compile(block, fullgraph=True, backend="aot_eager") if compiled else block
-    y = run(x16, *masters, prob16, cast_in_kernel=cast_in_kernel)
+    y = run(x16, *masters, prob16, cast_in_kernel=mode == "cast-in-kernel", shadows=shadows)
     got = torch.autograd.grad(y, (x16, *masters, prob16), dy)
     cast = [m.detach().half().requires_grad_() for m in masters]
     y_cast = block(x16, *cast, prob16)
@@ -244,20 +249,41 @@ def test_moe_experts_float32_master_weights(compiled, cast_in_kernel):
         assert not torch.equal(g, w.float()), name  # not a float16 gradient widened: the bits below it are kept
 
 
-@pytest.mark.parametrize("cast_in_kernel", [False, True], ids=["cast-pass", "cast-in-kernel"])
-def test_moe_experts_keep_float16_weight_copies_for_backward_only_with_a_cast_pass(cast_in_kernel):
+@pytest.mark.parametrize("mode", WEIGHT_MODES)
+def test_moe_experts_keep_float16_weight_copies_for_backward_only_with_a_cast_pass(mode):
     """What the forward saves for the backward: with a cast pass, a float16 copy of each float32 master weight;
-    with the cast in the kernels, the masters themselves (no copy)."""
+    with the cast in the kernels, the masters themselves (no copy); with shadows, the shadows (no copy)."""
     x, w1, w3, w2, idx, prob = make_moe(21, 4, 2, 32, 48, torch.float32, seed=18)
     masters = [t.detach().to(DEVICE).requires_grad_() for t in (w1, w3, w2)]
+    shadows = tuple(m.detach().half() for m in masters) if mode == "shadows" else None
     x16 = x.detach().to(DEVICE, torch.float16).requires_grad_()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         moe_experts(x16, *masters, idx.to(DEVICE), prob.detach().to(DEVICE, torch.float16),
-                    cast_in_kernel=cast_in_kernel)
-    copies = [t for t in saved if t.dtype == torch.float16 and any(t.shape == m.shape for m in masters)]
-    kept = {t.data_ptr() for t in saved} & {m.data_ptr() for m in masters}
-    assert (len(copies), len(kept)) == ((0, 3) if cast_in_kernel else (3, 0))
+                    cast_in_kernel=mode == "cast-in-kernel", shadows=shadows)
+    ptrs = {t.data_ptr() for t in saved}
+    copies = [t for t in saved if t.dtype == torch.float16 and any(t.shape == m.shape for m in masters)
+              and t.data_ptr() not in {s.data_ptr() for s in shadows or ()}]
+    kept = ptrs & {m.data_ptr() for m in masters}
+    kept_shadows = ptrs & {s.data_ptr() for s in shadows or ()}
+    assert (len(copies), len(kept), len(kept_shadows)) == {"cast-pass": (3, 0, 0), "cast-in-kernel": (0, 3, 0),
+                                                           "shadows": (0, 0, 3)}[mode]
+
+
+@pytest.mark.parametrize("bad", ["cast_in_kernel", "dtype", "shape", "count"])
+def test_moe_experts_refuses_shadows_that_cannot_stand_for_the_masters(bad):
+    x, w1, w3, w2, idx, prob = make_moe(5, 4, 2, 8, 16, torch.float32, seed=19)
+    masters = [t.detach().to(DEVICE) for t in (w1, w3, w2)]
+    shadows = [m.half() for m in masters]
+    if bad == "dtype":
+        shadows[1] = shadows[1].float()
+    elif bad == "shape":
+        shadows[2] = shadows[2][:, :, :4].contiguous()
+    elif bad == "count":
+        shadows = shadows[:2]
+    with pytest.raises(ValueError, match="moe_experts: .*shadow"):
+        moe_experts(x.detach().to(DEVICE, torch.float16), *masters, idx.to(DEVICE), prob.detach().to(DEVICE).half(),
+                    cast_in_kernel=bad == "cast_in_kernel", shadows=tuple(shadows))
 
 
 @pytest.mark.parametrize("fn", [moe_experts, reference.moe_experts], ids=["triton", "reference"])
