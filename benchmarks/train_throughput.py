@@ -174,6 +174,11 @@ VARIANTS = {
     # the 544 x 256 expert blocks' input, 0.54 GB read and written less per Muon step; predicted ~-0.3 ms on an
     # H100 if cuBLAS runs the other layouts as fast; `benchmarks/newton_schulz.py --tall-from-right` alone).
     "ours-recipe-ns-tall-right": RECIPE,
+    # The recipe with the experts reading bf16 shadows of their float32 masters that Per-Head Muon's update pass
+    # writes (kernels.expert_weight_shadows, titan_k3/models/k3/expert_shadows.py) in place of 33 cast passes of
+    # 24.5M parameters per update (~1.5 ms of an H100 profile: 147 MB each), for 2 more bytes written per expert
+    # parameter in the update pass (~0.5 ms, on the side stream): predicted ~-1 ms, the same peak.
+    "ours-recipe-expert-shadows": [*RECIPE, "--kernels.expert_weight_shadows", "true"],
     # ... with the fused loss 2,048 rows at a time (the recipe: 4,096). Predicted: ~0.6 GiB less peak allocated
     # (4,096 rows took 30.1 -> 28.9 GiB against the default in session 17, at the cost of noise), where the recipe
     # is 0.2 GiB above the strongest peer's 27.8 (session 24); twice the loss's launches, ~0.3 ms. Measured (session 25,

@@ -182,6 +182,7 @@ class Trainer:
             momentum_dtype=getattr(torch, o.momentum_dtype),
             ns_chunk=o.ns_chunk, side_stream=stream_choice is not None and stream_choice.chosen == "on",
         )
+        self.hooks.bind_optimizers(self.optimizers)
         s = cfg.lr_scheduler
         self.schedule = LRSchedule(
             self.optimizers, base_lr=o.lr, total_steps=t.steps, warmup_steps=warmup_updates(s, t.steps),
@@ -315,6 +316,7 @@ class Trainer:
 
     def _evaluate(self) -> dict:
         """Validation loss and task scores (titan_k3/eval/runner.py), on every rank, outside the training clock."""
+        self.hooks.before_forward()
         evals = self.evaluator.run(self.model)
         if self.rank == 0:
             print(f"eval step {self.step} | {format_metrics(evals)}", flush=True)
@@ -344,6 +346,7 @@ class Trainer:
         cfg = self.cfg
         self.gc_schedule.before_update(self.step + 1)
         batches = [self._next_batch() for _ in range(cfg.training.grad_accum)]
+        self.hooks.before_forward()
         self.invariants.probe(self.step + 1, batches[0], model=self.model, build_copy=self._build_model,
                               autocast=self._autocast)
         n_valid = host_to_device(sum((b.labels != IGNORE_INDEX).sum() for b in batches).float(), self.device)

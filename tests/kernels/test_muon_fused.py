@@ -175,6 +175,35 @@ def test_skip_if_leaves_buffers_and_parameters_bit_identical(triton_, flag):
 
 
 @pytest.mark.parametrize("triton_", [True, False], ids=["triton", "reference"])
+@pytest.mark.parametrize("sizes", SIZES.values(), ids=SIZES.keys())
+def test_the_update_pass_writes_each_parameters_cast_into_its_shadow(triton_, sizes):
+    """With shadows the parameters move as without them, and each shadow ends as its new parameter's cast, bit for
+    bit; a skipped update leaves both (float16 shadows: the interpreter's bf16 is broken, the GPU checks bf16)."""
+    shadow_dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    params, twins = _lists(sizes, 160), _lists(sizes, 160)
+    shadows = [torch.full_like(p, float("nan"), dtype=shadow_dtype) for p in params]
+    update = _rand(sum(sizes), torch.float16, seed=170)
+    decay_add_multi_(params, update, 0.999, -0.02, shadows=shadows, triton_=triton_)
+    decay_add_multi_(twins, update, 0.999, -0.02, triton_=triton_)
+    for p, q, s in zip(params, twins, shadows):
+        assert torch.equal(p, q) and torch.equal(s, p.to(shadow_dtype))
+    before = [p.clone() for p in params], [s.clone() for s in shadows]
+    decay_add_multi_(params, update, 0.5, 1.0, shadows=shadows, skip_if=torch.tensor(True, device=DEVICE),
+                     triton_=triton_)
+    assert all(torch.equal(p, q) for p, q in zip(params, before[0]))
+    assert all(torch.equal(s, t) for s, t in zip(shadows, before[1]))
+
+
+def test_a_table_built_without_shadows_is_refused_for_a_pass_with_them():
+    params = _lists([8, 8], 0)
+    shadows = [p.half() for p in params]
+    with pytest.raises(ValueError, match="decay_add_multi_: the table has 1 operands; shadows given needs 2"):
+        decay_add_multi_(params, _rand(16), 1.0, 1.0, shadows=shadows, table=decay_add_table(params), triton_=True)
+    with pytest.raises(ValueError, match=r"tensor 1 of an operand .*torch.float32"):
+        decay_add_multi_(params, _rand(16), 1.0, 1.0, shadows=[shadows[0], params[1]], triton_=True)
+
+
+@pytest.mark.parametrize("triton_", [True, False], ids=["triton", "reference"])
 def test_skip_if_zero_equals_no_flag(triton_):
     sizes = SIZES["ragged"]
     results = []

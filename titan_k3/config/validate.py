@@ -189,6 +189,15 @@ def validate(cfg: JobConfig, needs_data: bool = True) -> None:
     _require(not (cfg.kernels.loss_one_pass and cfg.kernels.loss_grad_fp8),
              "config keys 'kernels.loss_one_pass' and 'kernels.loss_grad_fp8' are both true: they are two ways to "
              "write the loss's gradient; set one of them")
+    if cfg.kernels.expert_weight_shadows:
+        _require(not cfg.kernels.experts_cast_in_kernel,
+                 "config keys 'kernels.expert_weight_shadows' and 'kernels.experts_cast_in_kernel' are both true: they "
+                 "are two ways to skip the experts' cast pass; set one of them")
+        _require(o.name == "muon", f"config key 'kernels.expert_weight_shadows' = true: needs optimizer.name = 'muon' "
+                                   f"(Per-Head Muon's update pass writes the shadows); got {toml_value(o.name)}")
+        _require(t.compute_dtype != "float32",
+                 "config key 'kernels.expert_weight_shadows' = true: needs training.compute_dtype = 'bfloat16' "
+                 "(with float32 compute the experts read their masters and there is nothing to cast)")
     if cfg.kernels.kda != "torch":
         _require(
             t.seq_len % KDA_CHUNK == 0,

@@ -31,6 +31,7 @@ Prints a table (or JSON with `--json`). Exit status 2 with one line on bad input
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -78,7 +79,9 @@ def build_model(cfg: JobConfig, device: torch.device, args=None):
         # NOTE: the trainer's rule for the vocabulary (titan_k3/train.py): the tokenizer's, rounded up to 64.
         vocab = cfg.model.vocab_size or -(-tokenizer.vocab_size // 64) * 64
         args = spec.args(cfg.model.flavor, vocab)
-    impl = spec.resolve_kernels(cfg.kernels, device, args, training_dtype(cfg))
+    # NOTE: no optimizer keeps weight shadows here: the experts cast their weights as they read them.
+    impl = spec.resolve_kernels(dataclasses.replace(cfg.kernels, expert_weight_shadows=False), device, args,
+                                training_dtype(cfg))
     with torch.device(device):
         model = spec.build(args, impl, cfg.model)
     return model.eval(), tokenizer, impl.fallbacks

@@ -8,7 +8,7 @@ process) the cross-rank checks have nothing to compare and return [].
 Names: data.disjoint_sequences, data.source_mix, replicas.checksums,
 gradient_scale.grad_norm_agreement, gradient_scale.grad_norm_audit,
 gradient_scale.loss_normaliser, gradient_scale.ep_token_counts,
-gradient_scale.probe_reference, gradient_scale.expert_grad_scale.
+gradient_scale.probe_reference, gradient_scale.expert_grad_scale, weights.expert_shadows.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ CHECKS = (
     "gradient_scale.ep_token_counts",
     "gradient_scale.probe_reference",
     "gradient_scale.expert_grad_scale",
+    "weights.expert_shadows",
 )
 
 
@@ -44,6 +45,23 @@ class Violation:
     """The number that broke the invariant (duplicates, relative error, ratio, ...)."""
     message: str
     details: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------- weights
+
+
+def check_expert_shadows(mismatches: list[str]) -> list[Violation]:
+    """Each expert weight's shadow (kernels.expert_weight_shadows) must be its master's cast, bit for bit.
+
+    mismatches: one line per shadow that is not (`LatentMoE.shadow_mismatches`); metric: how many. Local to each
+    rank (its own weights); the trainer refreshes a shadow whose master any torch op wrote, so a violation means a
+    master written behind the version counter's back (a kernel other than Muon's update pass).
+    """
+    if not mismatches:
+        return []
+    return [Violation("weights.expert_shadows", float(len(mismatches)),
+                      f"{len(mismatches)} expert weight shadow(s) differ from their masters' casts, so the experts "
+                      f"compute with stale weights: {mismatches[0]}", {"shadows": mismatches})]
 
 
 # ---------------------------------------------------------------------------- data

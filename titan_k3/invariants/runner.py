@@ -168,6 +168,10 @@ class InvariantRunner:
             found += self._timed("gradient_scale.ep_token_counts", C.check_ep_token_counts, dispatcher.sent_W,
                                  dispatcher.received_W, int(dispatcher.routed_tokens), dispatcher.top_k, dispatcher.group)
             dispatcher.reset_counts()
+        shadowed = shadowed_modules(model)
+        if shadowed:
+            found += self._timed("weights.expert_shadows", lambda: C.check_expert_shadows(
+                [f"{name}.{line}" for name, m in shadowed for line in m.shadow_mismatches()]))
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         gathered = self._timed("gradient_scale.grad_norm_audit", C.layout_grad_norm, grads)
         self._pending = {"step": step, "found": blame_drift(found), "gathered": gathered}
@@ -228,6 +232,12 @@ def blame_drift(found: list[C.Violation]) -> list[C.Violation]:
     why = (" (replicas.checksums fired in this update too: drifted replicas alone make the ranks' gradients differ "
            "from the reference; fix the drift first, then read this check again)")
     return [dataclasses.replace(v, message=v.message + why) if v.check in PROBES else v for v in found]
+
+
+def shadowed_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of each module of `model` that keeps weight shadows (`LatentMoE` under
+    kernels.expert_weight_shadows)."""
+    return [(name, m) for name, m in model.named_modules() if getattr(m, "shadowed", False)]
 
 
 def expert_dispatchers(model: torch.nn.Module) -> list:

@@ -24,6 +24,12 @@ class StepHooks(Protocol):
     """Layer -> per-head max logit of the last update, identical on every data-parallel rank (the invariant
     checks compare it); empty for a model without QK-Clip."""
 
+    def bind_optimizers(self, optimizers) -> None:
+        """Once, when the optimizers (titan_k3/optim/builder.py:Optimizers) are built, before any update."""
+
+    def before_forward(self) -> None:
+        """Before each update's first forward (and the invariants' probe), and before each evaluation."""
+
     def after_backward(self) -> None:
         """After each micro-batch's backward, before the next micro-batch's forward."""
 

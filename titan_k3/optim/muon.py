@@ -113,6 +113,9 @@ class PerHeadMuon(torch.optim.Optimizer):
         self._layouts: dict[torch.Tensor, tuple[bool, ParamSpec | None]] = {}
         self.grad_scale: torch.Tensor | None = None
         self.apply_stream: torch.cuda.Stream | None = None
+        self.shadows: dict[torch.Tensor, torch.Tensor] = {}
+        """parameter -> its copy in a lower dtype that the update pass writes beside it (the experts' shadows:
+        titan_k3/models/k3/expert_shadows.py); unsharded parameters only."""
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps, num_heads=1, per_expert=False,
@@ -212,13 +215,18 @@ class PerHeadMuon(torch.optim.Optimizer):
         views = [blocks_of(p, spec) for p, spec in members]
         grads = [blocks_of(p.grad, spec) for p, spec in members]
         bufs = [blocks_of(self.state[p]["momentum_buffer"], spec) for p, spec in members]
-        shapes = largest_first(by_block_shape(views), views)
+        shadows = [blocks_of(self.shadows[p], spec) if p in self.shadows else None for p, spec in members]
+        # NOTE: within a block shape the shadowed members go first, so each kind's update slots are one slice of
+        # the stacked update and each kind's pass one launch.
+        shapes = [(shape, sorted(idx, key=lambda i: shadows[i] is None))
+                  for shape, idx in largest_first(by_block_shape(views), views)]
         graphs = self.ns_graphs if params[0].is_cuda else None
         # NOTE: joined to the update graph's pool (compile.cuda_graph_share_pool), each group's graph runs its
         # momentum pass too (`NewtonSchulzGraphs.momentum_orthogonalise`, with tables of its own).
         fused = graphs is not None and graphs.joined()
         flags = graphs.step_flags(skip, scale) if fused else None
-        decay_tables = [decay_add_table([views[i] for i in idx]) for _, idx in shapes]
+        passes = [_update_passes(views, shadows, idx) for _, idx in shapes]
+        decay_tables = [table for group in passes for *_, table in group]
         momentum_tables = [] if fused else [momentum_table([grads[i] for i in idx], [bufs[i] for i in idx])
                                             for _, idx in shapes]
         send_tables(decay_tables + momentum_tables, params[0].device)  # NOTE: the step's tables in one copy
@@ -230,7 +238,7 @@ class PerHeadMuon(torch.optim.Optimizer):
                     update = graphs.momentum_orthogonalise(key, [grads[i] for i in idx], [bufs[i] for i in idx],
                                                            shape, momentum, nesterov, ns_steps, ns_dtype, flags,
                                                            self.ns_chunk)
-                    self._apply([views[i] for i in idx], update, 1.0 - lr * wd, -lr, skip, decay_tables[g])
+                    self._apply(passes[g], update, 1.0 - lr * wd, -lr, skip)
                     continue
                 if graphs is not None:
                     stacked = graphs.input(key, shape, ns_dtype, params[0].device)
@@ -244,30 +252,36 @@ class PerHeadMuon(torch.optim.Optimizer):
                                                                                      self.ns_chunk, scratch=True))
                 else:
                     update = orthogonalise_stacked(stacked, ns_steps, ns_dtype, self.ns_chunk, scratch=True)
-                self._apply([views[i] for i in idx], update, 1.0 - lr * wd, -lr, skip, decay_tables[g])
+                self._apply(passes[g], update, 1.0 - lr * wd, -lr, skip)
         if self.apply_stream is not None:
             # NOTE: joined before the tables and flags this call sent go out of scope (their blocks return to the
             # current stream's cache), and before anything after the step reads a parameter.
             torch.cuda.current_stream(self.apply_stream.device).wait_stream(self.apply_stream)
 
-    def _apply(self, params: list[torch.Tensor], update: torch.Tensor, decay: float, alpha: float,
-               skip: torch.Tensor | None, table) -> None:
-        """One group's update pass (params <- decay * params + alpha * update), on `apply_stream` when set.
+    def _apply(self, passes: list, update: torch.Tensor, decay: float, alpha: float,
+               skip: torch.Tensor | None) -> None:
+        """One group's update pass (params <- decay * params + alpha * update, and their shadows), on
+        `apply_stream` when set. passes: `_update_passes` of the group, each of a slice of the stacked update.
 
         On the apply stream the pass starts once the work queued so far (this group's Newton-Schulz) is done and
         runs beside the next group's momentum pass and Newton-Schulz, which read and write other tensors.
         """
         stream = self.apply_stream
+
+        def run():
+            for first, end, params, shadows, table in passes:
+                decay_add_multi_(params, update[first:end], decay, alpha, shadows=shadows, skip_if=skip, table=table)
+
         with record_function("muon.apply"):
             if stream is None:
-                decay_add_multi_(params, update, decay, alpha, skip_if=skip, table=table)
+                run()
                 return
             stream.wait_stream(torch.cuda.current_stream(stream.device))
             # NOTE: an eager group's update is a temporary freed when the loop moves on; its block must not be
             # handed to the next group's Newton-Schulz before this pass has read it.
             update.record_stream(stream)
             with torch.cuda.stream(stream):
-                decay_add_multi_(params, update, decay, alpha, skip_if=skip, table=table)
+                run()
 
     def _step_sharded(self, items: list, skip: torch.Tensor | None, scale: torch.Tensor | None) -> None:
         """Muon on dim-0-sharded DTensors (FSDP2, EP), working on local shards only.
@@ -280,6 +294,10 @@ class PerHeadMuon(torch.optim.Optimizer):
         scatter per owner, however many parameters), is orthogonalised there
         while the other owners work on theirs, and its update comes back.
         """
+        shadowed = next((p for p, _, _ in items if p in self.shadows), None)
+        if shadowed is not None:
+            raise ValueError(f"PerHeadMuon: a sharded parameter of shape {tuple(shadowed.shape)} has a shadow; the "
+                             "sharded update pass writes none (shadows are for unsharded parameters)")
         directions = {}
         by_momentum: dict[tuple, list] = {}
         for p, group, _ in items:
@@ -315,6 +333,22 @@ class PerHeadMuon(torch.optim.Optimizer):
             for (lr, wd, _, _), params in by_decay.items():
                 decay_add_multi_([p.to_local() for p in params], [local_updates[p] for p in params], 1.0 - lr * wd,
                                  -lr, skip_if=skip)
+
+
+def _update_passes(views: list[torch.Tensor], shadows: list[torch.Tensor | None], idx: list[int]) -> list[tuple]:
+    """A block-shape group's update passes: (first, end block of the stacked update, params, shadows or None, table),
+    one for the members with shadows and one for those without (`idx` lists the shadowed first)."""
+    passes, first = [], 0
+    for has_shadow in (True, False):
+        part = [i for i in idx if (shadows[i] is not None) == has_shadow]
+        if not part:
+            continue
+        params = [views[i] for i in part]
+        kept = [shadows[i] for i in part] if has_shadow else None
+        end = first + sum(v.shape[0] for v in params)
+        passes.append((first, end, params, kept, decay_add_table(params, None, kept)))
+        first = end
+    return passes
 
 
 def _row_sharded(p: torch.Tensor) -> bool:

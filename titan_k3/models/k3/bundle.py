@@ -14,6 +14,7 @@ from torch import nn
 from kernels.device import host_to_device
 from titan_k3.models.k3.args import FLAVORS, K3Args, count_params, flops_per_token, get_flavor
 from titan_k3.models.k3.documents import Documents, OnHost
+from titan_k3.models.k3.expert_shadows import ExpertShadows
 from titan_k3.models.k3.impl import Impl, resolve_impl
 from titan_k3.models.k3.model import K3Model
 from titan_k3.models.k3.moe import apply_deferred_updates
@@ -75,6 +76,18 @@ class K3StepHooks:
             model.compute_dtype = torch.bfloat16  # the embedding and the fused head + loss run outside autocast
         self.qk_clip_max_logits: dict[int, torch.Tensor] = {}
         """MLA layer -> its per-head max logit of the last update (float32 [H], max over the data-parallel ranks)."""
+        self.expert_shadows = ExpertShadows(model)
+        """The experts' weight shadows (kernels.expert_weight_shadows; empty without)."""
+
+    def bind_optimizers(self, optimizers) -> None:
+        """Per-Head Muon's update pass writes the experts' shadows; refused if it does not update every master."""
+        if self.expert_shadows:
+            muon = optimizers.optimizers.get("muon")
+            self.expert_shadows.check_owned(muon)
+            muon.shadows = self.expert_shadows.by_master()
+
+    def before_forward(self) -> None:
+        self.expert_shadows.refresh_stale()  # masters written since (initialisation, a checkpoint load)
 
     def after_backward(self) -> None:
         apply_deferred_updates(self.routers, self.dp_group)  # before the next micro-batch routes

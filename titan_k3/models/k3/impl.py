@@ -64,6 +64,9 @@ class Impl:
     """QK-Clip's per-head max logit of MLA's masked attention (q, k, scale, pos) -> [H]."""
     conv: Callable = causal_conv_silu_reference
     """KDA's short convolution + SiLU (x [B, T, C], w [C, 1, W], pos [B, T]) -> [B, T, C]."""
+    expert_shadows: torch.dtype | None = None
+    """The routed experts read copies of their float32 masters in this dtype, kept by the optimizer
+    (kernels.expert_weight_shadows: models/k3/expert_shadows.py), in place of casting them each forward; None: cast."""
     choices: list[KernelChoice] = field(default_factory=list)
 
     @property
@@ -217,6 +220,10 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
                        KernelChoice("expert_weights", "cast_in_kernel", "cast_in_kernel", False), "cast_pass")
     if c_weights.chosen == "cast_in_kernel":
         experts = functools.partial(experts, cast_in_kernel=True)
+    if kernels_cfg.expert_weight_shadows:
+        c_weights = _lever("kernels.expert_weight_shadows", True, c_exp, "our Triton experts",
+                           KernelChoice("expert_weights", "shadows", "shadows", False), "cast_pass")
+    shadows = compute_dtype if c_weights.chosen == "shadows" and compute_dtype != torch.float32 else None
     # NOTE: under compile too: in the compiled k3-mini step the Triton mix measured 223.0 ms against 236.1 ms for
     # inductor's fusion of the reference (benchmarks/results/train_throughput.md), although the reference
     # compiled on its own beat the kernel in isolation (benchmarks/results/attn_res.md).
@@ -247,6 +254,7 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
     backends, c_attn = _attention_backends(kernels_cfg.attention, on_cuda, attention_width)
     return Impl(kda, experts, loss, backends, attn_res=attn_res, attn_res_sinks=c_sums.chosen == "in_place",
                 attn_res_norm=c_norms.chosen == "in_mix", router=router, max_logit=max_logit, conv=conv,
+                expert_shadows=shadows,
                 choices=[c_kda, c_exp, c_weights, c_loss, c_grads, c_rows, c_res, c_sums, c_norms, c_router, c_max,
                          c_conv, c_attn])
 

@@ -246,11 +246,18 @@ def apply_deferred_updates(routers: list[QuantileBalancedRouter], group: dist.Pr
         r._pending = None
 
 
+SHADOWED = ("w1", "w3", "w2")
+"""The routed experts' weights that kernels.expert_weight_shadows keeps copies of."""
+
+
 class LatentMoE(nn.Module):
     """y = Shared(x) + W_up RMSNorm_L(sum_e p_e Expert_e(W_down x))."""
 
     def __init__(self, args: K3Args, experts_fn: Callable, qb_eta: float = 1.0,
-                 top_k_rows: Callable = top_k_rows_reference):
+                 top_k_rows: Callable = top_k_rows_reference, shadow_dtype: torch.dtype | None = None):
+        """shadow_dtype: keep w1, w3, w2's copies in this dtype as buffers (w1_shadow, ...) and hand them to
+        experts_fn in place of its cast pass (kernels.expert_weight_shadows; expert_shadows.py keeps them equal to
+        the masters' casts)."""
         super().__init__()
         D, L, F, E = args.dim, args.latent_dim, args.expert_hidden, args.n_experts
         self.experts_fn = experts_fn
@@ -262,6 +269,22 @@ class LatentMoE(nn.Module):
         self.w3 = nn.Parameter(torch.empty(E, L, F))
         self.w2 = nn.Parameter(torch.empty(E, F, L))
         self.shared = SituGluFFN(D, args.n_shared_experts * F) if args.n_shared_experts else None
+        self.shadowed = shadow_dtype is not None
+        for name in SHADOWED if self.shadowed else ():
+            # NOTE: not persistent: a checkpoint holds the masters only; the trainer casts them again after a load.
+            self.register_buffer(f"{name}_shadow", torch.empty_like(getattr(self, name), dtype=shadow_dtype),
+                                 persistent=False)
+
+    @torch.no_grad()
+    def shadow_mismatches(self) -> list[str]:
+        """One line per weight whose shadow differs from its cast (none without shadows, or while they are kept)."""
+        lines = []
+        for name in SHADOWED if self.shadowed else ():
+            master, shadow = getattr(self, name), getattr(self, f"{name}_shadow")
+            n = int((shadow != master.to(shadow.dtype)).sum())
+            if n:
+                lines.append(f"{name}: {n} of {master.numel()} elements of its {shadow.dtype} shadow differ from its cast")
+        return lines
 
     def reset_parameters(self) -> None:
         self.router.reset_parameters()
@@ -285,7 +308,8 @@ class LatentMoE(nn.Module):
         shared_BTD = self.shared(x_BTD) if self.shared is not None and waits else None
         # NOTE: the weights go in as they are: an experts function runs its products in z's dtype and hands
         # float32 weights their gradients in float32 (kernels.grouped_gemm.moe_experts: no cast pass either way).
-        y_TL = self.experts_fn(z_TL, self.w1, self.w3, self.w2, experts_TK, weights_TK.to(z_TL.dtype))
+        shadows = {"shadows": (self.w1_shadow, self.w3_shadow, self.w2_shadow)} if self.shadowed else {}
+        y_TL = self.experts_fn(z_TL, self.w1, self.w3, self.w2, experts_TK, weights_TK.to(z_TL.dtype), **shadows)
         if self.shared is not None and not waits:
             shared_BTD = self.shared(x_BTD)
         # NOTE: the sum below makes a fresh tensor; FSDP2 warns about (and may mishandle) a block output that is a view.
