@@ -153,7 +153,7 @@ class Trainer:
         # Before the model: a task file that does not parse stops the run before any work.
         self.evaluator = build_evaluator(cfg, self.tokenizer, self.device, self.dp_rank, self.dp_world, self.dp_group)
 
-        self.impl = resolve_kernels(cfg, self.model_spec, self.device, self.args)
+        self.impl = resolve_kernels(cfg, self.model_spec, self.device, self.args, self.world_size)
         self._graph_choice = None
         if cfg.compile.cuda_graph:
             self._graph_choice = check_capturable(cfg, self.device, self.world_size, self.impl.choices,
@@ -611,8 +611,8 @@ def _validate_only(cfg: JobConfig) -> None:
     check_memory_peak(cfg.profiling.memory_peak_updates, device)
     tokenizer, vocab = tokenizer_and_vocab(cfg)
     spec = get_model_spec(cfg.model.name)
-    impl = resolve_kernels(cfg, spec, device, spec.args(cfg.model.flavor, vocab))
     world = int(os.environ.get("WORLD_SIZE", 1))
+    impl = resolve_kernels(cfg, spec, device, spec.args(cfg.model.flavor, vocab), world)
     if cfg.compile.cuda_graph:  # what the config chose against a capture, and job.strict against its fallback
         check_capturable(cfg, device, world, impl.choices, spec.graph_inputs)
     side_stream_choice(cfg, device, world)  # job.strict against its fallback

@@ -5,6 +5,7 @@ from. `python -m titan_k3.train --job.validate_only` runs the same functions, so
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -17,6 +18,7 @@ from titan_k3.config.check import load_data_tokenizer
 from titan_k3.config.errors import toml_value
 from titan_k3.config.validate import parse_mixture
 from titan_k3.eval.runner import Evaluator, training_dtype
+from titan_k3.models.k3.impl import KernelChoice
 from titan_k3.train_state import TrainState
 
 
@@ -82,10 +84,21 @@ def build_evaluator(cfg: JobConfig, tokenizer, device: torch.device, dp_rank: in
         raise ConfigError(f"config key 'eval.tasks' = {toml_value(cfg.eval.tasks)}: {e}") from None
 
 
-def resolve_kernels(cfg: JobConfig, spec, device: torch.device, args):
-    """The model's kernel choices on `device` for the run's compute dtype; job.strict refuses the first fallback among
-    them."""
-    impl = spec.resolve_kernels(cfg.kernels, device, args, training_dtype(cfg))
+def resolve_kernels(cfg: JobConfig, spec, device: torch.device, args, world_size: int | None = None):
+    """The model's kernel choices on `device` for the run's compute dtype and `world_size` processes (None: WORLD_SIZE,
+    1 outside torchrun); job.strict refuses the first fallback among them."""
+    world = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    kernels, shadows_off = cfg.kernels, None
+    if kernels.expert_weight_shadows and world > 1:
+        # NOTE: one process only: FSDP2 and expert parallelism shard the experts and gather them in bf16 already,
+        # and the sharded Muon step writes no shadows (titan_k3/models/k3/expert_shadows.py).
+        kernels = dataclasses.replace(kernels, expert_weight_shadows=False)
+        shadows_off = (f"one process only; this run has {world} (its all-gather casts the experts, and the sharded "
+                       "update pass writes no shadows)")
+    impl = spec.resolve_kernels(kernels, device, args, training_dtype(cfg))
+    if shadows_off is not None:
+        impl.choices = [KernelChoice(c.op, "shadows", c.chosen, True, shadows_off) if c.op == "expert_weights" else c
+                        for c in impl.choices]
     if cfg.job.strict and impl.fallbacks:
         first = impl.fallbacks[0]
         raise ConfigError(f"job.strict = true and {first.op} falls back to '{first.chosen}' (asked "

@@ -33,10 +33,11 @@ import triton.language as tl
 
 from kernels.fused_ce.ce_rows import RowsLaunch, row_programs, row_step, row_target
 
-# NOTE: not yet measured on a GPU (benchmarks/fused_ce.py --one-pass times launches of this kernel): 16,384
-# logits per step and 16 warps, one program per SM looping over the rows, with the prefetch, as ce_rows' launches
-# of that size ran their first pass fastest.
-LAUNCH = RowsLaunch(block=16384, warps=16, programs_per_sm=1, prefetch=True)
+# NOTE: one program of 32 warps per SM looping over the rows, 32,768 logits per step, no prefetch: the fastest of
+# nine launches on an H100, 1.022 ms per 4,096-row chunk with the two [C, D] row scalings against 1.161 ms for the
+# two-pass kernel's launch; with the prefetch at this size 1.24 ms (more values in flight than the registers hold),
+# the rest 1.02-1.10 ms (benchmarks/results/fused_ce.md, session 46).
+LAUNCH = RowsLaunch(block=32768, warps=32, programs_per_sm=1)
 RESCALE_AT = 32.0
 """A step whose max exceeds the row's reference by more than this moves the reference (the module docstring)."""
 

@@ -165,3 +165,23 @@ def test_the_kernel_report_names_the_shadows_and_a_run_without_our_experts_is_re
                                      "--kernels.experts", "torch"])
     with pytest.raises(ValueError, match=r"'kernels.expert_weight_shadows' = true: needs our Triton experts"):
         resolve_impl(torch_experts.kernels, cpu, compute_dtype=BF16)
+
+
+def test_under_torchrun_the_shadows_fall_back_to_the_cast_pass_and_job_strict_refuses():
+    """Several processes shard the experts (FSDP2, EP), whose all-gather casts them: the run takes the cast pass, says
+    why in the kernel report, builds no shadows; job.strict refuses. One process on CUDA gets them."""
+    from titan_k3.models.registry import get_model_spec
+    from titan_k3.trainer_setup import resolve_kernels
+
+    spec, cuda = get_model_spec("k3"), torch.device("cuda")
+    asked = ["--kernels.expert_weight_shadows", "true", "--training.compute_dtype", "bfloat16"]
+    args = spec.args("debug", 0)
+    one = resolve_kernels(load_job_config(asked), spec, cuda, args, world_size=1)
+    assert [(c.chosen, c.fallback) for c in one.choices if c.op == "expert_weights"] == [("shadows", False)]
+    assert one.expert_shadows is BF16
+    many = resolve_kernels(load_job_config(asked), spec, cuda, args, world_size=8)
+    (weights,) = [c for c in many.choices if c.op == "expert_weights"]
+    assert (weights.requested, weights.chosen, weights.fallback) == ("shadows", "cast_pass", True)
+    assert "one process only; this run has 8" in weights.reason and many.expert_shadows is None
+    with pytest.raises(ConfigError, match="job.strict = true and expert_weights falls back to 'cast_pass'"):
+        resolve_kernels(load_job_config([*asked, "--job.strict", "true"]), spec, cuda, args, world_size=8)
