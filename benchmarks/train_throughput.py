@@ -172,7 +172,8 @@ VARIANTS = {
     "ours-recipe-loss-one-pass-rows-launch": [*RECIPE, "--kernels.loss_one_pass", "true"],
     # The recipe with Newton-Schulz iterating tall blocks from the right (VARIANT_SETTINGS: no transposed copy of
     # the 544 x 256 expert blocks' input, 0.54 GB read and written less per Muon step; predicted ~-0.3 ms on an
-    # H100 if cuBLAS runs the other layouts as fast; `benchmarks/newton_schulz.py --tall-from-right` alone).
+    # H100 if cuBLAS runs the other layouts as fast; `benchmarks/newton_schulz.py --tall-from-right` alone: about
+    # nothing on an H100 in session 46, so not run in the update).
     "ours-recipe-ns-tall-right": RECIPE,
     # The recipe with the experts reading bf16 shadows of their float32 masters that Per-Head Muon's update pass
     # writes (kernels.expert_weight_shadows, titan_k3/models/k3/expert_shadows.py) in place of 33 cast passes of
