@@ -1,20 +1,11 @@
-"""kernels.expert_weight_shadows on a GPU: a trainer whose experts read Muon-kept bf16 shadows trains like one whose
-experts cast their masters each forward: bit for bit as the recipe runs (compiled, the update graphed), and within
-eager's own run-to-run spread eagerly; every shadow is its master's cast at the end."""
+"""kernels.expert_weight_shadows on a GPU: the shadows stay their masters' casts, bit for bit, through the updates of a
+trainer, eager and as the recipe runs (compiled, the update graphed), and its losses track a casting trainer's."""
 
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-@pytest.fixture(autouse=True)
-def inductor_picks_configs_without_timing():
-    """Inductor's deterministic mode: both trainers run the same compiled kernels (tests/gpu/test_step_graph_gpu.py)."""
-    import torch._inductor.config
-
-    with torch._inductor.config.patch(deterministic=True):
-        yield
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.usefixtures("inductor_picks_configs_without_timing")]
 
 
 def _trainer(tmp_path, name: str, *extra: str):

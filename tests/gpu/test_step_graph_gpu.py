@@ -11,22 +11,8 @@ import json
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-@pytest.fixture(autouse=True)
-def inductor_picks_configs_without_timing():
-    """Inductor's deterministic mode for the compiled trainers these tests compare.
-
-    NOTE: each trainer compiles its own kernels, and inductor times a reduction's candidate configs (its block and
-    warps: the summation order) on the GPU as it first runs them; near-tied candidates can fall either way in each
-    trainer, and two trainers of one process then differ in the last bits, which the comparisons below would read
-    as a captured value gone stale. The mode picks those configs without timing, so both run the same kernels.
-    """
-    import torch._inductor.config
-
-    with torch._inductor.config.patch(deterministic=True):
-        yield
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.usefixtures("inductor_picks_configs_without_timing")]
 
 
 def _trainer(tmp_path, name: str, *extra: str):
