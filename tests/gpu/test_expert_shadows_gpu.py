@@ -3,20 +3,16 @@ trainer, eager and as the recipe runs (compiled, the update graphed), and its lo
 
 import pytest
 import torch
+from tiny_trainer import tiny_trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.usefixtures("inductor_picks_configs_without_timing")]
 
 
 def _trainer(tmp_path, name: str, *extra: str):
-    from titan_k3.config import load_job_config
-    from titan_k3.train import Trainer
-
-    return Trainer(load_job_config([
-        "--model.flavor", "tiny", "--training.seq_len", "512", "--training.local_batch_size", "2",
-        "--training.compute_dtype", "bfloat16", "--training.device", "cuda", "--training.steps", "5",
-        "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1000", "--invariants.interval", "2",
-        "--job.dump_folder", str(tmp_path), "--job.name", name, *extra]))
+    return tiny_trainer(tmp_path, name, "--training.seq_len", "512", "--training.local_batch_size", "2",
+                        "--training.compute_dtype", "bfloat16", "--training.steps", "5",
+                        "--lr_scheduler.warmup_steps", "1", "--invariants.interval", "2", *extra)
 
 
 def _mismatches(trainer) -> list[str]:

@@ -10,20 +10,16 @@ import json
 
 import pytest
 import torch
+from tiny_trainer import tiny_trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.usefixtures("inductor_picks_configs_without_timing")]
 
 
 def _trainer(tmp_path, name: str, *extra: str):
-    from titan_k3.config import load_job_config
-    from titan_k3.train import Trainer
-
-    return Trainer(load_job_config([
-        "--model.flavor", "tiny", "--training.seq_len", "512", "--training.local_batch_size", "2",
-        "--training.grad_accum", "2", "--training.device", "cuda", "--training.steps", "6",
-        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1000", "--invariants.enable", "false",
-        "--job.dump_folder", str(tmp_path), "--job.name", name, *extra]))
+    return tiny_trainer(tmp_path, name, "--training.seq_len", "512", "--training.local_batch_size", "2",
+                        "--training.grad_accum", "2", "--training.steps", "6", "--lr_scheduler.warmup_steps", "2",
+                        "--invariants.enable", "false", *extra)
 
 
 def _drift(name: str, want: torch.Tensor, got: torch.Tensor, rtol: float = 1e-4, atol: float = 1e-5) -> str:
