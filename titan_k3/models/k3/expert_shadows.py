@@ -9,10 +9,12 @@ A shadow is correct only while it is its master's cast. Three things keep that t
 - Muon's update pass writes both in one kernel, from the stored float32 value (a skipped update writes neither).
 - Every other write of a master goes through a torch op (initialisation, a checkpoint load, fault injection, a
   test's in-place edit), and every torch op that writes a tensor moves its version counter; `refresh_stale`, which
-  the trainer calls before each update, casts again each master whose counter moved since its shadow was written.
-  (Muon's Triton pass moves no counter, and writes the shadow itself.)
-- A master the optimizer does not own, or one that is sharded (FSDP2 and expert parallelism gather the experts in
-  bf16 already: nothing to cast), is refused when the shadows are attached.
+  the trainer calls before each update and each evaluation (the model's step hooks, bundle.py), casts again each
+  master whose counter moved since its shadow was written. (Muon's Triton pass moves no counter, and writes the
+  shadow itself.)
+- A master the optimizer does not own is refused when Muon is given the shadows; so is a sharded one (FSDP2 and
+  expert parallelism gather the experts in bf16 already: nothing to cast), which a run of several processes never
+  builds (trainer_setup.resolve_kernels takes the cast pass there, a reported fallback).
 - `LatentMoE.shadow_mismatches` compares every shadow with its master's cast, bit for bit; the invariant checks
   run it (weights.expert_shadows).
 """
