@@ -277,7 +277,9 @@ def decay_add_multi_(
     that writes it). skip_if: nonzero leaves every parameter and shadow as it was. table: `decay_add_table` of the
     same tensors, possibly already sent; None: built and sent here.
     """
-    lists, names = ([params, shadows], ("update", "params", "shadows")) if shadows is not None else ([params], ("update", "params"))
+    lists, names = [params], ("update", "params")
+    if shadows is not None:
+        lists, names = [params, shadows], (*names, "shadows")
     table, bases = _prepare(table, lambda: decay_add_table(params, update, shadows), update, skip_if, lists, triton_,
                             names)
     if table is None:

@@ -145,7 +145,8 @@ def test_the_step_hooks_give_muon_the_shadows_and_refresh_them_before_a_forward(
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--kernels.experts_cast_in_kernel", "true"], "'kernels.expert_weight_shadows' and 'kernels.experts_cast_in_kernel' are both true"),
+    (["--kernels.experts_cast_in_kernel", "true"],
+     "'kernels.expert_weight_shadows' and 'kernels.experts_cast_in_kernel' are both true"),
     (["--optimizer.name", "adamw"], "needs optimizer.name = 'muon'"),
     (["--training.compute_dtype", "float32"], "needs training.compute_dtype = 'bfloat16'"),
 ])

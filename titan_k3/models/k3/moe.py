@@ -283,7 +283,8 @@ class LatentMoE(nn.Module):
             master, shadow = getattr(self, name), getattr(self, f"{name}_shadow")
             n = int((shadow != master.to(shadow.dtype)).sum())
             if n:
-                lines.append(f"{name}: {n} of {master.numel()} elements of its {shadow.dtype} shadow differ from its cast")
+                lines.append(f"{name}: {n} of {master.numel()} elements of its {shadow.dtype} shadow differ from "
+                             "its cast")
         return lines
 
     def reset_parameters(self) -> None:
