@@ -49,6 +49,12 @@ def test_shadowed_experts_stay_their_masters_casts_and_train_like_casting_ones(t
                 with torch.no_grad():
                     for trainer in (cast, kept):  # a torch op's write, as a checkpoint load's
                         next(m for m in trainer.model.modules() if isinstance(m, LatentMoE)).w3.mul_(1.01)
+            else:
+                # NOTE: Muon's Triton pass moves no version counter, so from update 2 on no master is cast again
+                # (a refresh every update would cost what the shadows save); at update 3 the trainer's own refresh
+                # must see the write (eagerly the pre-hook checks what the experts got).
+                stale = kept.hooks.expert_shadows.refresh_stale()
+                assert stale == (len(kept.hooks.expert_shadows.pairs) if update == 1 else 0), (update, stale)
             a, b = cast.train_step(), kept.train_step()
             cast.step = kept.step = update
             mismatches = _mismatches(kept)
