@@ -186,3 +186,26 @@ def test_under_torchrun_the_shadows_fall_back_to_the_cast_pass_and_job_strict_re
     assert "one process only; this run has 8" in weights.reason and many.expert_shadows is None
     with pytest.raises(ConfigError, match="job.strict = true and expert_weights falls back to 'cast_pass'"):
         resolve_kernels(load_job_config([*asked, "--job.strict", "true"]), spec, cuda, args, world_size=8)
+
+
+def test_an_offline_evaluation_of_a_run_with_shadows_builds_experts_that_cast(monkeypatch):
+    """No optimizer keeps shadows outside training: `python -m titan_k3.eval` resolves the run's kernels without them
+    (with them its experts would read buffers nothing ever wrote)."""
+    import dataclasses
+
+    import titan_k3.models.registry as registry
+    from titan_k3.eval.offline import build_model
+
+    asked = []
+    spec = registry.get_model_spec("k3")
+
+    def resolve(kernels, *args):
+        asked.append(kernels.expert_weight_shadows)
+        return spec.resolve_kernels(kernels, *args)
+
+    monkeypatch.setattr(registry, "get_model_spec", lambda name: dataclasses.replace(spec, resolve_kernels=resolve))
+    cfg = load_job_config(["--kernels.expert_weight_shadows", "true", "--training.compute_dtype", "bfloat16",
+                           "--model.flavor", "debug"])
+    model, _, _ = build_model(cfg, torch.device("cpu"))
+    assert asked == [False] and cfg.kernels.expert_weight_shadows  # the run's own config is left as it was
+    assert not any(getattr(m, "shadowed", False) for m in model.modules())
