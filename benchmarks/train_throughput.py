@@ -167,7 +167,8 @@ VARIANTS = {
     # read of each chunk's logits instead of two). Predicted from the two-pass kernel's 1.17 ms per 4,096 rows on an
     # H100 (3.44 TB/s counting three passes) against ~0.89 ms for one read and one write at ~3 TB/s: ~-0.25 ms per
     # 4,096 rows, ~-2 ms per update, less the two [C, D] row scalings it adds (~0.1 ms). With -rows-launch, its
-    # launch as `benchmarks/fused_ce.py --one-pass` prints the fastest.
+    # launch as `benchmarks/fused_ce.py --one-pass` prints the fastest. Measured in session 46 at its fastest launch:
+    # -1.2 ms on an H100; the recipe's since (so with the kernel's default launch this variant is the recipe again).
     "ours-recipe-loss-one-pass": [*RECIPE, "--kernels.loss_one_pass", "true"],
     "ours-recipe-loss-one-pass-rows-launch": [*RECIPE, "--kernels.loss_one_pass", "true"],
     # The recipe with Newton-Schulz iterating tall blocks from the right (VARIANT_SETTINGS: no transposed copy of
@@ -178,7 +179,8 @@ VARIANTS = {
     # The recipe with the experts reading bf16 shadows of their float32 masters that Per-Head Muon's update pass
     # writes (kernels.expert_weight_shadows, titan_k3/models/k3/expert_shadows.py) in place of 33 cast passes of
     # 24.5M parameters per update (~1.5 ms of an H100 profile: 147 MB each), for 2 more bytes written per expert
-    # parameter in the update pass (~0.5 ms, on the side stream): predicted ~-1 ms, the same peak.
+    # parameter in the update pass (~0.5 ms, on the side stream): predicted ~-1 ms, the same peak. Measured in
+    # session 46: -1.1 ms on an H100; the recipe's since (so this variant is the recipe again).
     "ours-recipe-expert-shadows": [*RECIPE, "--kernels.expert_weight_shadows", "true"],
     # ... with the fused loss 2,048 rows at a time (the recipe: 4,096). Predicted: ~0.6 GiB less peak allocated
     # (4,096 rows took 30.1 -> 28.9 GiB against the default in session 17, at the cost of noise), where the recipe
