@@ -96,15 +96,16 @@ VARIANTS = {
                                      "--optimizer.momentum_dtype", "bfloat16"],
     # ... with the memory levers measured on 2026-12-02: expandable segments and Newton-Schulz over 512 blocks at a
     # time (and the fused loss 4,096 rows at a time, given back for 8,192 in session 45: the peak stays under the
-    # strongest peer's), the two mix levers of session 31 and the optimizer's second stream of session 36
-    # (tomls/pretrain.toml since)
+    # strongest peer's), the two mix levers of session 31, the optimizer's second stream of session 36, and session
+    # 46's one-pass loss and expert weight shadows (tomls/pretrain.toml since)
     "ours-compile-step-graph-lean-memory": ["--compile.enable", "true", "--optimizer.ns_cuda_graphs", "true",
                                             "--compile.cuda_graph", "true", "--compile.cuda_graph_share_pool", "true",
                                             "--optimizer.momentum_dtype", "bfloat16", "--training.expandable_segments",
                                             "true", "--kernels.loss_chunk_rows", "0", "--optimizer.ns_chunk", "512",
                                             "--lr_scheduler.warmup_fraction", "0.01",
                                             "--kernels.attn_res_grad_in_place", "true",
-                                            "--kernels.attn_res_norm_in_mix", "true", "--optimizer.side_stream", "true"],
+                                            "--kernels.attn_res_norm_in_mix", "true", "--optimizer.side_stream", "true",
+                                            "--kernels.loss_one_pass", "true", "--kernels.expert_weight_shadows", "true"],
     # The pretraining recipe itself (tomls/pretrain.toml: every optimizer, compile and kernel setting it makes) at the
     # benchmark's shape, on the embedded corpus, checkpointing off: the headline's variant.
     # tests/unit/test_benchmark_scripts.py keeps it equal to ours-compile-step-graph-lean-memory, every flag spelled out.
@@ -139,18 +140,22 @@ VARIANTS = {
     # The expert GEMMs reading the float32 master weights and rounding each tile as they load it
     # (kernels.experts_cast_in_kernel): no 33 cast passes of 24.5M parameters and 1.5 GiB less at the update's peak,
     # for twice the bytes per weight tile; predicted -0.5..+1.2 ms, measured +12.7 ms (session 31). With the loss's
-    # logits 8,192 rows at a time the freed memory buys back the ~0.6-1 ms that 4,096 rows cost (session 17).
-    "ours-recipe-experts-cast-in-kernel": [*RECIPE, "--kernels.experts_cast_in_kernel", "true"],
+    # logits 8,192 rows at a time the freed memory buys back the ~0.6-1 ms that 4,096 rows cost (session 17). The
+    # recipe's weight shadows (another way to skip the casts) go off with it.
+    "ours-recipe-experts-cast-in-kernel": [*RECIPE, "--kernels.experts_cast_in_kernel", "true",
+                                           "--kernels.expert_weight_shadows", "false"],
     "ours-recipe-experts-cast-in-kernel-ce8192": [*RECIPE, "--kernels.experts_cast_in_kernel", "true",
+                                                  "--kernels.expert_weight_shadows", "false",
                                                   "--kernels.loss_chunk_rows", "8192"],
     # The recipe run eagerly (no compile, no CUDA graphs): slower, but every kernel is launched by an op, so its
     # profile names the ops and input shapes the step pays for (which sums, which adds).
     "ours-recipe-eager": [*RECIPE, "--compile.enable", "false", "--compile.cuda_graph", "false",
                           "--compile.cuda_graph_share_pool", "false"],
     # The recipe with AdamW for every matrix in place of Per-Head Muon: the model's own speed, for the headline's
-    # "ours with AdamW" column (what Muon's step costs inside the update); Muon's graph settings go with Muon
+    # "ours with AdamW" column (what Muon's step costs inside the update); Muon's graph settings and the experts'
+    # weight shadows (Muon writes them) go with Muon
     "ours-recipe-adamw": [*RECIPE, "--optimizer.name", "adamw", "--optimizer.ns_cuda_graphs", "false",
-                          "--compile.cuda_graph_share_pool", "false"],
+                          "--compile.cuda_graph_share_pool", "false", "--kernels.expert_weight_shadows", "false"],
     # The fused loss 8,192 rows at a time: -1.1 ms in session 43, -1.0 at both shapes in session 45 for 1.25 GiB,
     # the recipe's setting since (so this variant is the recipe again).
     "ours-recipe-ce-default": [*RECIPE, "--kernels.loss_chunk_rows", "0"],
@@ -194,8 +199,10 @@ VARIANTS = {
     # memory as the recipe's for ~1.5 ms of it back. Measured (session 26, B32 T1024): -1.3 / -1.9 ms with one pass
     # writing both layouts of G, 136.7 ms (~-5, across calls) with the transposed copy as a pass of its own, 29.5 GiB;
     # 2,048-row chunks +4 ms over its own 4,096.
-    "ours-recipe-loss-fp8": [*RECIPE, "--kernels.loss_grad_fp8", "true"],
-    "ours-recipe-loss-fp8-ce2048": [*RECIPE, "--kernels.loss_grad_fp8", "true", "--kernels.loss_chunk_rows", "2048"],
+    # (the recipe's one-pass loss, another way to write the gradient, goes off with it)
+    "ours-recipe-loss-fp8": [*RECIPE, "--kernels.loss_grad_fp8", "true", "--kernels.loss_one_pass", "false"],
+    "ours-recipe-loss-fp8-ce2048": [*RECIPE, "--kernels.loss_grad_fp8", "true", "--kernels.loss_one_pass", "false",
+                                    "--kernels.loss_chunk_rows", "2048"],
     # FP8 on every block linear of k3-mini (the default min_dim 8192 converts none: none paid, fp8.md)
     "ours-compile-fp8": ["--compile.enable", "true", "--float8.enable", "true", "--float8.min_dim", "256"],
     "ours-compile-torch-loss": ["--compile.enable", "true", "--kernels.loss", "torch"],

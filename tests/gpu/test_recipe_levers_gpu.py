@@ -1,8 +1,9 @@
 """The recipe's memory and traffic levers change where numbers live, not the numbers: Newton-Schulz in chunks written
 over its input (optimizer.ns_chunk), the fused loss in smaller chunks (kernels.loss_chunk_rows), the residual
 stream's gradients summed inside the mixes' kernels (kernels.attn_res_grad_in_place), the pre-norms done by the mixes'
-kernels (kernels.attn_res_norm_in_mix) and the expert weights rounded
-in the GEMMs (kernels.experts_cast_in_kernel, under bf16 compute), each inside the recipe's replayed update
+kernels (kernels.attn_res_norm_in_mix), the expert weights rounded
+in the GEMMs (kernels.experts_cast_in_kernel, under bf16 compute), the loss's logits read once (kernels.loss_one_pass)
+and the experts' weight shadows kept by Muon (kernels.expert_weight_shadows, under bf16 compute), each inside the recipe's replayed update
 graph with Muon's graphs in its pool, train like the same recipe without the lever."""
 
 import pytest
@@ -41,9 +42,11 @@ def _run(tmp_path, name: str, *flags: str) -> list[tuple[float, float]]:
 @pytest.mark.parametrize("lever, both", [(["--optimizer.ns_chunk", "2"], []), (["--kernels.loss_chunk_rows", "256"], []),
                                          (["--kernels.attn_res_grad_in_place", "true"], []),
                                          (["--kernels.attn_res_norm_in_mix", "true"], BF16),
-                                         (["--kernels.experts_cast_in_kernel", "true"], BF16)],
+                                         (["--kernels.experts_cast_in_kernel", "true"], BF16),
+                                         (["--kernels.loss_one_pass", "true"], []),
+                                         (["--kernels.expert_weight_shadows", "true"], BF16)],
                          ids=["ns_chunk", "loss_chunk_rows", "attn_res_grad_in_place", "attn_res_norm_in_mix",
-                              "experts_cast_in_kernel"])
+                              "experts_cast_in_kernel", "loss_one_pass", "expert_weight_shadows"])
 def test_a_lever_trains_like_the_recipe_without_it(tmp_path, lever, both):
     # NOTE: the recipe without a lever runs once per setting of `both` and is shared by the levers (its updates are
     # the same every run up to float rounding, well inside the tolerances below): 2 runs, not one per lever.
