@@ -23,10 +23,6 @@ takes, per tile and launch config, with its error against float64 (CUDA only: wi
 first product on, so that cuBLAS's tiles divide it) against ours in the same run at the two largest block shapes,
 and the single products X X^T and B' X at long sides 512, 544, 576 and 640 in both layouts.
 
---tall-from-right also times each tall block shape (k3-mini's 544 x 256 expert blocks) iterated from the right,
-X <- X B' with A = X^T X (`orthogonalise.TALL_FROM_RIGHT`: no transposed copy of the input), against ours (through
-the copy) in the same run, per chunk, with its error against float64 and its difference from ours (CUDA only).
-
 --gram also times Gram Newton-Schulz (`gram_newton_schulz`: the same polynomial iterated on the small Gram
 matrix R = X X^T and the accumulated left factor Q, with X = Q X0 formed only at restarts and at the end) at the
 flavor's two largest block shapes, against ours in the same run, with its error against float64.
@@ -246,34 +242,6 @@ FUSED_CONFIGS = {  # name: (programs per SM, config)
 }
 
 
-def tall_rows(shapes: dict, device: torch.device, env: dict, chunks: list[int]) -> list[dict]:
-    """Each tall block shape (rows > columns) through a transposed copy (ours) and from the right
-    (`orthogonalise.TALL_FROM_RIGHT`: X <- X B', no copy), side by side at each chunk (rel diff: relative RMS
-    against ours on the same bf16 input)."""
-    rows = []
-    for (r, c), k in shapes.items():
-        if r <= c:
-            continue
-        G64 = decaying(min(k, 16), r, c, device)
-        ref = newton_schulz_f64(G64, STEPS, dtype=torch.float64, scale=muon_scale(r, c))
-        G = torch.randn(k, r, c, device=device, dtype=torch.bfloat16) * 1e-3
-        outs = {}
-        for variant, right in (("ours (transposed copy)", False), ("from the right", True)):
-            ns_module.TALL_FROM_RIGHT = right
-            try:
-                outs[variant] = newton_schulz(G64.bfloat16(), STEPS, dtype=torch.bfloat16, scale=muon_scale(r, c))
-                for chunk in chunks:
-                    ms = graph_ms(lambda: newton_schulz(G, STEPS, dtype=torch.bfloat16, scale=muon_scale(r, c),
-                                                        chunk=chunk))
-                    rows.append(dict(env, shape=f"{k}x{r}x{c}", variant=variant, chunk=chunk,
-                                     rel_err=rel_rms(outs[variant], ref),
-                                     vs_ours=rel_rms(outs[variant], outs["ours (transposed copy)"]), ms=ms))
-                    print(rows[-1], flush=True)
-            finally:
-                ns_module.TALL_FROM_RIGHT = False
-    return rows
-
-
 def fused_rows(shapes: dict, device: torch.device, env: dict, configs: list[str], largest: int) -> list[dict]:
     """Ours and `newton_schulz_blocks` per config at each of the `largest` block shapes that it takes: error
     against float64, ms."""
@@ -351,8 +319,6 @@ def main(argv=None) -> int:
     p.add_argument("--pad", type=int, nargs="+", default=None, metavar="WIDTH",
                    help="also time padded_newton_schulz (long side zero-padded to WIDTH) against ours")
     p.add_argument("--fused-only", action="store_true", help="skip the polynomial-path tables (with --fused or --pad)")
-    p.add_argument("--tall-from-right", action="store_true",
-                   help="also time the tall block shapes iterated from the right (no transposed copy) against ours")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -402,13 +368,6 @@ def main(argv=None) -> int:
                   for g in padded]
         lines += product_lines
         rows += padded
-    if args.tall_from_right and cuda:
-        tall = tall_rows(shapes, device, env, args.chunk)
-        lines += ["", "Tall blocks from the right (`orthogonalise.TALL_FROM_RIGHT`) against ours (same run):",
-                  "| blocks | variant | chunk | rel err vs float64 | rel diff vs ours | ms |", "|---|---|---|---|---|---|"]
-        lines += [f"| {t['shape']} | {t['variant']} | {t['chunk']} | {t['rel_err']:.2e} | {t['vs_ours']:.2e} | "
-                  f"{t['ms']:.3f} |" for t in tall]
-        rows += tall
     if args.gram:
         gram = gram_rows(shapes, device, env)
         lines += ["", "Gram Newton-Schulz against ours (same run):", "| blocks | variant | rel err vs float64 | ms |",

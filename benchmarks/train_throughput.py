@@ -176,11 +176,6 @@ VARIANTS = {
     # -1.2 ms on an H100; the recipe's since (so with the kernel's default launch this variant is the recipe again).
     "ours-recipe-loss-one-pass": [*RECIPE, "--kernels.loss_one_pass", "true"],
     "ours-recipe-loss-one-pass-rows-launch": [*RECIPE, "--kernels.loss_one_pass", "true"],
-    # The recipe with Newton-Schulz iterating tall blocks from the right (VARIANT_SETTINGS: no transposed copy of
-    # the 544 x 256 expert blocks' input, 0.54 GB read and written less per Muon step; predicted ~-0.3 ms on an
-    # H100 if cuBLAS runs the other layouts as fast; `benchmarks/newton_schulz.py --tall-from-right` alone: about
-    # nothing on an H100 in session 46, so not run in the update).
-    "ours-recipe-ns-tall-right": RECIPE,
     # The recipe with the experts reading bf16 shadows of their float32 masters that Per-Head Muon's update pass
     # writes (kernels.expert_weight_shadows, titan_k3/models/k3/expert_shadows.py) in place of 33 cast passes of
     # 24.5M parameters per update (~1.5 ms of an H100 profile: 147 MB each), for 2 more bytes written per expert
@@ -276,30 +271,6 @@ def rows_launch(spec: str):
     return RowsLaunch(*(bool(f) if isinstance(d, bool) else f for f, d in zip(fields, RowsLaunch._field_defaults.values())))
 
 
-VARIANT_SETTINGS = {
-    "ours-recipe-ns-tall-right": [("titan_k3.optim.orthogonalise", "TALL_FROM_RIGHT", True)],
-}
-"""Module settings a variant runs with (module, name, value): set in its process while it runs, restored after;
-a setting a lever keeps off until it is measured in the update."""
-
-
-@contextlib.contextmanager
-def variant_settings(name: str):
-    """VARIANT_SETTINGS of `name` while it runs; the modules' own values before and after."""
-    import importlib
-
-    saved = []
-    try:
-        for module_name, attr, value in VARIANT_SETTINGS.get(name, []):
-            module = importlib.import_module(module_name)
-            saved.append((module, attr, getattr(module, attr)))
-            setattr(module, attr, value)
-        yield
-    finally:
-        for module, attr, value in reversed(saved):
-            setattr(module, attr, value)
-
-
 ROWS_LAUNCH_MODULES = {"ours-recipe-loss-one-pass-rows-launch": "kernels.fused_ce.ce_one_pass"}
 """The module whose LAUNCH a *-rows-launch variant sets, where it is not the two-pass row kernel's
 (kernels.fused_ce.ce_rows)."""
@@ -326,7 +297,7 @@ def variant_rows_launch(name: str, spec: str):
 
 def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps: int, out: Path, profile: bool,
                 memory_peak: bool = False, rows_launch_spec: str = "") -> dict:
-    with variant_rows_launch(name, rows_launch_spec), variant_settings(name):
+    with variant_rows_launch(name, rows_launch_spec):
         row = _run_variant(name, flavor, seq, batch, warmup, steps, out, profile, memory_peak)
     if name.endswith("-rows-launch"):
         row["rows_launch"] = rows_launch_spec

@@ -163,28 +163,6 @@ def test_newton_schulz_benchmark_checks_both_polynomial_paths_on_every_block_sha
         assert errs["triton"] == errs["cublas"] and 0 < errs["triton"] < 1
 
 
-def test_tall_from_right_rows_time_both_orientations_of_each_tall_shape_and_restore_the_default(monkeypatch):
-    """newton_schulz.py --tall-from-right (CUDA-timed; here with a stand-in timer): only tall shapes, each through
-    the transposed copy and from the right, the two within bf16 rounding of each other, and the module's switch off
-    after."""
-    import torch
-
-    sys.path.insert(0, str(REPO))
-    from benchmarks import newton_schulz as bench
-    from titan_k3.optim import orthogonalise
-
-    monkeypatch.setattr(bench, "graph_ms", lambda fn: (fn(), 1.0)[1])
-    seen = []
-    real = orthogonalise._ns_iterate
-    monkeypatch.setattr(orthogonalise, "_ns_iterate", lambda *a, **k: (seen.append(a[5]), real(*a, **k))[1])
-    rows = bench.tall_rows({(24, 8): 3, (8, 24): 2}, torch.device("cpu"), {"date": "d"}, [0, 2])
-    assert [(r["shape"], r["variant"], r["chunk"]) for r in rows] == [
-        ("3x24x8", "ours (transposed copy)", 0), ("3x24x8", "ours (transposed copy)", 2),
-        ("3x24x8", "from the right", 0), ("3x24x8", "from the right", 2)]
-    assert set(seen) == {False, True} and orthogonalise.TALL_FROM_RIGHT is False
-    assert rows[0]["vs_ours"] == 0 and rows[2]["vs_ours"] < 2e-2 and rows[2]["rel_err"] < 0.5
-
-
 def test_gram_newton_schulz_is_the_same_polynomial_in_float32():
     """In float32 the Gram iteration (any restarts, either orientation) gives what our Newton-Schulz gives: the same
     polynomial of G; only half precision tells them apart."""
@@ -710,22 +688,6 @@ def test_ab_commits_summary_compares_medians_with_the_first_commit():
     assert "| aaa | ours-recipe | B8 T4096 | 2 | 157.6 | 157.4 | 157.8 | — |" in table
     assert "| bbb | ours-recipe | B8 T4096 | 3 | 154.6 | 154.2 | 155.0 | -3.0 ms |" in table
     assert "- ccc round 1: run failed: exit 1, no rows" in table
-
-
-def test_a_variant_runs_with_its_module_settings_and_restores_them():
-    sys.path.insert(0, str(REPO))
-    from benchmarks.train_throughput import VARIANT_SETTINGS, VARIANTS, variant_settings
-    from titan_k3.optim import orthogonalise
-
-    assert set(VARIANT_SETTINGS) <= set(VARIANTS)
-    with variant_settings("ours-recipe-ns-tall-right"):
-        assert orthogonalise.TALL_FROM_RIGHT is True
-    assert orthogonalise.TALL_FROM_RIGHT is False
-    with variant_settings("ours-recipe"):
-        assert orthogonalise.TALL_FROM_RIGHT is False
-    with pytest.raises(RuntimeError), variant_settings("ours-recipe-ns-tall-right"):
-        raise RuntimeError("a failing variant")
-    assert orthogonalise.TALL_FROM_RIGHT is False
 
 
 def test_fused_ce_launch_probes_check_every_launch_and_write_their_tables(tmp_path, monkeypatch, capsys):

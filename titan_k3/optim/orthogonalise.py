@@ -53,10 +53,9 @@ def newton_schulz(
         raise ValueError(f"newton_schulz: dtype {dtype} lacks float32's exponent range; use bfloat16 or float32")
     X = G.to(dtype)  # no pass when the caller wrote G in the NS dtype (PerHeadMuon does)
     # NOTE: iterate on the wide orientation so that X X^T is the smaller Gram matrix: a tall X through a transposed
-    # copy, or with TALL_FROM_RIGHT in place, from the right.
-    tall = X.size(-2) > X.size(-1)
-    right = tall and TALL_FROM_RIGHT
-    transposed = tall and not right
+    # copy. (Iterating it in place from the right, X <- X B' with A = X^T X, took the same time on an H100 and was
+    # removed: benchmarks/results/newton_schulz.md, session 46.)
+    transposed = X.size(-2) > X.size(-1)
     X3 = X.mT if transposed else X
     X3 = X3.reshape(-1, *X3.shape[-2:])
     # NOTE: G is read only by the first step (a transposed G not even then: X3 is its copy), so from two steps on
@@ -64,33 +63,25 @@ def newton_schulz(
     in_place = overwrite and steps > 1 and X is G and G.is_contiguous()
     out = G.view(-1, *G.shape[-2:]) if in_place else None
     if not 0 < chunk < X3.shape[0]:
-        return _ns_iterate(X3, steps, eps, scale, transposed, right, out=out).reshape(G.shape)
+        return _ns_iterate(X3, steps, eps, scale, transposed, out=out).reshape(G.shape)
     if out is None:
         out = torch.empty((X3.shape[0], *G.shape[-2:]), dtype=dtype, device=G.device)
     for first in range(0, X3.shape[0], chunk):
-        _ns_iterate(X3[first:first + chunk], steps, eps, scale, transposed, right, out=out[first:first + chunk])
+        _ns_iterate(X3[first:first + chunk], steps, eps, scale, transposed, out=out[first:first + chunk])
     return out.reshape(G.shape)
 
 
-TALL_FROM_RIGHT = False
-"""A tall block iterates X <- X B' with A = X^T X (the same step on X^T, B' being symmetric) instead of through a
-transposed copy of its input: k3-mini's 1,936 expert blocks of 544 x 256 would skip a 0.54 GB bf16 copy (a read and
-a write) per Muon step, for other cuBLAS layouts of their products. Off: on an H100 it took the same time (5.336
-against 5.365 ms at those blocks, +0.02 ms at 22 x 544 x 512; `benchmarks/newton_schulz.py --tall-from-right`,
-benchmarks/results/newton_schulz.md, session 46)."""
-
-
-def _ns_iterate(X3: torch.Tensor, steps: int, eps: float, scale: float, transposed: bool, right: bool = False,
+def _ns_iterate(X3: torch.Tensor, steps: int, eps: float, scale: float, transposed: bool,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """`newton_schulz`'s steps on X3 [k, m, n] (the NS dtype; m <= n unless `right`) -> [k, m, n], or [k, n, m] if
-    `transposed` (the caller's orientation), into `out` when given; `right`: X <- X B' with A = X^T X."""
+    """`newton_schulz`'s steps on X3 [k, m, n] (m <= n, the NS dtype) -> [k, m, n], or [k, n, m] if `transposed`
+    (the caller's orientation), into `out` when given."""
     dtype = X3.dtype
     # NOTE: one step is X <- a X + b A X + c A^2 X = B' X with B' = a I + b A + c A^2 (A = X X^T): the
     # small [m, m] B' takes every coefficient (`ns_polynomial`: A^2 with the rest in its epilogue), so the big
     # [m, n] product is a plain bmm (a baddbmm on X would first copy all of X into its output).
     for step in range(steps):
         s = scale if step == steps - 1 else 1.0
-        A = X3.mT @ X3 if right else X3 @ X3.mT
+        A = X3 @ X3.mT
         sumsq = None
         if step == 0:
             # NOTE: normalising G would be a pass over all of it. With r = 1 / (||G||_F + eps) per matrix, the
@@ -99,9 +90,7 @@ def _ns_iterate(X3: torch.Tensor, steps: int, eps: float, scale: float, transpos
             sumsq = A.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.promote_types(dtype, torch.float32))
         B = ns_polynomial(A, NS_COEFFS, scale=s, sumsq=sumsq, eps=eps)
         if step < steps - 1:
-            X3 = torch.bmm(X3, B) if right else torch.bmm(B, X3)
-    if right:
-        return torch.bmm(X3, B, out=out)
+            X3 = torch.bmm(B, X3)
     # NOTE: the last step writes the caller's orientation, (B' X)^T = X^T B' (B' is symmetric), so the result is
     # contiguous and the update pass reads it in order (a transposed view reads strided).
     return torch.bmm(X3.mT, B, out=out) if transposed else torch.bmm(B, X3, out=out)
