@@ -182,12 +182,6 @@ VARIANTS = {
     # parameter in the update pass (~0.5 ms, on the side stream): predicted ~-1 ms, the same peak. Measured in
     # session 46: -1.1 ms on an H100; the recipe's since (so this variant is the recipe again).
     "ours-recipe-expert-shadows": [*RECIPE, "--kernels.expert_weight_shadows", "true"],
-    # The recipe with the gradient norm summed beside the backward (training.grad_norm_overlap,
-    # titan_k3/parallel/grad_norm_overlap.py): each block's squares on a second stream as the backward leaves it,
-    # instead of the foreach norm over 4.1 GB of float32 gradients after it (1.5 ms of session 44's H100 profile at
-    # B8 T4096). Predicted ~-1 ms: the norm's reads beside the backward's products, less what they slow its own
-    # memory-bound kernels.
-    "ours-recipe-grad-norm-overlap": [*RECIPE, "--training.grad_norm_overlap", "true"],
     # ... with the fused loss 2,048 rows at a time (the recipe: 4,096). Predicted: ~0.6 GiB less peak allocated
     # (4,096 rows took 30.1 -> 28.9 GiB against the default in session 17, at the cost of noise), where the recipe
     # is 0.2 GiB above the strongest peer's 27.8 (session 24); twice the loss's launches, ~0.3 ms. Measured (session 25,

@@ -65,7 +65,6 @@ from titan_k3.parallel.faults import active_injections, check_injections, inject
 from titan_k3.run_faults import RunFaults
 from titan_k3.signals import EXIT_STATUS, StopNow, StopSignals
 from titan_k3.spec import routed_experts
-from titan_k3.parallel.grad_norm_overlap import OverlappedGradNorm, grad_norm_overlap_choice
 from titan_k3.step_graph import StepGraph, check_capturable, side_stream_choice
 from titan_k3.train_state import TrainState
 from titan_k3.trainer_setup import (
@@ -166,15 +165,13 @@ class Trainer:
         if self._graph_choice is not None:
             self.impl.choices.append(self._graph_choice)
         stream_choice = side_stream_choice(cfg, self.device, self.world_size)
-        norm_choice = grad_norm_overlap_choice(cfg, self.world_size)
-        self.impl.choices += [c for c in (stream_choice, norm_choice) if c is not None]
+        if stream_choice is not None:
+            self.impl.choices.append(stream_choice)
         model.to_empty(device=self.device)
         self._build_model = lambda: self.model_spec.build(self.args, self.impl, cfg.model)
         init_weights(model, self._build_model, t.seed, self.device)
         self.hooks = self.model_spec.step_hooks(model, cfg, self.device, self.dp_group)
         self.model = model.train()
-        self.grad_norm = OverlappedGradNorm(model, self.device) if norm_choice and not norm_choice.fallback else None
-        """training.grad_norm_overlap: the norm summed beside the last micro-batch's backward; None: after it."""
 
         hints = model.optim_hints()
         o = cfg.optimizer
@@ -372,8 +369,7 @@ class Trainer:
         max_norm = cfg.training.max_norm if cfg.training.max_norm > 0 else float("inf")
         # NOTE: the clip coefficient rides on the optimizers' first read of each gradient (Optimizers.step),
         # not on a pass over every gradient of its own (2.2 ms of a k3-mini step).
-        grad_norm_t, clip_coef = (self.grad_norm.norm_and_clip_coef(max_norm) if self.grad_norm is not None
-                                  else grad_norm_and_clip_coef(params, max_norm))
+        grad_norm_t, clip_coef = grad_norm_and_clip_coef(params, max_norm)
         # NOTE: no host sync in the step. A non-finite loss or norm skips the update on the device (the
         # optimizers leave parameters and state untouched); the host learns of it from an asynchronous
         # copy when the result settles, at the latest one update later (_settle).
@@ -406,13 +402,9 @@ class Trainer:
                 set_microbatch_sync(self.model, last=i == len(inputs) - 1)
             with self._autocast():
                 out = self.model(*args)
-            if self.grad_norm is not None and i == len(inputs) - 1:
-                self.grad_norm.arm()  # this backward leaves each block's gradients final
             (out.loss_sum / normaliser).backward()
             self.hooks.after_backward()  # the model's own work before the next micro-batch routes (QB)
             loss_sum += out.loss_sum.detach().float()
-        if self.grad_norm is not None:
-            self.grad_norm.join()
         return loss_sum
 
     def _settle(self, upto: StepResult | None = None, wait: bool = True) -> None:
@@ -624,7 +616,6 @@ def _validate_only(cfg: JobConfig) -> None:
     if cfg.compile.cuda_graph:  # what the config chose against a capture, and job.strict against its fallback
         check_capturable(cfg, device, world, impl.choices, spec.graph_inputs)
     side_stream_choice(cfg, device, world)  # job.strict against its fallback
-    grad_norm_overlap_choice(cfg, world)  # and against the overlapped norm's
     precision_fallbacks(cfg, device, sharded=world > 1)  # job.strict against FP8's and bf16's
     dims = ParallelDims.from_config(cfg.parallelism, world, routed_experts(cfg.model.name, cfg.model.flavor))
     check_injections(cfg.debug, dims.dp)

@@ -95,8 +95,6 @@ class Training:
     """Seed for initialisation and data order."""
     max_norm: float = 1.0
     """Global gradient-norm clipping threshold; 0 disables clipping (the norm is still measured)."""
-    grad_norm_overlap: bool = False
-    """Sum the global gradient norm beside the backward: each top-level block's sums of squares launched on a second CUDA stream as soon as the backward has left the block (titan_k3/parallel/grad_norm_overlap.py), instead of a pass over every gradient after the backward (k3-mini: 4.1 GB of float32 gradients). The same norm up to float32 summation order; the invariant check gradient_scale.grad_norm_audit recomputes it on its updates. One process (on CPU each block is summed in order on the one stream); under torchrun (sharded gradients need their reductions) a reported fallback to the sharded norm, which job.strict refuses."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of parameters in compute (bf16 autocast on CUDA; FSDP2 param dtype)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

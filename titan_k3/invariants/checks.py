@@ -294,8 +294,7 @@ def check_grad_norm_audit(reported: float, gathered: float, rtol: float = 1e-3) 
     return [Violation(
         "gradient_scale.grad_norm_audit", err,
         f"global grad norm {reported:.6g} differs from the norm recomputed from every rank's shards {gathered:.6g} "
-        f"({100 * err:.2f}%): the clipping path sums a replicated dim twice or misses a sharded one (or, with "
-        "training.grad_norm_overlap, summed a block before the backward had finished its gradients)",
+        f"({100 * err:.2f}%): the clipping path sums a replicated dim twice or misses a sharded one",
     )]
 
 

@@ -169,29 +169,24 @@ def grad_norm_and_clip_coef(params: list[torch.Tensor], max_norm: float) -> tupl
         groups.setdefault(key, (mesh, dims, []))[2].append(local)
     total = None
     for mesh, dims, locals_ in groups.values():
-        square = squares_each(locals_).sum()
+        square = _sum_of_squares(locals_)
         for i in dims:
             dist.all_reduce(square, group=mesh.get_group(i))
         total = square if total is None else total + square
     norm = total.sqrt()
-    return norm, clip_coefficient(norm, max_norm)
+    return norm, (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
-def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """min(1, max_norm / (norm + 1e-6)): what every gradient is multiplied by before the optimizers use it."""
-    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
-
-
-def squares_each(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """[N] float32: each tensor's sum of squares, on the tensors' device.
+def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """float32 sum of squares of every element, as one scalar on the tensors' device.
 
     NOTE: on CUDA one foreach norm kernel replaces four launches per tensor
     (a k3-mini step was bound by launches); torch's foreach norm on CPU was
     measured 1e-4 relative off the float64 norm, so CPU keeps the exact sum.
     """
     if tensors[0].is_cuda:
-        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).pow(2)
-    return torch.stack([t.float().pow(2).sum() for t in tensors])
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).pow(2).sum()
+    return sum(t.float().pow(2).sum() for t in tensors)
 
 
 class CompileWatch:
