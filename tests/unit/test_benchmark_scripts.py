@@ -516,6 +516,20 @@ def test_the_strong_peer_ratio_is_to_the_faster_strong_peer_of_the_same_slot():
     assert "| ours | B2 T64 | 2 | 6.7 | 6.7 | 6.7 | 1.23x (1.20-1.25) |" in rounds_summary(rows)
 
 
+def test_the_eager_peer_ratio_is_to_the_faster_eager_model_of_the_same_slot():
+    """`peer` (our model run eagerly, ~99 GiB: more than an H100 holds) and `peer-public-eager`: a row's eager ratio
+    is to whichever ran faster in its slot, and to the public-parts one alone where `peer` did not run."""
+    from benchmarks.train_throughput import EAGER_PEERS, _ratio
+
+    def row(variant, tps, rnd=1):
+        return {"variant": variant, "seq": 64, "batch": 2, "round": rnd, "tokens_per_s": tps}
+
+    rows = [row("peer", 80.0), row("peer-public-eager", 100.0), row("ours", 150.0),
+            row("peer-public-eager", 75.0, rnd=2), row("ours", 150.0, rnd=2), row("peer-compiled", 140.0, rnd=2)]
+    assert _ratio(rows[2], rows, EAGER_PEERS) == "1.50x"  # 150 / 100: the public-parts eager model was faster
+    assert _ratio(rows[4], rows, EAGER_PEERS) == "2.00x"  # round 2: peer-public-eager alone, never a strong peer
+
+
 def test_strong_peer_with_compile_graphs_compiles_each_block_so_and_marks_each_step(monkeypatch):
     """peer-compiled-graphs' wiring: every block compiled with mode "reduce-overhead" (torch.compile's CUDA graphs),
     each step marked as a new cudagraph-trees step before its forward. The compile itself is stubbed (CPU CI): what
