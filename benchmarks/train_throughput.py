@@ -15,8 +15,8 @@ benchmarks/peer_compiled.py: public parts, compiled per block, `peer-compiled-gr
 `torch.compile`'s CUDA graphs, and `peer-compiled-graphs-bf16-head`, that one with the head's weight gradient added
 up in bf16 instead of float32, where they ran in the slot) and to the eager peer (the faster of `peer`,
 benchmarks/peer_eager.py: our model run eagerly on public kernels, and `peer-public-eager`, the public-parts model of
-benchmarks/peer_compiled.py run eagerly, where they ran in the slot; `peer` needs ~99 GiB, more than an H100 has). Prints a table last, the host under it, and appends dated rows to
-OUTDIR/train_throughput.md.
+benchmarks/peer_compiled.py run eagerly, where they ran in the slot; `peer` needs ~99 GiB, more than an H100 has).
+Prints a table last, the host under it, and appends dated rows to OUTDIR/train_throughput.md.
 `--isolate` runs each variant in a fresh process: in one process the peers' host-bound steps and every
 variant's peak memory depend on what ran before them (the strong peer measured 206 ms first, 242 ms last).
 `--rounds N` runs the variant list N times in turn: the strong peer's step moved 173-184 ms between calls on
