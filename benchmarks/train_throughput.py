@@ -196,6 +196,11 @@ VARIANTS = {
     # writing both layouts of G, 136.7 ms (~-5, across calls) with the transposed copy as a pass of its own, 29.5 GiB;
     # 2,048-row chunks +4 ms over its own 4,096.
     # (the recipe's one-pass loss, another way to write the gradient, goes off with it)
+    # The recipe with the routed experts' ungathered row GEMMs (the w2 product forward, dx = dg w1^T + du w3^T
+    # backward) loading their tiles through TMA descriptors (kernels/grouped_gemm/tma_gemm.py), launched as
+    # --experts-tma says. Predicted from the two kernels' ~0.55 ms per layer on an H100 (~230 TFLOP/s, below both
+    # their memory and their compute floor): up to ~1.5 ms per update at 1.25x.
+    "ours-recipe-experts-tma": RECIPE,
     "ours-recipe-loss-fp8": [*RECIPE, "--kernels.loss_grad_fp8", "true", "--kernels.loss_one_pass", "false"],
     "ours-recipe-loss-fp8-ce2048": [*RECIPE, "--kernels.loss_grad_fp8", "true", "--kernels.loss_one_pass", "false",
                                     "--kernels.loss_chunk_rows", "2048"],
@@ -298,12 +303,40 @@ def variant_rows_launch(name: str, spec: str):
         module.LAUNCH = saved
 
 
+TMA_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
+@contextlib.contextmanager
+def variant_experts_tma(name: str, spec: str):
+    """The experts' TMA row GEMMs on, as --experts-tma's 'M,N,K,warps,stages/M,N,K,warps,stages' (the single- and
+    the two-product launch; empty: the kernels' defaults), while a *-experts-tma variant runs; off before and after."""
+    from kernels.grouped_gemm.tma_gemm import tma_launch
+
+    if not name.endswith("-experts-tma"):
+        yield
+        return
+    halves = spec.split("/") if spec else []
+    if spec and (len(halves) != 2 or any(len(h.split(",")) != len(TMA_FIELDS) for h in halves)):
+        raise SystemExit(f"--experts-tma {spec!r}: two launches 'M,N,K,warps,stages/M,N,K,warps,stages'")
+    launches = [tma_launch(False), tma_launch(True)]
+    saved = [dict(launch) for launch in launches]
+    for i, launch in enumerate(launches):
+        launch.update(enabled=True, **(dict(zip(TMA_FIELDS, map(int, halves[i].split(",")))) if halves else {}))
+    try:
+        yield
+    finally:
+        for launch, before in zip(launches, saved):
+            launch.update(before)
+
+
 def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps: int, out: Path, profile: bool,
-                memory_peak: bool = False, rows_launch_spec: str = "") -> dict:
-    with variant_rows_launch(name, rows_launch_spec):
+                memory_peak: bool = False, rows_launch_spec: str = "", experts_tma_spec: str = "") -> dict:
+    with variant_rows_launch(name, rows_launch_spec), variant_experts_tma(name, experts_tma_spec):
         row = _run_variant(name, flavor, seq, batch, warmup, steps, out, profile, memory_peak)
     if name.endswith("-rows-launch"):
         row["rows_launch"] = rows_launch_spec
+    if name.endswith("-experts-tma"):
+        row["experts_tma"] = experts_tma_spec or "default"
     return row
 
 
@@ -455,6 +488,8 @@ def _note(row: dict, rounds: int) -> str:
         parts.append(f"{row['graphs']} graphs, {row['graph_breaks']} graph breaks")
     if row.get("rows_launch"):
         parts.append(f"row kernel launch {row['rows_launch']}")
+    if row.get("experts_tma"):
+        parts.append(f"experts' TMA launch {row['experts_tma']}")
     if row.get("memory_traced"):
         parts.append(f"allocator traced (times not its speed): {row['memory_peak']}")
     stall = _stall(row)
@@ -497,7 +532,8 @@ def run_isolated(name: str, seq: int, batch: int, args, time_left_s: float, prof
         cmd = [sys.executable, __file__, "--variants", name, "--flavor", args.flavor, "--seq", str(seq),
                "--batch", str(batch), "--warmup", str(args.warmup), "--steps", str(args.steps),
                "--profile", profile, "--memory-peak", args.memory_peak, "--out", str(args.out),
-               *(["--rows-launch", args.rows_launch] if args.rows_launch else []), "--row-json", str(row_json)]
+               *(["--rows-launch", args.rows_launch] if args.rows_launch else []),
+               *(["--experts-tma", args.experts_tma] if args.experts_tma else []), "--row-json", str(row_json)]
         try:
             done = subprocess.run(cmd, timeout=time_left_s, env={**os.environ, **VARIANT_ENV.get(name, {})})
         except subprocess.TimeoutExpired:
@@ -532,6 +568,10 @@ def main() -> int:
                    help="the fused loss's row-kernel launch for the variants named *-rows-launch, as "
                         "block,warps,programs_per_sm,reverse,prefetch,l2_hints (kernels/fused_ce/ce_rows.py RowsLaunch; "
                         "benchmarks/fused_ce.py --rows-launch prints its fastest in this form)")
+    p.add_argument("--experts-tma", default="",
+                   help="the experts' TMA row-GEMM launches for the variants named *-experts-tma, as "
+                        "M,N,K,warps,stages/M,N,K,warps,stages (single / two products; kernels/grouped_gemm/tma_gemm.py; "
+                        "benchmarks/expert_tiles.py ranks them); empty: the kernels' defaults")
     p.add_argument("--row-json", type=Path, help=argparse.SUPPRESS)  # an --isolate child: its rows go here, no table
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -555,7 +595,8 @@ def main() -> int:
             try:
                 row = run_variant(name, args.flavor, seq, batch, args.warmup, args.steps, args.out,
                                   round_ == 1 and (args.profile == "all" or name in args.profile.split(",")),
-                                  args.memory_peak == "all" or name in args.memory_peak.split(","), args.rows_launch)
+                                  args.memory_peak == "all" or name in args.memory_peak.split(","), args.rows_launch,
+                                  args.experts_tma)
             except Exception as e:  # one failing variant must not lose the others' numbers
                 row = {"variant": name, "seq": seq, "batch": batch, "error": f"{type(e).__name__}: {e}"}
                 traceback.print_exc()

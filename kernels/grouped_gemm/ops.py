@@ -15,6 +15,7 @@ import triton
 
 from kernels.device import check_same_device, triton_runs_on
 from kernels.grouped_gemm.reference import route_permutation
+from kernels.grouped_gemm.tma_gemm import launch_mm_tma, tma_applies, tma_launch
 from kernels.grouped_gemm.triton_gemm import (
     grouped_mm_dual_kernel,
     grouped_mm_kernel,
@@ -59,6 +60,8 @@ def _launch_mm(a, b, offsets, out, gather=None, a2=None, b2=None):
         return out
     if a2 is not None:
         assert a2.stride() == a.stride() and b2.stride() == b.stride()
+    if tma_launch(a2 is not None)["enabled"] and tma_applies(a, b, gather) and (a2 is None or tma_applies(a2, b2, None)):
+        return launch_mm_tma(a, b, offsets, out, _precision(a.dtype), a2, b2)
     kernel = grouped_mm_kernel if a2 is None else grouped_mm_dual_kernel
     kernel[_mm_grid(n_rows, n_experts, n_cols)](
         a, a if a2 is None else a2, b, b if b2 is None else b2, out, offsets,

@@ -276,10 +276,14 @@ def test_expert_tiles_smoke_pins_another_setting_and_checks_its_outputs(tmp_path
 
     assert expert_tiles.main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "expert_tiles.json").read_text())["rows"]
-    assert [r["use"] for r in rows] == [u for u in expert_tiles.USES for _ in range(2)]
+    # two settings a use, and a third with TMA tile loads for the row GEMMs whose rows are not gathered
+    assert [r["use"] for r in rows] == [u for u in expert_tiles.USES for _ in range(3 if u in ("w2", "dx") else 2)]
     assert all("error" not in r and max(r["rel_rms"], r["layer_rel_rms"]) < 1e-5 and "ms" not in r for r in rows), rows
     # really another setting: not the trainer's, nor the interpreter's one candidate
-    assert {r["setting"] for r in rows[1::2]}.isdisjoint({"trainer's", "M32 N32 K32 w4 s1", "K32 N32 R32 w4 s1"})
+    others = [r["setting"] for r in rows if r["setting"] != "trainer's"]
+    assert len(others) == len(expert_tiles.USES) + 2
+    assert set(others).isdisjoint({"M32 N32 K32 w4 s1", "K32 N32 R32 w4 s1"})
+    assert sum(s.startswith("TMA ") for s in others) == 2
     assert "K64 N64 R32 w4 s5" in {r["setting"] for r in rows}  # each block named: the weight gradients' K, N, R
     # another tile order of the same sums: the w2 GEMM's K (F = 48) is cut differently, so not bit-equal
     other_w2 = next(r for r in rows if r["use"] == "w2" and r["setting"] != "trainer's")
