@@ -168,6 +168,72 @@ def test_grouped_mm_tail_ignores_garbage():
     assert torch.equal(dx[30:], torch.zeros_like(dx[30:]))
 
 
+@pytest.fixture
+def experts_tma(monkeypatch):
+    """The TMA row GEMMs switched on (kernels/grouped_gemm/tma_gemm.py); yields the list of their launches' uses
+    ("single" / "dual", "transposed" when the weight is read through its transpose)."""
+    from kernels.grouped_gemm import ops, tma_gemm
+
+    for dual in (False, True):
+        monkeypatch.setitem(tma_gemm.tma_launch(dual), "enabled", True)
+    launches = []
+
+    def counting(a, b, offsets, out, precision, a2=None, b2=None):
+        launches.append(("dual" if a2 is not None else "single") + (" transposed" if b.stride(2) != 1 else ""))
+        return tma_gemm.launch_mm_tma(a, b, offsets, out, precision, a2, b2)
+
+    monkeypatch.setattr(ops, "launch_mm_tma", counting)
+    return launches
+
+
+@pytest.mark.parametrize("n_rows,red,n_cols,ends", [(70, 40, 72, [10, 10, 45, 45, 61]), (41, 24, 52, [0, 0, 0, 7]),
+                                                    (96, 100, 36, [96])])
+def test_grouped_mm_with_tma_tile_loads_matches_float64(experts_tma, n_rows, red, n_cols, ends):
+    """The TMA row GEMM: tiles read past their group (the next group's rows) and past K (the descriptor's zeros,
+    K = 40 or 100 against 32-wide K tiles) must leave every stored row exact; the tail stays zero."""
+    gen = torch.Generator().manual_seed(n_rows)
+    x = torch.randn(n_rows, red, generator=gen)
+    x[ends[-1]:] = float("nan")  # the tail's rows are read by no stored product
+    x = x.to(DEVICE).requires_grad_()
+    w = torch.randn(len(ends), red, n_cols, generator=gen).to(DEVICE).requires_grad_()
+    offsets = torch.tensor(ends, dtype=torch.int32, device=DEVICE)
+    dy = torch.randn(n_rows, n_cols, generator=gen).to(DEVICE)
+    y = grouped_mm(x, w, offsets)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    assert experts_tma == ["single", "single transposed"]  # the forward, and dx = dy w^T through w's transpose
+    x_ok = x.detach().nan_to_num(0.0).requires_grad_()
+    want, (want_dx, want_dw) = float64_grads(reference.grouped_mm, (x_ok, w, offsets), dy)
+    tail = ends[-1]
+    assert rel_rms(y[:tail], want[:tail]) < 1e-5 and rel_rms(dx[:tail], want_dx[:tail]) < 1e-5
+    assert rel_rms(dw, want_dw) < 1e-5
+    assert torch.equal(y[tail:], torch.zeros_like(y[tail:])) and torch.equal(dx[tail:], torch.zeros_like(dx[tail:]))
+
+
+def test_moe_experts_with_tma_row_gemms_match_the_pointer_kernels(experts_tma):
+    """The layer with its w2 product and its dx = dg w1^T + du w3^T through TMA: the float64 reference's numbers,
+    and the same as the pointer-loaded kernels to float32 rounding."""
+    from kernels.grouped_gemm import tma_gemm
+
+    x, w1, w3, w2, idx, prob = make_moe(37, 8, 3, 40, 72, torch.float32, seed=6, skew=True)
+    inputs = [t.detach().to(DEVICE).requires_grad_() for t in (x, w1, w3, w2, prob)]
+    idx = idx.to(DEVICE)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+
+    def run():
+        y = moe_experts(*inputs[:4], idx, inputs[4])
+        return [y.detach(), *torch.autograd.grad(y, inputs, dy)]
+
+    got = run()
+    assert experts_tma == ["single", "dual transposed"]
+    want, want_grads = float64_grads(lambda a, b, c, d, p: reference.moe_experts(a, b, c, d, idx, p), inputs, dy)
+    for name, g, r in zip(("y", "x", "w1", "w3", "w2", "topk_weight"), got, [want, *want_grads]):
+        assert rel_rms(g, r) < (1e-3 if name == "y" else 5e-3), name
+    for dual in (False, True):
+        tma_gemm.tma_launch(dual)["enabled"] = False
+    for name, g, r in zip(("y", "x", "w1", "w3", "w2", "topk_weight"), got, run()):
+        assert rel_rms(g, r) < 1e-6, name
+
+
 @pytest.mark.parametrize("skew", [False, True])
 def test_moe_experts_matches_float64_reference(skew):
     x, w1, w3, w2, idx, prob = make_moe(37, 8, 3, 40, 72, torch.float32, seed=6, skew=skew)

@@ -290,6 +290,25 @@ def test_expert_tiles_smoke_pins_another_setting_and_checks_its_outputs(tmp_path
     assert other_w2["rel_rms"] > 0 and other_w2["layer_rel_rms"] > 0  # the pin reaches the whole layer too
 
 
+def test_experts_tma_variants_switch_the_tma_row_gemms_on_with_the_named_launch_and_off_after():
+    sys.path.insert(0, str(REPO))
+    from benchmarks.train_throughput import VARIANTS, variant_experts_tma
+    from kernels.grouped_gemm.tma_gemm import tma_launch
+
+    assert "ours-recipe-experts-tma" in VARIANTS
+    before = [dict(tma_launch(False)), dict(tma_launch(True))]
+    assert not before[0]["enabled"] and not before[1]["enabled"]
+    with variant_experts_tma("ours-recipe-experts-tma", "64,128,64,4,5/128,64,32,8,3"):
+        assert tma_launch(False) == dict(enabled=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=5)
+        assert tma_launch(True) == dict(enabled=True, BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3)
+    assert [tma_launch(False), tma_launch(True)] == before
+    with variant_experts_tma("ours-recipe", "64,128,64,4,5/128,64,32,8,3"):  # another variant: untouched
+        assert [tma_launch(False), tma_launch(True)] == before
+    with pytest.raises(SystemExit, match="two launches"):
+        with variant_experts_tma("ours-recipe-experts-tma", "64,128,64,4"):
+            pass
+
+
 def test_rows_launch_variants_run_the_named_launch_and_restore_the_default(tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO))
     import kernels.fused_ce.ce_rows as ce_rows_module
