@@ -53,14 +53,16 @@ def _mm_grid(n_rows, n_experts, n_cols):
 
 
 def _launch_mm(a, b, offsets, out, gather=None, a2=None, b2=None):
-    """out[r] = a[g(r)] @ b[e] (+ a2[g(r)] @ b2[e]) for rows r of group e; zeros past offsets[-1]."""
+    """out[r] = a[g(r)] @ b[e] (+ a2[g(r)] @ b2[e]) for rows r of group e; zeros past offsets[-1].
+
+    With the TMA launch on (kernels/grouped_gemm/tma_gemm.py) and rows not gathered, the TMA kernel does it."""
     n_rows, n_cols = out.shape
     n_experts, red = b.shape[0], b.shape[1]
     if n_rows == 0 or n_cols == 0:
         return out
     if a2 is not None:
         assert a2.stride() == a.stride() and b2.stride() == b.stride()
-    if tma_launch(a2 is not None)["enabled"] and tma_applies(a, b, gather) and (a2 is None or tma_applies(a2, b2, None)):
+    if tma_launch(a2 is not None)["enabled"] and tma_applies(a, b, gather) and (a2 is None or tma_applies(a2, b2)):
         return launch_mm_tma(a, b, offsets, out, _precision(a.dtype), a2, b2)
     kernel = grouped_mm_kernel if a2 is None else grouped_mm_dual_kernel
     kernel[_mm_grid(n_rows, n_experts, n_cols)](

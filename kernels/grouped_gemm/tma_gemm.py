@@ -30,7 +30,7 @@ def tma_launch(dual: bool) -> dict:
     return ROW_GEMM_TMA_DUAL if dual else ROW_GEMM_TMA
 
 
-def tma_applies(a: torch.Tensor, b: torch.Tensor, gather) -> bool:
+def tma_applies(a: torch.Tensor, b: torch.Tensor, gather: torch.Tensor | None = None) -> bool:
     """Whether the TMA kernel can run this row GEMM: A's rows in order and contiguous, B [E, K, M] with unit
     stride along M or along K (a transposed weight), one dtype, 16-byte aligned rows."""
     if gather is not None or a.dtype != b.dtype or not a.is_contiguous():
