@@ -69,9 +69,11 @@ EXTRA = {
                    _wg(64, 128, 32, 4, 4), _wg(128, 64, 128, 8, 3)],
 }
 GLU_BWD = [(s, f, w) for s in (16, 32, 64) for f in (32, 64, 128) for w in (4, 8)]  # rows, cols, warps
-# The row GEMMs whose rows are not gathered (w2, dx) with TMA tile loads (kernels/grouped_gemm/tma_gemm.py):
-# ("tma", BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
+# The row GEMMs whose rows are not gathered (w2, dx) with TMA tile loads, and the up-projection with its weights'
+# tiles through TMA (kernels/grouped_gemm/tma_gemm.py): ("tma", BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
 TMA = {
+    "glu_up": [("tma", 64, 64, 64, 4, 3), ("tma", 64, 128, 64, 8, 3), ("tma", 128, 64, 64, 8, 3),
+               ("tma", 64, 64, 64, 4, 4), ("tma", 128, 128, 64, 8, 3), ("tma", 64, 32, 64, 4, 4)],
     "w2": [("tma", 128, 128, 64, 8, 3), ("tma", 128, 128, 64, 4, 4), ("tma", 128, 256, 64, 8, 3),
            ("tma", 64, 256, 64, 4, 4), ("tma", 128, 64, 64, 4, 4), ("tma", 256, 128, 64, 8, 3),
            ("tma", 64, 128, 64, 4, 5)],
@@ -114,7 +116,8 @@ def pinned(kernel_name: str | None, config):
     if isinstance(config, tuple) and config[0] == "tma":
         from kernels.grouped_gemm.tma_gemm import tma_launch
 
-        launch = tma_launch(kernel_name == "grouped_mm_dual_kernel")
+        launch = tma_launch({"grouped_mm_kernel": "mm", "grouped_mm_dual_kernel": "mm_dual",
+                             "glu_up_kernel": "glu_up"}[kernel_name])
         saved = dict(launch)
         launch.update(enabled=True, **dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), config[1:])))
         try:
@@ -247,7 +250,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="k3-mini", choices=sorted(SHAPES))
     p.add_argument("--uses", default=",".join(USES), help="comma-separated: " + ", ".join(USES))
     p.add_argument("--smoke", action="store_true", help="the smoke shape, two settings a use, on the CPU (interpreter), no times")
-    p.add_argument("--only-tma", action="store_true", help="the trainer's setting and the TMA ones (uses w2, dx)")
+    p.add_argument("--only-tma", action="store_true", help="the trainer's setting and the TMA ones (uses glu_up, w2, dx)")
     p.add_argument("--deadline-s", type=float, default=1e9, help="stop trying settings after this long")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)

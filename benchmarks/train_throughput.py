@@ -197,9 +197,10 @@ VARIANTS = {
     # 2,048-row chunks +4 ms over its own 4,096.
     # (the recipe's one-pass loss, another way to write the gradient, goes off with it)
     # The recipe with the routed experts' ungathered row GEMMs (the w2 product forward, dx = dg w1^T + du w3^T
-    # backward) loading their tiles through TMA descriptors (kernels/grouped_gemm/tma_gemm.py), launched as
-    # --experts-tma says. Predicted from the two kernels' ~0.55 ms per layer on an H100 (~230 TFLOP/s, below both
-    # their memory and their compute floor): up to ~1.5 ms per update at 1.25x.
+    # backward) loading their tiles through TMA descriptors, and the up-projection its weights' tiles
+    # (kernels/grouped_gemm/tma_gemm.py), launched as --experts-tma says. Predicted from the three kernels' ~1.2 ms
+    # per layer on an H100 (176-230 TFLOP/s, below both their memory and their compute floors): ~2-3 ms per
+    # update at 1.2x.
     "ours-recipe-experts-tma": RECIPE,
     "ours-recipe-loss-fp8": [*RECIPE, "--kernels.loss_grad_fp8", "true", "--kernels.loss_one_pass", "false"],
     "ours-recipe-loss-fp8-ce2048": [*RECIPE, "--kernels.loss_grad_fp8", "true", "--kernels.loss_one_pass", "false",
@@ -306,27 +307,42 @@ def variant_rows_launch(name: str, spec: str):
 TMA_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
 
+def experts_tma_spec(spec: str) -> dict[str, dict]:
+    """--experts-tma's 'KIND:M,N,K,warps,stages/...' (KIND mm, mm_dual or glu_up: the uses switched on, each at
+    its launch; empty: all three at the kernels' defaults) as {kind: launch fields}."""
+    from kernels.grouped_gemm.tma_gemm import TMA_LAUNCH
+
+    if not spec:
+        return {kind: {} for kind in TMA_LAUNCH}
+    launches = {}
+    for part in spec.split("/"):
+        kind, _, fields = part.partition(":")
+        values = fields.split(",")
+        if kind not in TMA_LAUNCH or len(values) != len(TMA_FIELDS) or not all(v.isdigit() for v in values):
+            raise SystemExit(f"--experts-tma {spec!r}: each part KIND:M,N,K,warps,stages with KIND one of "
+                             f"{', '.join(TMA_LAUNCH)}; got {part!r}")
+        launches[kind] = dict(zip(TMA_FIELDS, map(int, values)))
+    return launches
+
+
 @contextlib.contextmanager
 def variant_experts_tma(name: str, spec: str):
-    """The experts' TMA row GEMMs on, as --experts-tma's 'M,N,K,warps,stages/M,N,K,warps,stages' (the single- and
-    the two-product launch; empty: the kernels' defaults), while a *-experts-tma variant runs; off before and after."""
-    from kernels.grouped_gemm.tma_gemm import tma_launch
+    """The experts' TMA kernels on as --experts-tma says (`experts_tma_spec`) while a *-experts-tma variant runs;
+    their defaults before and after."""
+    from kernels.grouped_gemm.tma_gemm import TMA_LAUNCH
 
     if not name.endswith("-experts-tma"):
         yield
         return
-    halves = spec.split("/") if spec else []
-    if spec and (len(halves) != 2 or any(len(h.split(",")) != len(TMA_FIELDS) for h in halves)):
-        raise SystemExit(f"--experts-tma {spec!r}: two launches 'M,N,K,warps,stages/M,N,K,warps,stages'")
-    launches = [tma_launch(False), tma_launch(True)]
-    saved = [dict(launch) for launch in launches]
-    for i, launch in enumerate(launches):
-        launch.update(enabled=True, **(dict(zip(TMA_FIELDS, map(int, halves[i].split(",")))) if halves else {}))
+    launches = experts_tma_spec(spec)
+    saved = {kind: dict(launch) for kind, launch in TMA_LAUNCH.items()}
+    for kind, fields in launches.items():
+        TMA_LAUNCH[kind].update(enabled=True, **fields)
     try:
         yield
     finally:
-        for launch, before in zip(launches, saved):
-            launch.update(before)
+        for kind, launch in TMA_LAUNCH.items():
+            launch.update(saved[kind])
 
 
 def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps: int, out: Path, profile: bool,
@@ -569,9 +585,9 @@ def main() -> int:
                         "block,warps,programs_per_sm,reverse,prefetch,l2_hints (kernels/fused_ce/ce_rows.py RowsLaunch; "
                         "benchmarks/fused_ce.py --rows-launch prints its fastest in this form)")
     p.add_argument("--experts-tma", default="",
-                   help="the experts' TMA row-GEMM launches for the variants named *-experts-tma, as "
-                        "M,N,K,warps,stages/M,N,K,warps,stages (single / two products; kernels/grouped_gemm/tma_gemm.py; "
-                        "benchmarks/expert_tiles.py ranks them); empty: the kernels' defaults")
+                   help="the experts' TMA kernels for the variants named *-experts-tma, as KIND:M,N,K,warps,stages "
+                        "parts joined by '/' (KIND mm, mm_dual, glu_up: kernels/grouped_gemm/tma_gemm.py; "
+                        "benchmarks/expert_tiles.py --only-tma ranks the launches); empty: all three at their defaults")
     p.add_argument("--row-json", type=Path, help=argparse.SUPPRESS)  # an --isolate child: its rows go here, no table
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

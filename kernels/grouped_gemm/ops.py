@@ -15,7 +15,13 @@ import triton
 
 from kernels.device import check_same_device, triton_runs_on
 from kernels.grouped_gemm.reference import route_permutation
-from kernels.grouped_gemm.tma_gemm import launch_mm_tma, tma_applies, tma_launch
+from kernels.grouped_gemm.tma_gemm import (
+    glu_weights_tma_applies,
+    launch_glu_up_tma,
+    launch_mm_tma,
+    tma_applies,
+    tma_launch,
+)
 from kernels.grouped_gemm.triton_gemm import (
     grouped_mm_dual_kernel,
     grouped_mm_kernel,
@@ -62,7 +68,7 @@ def _launch_mm(a, b, offsets, out, gather=None, a2=None, b2=None):
         return out
     if a2 is not None:
         assert a2.stride() == a.stride() and b2.stride() == b.stride()
-    if tma_launch(a2 is not None)["enabled"] and tma_applies(a, b, gather) and (a2 is None or tma_applies(a2, b2)):
+    if tma_launch("mm" if a2 is None else "mm_dual")["enabled"] and tma_applies(a, b, gather) and (a2 is None or tma_applies(a2, b2)):
         return launch_mm_tma(a, b, offsets, out, _precision(a.dtype), a2, b2)
     kernel = grouped_mm_kernel if a2 is None else grouped_mm_dual_kernel
     kernel[_mm_grid(n_rows, n_experts, n_cols)](
@@ -108,6 +114,8 @@ def _launch_glu_up(x, w1, w3, offsets, token, h, g=None, u=None):
     (n_experts, latent, hidden), n_slots = w1.shape, h.shape[0]
     if n_slots == 0 or hidden == 0:
         return
+    if tma_launch("glu_up")["enabled"] and glu_weights_tma_applies(x, w1, w3):
+        return launch_glu_up_tma(x, w1, w3, offsets, token, h, g, u, _precision(x.dtype))
     glu_up_kernel[_mm_grid(n_slots, n_experts, hidden)](
         x, w1, w3, h, h if g is None else g, h if u is None else u, offsets, token,
         n_slots, latent, hidden,

@@ -18,16 +18,21 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.grouped_gemm.triton_gemm import INTERPRET, row_tile, row_tiles_upper_bound
+from kernels.grouped_gemm.triton_moe import _slot_tile, glu_store
 
-ROW_GEMM_TMA = dict(enabled=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
-"""Whether `_launch_mm` sends ungathered row GEMMs here, and the launch (tile, warps, pipeline stages)."""
-ROW_GEMM_TMA_DUAL = dict(enabled=False, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3)
-"""The same for the two-product (DUAL) row GEMMs."""
+TMA_LAUNCH = {
+    "mm": dict(enabled=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    "mm_dual": dict(enabled=False, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3),
+    "glu_up": dict(enabled=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+}
+"""Whether the launchers (kernels/grouped_gemm/ops.py) send each use here, and its launch (tile, warps, pipeline
+stages): "mm" the single-product row GEMM, "mm_dual" the two-product one (both for rows that are not gathered),
+"glu_up" the up-projection (its x rows gathered by pointers, only the weights through TMA)."""
 
 
-def tma_launch(dual: bool) -> dict:
-    """The TMA launch setting of the single- or two-product row GEMM."""
-    return ROW_GEMM_TMA_DUAL if dual else ROW_GEMM_TMA
+def tma_launch(kind: str) -> dict:
+    """The TMA launch setting of one use ("mm", "mm_dual" or "glu_up": TMA_LAUNCH)."""
+    return TMA_LAUNCH[kind]
 
 
 def tma_applies(a: torch.Tensor, b: torch.Tensor, gather: torch.Tensor | None = None) -> bool:
@@ -46,6 +51,13 @@ def tma_applies(a: torch.Tensor, b: torch.Tensor, gather: torch.Tensor | None = 
             and a.data_ptr() % 16 == 0 and inner.data_ptr() % 16 == 0)
 
 
+def glu_weights_tma_applies(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor) -> bool:
+    """Whether the up-projection can read w1 and w3 [E, L, F] through TMA: contiguous, x's dtype, 16-byte rows,
+    and x's rows with unit stride along L."""
+    return (x.stride(1) == 1 and all(w.is_contiguous() and w.dtype == x.dtype and w.data_ptr() % 16 == 0
+                                     for w in (w1, w3)) and (w1.shape[2] * w1.element_size()) % 16 == 0)
+
+
 def _weight_descriptor(b: torch.Tensor, block_k: int, block_n: int) -> tuple[TensorDescriptor, bool]:
     """(descriptor of B's storage, transposed): B [E, K, M] as stored [E, K, M] or, transposed, [E, M, K]."""
     if b.stride(2) == 1:
@@ -61,7 +73,7 @@ def launch_mm_tma(a, b, offsets, out, precision: str, a2=None, b2=None):
     n_rows, n_cols = out.shape
     n_experts, red = b.shape[0], b.shape[1]
     dual = a2 is not None
-    launch = tma_launch(dual)
+    launch = tma_launch("mm_dual" if dual else "mm")
     bm, bn, bk = launch["BLOCK_M"], launch["BLOCK_N"], launch["BLOCK_K"]
     if INTERPRET:
         bm, bn, bk = 32, 32, 32
@@ -116,3 +128,46 @@ def _grouped_mm_tma_kernel(
     cols = col0 + tl.arange(0, BLOCK_N)
     mask = (rows < row_end)[:, None] & (cols < M)[None, :]
     tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def launch_glu_up_tma(x, w1, w3, offsets, token, h, g, u, precision: str):
+    """`ops._launch_glu_up` with the weights' tiles through TMA (w1, w3 [E, L, F] contiguous, x's dtype)."""
+    (n_experts, latent, hidden), n_slots = w1.shape, h.shape[0]
+    launch = tma_launch("glu_up")
+    bm, bn, bk = (32, 32, 32) if INTERPRET else (launch["BLOCK_M"], launch["BLOCK_N"], launch["BLOCK_K"])
+    w1_desc = TensorDescriptor.from_tensor(w1, [1, bk, bn])
+    w3_desc = TensorDescriptor.from_tensor(w3, [1, bk, bn])
+    grid = (row_tiles_upper_bound(n_slots, n_experts, bm) * triton.cdiv(hidden, bn),)
+    extra = {} if INTERPRET else dict(num_warps=launch["num_warps"], num_stages=launch["num_stages"])
+    _glu_up_tma_kernel[grid](
+        x, w1_desc, w3_desc, h, h if g is None else g, h if u is None else u, offsets, token,
+        n_slots, latent, hidden, x.stride(0), h.stride(0),
+        N_EXPERTS=n_experts, E_POW2=triton.next_power_of_2(n_experts), STORE_GU=g is not None,
+        PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **extra,
+    )
+
+
+@triton.jit
+def _glu_up_tma_kernel(
+    x_ptr, w1_desc, w3_desc, h_ptr, g_ptr, u_ptr, offsets_ptr, token_ptr, n_rows, L, F, stride_xt, stride_s,
+    N_EXPERTS: tl.constexpr, E_POW2: tl.constexpr, STORE_GU: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """`triton_moe.glu_up_kernel` with w1 and w3 tiles loaded through TMA descriptors (x rows gathered by pointers:
+    TMA on this GPU has no row gather). x's rows have unit stride along L."""
+    expert, row_start, row_end, local, row_mask, cols, col_mask = _slot_tile(
+        tl.program_id(0), offsets_ptr, n_rows, F, N_EXPERTS, E_POW2, BLOCK_M, BLOCK_N
+    )
+    if (expert < 0) | (row_start >= row_end):
+        return  # the tail, or a tile past the last group's: nothing to read or write
+    tokens = tl.load(token_ptr + row_start + local, mask=row_mask, other=0)
+    x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_xt
+    col0 = (tl.program_id(0) % tl.cdiv(F, BLOCK_N)) * BLOCK_N
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, L, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & (ks < L)[None, :], other=0.0)
+        acc_g = tl.dot(a, w1_desc.load([expert, k0, col0]).reshape(BLOCK_K, BLOCK_N), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, w3_desc.load([expert, k0, col0]).reshape(BLOCK_K, BLOCK_N), acc_u, input_precision=PRECISION)
+    glu_store(acc_g, acc_u, h_ptr, g_ptr, u_ptr, row_start, local, row_mask, cols, col_mask, stride_s, STORE_GU)

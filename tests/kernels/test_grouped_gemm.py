@@ -174,15 +174,20 @@ def experts_tma(monkeypatch):
     ("single" / "dual", "transposed" when the weight is read through its transpose)."""
     from kernels.grouped_gemm import ops, tma_gemm
 
-    for dual in (False, True):
-        monkeypatch.setitem(tma_gemm.tma_launch(dual), "enabled", True)
+    for kind in tma_gemm.TMA_LAUNCH:
+        monkeypatch.setitem(tma_gemm.TMA_LAUNCH[kind], "enabled", True)
     launches = []
 
     def counting(a, b, offsets, out, precision, a2=None, b2=None):
         launches.append(("dual" if a2 is not None else "single") + (" transposed" if b.stride(2) != 1 else ""))
         return tma_gemm.launch_mm_tma(a, b, offsets, out, precision, a2, b2)
 
+    def counting_glu_up(*args):
+        launches.append("glu_up")
+        return tma_gemm.launch_glu_up_tma(*args)
+
     monkeypatch.setattr(ops, "launch_mm_tma", counting)
+    monkeypatch.setattr(ops, "launch_glu_up_tma", counting_glu_up)
     return launches
 
 
@@ -210,8 +215,8 @@ def test_grouped_mm_with_tma_tile_loads_matches_float64(experts_tma, n_rows, red
 
 
 def test_moe_experts_with_tma_row_gemms_match_the_pointer_kernels(experts_tma):
-    """The layer with its w2 product and its dx = dg w1^T + du w3^T through TMA: the float64 reference's numbers,
-    and the same as the pointer-loaded kernels to float32 rounding."""
+    """The layer with its up-projection's weights, its w2 product and its dx = dg w1^T + du w3^T through TMA: the
+    float64 reference's numbers, and the same as the pointer-loaded kernels to float32 rounding."""
     from kernels.grouped_gemm import tma_gemm
 
     x, w1, w3, w2, idx, prob = make_moe(37, 8, 3, 40, 72, torch.float32, seed=6, skew=True)
@@ -224,12 +229,12 @@ def test_moe_experts_with_tma_row_gemms_match_the_pointer_kernels(experts_tma):
         return [y.detach(), *torch.autograd.grad(y, inputs, dy)]
 
     got = run()
-    assert experts_tma == ["single", "dual transposed"]
+    assert experts_tma == ["glu_up", "single", "dual transposed"]
     want, want_grads = float64_grads(lambda a, b, c, d, p: reference.moe_experts(a, b, c, d, idx, p), inputs, dy)
     for name, g, r in zip(("y", "x", "w1", "w3", "w2", "topk_weight"), got, [want, *want_grads]):
         assert rel_rms(g, r) < (1e-3 if name == "y" else 5e-3), name
-    for dual in (False, True):
-        tma_gemm.tma_launch(dual)["enabled"] = False
+    for launch in tma_gemm.TMA_LAUNCH.values():
+        launch["enabled"] = False
     for name, g, r in zip(("y", "x", "w1", "w3", "w2", "topk_weight"), got, run()):
         assert rel_rms(g, r) < 1e-6, name
 
