@@ -69,18 +69,6 @@ EXTRA = {
                    _wg(64, 128, 32, 4, 4), _wg(128, 64, 128, 8, 3)],
 }
 GLU_BWD = [(s, f, w) for s in (16, 32, 64) for f in (32, 64, 128) for w in (4, 8)]  # rows, cols, warps
-# The row GEMMs whose rows are not gathered (w2, dx) with TMA tile loads, and the up-projection with its weights'
-# tiles through TMA (kernels/grouped_gemm/tma_gemm.py): ("tma", BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
-TMA = {
-    "glu_up": [("tma", 64, 64, 64, 4, 3), ("tma", 64, 128, 64, 8, 3), ("tma", 128, 64, 64, 8, 3),
-               ("tma", 64, 64, 64, 4, 4), ("tma", 128, 128, 64, 8, 3), ("tma", 64, 32, 64, 4, 4)],
-    "w2": [("tma", 128, 128, 64, 8, 3), ("tma", 128, 128, 64, 4, 4), ("tma", 128, 256, 64, 8, 3),
-           ("tma", 64, 256, 64, 4, 4), ("tma", 128, 64, 64, 4, 4), ("tma", 256, 128, 64, 8, 3),
-           ("tma", 64, 128, 64, 4, 5)],
-    "dx": [("tma", 128, 64, 64, 8, 3), ("tma", 128, 128, 64, 8, 3), ("tma", 64, 128, 64, 4, 4),
-           ("tma", 128, 64, 64, 4, 4), ("tma", 128, 256, 64, 8, 2), ("tma", 64, 64, 64, 4, 4),
-           ("tma", 128, 128, 64, 4, 3)],
-}
 
 # use -> (kernel attribute in kernels.grouped_gemm.ops, the autotuner's candidate family, FLOPs per slot row / (L F))
 USES = {
@@ -112,18 +100,6 @@ def pinned(kernel_name: str | None, config):
 
     if config is None:
         yield
-        return
-    if isinstance(config, tuple) and config[0] == "tma":
-        from kernels.grouped_gemm.tma_gemm import tma_launch
-
-        launch = tma_launch({"grouped_mm_kernel": "mm", "grouped_mm_dual_kernel": "mm_dual",
-                             "glu_up_kernel": "glu_up"}[kernel_name])
-        saved = dict(launch)
-        launch.update(enabled=True, **dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), config[1:])))
-        try:
-            yield
-        finally:
-            launch.update(saved)
         return
     if kernel_name is None:  # the pointwise pass: (rows, cols, warps)
         saved = dict(triton_moe.GLU_BWD_LAUNCH)
@@ -230,14 +206,12 @@ def candidates(use: str) -> list:
     own = {"mm": triton_gemm.mm_configs, "dual": triton_gemm.epilogue_configs,
            "wgrad": lambda: triton_gemm.wgrad_configs(dual=False),
            "wgrad_dual": lambda: triton_gemm.wgrad_configs(dual=True)}[family]()
-    return [None, *own, *EXTRA[family], *TMA.get(use, [])]
+    return [None, *own, *EXTRA[family]]
 
 
 def describe(config) -> str:
     if config is None:
         return "trainer's"
-    if isinstance(config, tuple) and config[0] == "tma":
-        return "TMA M{} N{} K{} w{} s{}".format(*config[1:])
     if isinstance(config, tuple):
         return f"rows {config[0]} cols {config[1]} w{config[2]}"
     # NOTE: each block named (M, N, K: the row GEMMs' tile; K, N, R: the weight gradients' [K, N] tile, R rows a step)
@@ -250,7 +224,6 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="k3-mini", choices=sorted(SHAPES))
     p.add_argument("--uses", default=",".join(USES), help="comma-separated: " + ", ".join(USES))
     p.add_argument("--smoke", action="store_true", help="the smoke shape, two settings a use, on the CPU (interpreter), no times")
-    p.add_argument("--only-tma", action="store_true", help="the trainer's setting and the TMA ones (uses glu_up, w2, dx)")
     p.add_argument("--deadline-s", type=float, default=1e9, help="stop trying settings after this long")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
@@ -266,13 +239,9 @@ def main(argv=None) -> int:
     for use in args.uses.split(","):
         kernel_name, _, flop_factor = USES[use]
         settings = candidates(use)
-        if args.only_tma:
-            settings = [None, *TMA.get(use, [])]
-        if args.smoke:  # the trainer's, the smallest of the others (the interpreter's own list is the first), a TMA one
+        if args.smoke:  # the trainer's and the smallest of the others (the interpreter's own list is the first)
             others = settings[1:] if USES[use][1] is None else settings[2:]
-            others = [c for c in others if not (isinstance(c, tuple) and c[0] == "tma")]
-            settings = [None, min(others, key=lambda c: c if isinstance(c, tuple) else tuple(c.kwargs.values())),
-                        *TMA.get(use, [])[:1]]
+            settings = [None, min(others, key=lambda c: c if isinstance(c, tuple) else tuple(c.kwargs.values()))]
         want = [o.float() for o in run_use(use, t)]
         base_ms = base_layer_ms = None
         for config in settings:

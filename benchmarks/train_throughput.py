@@ -196,12 +196,6 @@ VARIANTS = {
     # writing both layouts of G, 136.7 ms (~-5, across calls) with the transposed copy as a pass of its own, 29.5 GiB;
     # 2,048-row chunks +4 ms over its own 4,096.
     # (the recipe's one-pass loss, another way to write the gradient, goes off with it)
-    # The recipe with the routed experts' ungathered row GEMMs (the w2 product forward, dx = dg w1^T + du w3^T
-    # backward) loading their tiles through TMA descriptors, and the up-projection its weights' tiles
-    # (kernels/grouped_gemm/tma_gemm.py), launched as --experts-tma says. Predicted from the three kernels' ~1.2 ms
-    # per layer on an H100 (176-230 TFLOP/s, below both their memory and their compute floors): ~2-3 ms per
-    # update at 1.2x.
-    "ours-recipe-experts-tma": RECIPE,
     "ours-recipe-loss-fp8": [*RECIPE, "--kernels.loss_grad_fp8", "true", "--kernels.loss_one_pass", "false"],
     "ours-recipe-loss-fp8-ce2048": [*RECIPE, "--kernels.loss_grad_fp8", "true", "--kernels.loss_one_pass", "false",
                                     "--kernels.loss_chunk_rows", "2048"],
@@ -304,55 +298,12 @@ def variant_rows_launch(name: str, spec: str):
         module.LAUNCH = saved
 
 
-TMA_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
-
-
-def experts_tma_spec(spec: str) -> dict[str, dict]:
-    """--experts-tma's 'KIND:M,N,K,warps,stages/...' (KIND mm, mm_dual or glu_up: the uses switched on, each at
-    its launch; empty: all three at the kernels' defaults) as {kind: launch fields}."""
-    from kernels.grouped_gemm.tma_gemm import TMA_LAUNCH
-
-    if not spec:
-        return {kind: {} for kind in TMA_LAUNCH}
-    launches = {}
-    for part in spec.split("/"):
-        kind, _, fields = part.partition(":")
-        values = fields.split(",")
-        if kind not in TMA_LAUNCH or len(values) != len(TMA_FIELDS) or not all(v.isdigit() for v in values):
-            raise SystemExit(f"--experts-tma {spec!r}: each part KIND:M,N,K,warps,stages with KIND one of "
-                             f"{', '.join(TMA_LAUNCH)}; got {part!r}")
-        launches[kind] = dict(zip(TMA_FIELDS, map(int, values)))
-    return launches
-
-
-@contextlib.contextmanager
-def variant_experts_tma(name: str, spec: str):
-    """The experts' TMA kernels on as --experts-tma says (`experts_tma_spec`) while a *-experts-tma variant runs;
-    their defaults before and after."""
-    from kernels.grouped_gemm.tma_gemm import TMA_LAUNCH
-
-    if not name.endswith("-experts-tma"):
-        yield
-        return
-    launches = experts_tma_spec(spec)
-    saved = {kind: dict(launch) for kind, launch in TMA_LAUNCH.items()}
-    for kind, fields in launches.items():
-        TMA_LAUNCH[kind].update(enabled=True, **fields)
-    try:
-        yield
-    finally:
-        for kind, launch in TMA_LAUNCH.items():
-            launch.update(saved[kind])
-
-
 def run_variant(name: str, flavor: str, seq: int, batch: int, warmup: int, steps: int, out: Path, profile: bool,
-                memory_peak: bool = False, rows_launch_spec: str = "", experts_tma_spec: str = "") -> dict:
-    with variant_rows_launch(name, rows_launch_spec), variant_experts_tma(name, experts_tma_spec):
+                memory_peak: bool = False, rows_launch_spec: str = "") -> dict:
+    with variant_rows_launch(name, rows_launch_spec):
         row = _run_variant(name, flavor, seq, batch, warmup, steps, out, profile, memory_peak)
     if name.endswith("-rows-launch"):
         row["rows_launch"] = rows_launch_spec
-    if name.endswith("-experts-tma"):
-        row["experts_tma"] = experts_tma_spec or "default"
     return row
 
 
@@ -504,8 +455,6 @@ def _note(row: dict, rounds: int) -> str:
         parts.append(f"{row['graphs']} graphs, {row['graph_breaks']} graph breaks")
     if row.get("rows_launch"):
         parts.append(f"row kernel launch {row['rows_launch']}")
-    if row.get("experts_tma"):
-        parts.append(f"experts' TMA launch {row['experts_tma']}")
     if row.get("memory_traced"):
         parts.append(f"allocator traced (times not its speed): {row['memory_peak']}")
     stall = _stall(row)
@@ -548,8 +497,7 @@ def run_isolated(name: str, seq: int, batch: int, args, time_left_s: float, prof
         cmd = [sys.executable, __file__, "--variants", name, "--flavor", args.flavor, "--seq", str(seq),
                "--batch", str(batch), "--warmup", str(args.warmup), "--steps", str(args.steps),
                "--profile", profile, "--memory-peak", args.memory_peak, "--out", str(args.out),
-               *(["--rows-launch", args.rows_launch] if args.rows_launch else []),
-               *(["--experts-tma", args.experts_tma] if args.experts_tma else []), "--row-json", str(row_json)]
+               *(["--rows-launch", args.rows_launch] if args.rows_launch else []), "--row-json", str(row_json)]
         try:
             done = subprocess.run(cmd, timeout=time_left_s, env={**os.environ, **VARIANT_ENV.get(name, {})})
         except subprocess.TimeoutExpired:
@@ -584,10 +532,6 @@ def main() -> int:
                    help="the fused loss's row-kernel launch for the variants named *-rows-launch, as "
                         "block,warps,programs_per_sm,reverse,prefetch,l2_hints (kernels/fused_ce/ce_rows.py RowsLaunch; "
                         "benchmarks/fused_ce.py --rows-launch prints its fastest in this form)")
-    p.add_argument("--experts-tma", default="",
-                   help="the experts' TMA kernels for the variants named *-experts-tma, as KIND:M,N,K,warps,stages "
-                        "parts joined by '/' (KIND mm, mm_dual, glu_up: kernels/grouped_gemm/tma_gemm.py; "
-                        "benchmarks/expert_tiles.py --only-tma ranks the launches); empty: all three at their defaults")
     p.add_argument("--row-json", type=Path, help=argparse.SUPPRESS)  # an --isolate child: its rows go here, no table
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -611,8 +555,7 @@ def main() -> int:
             try:
                 row = run_variant(name, args.flavor, seq, batch, args.warmup, args.steps, args.out,
                                   round_ == 1 and (args.profile == "all" or name in args.profile.split(",")),
-                                  args.memory_peak == "all" or name in args.memory_peak.split(","), args.rows_launch,
-                                  args.experts_tma)
+                                  args.memory_peak == "all" or name in args.memory_peak.split(","), args.rows_launch)
             except Exception as e:  # one failing variant must not lose the others' numbers
                 row = {"variant": name, "seq": seq, "batch": batch, "error": f"{type(e).__name__}: {e}"}
                 traceback.print_exc()

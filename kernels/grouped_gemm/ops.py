@@ -15,13 +15,6 @@ import triton
 
 from kernels.device import check_same_device, triton_runs_on
 from kernels.grouped_gemm.reference import route_permutation
-from kernels.grouped_gemm.tma_gemm import (
-    glu_weights_tma_applies,
-    launch_glu_up_tma,
-    launch_mm_tma,
-    tma_applies,
-    tma_launch,
-)
 from kernels.grouped_gemm.triton_gemm import (
     grouped_mm_dual_kernel,
     grouped_mm_kernel,
@@ -59,17 +52,13 @@ def _mm_grid(n_rows, n_experts, n_cols):
 
 
 def _launch_mm(a, b, offsets, out, gather=None, a2=None, b2=None):
-    """out[r] = a[g(r)] @ b[e] (+ a2[g(r)] @ b2[e]) for rows r of group e; zeros past offsets[-1].
-
-    With the TMA launch on (kernels/grouped_gemm/tma_gemm.py) and rows not gathered, the TMA kernel does it."""
+    """out[r] = a[g(r)] @ b[e] (+ a2[g(r)] @ b2[e]) for rows r of group e; zeros past offsets[-1]."""
     n_rows, n_cols = out.shape
     n_experts, red = b.shape[0], b.shape[1]
     if n_rows == 0 or n_cols == 0:
         return out
     if a2 is not None:
         assert a2.stride() == a.stride() and b2.stride() == b.stride()
-    if tma_launch("mm" if a2 is None else "mm_dual")["enabled"] and tma_applies(a, b, gather) and (a2 is None or tma_applies(a2, b2)):
-        return launch_mm_tma(a, b, offsets, out, _precision(a.dtype), a2, b2)
     kernel = grouped_mm_kernel if a2 is None else grouped_mm_dual_kernel
     kernel[_mm_grid(n_rows, n_experts, n_cols)](
         a, a if a2 is None else a2, b, b if b2 is None else b2, out, offsets,
@@ -114,8 +103,6 @@ def _launch_glu_up(x, w1, w3, offsets, token, h, g=None, u=None):
     (n_experts, latent, hidden), n_slots = w1.shape, h.shape[0]
     if n_slots == 0 or hidden == 0:
         return
-    if tma_launch("glu_up")["enabled"] and glu_weights_tma_applies(x, w1, w3):
-        return launch_glu_up_tma(x, w1, w3, offsets, token, h, g, u, _precision(x.dtype))
     glu_up_kernel[_mm_grid(n_slots, n_experts, hidden)](
         x, w1, w3, h, h if g is None else g, h if u is None else u, offsets, token,
         n_slots, latent, hidden,

@@ -105,14 +105,6 @@ def glu_up_kernel(
         w3 = tl.load(w3_tile + ks[:, None] * stride_wl, mask=b_mask, other=0.0).to(a.dtype)
         acc_g = tl.dot(a, w1, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, w3, acc_u, input_precision=PRECISION)
-    glu_store(acc_g, acc_u, h_ptr, g_ptr, u_ptr, row_start, local, row_mask, cols, col_mask, stride_s, STORE_GU)
-
-
-@triton.jit
-def glu_store(acc_g, acc_u, h_ptr, g_ptr, u_ptr, row_start, local, row_mask, cols, col_mask, stride_s,
-              STORE_GU: tl.constexpr):
-    """The up-projection's epilogue: h = SiTU-GLU(g, u) from the float32 accumulators of a tile of slot rows
-    row_start + local by cols, and g and u themselves when STORE_GU."""
     h = _gate(acc_g) * (25.0 * _tanh(acc_u * 0.04))
     base = row_start.to(tl.int64) * stride_s
     s_off = local[:, None] * stride_s + cols[None, :]
