@@ -22,6 +22,7 @@ column is the one to rank by, and a setting goes into kernels/grouped_gemm/tuned
 
     PYTHONPATH=. python benchmarks/expert_tiles.py [--uses glu_up,w2] [--out OUTDIR]
     python benchmarks/expert_tiles.py --smoke --out OUTDIR   # CPU interpreter: a tiny shape, outputs checked, no times
+    ncu -k regex:"glu_up|_grouped_mm|_grouped_wgrad|glu_bwd" python benchmarks/expert_tiles.py --run-once   # profile each use
 
 Prints a table last and appends it to OUTDIR/expert_tiles.md (OUTDIR/expert_tiles.json: the rows).
 """
@@ -224,6 +225,9 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="k3-mini", choices=sorted(SHAPES))
     p.add_argument("--uses", default=",".join(USES), help="comma-separated: " + ", ".join(USES))
     p.add_argument("--smoke", action="store_true", help="the smoke shape, two settings a use, on the CPU (interpreter), no times")
+    p.add_argument("--run-once", action="store_true",
+                   help="run each named use twice at the trainer's setting and nothing else: no checks, no timing, no "
+                        "results (the workload for an outside profiler, e.g. ncu)")
     p.add_argument("--deadline-s", type=float, default=1e9, help="stop trying settings after this long")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
@@ -233,6 +237,13 @@ def main(argv=None) -> int:
     shape = SHAPES["smoke" if args.smoke else args.shape]
     dtype = torch.float32 if device == "cpu" else torch.bfloat16  # the interpreter's bf16 is broken
     t = make_inputs(shape, device, dtype)
+    if args.run_once:
+        for use in args.uses.split(","):
+            for _ in range(2):
+                run_use(use, t)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return 0
     n_slots, latent, hidden = shape[0] * shape[1], shape[3], shape[4]
     env, rows, t0 = environment(), [], time.perf_counter()
     want_layer = [o.float() for o in run_layer(t)]

@@ -330,6 +330,19 @@ def test_rows_launch_variants_run_the_named_launch_and_restore_the_default(tmp_p
     assert seen["cmd"][seen["cmd"].index("--rows-launch") + 1] == "8192,16,2,1,1,0"
 
 
+def test_expert_tiles_run_once_runs_every_use_and_writes_nothing(tmp_path, monkeypatch):
+    """--run-once is the workload for an outside profiler: each use twice at the trainer's setting, no results."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks import expert_tiles
+
+    ran = []
+    real = expert_tiles.run_use
+    monkeypatch.setattr(expert_tiles, "run_use", lambda use, t: ran.append(use) or real(use, t))
+    assert expert_tiles.main(["--smoke", "--run-once", "--uses", "w2,glu_bwd", "--out", str(tmp_path)]) == 0
+    assert ran == ["w2", "w2", "glu_bwd", "glu_bwd"]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_expert_tiles_pins_the_setting_and_restores_the_kernel():
     from benchmarks import expert_tiles
     from kernels.grouped_gemm import ops, triton_moe
