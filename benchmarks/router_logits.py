@@ -7,11 +7,18 @@ Side by side, in one run, at k3-mini's router shape (T tokens of one update, D 5
               and autocast's bf16 product for the gradient
   float32     the float32 product alone (the recipe's extra cost in the forward)
   split3      a float32 product on the tensor cores: each operand split into bf16 high and low halves, three
-              bf16 products with float32 outputs (hi hi + hi lo + lo hi), a candidate that would replace `float32`
+              bf16 products with float32 outputs (hi hi + hi lo + lo hi), a candidate (rejected in session 38)
+  pieces      cuBLAS's bf16 product of x with the float32 weight's three exact bf16 pieces side by side (one
+              product of 3E columns with float32 outputs), the three column blocks summed: what a user could
+              build from torch alone for the same numbers as `kernel`
+  kernel      kernels.router.router_scores: the same three pieces cut in registers by one Triton kernel, summed
+              in its float32 accumulators (the trainer's routers on a GPU), its gradient autocast's product
 Each is timed forward and, where it carries a gradient, forward + backward, for bf16 and float32 inputs (the
 router reads the pre-norm's output), and checked against the float64 product (largest absolute error).
 
-    PYTHONPATH=. python benchmarks/router_logits.py [--tokens 32768] [--out OUTDIR]
+    PYTHONPATH=. python benchmarks/router_logits.py [--tokens 32768] [--sweep] [--out OUTDIR]
+
+--sweep (CUDA) adds the kernel's forward under other launch settings (rows `kernel BTxBExBD wW sS`), bf16 x.
 
 Prints a table last and appends it to OUTDIR/router_logits.md (OUTDIR/router_logits.json: the rows).
 Without CUDA it runs the same math on the CPU (a smoke run: the times mean nothing; split3 is skipped there,
@@ -31,6 +38,9 @@ import torch  # noqa: E402
 
 from benchmarks.common import env_cells, environment, markdown_table, median_ms, write_results  # noqa: E402
 from titan_k3.models.k3.args import FLAVORS  # noqa: E402
+from kernels.device import triton_runs_on  # noqa: E402
+from kernels.router import router_scores  # noqa: E402
+from kernels.router import scores as scores_kernel  # noqa: E402
 from titan_k3.models.k3.moe import router_logits  # noqa: E402
 
 
@@ -43,6 +53,21 @@ def split3(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
     out += torch.mm(xh, wl.t(), out_dtype=torch.float32)
     out += torch.mm(xl, wh.t(), out_dtype=torch.float32)
     return out
+
+
+SWEEP = [dict(block_t=t, block_e=e, block_d=d, num_warps=nw, num_stages=ns) for t, e, d, nw, ns in (
+    (128, 64, 64, 4, 3), (128, 64, 64, 8, 3), (64, 64, 64, 4, 3), (128, 32, 64, 4, 3), (256, 64, 64, 8, 3),
+    (128, 128, 64, 8, 3), (128, 256, 64, 8, 2), (64, 256, 64, 8, 3), (128, 64, 128, 4, 2), (64, 64, 128, 4, 3))]
+
+
+def pieces(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+    """x @ w^T from cuBLAS: bf16 x times w's three bf16 pieces (w = w0 + w1 + w2 exactly), one product, summed."""
+    w0 = w_ED.bfloat16()
+    rest = w_ED - w0.float()
+    w1 = rest.bfloat16()
+    w2 = (rest - w1.float()).bfloat16()
+    out = torch.mm(x_TD.bfloat16(), torch.cat([w0, w1, w2]).t(), out_dtype=torch.float32)
+    return out.view(x_TD.shape[0], 3, w_ED.shape[0]).sum(1)
 
 
 def variants(x: torch.Tensor, w: torch.Tensor) -> dict:
@@ -64,6 +89,10 @@ def variants(x: torch.Tensor, w: torch.Tensor) -> dict:
              "float32": (lambda: x.detach().float() @ w.detach().t(), False)}
     if device == "cuda":
         found["split3"] = (lambda: split3(x.detach(), w.detach()), False)
+        if x.dtype == torch.bfloat16:
+            found["pieces"] = (lambda: pieces(x.detach(), w.detach()), False)
+    if triton_runs_on(x.device) and (device == "cuda" or x.dtype == torch.float32):
+        found["kernel"] = (lambda: router_scores(x, w), True)
     return found
 
 
@@ -72,6 +101,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32768, help="tokens of one update (k3-mini's recipe: 32,768)")
     p.add_argument("--flavor", default="k3-mini")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--sweep", action="store_true", help="also time the kernel's forward under other launch settings")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     margs = FLAVORS[args.flavor]
@@ -94,6 +124,17 @@ def main() -> None:
             lines.append(env_cells(env) + f"{name} | {row['x_dtype']} | T{tokens} D{dim} E{experts} | {fwd:.3f} | "
                          + (f"{bwd:.3f}" if bwd is not None else "—") + f" | {err:.2e} |")
             print(row, flush=True)
+        if args.sweep and device == "cuda" and x_dtype == torch.bfloat16:
+            for launch in SWEEP:
+                name = "kernel {block_t}x{block_e}x{block_d} w{num_warps} s{num_stages}".format(**launch)
+                fn = lambda launch=launch: scores_kernel.scores_forward(x.detach(), w.detach(), launch)  # noqa: E731
+                err = float((fn().double() - truth).abs().max())
+                row = dict(variant=name, x_dtype="bfloat16", tokens=tokens, dim=dim, experts=experts,
+                           fwd_ms=median_ms(fn), fwd_bwd_ms=None, max_abs_err=err)
+                rows.append(row)
+                lines.append(env_cells(env) + f"{name} | bfloat16 | T{tokens} D{dim} E{experts} | "
+                             f"{row['fwd_ms']:.3f} | — | {err:.2e} |")
+                print(row, flush=True)
     table = markdown_table(["variant", "x dtype", "shape", "forward ms", "forward + backward ms",
                             "max abs error vs float64"], lines)
     write_results(args.out, "router_logits", table, env, rows)

@@ -1,17 +1,19 @@
-"""The public `top_k_rows`: the Triton kernel as one torch.library custom op, with no autograd.
+"""The public `top_k_rows` and `router_scores`: the Triton kernels as torch.library custom ops.
 
-Legend: T tokens, E experts, k selected per token.
+Legend: T tokens, D model width, E experts, k selected per token.
 
-The op has a fake kernel, so `torch.compile` sees one opaque call (no graph break). It registers no
+Each op has a fake kernel, so `torch.compile` sees one opaque call (no graph break). `top_k_rows` registers no
 backward: the router selects under torch.no_grad (its weights' gradient flows through a gather of the
-scores at the chosen ids, not through these values).
+scores at the chosen ids, not through these values). `router_scores` carries the gradient of the product in
+x's dtype (autocast's own product, as every other weight's).
 """
 
 import torch
 
-from kernels.device import triton_runs_on
+from kernels.device import check_same_device, triton_runs_on
 from kernels.router.kernel import top_k_forward
 from kernels.router.reference import check_inputs
+from kernels.router.scores import scores_forward
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_EXPERTS = 8192
@@ -49,3 +51,56 @@ def top_k_rows(x_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if x.stride(1) != 1:
         x = x.contiguous()
     return _top_k_op(x, k)
+
+
+@torch.library.custom_op("k3_router::scores", mutates_args=())
+def _scores_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return scores_forward(x, w)
+
+
+@_scores_op.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)
+
+
+def _scores_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _scores_backward(ctx, ds):
+    # NOTE: the product of x's dtype, as autocast's own product would give it (a float32 backward would be two
+    # more float32 products of the forward's size, on the CUDA cores).
+    x, w = ctx.saved_tensors
+    g = ds.to(x.dtype)
+    dx = g @ w.to(x.dtype) if ctx.needs_input_grad[0] else None
+    dw = (g.t() @ x).to(w.dtype) if ctx.needs_input_grad[1] else None
+    return dx, dw
+
+
+_scores_op.register_autograd(_scores_backward, setup_context=_scores_setup)
+
+
+def router_scores(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+    """The router's scores x w^T as the float32 product: float32 [T, E], under bf16 autocast too (docs/k3.md §2.3).
+
+    x [T, D] bfloat16, float16 or float32 (any row stride); w [E, D] float32 or x's dtype. A float32 w under a
+    16-bit x runs as three tensor-core products over w's pieces in x's dtype (`kernels.router.scores`), summed in
+    float32. Differentiable in x and w: the gradient is the product's in x's dtype (autocast's own product under
+    bf16), returned in each input's dtype. Needs CUDA tensors, or TRITON_INTERPRET=1 on CPU (where bf16 does
+    not run); `titan_k3.models.k3.moe.router_logits` is the CPU path.
+    """
+    for name, t in (("x_TD", x_TD), ("w_ED", w_ED)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in DTYPES:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"router_scores: {name} must be a 2-D bfloat16, float16 or float32 tensor, got {got}")
+    if w_ED.shape[1] != x_TD.shape[1]:
+        raise ValueError(f"router_scores: w_ED has shape {tuple(w_ED.shape)}; expected [E, D={x_TD.shape[1]}]")
+    if w_ED.dtype not in (torch.float32, x_TD.dtype):
+        raise ValueError(f"router_scores: w_ED has dtype {w_ED.dtype}; it must be float32 or x's ({x_TD.dtype})")
+    if not triton_runs_on(x_TD.device):
+        raise ValueError(f"router_scores runs a Triton kernel and needs CUDA tensors, got device {x_TD.device}; "
+                         "use titan_k3.models.k3.moe.router_logits on CPU")
+    check_same_device("router_scores", "x_TD", dict(x_TD=x_TD, w_ED=w_ED))
+    if x_TD.stride(1) != 1:
+        x_TD = x_TD.contiguous()
+    return _scores_op(x_TD, w_ED.contiguous())

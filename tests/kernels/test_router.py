@@ -97,11 +97,14 @@ def test_compiles_without_graph_break():
 
 def test_the_config_key_reaches_every_router():
     """kernels.router: auto takes the kernel on CUDA (the reference elsewhere, said to be a fallback), triton hands
-    the kernel to every MoE router of the model."""
+    the kernel to every MoE router of the model, and on a GPU the scores' kernel with it (in the CPU interpreter the
+    scores stay the reference's: bf16 products are wrong there)."""
+    from kernels.router import router_scores
     from titan_k3.config import load_job_config
     from titan_k3.models.k3.args import get_flavor
     from titan_k3.models.k3.impl import resolve_impl
     from titan_k3.models.k3.model import K3Model
+    from titan_k3.models.k3.moe import router_logits
 
     device = torch.device(DEVICE)
     auto = resolve_impl(load_job_config([]).kernels, device)
@@ -117,3 +120,7 @@ def test_the_config_key_reaches_every_router():
         model = K3Model(get_flavor("debug"), asked)
     routers = model.moe_routers().values()
     assert routers and all(r.top_k_rows is top_k_rows for r in routers)
+    scores = router_scores if device.type == "cuda" else router_logits
+    assert asked.router_scores is scores and all(r.scores is scores for r in routers)
+    reference = resolve_impl(load_job_config(["--kernels.router", "torch"]).kernels, device)
+    assert reference.router_scores is router_logits

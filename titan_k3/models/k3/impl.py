@@ -25,9 +25,11 @@ from kernels.kda.ops import FLOAT32_MAX_WIDTH as KDA_FLOAT32_MAX_WIDTH
 from kernels.max_logit.kernel import MAX_WIDTH
 from kernels.max_logit.reference import max_logit_per_head_reference
 from kernels.router.ops import MAX_EXPERTS
+from kernels.router.ops import router_scores as triton_router_scores
 from kernels.router.reference import top_k_rows_reference
 from kernels.short_conv.reference import causal_conv_silu_reference
 from titan_k3.models.k3.mla import FLEX, VARLEN
+from titan_k3.models.k3.moe import router_logits
 
 
 @dataclass
@@ -60,6 +62,8 @@ class Impl:
     the model hands the mixes their norms (models/k3/model.py), and the sublayers take normalised inputs."""
     router: Callable = top_k_rows_reference
     """The MoE routers' selection top_k_rows(x [T, E], k) -> (values, ids) [T, k] (moe.QuantileBalancedRouter)."""
+    router_scores: Callable = router_logits
+    """The MoE routers' float32 scores (x [T, D], w [E, D]) -> [T, E], chosen with the selection (kernels.router)."""
     max_logit: Callable = max_logit_per_head_reference
     """QK-Clip's per-head max logit of MLA's masked attention (q, k, scale, pos) -> [H]."""
     conv: Callable = causal_conv_silu_reference
@@ -243,6 +247,9 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
         router, c_router = _unserved(router, c_router, top_k_rows_reference,
                                      f"the model's routers rank {router_experts} experts; the Triton top-k holds rows "
                                      f"of at most {MAX_EXPERTS}")
+    # NOTE: the scores' kernel goes with the Triton top-k on a GPU only: in Triton's CPU interpreter bf16 products
+    # are wrong, and the scores are bf16 products under autocast.
+    router_scores = triton_router_scores if c_router.chosen == "triton" and on_cuda else router_logits
     max_logit, c_max = _pick("max_logit", kernels_cfg.max_logit, on_cuda,
                              ("kernels.max_logit", "max_logit_per_head", "triton"), max_logit_per_head_reference)
     if qk_width is not None and qk_width > MAX_WIDTH:
@@ -253,7 +260,8 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
                          causal_conv_silu_reference)
     backends, c_attn = _attention_backends(kernels_cfg.attention, on_cuda, attention_width)
     return Impl(kda, experts, loss, backends, attn_res=attn_res, attn_res_sinks=c_sums.chosen == "in_place",
-                attn_res_norm=c_norms.chosen == "in_mix", router=router, max_logit=max_logit, conv=conv,
+                attn_res_norm=c_norms.chosen == "in_mix", router=router, router_scores=router_scores,
+                max_logit=max_logit, conv=conv,
                 expert_shadows=shadows,
                 choices=[c_kda, c_exp, c_weights, c_loss, c_grads, c_rows, c_res, c_sums, c_norms, c_router, c_max,
                          c_conv, c_attn])

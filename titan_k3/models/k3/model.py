@@ -34,8 +34,8 @@ class K3Block(nn.Module):
                      else KimiDeltaAttention(args, impl.kda, impl.conv))
         self.ffn_mix = PseudoQueryMix(args.dim, impl.attn_res, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn = (LatentMoE(args, impl.experts, qb_eta, impl.router, impl.expert_shadows) if self.is_moe
-                    else SituGluFFN(args.dim, args.dense_hidden))
+        self.ffn = (LatentMoE(args, impl.experts, qb_eta, impl.router, impl.expert_shadows, impl.router_scores)
+                    if self.is_moe else SituGluFFN(args.dim, args.dense_hidden))
         self.norm_in_mix = impl.attn_res_norm
         """The mixes apply attn_norm and ffn_norm (kernels.attn_res_norm_in_mix); the sublayers then skip them."""
 

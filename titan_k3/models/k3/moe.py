@@ -157,10 +157,11 @@ class QuantileBalancedRouter(nn.Module):
     """Sigmoid router, top-k selection on s + b, renormalised weights, and the QB update."""
 
     def __init__(self, dim: int, n_experts: int, top_k: int, eta: float = 1.0,
-                 top_k_rows: Callable = top_k_rows_reference):
+                 top_k_rows: Callable = top_k_rows_reference, scores: Callable = router_logits):
         super().__init__()
         self.n_experts, self.top_k, self.eta = n_experts, top_k, eta
         self.top_k_rows = top_k_rows  # (x [T, E], k) -> (values, ids) [T, k]: `kernels.router` or its reference
+        self.scores = scores  # (x [T, D], w [E, D]) -> float32 [T, E]: `kernels.router.router_scores` or router_logits
         self.update_enabled = True
         # NOTE: a trainer sets defer_update and calls `apply_deferred_updates` after each micro-batch's
         # backward: the forward then keeps its local histogram (no all-reduce inside the forward, which made
@@ -181,7 +182,7 @@ class QuantileBalancedRouter(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (expert ids int64 [T, k], weights float32 [T, k])."""
-        s_TE = torch.sigmoid(router_logits(x_TD, self.weight))
+        s_TE = torch.sigmoid(self.scores(x_TD, self.weight))
         # NOTE: an activation-checkpoint recompute runs inside backward: it must
         # route with the bias the original forward used and must not update it.
         # The checkpoint wrapper says so (`routing_recompute`); a compiled router
@@ -254,14 +255,15 @@ class LatentMoE(nn.Module):
     """y = Shared(x) + W_up RMSNorm_L(sum_e p_e Expert_e(W_down x))."""
 
     def __init__(self, args: K3Args, experts_fn: Callable, qb_eta: float = 1.0,
-                 top_k_rows: Callable = top_k_rows_reference, shadow_dtype: torch.dtype | None = None):
+                 top_k_rows: Callable = top_k_rows_reference, shadow_dtype: torch.dtype | None = None,
+                 router_scores: Callable = router_logits):
         """shadow_dtype: keep w1, w3, w2's copies in this dtype as buffers (w1_shadow, ...) and hand them to
         experts_fn in place of its cast pass (kernels.expert_weight_shadows; expert_shadows.py keeps them equal to
-        the masters' casts)."""
+        the masters' casts). router_scores: the router's float32 scores (`QuantileBalancedRouter`'s scores)."""
         super().__init__()
         D, L, F, E = args.dim, args.latent_dim, args.expert_hidden, args.n_experts
         self.experts_fn = experts_fn
-        self.router = QuantileBalancedRouter(D, E, args.top_k, qb_eta, top_k_rows)
+        self.router = QuantileBalancedRouter(D, E, args.top_k, qb_eta, top_k_rows, router_scores)
         self.w_down = nn.Linear(D, L, bias=False)
         self.latent_norm = RMSNorm(L, args.norm_eps)
         self.w_up = nn.Linear(L, D, bias=False)
