@@ -57,7 +57,7 @@ def split3(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
 
 SWEEP = [dict(block_t=t, block_e=e, block_d=d, num_warps=nw, num_stages=ns) for t, e, d, nw, ns in (
     (128, 64, 64, 4, 3), (128, 64, 64, 8, 3), (64, 64, 64, 4, 3), (128, 32, 64, 4, 3), (256, 64, 64, 8, 3),
-    (128, 128, 64, 8, 3), (128, 256, 64, 8, 2), (64, 256, 64, 8, 3), (128, 64, 128, 4, 2), (64, 64, 128, 4, 3))]
+    (128, 64, 32, 4, 3), (128, 64, 32, 8, 4), (128, 64, 128, 8, 2))]
 
 
 def pieces(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ the tokens x are bf16 already, and the float32 master weight w splits exactly in
 w = w0 + w1 + w2 (w0 = bf16(w); each rounding leaves a residual with at most 16, then 8, significant bits, which
 the next piece holds whole; bf16 has float32's exponent range). Each product of bf16 values is exact in float32
 (8 x 8 significant bits), so three tensor-core products summed in float32 accumulators give the float32 product
-x w^T, up to the accumulators' rounding, as cuBLAS's float32 kernel has its own. The pieces are cut from each
+x w^T, up to the accumulators' rounding, as cuBLAS's float32 kernel has its own. Each step over D keeps its three
+products in an accumulator of its own, added to the total in float32 after (see the kernel). The pieces are cut from each
 float32 weight tile in registers, so the kernel reads w as it is and no piece is ever stored.
 
 NOTE: a weight in x's dtype (FSDP2's bf16 gather) needs one piece; float32 x (no autocast) takes one float32
@@ -44,14 +45,18 @@ def _scores_kernel(x_ptr, w_ptr, out_ptr, n_rows, n_cols, width, stride_x, strid
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         # w^T's tile [BLOCK_D, BLOCK_E]: w is [E, D] row-major.
         w = tl.load(w_ptr + cols[None, :] * stride_w + ds[:, None], mask=d_ok[:, None] & col_ok[None, :], other=0.0)
-        piece = w.to(x.dtype)
-        acc = tl.dot(x, piece, acc, input_precision=PRECISION)
+        hi = w.to(x.dtype)
         if PIECES == 3:
-            rest = w - piece.to(tl.float32)
-            piece = rest.to(x.dtype)
-            acc = tl.dot(x, piece, acc, input_precision=PRECISION)
-            piece = (rest - piece.to(tl.float32)).to(x.dtype)
-            acc = tl.dot(x, piece, acc, input_precision=PRECISION)
+            rest = w - hi.to(tl.float32)
+            mid = rest.to(x.dtype)
+            lo = (rest - mid.to(tl.float32)).to(x.dtype)
+            # NOTE: each step's three products in an accumulator of their own, smallest piece first, then added to
+            # the total in float32: the tensor cores' accumulation then runs over 3 x BLOCK_D terms, not all of D.
+            part = tl.dot(x, lo, input_precision=PRECISION)
+            part = tl.dot(x, mid, part, input_precision=PRECISION)
+            acc += tl.dot(x, hi, part, input_precision=PRECISION)
+        else:
+            acc = tl.dot(x, hi, acc, input_precision=PRECISION)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], acc,
              mask=row_ok[:, None] & col_ok[None, :])
 
