@@ -12,7 +12,8 @@ Side by side, in one run, at k3-mini's router shape (T tokens of one update, D 5
               product of 3E columns with float32 outputs), the three column blocks summed: what a user could
               build from torch alone for the same numbers as `kernel`
   kernel      kernels.router.router_scores: the same three pieces cut in registers by one Triton kernel, summed
-              in its float32 accumulators (the trainer's routers on a GPU), its gradient autocast's product
+              in its float32 accumulators (the trainer's routers on a GPU), its gradient autocast's product;
+              for float32 x the op takes torch's float32 product
 Each is timed forward and, where it carries a gradient, forward + backward, for bf16 and float32 inputs (the
 router reads the pre-norm's output), and checked against the float64 product (largest absolute error).
 
@@ -38,7 +39,6 @@ import torch  # noqa: E402
 
 from benchmarks.common import env_cells, environment, markdown_table, median_ms, write_results  # noqa: E402
 from titan_k3.models.k3.args import FLAVORS  # noqa: E402
-from kernels.device import triton_runs_on  # noqa: E402
 from kernels.router import router_scores  # noqa: E402
 from kernels.router import scores as scores_kernel  # noqa: E402
 from titan_k3.models.k3.moe import router_logits  # noqa: E402
@@ -91,7 +91,7 @@ def variants(x: torch.Tensor, w: torch.Tensor) -> dict:
         found["split3"] = (lambda: split3(x.detach(), w.detach()), False)
         if x.dtype == torch.bfloat16:
             found["pieces"] = (lambda: pieces(x.detach(), w.detach()), False)
-    if triton_runs_on(x.device) and (device == "cuda" or x.dtype == torch.float32):
+    if device == "cuda":
         found["kernel"] = (lambda: router_scores(x, w), True)
     return found
 

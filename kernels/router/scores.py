@@ -12,8 +12,9 @@ x w^T, up to the accumulators' rounding, as cuBLAS's float32 kernel has its own.
 products in an accumulator of its own, added to the total in float32 after (see the kernel). The pieces are cut from each
 float32 weight tile in registers, so the kernel reads w as it is and no piece is ever stored.
 
-NOTE: a weight in x's dtype (FSDP2's bf16 gather) needs one piece; float32 x (no autocast) takes one float32
-product at float32's precision ("ieee", not tf32).
+NOTE: a weight in x's dtype (FSDP2's bf16 gather) needs one piece. The kernel also takes float32 x as one float32
+product at float32's precision ("ieee", not tf32), slower than cuBLAS's: `ops.router_scores` hands float32 x to
+torch instead.
 """
 
 import torch

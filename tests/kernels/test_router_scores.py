@@ -21,6 +21,8 @@ from kernels.router import scores as scores_kernel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+# NOTE: float16's pieces round the smallest one below its normal range (CPU); bf16 has float32's range.
+SLACK = 1 if HALF == torch.bfloat16 else 4
 
 
 def _inputs(n_rows, width, n_cols, seed, x_dtype=torch.float32):
@@ -41,10 +43,11 @@ def _bound(x, w):
 
 @pytest.mark.parametrize("n_rows, width, n_cols", [(1, 16, 5), (37, 96, 12), (300, 200, 176), (129, 64, 65)])
 def test_float32_inputs_give_the_float32_product(n_rows, width, n_cols):
+    """The kernel's float32 dots on ragged tiles, and the op (which hands float32 x to torch's product)."""
     x, w = _inputs(n_rows, width, n_cols, seed=n_rows + width + n_cols)
-    got = router_scores(x, w)
-    assert got.dtype == torch.float32 and got.shape == (n_rows, n_cols)
-    assert ((got.double() - _truth(x, w)).abs() <= _bound(x, w)).all()
+    for got in (scores_kernel.scores_forward(x, w), router_scores(x, w)):
+        assert got.dtype == torch.float32 and got.shape == (n_rows, n_cols)
+        assert ((got.double() - _truth(x, w)).abs() <= _bound(x, w)).all()
 
 
 @pytest.mark.parametrize("n_rows, width, n_cols", [(37, 96, 12), (300, 200, 176)])
@@ -53,9 +56,7 @@ def test_a_float32_weight_under_a_16bit_x_is_read_in_three_exact_pieces(n_rows, 
     truth = _truth(x, w)
     err = (router_scores(x, w).double() - truth).abs()
     one_piece = (scores_kernel.scores_forward(x, w.to(HALF)).double() - truth).abs()
-    # NOTE: float16's pieces round the smallest one below its normal range (CPU); bf16 has float32's range.
-    slack = 1 if HALF == torch.bfloat16 else 4
-    assert (err <= slack * _bound(x, w)).all()
+    assert (err <= SLACK * _bound(x, w)).all()
     assert err.max() * 100 < one_piece.max()
 
 
@@ -84,11 +85,11 @@ def test_the_gradient_is_the_product_in_x_dtype():
 
 
 def test_a_strided_x_and_an_empty_batch():
-    base, w = _inputs(24, 80, 7, seed=5)
-    view = base[:, :64]  # row stride 80
-    got = router_scores(view, w[:, :64])
-    assert ((got.double() - _truth(view, w[:, :64])).abs() <= _bound(view, w[:, :64])).all()
-    assert router_scores(torch.empty(0, 64, device=DEVICE), w[:, :64]).shape == (0, 7)
+    base, w = _inputs(24, 80, 7, seed=5, x_dtype=HALF)
+    view, w = base[:, :64], w[:, :64]  # x's row stride 80; w's made contiguous by the op
+    got = router_scores(view, w)
+    assert ((got.double() - _truth(view, w)).abs() <= SLACK * _bound(view, w)).all()
+    assert router_scores(torch.empty(0, 64, device=DEVICE, dtype=HALF), w).shape == (0, 7)
 
 
 def test_bad_inputs_stop_with_one_line():
@@ -112,7 +113,7 @@ def test_needs_triton_somewhere(monkeypatch):
 def test_compiles_without_graph_break():
     """Inside torch.compile(fullgraph=True) the op traces as one opaque call, forward and backward."""
     counters.clear()
-    x, w = _inputs(32, 64, 10, seed=8)
+    x, w = _inputs(32, 64, 10, seed=8, x_dtype=HALF)
     w.requires_grad_(True)
     compiled = torch.compile(lambda a, b: torch.sigmoid(router_scores(a, b)),
                              backend="inductor" if DEVICE == "cuda" else "aot_eager", fullgraph=True)
