@@ -27,7 +27,7 @@ LAUNCH = dict(block_t=128, block_e=64, block_d=64, num_warps=4, num_stages=3)
 
 
 @triton.jit
-def _scores_kernel(x_ptr, w_ptr, out_ptr, n_rows, n_cols, width, stride_x, stride_w, stride_out,
+def _router_scores_kernel(x_ptr, w_ptr, out_ptr, n_rows, n_cols, width, stride_x, stride_w, stride_out,
                    PIECES: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
     """out [T, E] float32 = x [T, D] @ w [E, D]^T, w read in PIECES pieces of x's dtype (1 or 3)."""
@@ -76,7 +76,7 @@ def scores_forward(x_TD: torch.Tensor, w_ED: torch.Tensor, launch: dict | None =
         return out
     opts = {**LAUNCH, **(launch or {})}
     grid = (triton.cdiv(n_cols, opts["block_e"]), triton.cdiv(n_rows, opts["block_t"]))
-    _scores_kernel[grid](
+    _router_scores_kernel[grid](
         x_TD, w_ED, out, n_rows, n_cols, width, x_TD.stride(0), w_ED.stride(0), out.stride(0),
         PIECES=pieces_for(x_TD.dtype, w_ED.dtype), PRECISION="ieee" if x_TD.dtype == torch.float32 else "tf32",
         BLOCK_T=opts["block_t"], BLOCK_E=opts["block_e"], BLOCK_D=opts["block_d"],
