@@ -8,9 +8,10 @@ the tokens x are bf16 already, and the float32 master weight w splits exactly in
 w = w0 + w1 + w2 (w0 = bf16(w); each rounding leaves a residual with at most 16, then 8, significant bits, which
 the next piece holds whole; bf16 has float32's exponent range). Each product of bf16 values is exact in float32
 (8 x 8 significant bits), so three tensor-core products summed in float32 accumulators give the float32 product
-x w^T, up to the accumulators' rounding, as cuBLAS's float32 kernel has its own. Each step over D keeps its three
-products in an accumulator of its own, added to the total in float32 after (see the kernel). The pieces are cut from each
-float32 weight tile in registers, so the kernel reads w as it is and no piece is ever stored.
+x w^T, up to the accumulators' rounding. Each step over D keeps its three products in an accumulator of its own,
+added to the total in float32 after: 4.0e-7 against the float64 product at k3-mini's router, where cuBLAS's float32
+kernel errs 2.4e-6 and one accumulator over all of D erred 5.4e-6. The pieces are cut from each float32 weight
+tile in registers, so the kernel reads w as it is and no piece is ever stored.
 
 NOTE: a weight in x's dtype (FSDP2's bf16 gather) needs one piece. The kernel also takes float32 x as one float32
 product at float32's precision ("ieee", not tf32), slower than cuBLAS's: `ops.router_scores` hands float32 x to
@@ -22,14 +23,15 @@ import triton
 import triton.language as tl
 
 # Launch settings, fixed (no autotune pause): 128 tokens x 64 experts per program (k3-mini's 176 experts in three
-# column tiles), 64-wide steps over D. `benchmarks/router_logits.py --sweep` times others.
+# column tiles), 64-wide steps over D: 0.061 ms per k3-mini layer on an H100; `benchmarks/router_logits.py --sweep`
+# timed others within 5 us of it, or slower (benchmarks/results/router_logits.md).
 LAUNCH = dict(block_t=128, block_e=64, block_d=64, num_warps=4, num_stages=3)
 
 
 @triton.jit
 def _router_scores_kernel(x_ptr, w_ptr, out_ptr, n_rows, n_cols, width, stride_x, stride_w, stride_out,
-                   PIECES: tl.constexpr, PRECISION: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+                          PIECES: tl.constexpr, PRECISION: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
     """out [T, E] float32 = x [T, D] @ w [E, D]^T, w read in PIECES pieces of x's dtype (1 or 3)."""
     # NOTE: the column tile varies fastest: the programs of one row tile run together and read x's tile from L2.
     pid_e = tl.program_id(0)
