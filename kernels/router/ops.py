@@ -85,9 +85,10 @@ def router_scores(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
 
     x [T, D] bfloat16, float16 or float32 (any row stride); w [E, D] float32 or x's dtype. A 16-bit x runs in the
     Triton kernel (`kernels.router.scores`): a float32 w as three tensor-core products over its pieces in x's
-    dtype, summed in float32; float32 x takes torch's float32 product. Differentiable in x and w: the gradient is the product's in x's dtype (autocast's own product under
-    bf16), returned in each input's dtype. Needs CUDA tensors, or TRITON_INTERPRET=1 on CPU (where bf16 does
-    not run); `titan_k3.models.k3.moe.router_logits` is the CPU path.
+    dtype, summed in float32; float32 x takes torch's float32 product. Differentiable in x and w: the gradient
+    is the product's in x's dtype (autocast's own product under bf16), returned in each input's dtype. Needs
+    CUDA tensors, or TRITON_INTERPRET=1 on CPU (where bf16 does not run); `titan_k3.models.k3.moe.router_logits`
+    is the CPU path.
     """
     for name, t in (("x_TD", x_TD), ("w_ED", w_ED)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in DTYPES:

@@ -24,8 +24,7 @@ from kernels.kda import reference as kda_reference
 from kernels.kda.ops import FLOAT32_MAX_WIDTH as KDA_FLOAT32_MAX_WIDTH
 from kernels.max_logit.kernel import MAX_WIDTH
 from kernels.max_logit.reference import max_logit_per_head_reference
-from kernels.router.ops import MAX_EXPERTS
-from kernels.router.ops import router_scores as triton_router_scores
+from kernels.router.ops import MAX_EXPERTS, router_scores as triton_router_scores
 from kernels.router.reference import top_k_rows_reference
 from kernels.short_conv.reference import causal_conv_silu_reference
 from titan_k3.models.k3.mla import FLEX, VARLEN
@@ -261,8 +260,7 @@ def resolve_impl(kernels_cfg, device: torch.device, max_mix_sources: int | None 
     backends, c_attn = _attention_backends(kernels_cfg.attention, on_cuda, attention_width)
     return Impl(kda, experts, loss, backends, attn_res=attn_res, attn_res_sinks=c_sums.chosen == "in_place",
                 attn_res_norm=c_norms.chosen == "in_mix", router=router, router_scores=router_scores,
-                max_logit=max_logit, conv=conv,
-                expert_shadows=shadows,
+                max_logit=max_logit, conv=conv, expert_shadows=shadows,
                 choices=[c_kda, c_exp, c_weights, c_loss, c_grads, c_rows, c_res, c_sums, c_norms, c_router, c_max,
                          c_conv, c_attn])
 
