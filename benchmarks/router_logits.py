@@ -38,9 +38,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks.common import env_cells, environment, markdown_table, median_ms, write_results  # noqa: E402
-from titan_k3.models.k3.args import FLAVORS  # noqa: E402
 from kernels.router import router_scores  # noqa: E402
 from kernels.router import scores as scores_kernel  # noqa: E402
+from kernels.router.reference import weight_pieces  # noqa: E402
+from titan_k3.models.k3.args import FLAVORS  # noqa: E402
 from titan_k3.models.k3.moe import router_logits  # noqa: E402
 
 
@@ -62,16 +63,12 @@ SWEEP = [dict(block_t=t, block_e=e, block_d=d, num_warps=nw, num_stages=ns) for 
 
 def pieces(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
     """x @ w^T from cuBLAS: bf16 x times w's three bf16 pieces (w = w0 + w1 + w2 exactly), one product, summed."""
-    w0 = w_ED.bfloat16()
-    rest = w_ED - w0.float()
-    w1 = rest.bfloat16()
-    w2 = (rest - w1.float()).bfloat16()
-    out = torch.mm(x_TD.bfloat16(), torch.cat([w0, w1, w2]).t(), out_dtype=torch.float32)
+    out = torch.mm(x_TD.bfloat16(), torch.cat(weight_pieces(w_ED)).t(), out_dtype=torch.float32)
     return out.view(x_TD.shape[0], 3, w_ED.shape[0]).sum(1)
 
 
-def variants(x: torch.Tensor, w: torch.Tensor) -> dict:
-    """name -> (forward fn, carries a gradient)."""
+def variants(x: torch.Tensor, w: torch.Tensor, sweep: bool = False) -> dict:
+    """name -> (forward fn, carries a gradient); `sweep` adds the kernel's forward under SWEEP's launches (CUDA, bf16)."""
     device = x.device.type
 
     def autocast():
@@ -91,8 +88,10 @@ def variants(x: torch.Tensor, w: torch.Tensor) -> dict:
         found["split3"] = (lambda: split3(x.detach(), w.detach()), False)
         if x.dtype == torch.bfloat16:
             found["pieces"] = (lambda: pieces(x.detach(), w.detach()), False)
-    if device == "cuda":
         found["kernel"] = (lambda: router_scores(x, w), True)
+        for launch in SWEEP if sweep and x.dtype == torch.bfloat16 else ():
+            name = "kernel {block_t}x{block_e}x{block_d} w{num_warps} s{num_stages}".format(**launch)
+            found[name] = (lambda launch=launch: scores_kernel.scores_forward(x.detach(), w.detach(), launch), False)
     return found
 
 
@@ -113,7 +112,7 @@ def main() -> None:
         x = torch.randn(tokens, dim, device=device, generator=gen).to(x_dtype).requires_grad_(True)
         w = (0.02 * torch.randn(experts, dim, device=device, generator=gen)).requires_grad_(True)
         truth = x.detach().double() @ w.detach().double().t()
-        for name, (fn, has_grad) in variants(x, w).items():
+        for name, (fn, has_grad) in variants(x, w, args.sweep).items():
             with torch.no_grad():
                 err = float((fn().double() - truth).abs().max())
             fwd = median_ms(fn)
@@ -124,17 +123,6 @@ def main() -> None:
             lines.append(env_cells(env) + f"{name} | {row['x_dtype']} | T{tokens} D{dim} E{experts} | {fwd:.3f} | "
                          + (f"{bwd:.3f}" if bwd is not None else "—") + f" | {err:.2e} |")
             print(row, flush=True)
-        if args.sweep and device == "cuda" and x_dtype == torch.bfloat16:
-            for launch in SWEEP:
-                name = "kernel {block_t}x{block_e}x{block_d} w{num_warps} s{num_stages}".format(**launch)
-                fn = lambda launch=launch: scores_kernel.scores_forward(x.detach(), w.detach(), launch)  # noqa: E731
-                err = float((fn().double() - truth).abs().max())
-                row = dict(variant=name, x_dtype="bfloat16", tokens=tokens, dim=dim, experts=experts,
-                           fwd_ms=median_ms(fn), fwd_bwd_ms=None, max_abs_err=err)
-                rows.append(row)
-                lines.append(env_cells(env) + f"{name} | bfloat16 | T{tokens} D{dim} E{experts} | "
-                             f"{row['fwd_ms']:.3f} | — | {err:.2e} |")
-                print(row, flush=True)
     table = markdown_table(["variant", "x dtype", "shape", "forward ms", "forward + backward ms",
                             "max abs error vs float64"], lines)
     write_results(args.out, "router_logits", table, env, rows)

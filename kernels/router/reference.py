@@ -1,4 +1,5 @@
-"""The router's top-k selection in plain PyTorch: the ground truth of `ops.top_k_rows` and the CPU path.
+"""The router's top-k selection in plain PyTorch: the ground truth of `ops.top_k_rows` and the CPU path; and the
+float32 weight's bf16 pieces that `scores` cuts in its kernel.
 
 Legend: T tokens, E experts, k selected per token.
 """
@@ -32,3 +33,15 @@ def top_k_rows_reference(x_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
         indices.append(i_T)
         x_TE = torch.where(cols == i_T[:, None], float("-inf"), x_TE)
     return torch.stack(values, dim=-1), torch.stack(indices, dim=-1)
+
+
+def weight_pieces(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w0, w1, w2) in bf16 with w0 + w1 + w2 == w exactly for float32 w: the split `scores` makes per tile.
+
+    w0 = bf16(w), w1 = bf16(w - w0), w2 = w - w0 - w1: each rounding leaves a residual of at most 16, then 8,
+    significant bits, and bf16 holds 8 with float32's exponent range.
+    """
+    w0 = w.bfloat16()
+    rest = w - w0.float()
+    w1 = rest.bfloat16()
+    return w0, w1, (rest - w1.float()).bfloat16()

@@ -11,7 +11,8 @@ the next piece holds whole; bf16 has float32's exponent range). Each product of 
 x w^T, up to the accumulators' rounding. Each step over D keeps its three products in an accumulator of its own,
 added to the total in float32 after: 4.0e-7 against the float64 product at k3-mini's router, where cuBLAS's float32
 kernel errs 2.4e-6 and one accumulator over all of D erred 5.4e-6. The pieces are cut from each float32 weight
-tile in registers, so the kernel reads w as it is and no piece is ever stored.
+tile in registers, so the kernel reads w as it is and no piece is ever stored (`reference.weight_pieces` is the same
+split in torch).
 
 NOTE: a weight in x's dtype (FSDP2's bf16 gather) needs one piece. The kernel also takes float32 x as one float32
 product at float32's precision ("ieee", not tf32), slower than cuBLAS's: `ops.router_scores` hands float32 x to

@@ -18,6 +18,7 @@ from torch._dynamo.utils import counters
 
 from kernels.router import router_scores
 from kernels.router import scores as scores_kernel
+from kernels.router.reference import weight_pieces
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16
@@ -64,10 +65,8 @@ def test_the_split_is_exact():
     """w = w0 + w1 + w2 with each piece bf16, as the kernel cuts them, for weights over many magnitudes."""
     gen = torch.Generator().manual_seed(11)
     w = torch.randn(4096, generator=gen) * torch.logspace(-30, 30, 4096)
-    w0 = w.bfloat16()
-    rest = w - w0.float()
-    w1 = rest.bfloat16()
-    w2 = (rest - w1.float()).bfloat16()
+    w0, w1, w2 = weight_pieces(w)
+    assert w0.dtype == w1.dtype == w2.dtype == torch.bfloat16
     assert torch.equal(w0.double() + w1.double() + w2.double(), w.double())
 
 
