@@ -235,3 +235,26 @@ def test_persistent_grid_is_programs_per_sm_times_sms_capped_at_the_tiles(monkey
     assert ops._persistent_grid(torch.device(DEVICE), 1000, 4, 64)(meta) == (10,)
     # 40 rows over 4 experts: at most cdiv(40, 32) + 4 + 1 = 7 row tiles, one column tile
     assert ops._persistent_grid(torch.device(DEVICE), 40, 4, 20)(meta) == (7,)
+
+
+def test_expert_tiles_smoke_times_the_persistent_kernels_next_to_each_setting(tmp_path):
+    """benchmarks/expert_tiles.py --persistent (the GPU measurement that decides PERSISTENT): in the interpreter, each
+    setting of dx in the persistent kernel too, and the layer with every persistent kernel on, all outputs checked
+    against the trainer's setting."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks import expert_tiles
+
+    switches = dict(triton_gemm.PERSISTENT)
+    assert expert_tiles.main(["--smoke", "--persistent", "--uses", "dx", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "expert_tiles.json").read_text())["rows"]
+    other = rows[2]["setting"]
+    assert [(r["use"], r["setting"]) for r in rows] == [
+        ("dx", "trainer's"), ("dx", "persistent, autotuned"), ("dx", other), ("dx", f"persistent, {other}, 1 per SM"),
+        ("dx", f"persistent, {other}, 2 per SM"), ("layer", "trainer's"),
+        ("layer", "persistent: glu_up, mm, mm_dual, autotuned")]
+    assert all("error" not in r and r["rel_rms"] < 1e-6 and r["layer_rel_rms"] < 1e-6 for r in rows), rows
+    assert triton_gemm.PERSISTENT == switches  # as they were
