@@ -85,7 +85,8 @@ def _glu_up_products(
 @triton.jit
 def _glu_up_store(h_ptr, g_ptr, u_ptr, acc_g, acc_u, row_start, row_end, cols, F, stride_s,
                   STORE_GU: tl.constexpr, BLOCK_M: tl.constexpr):
-    """h = SiTU-GLU(g, u) (and g, u when STORE_GU) into rows row_start..row_end, columns cols of h, g, u."""
+    """Store h = SiTU-GLU(g, u) (and g, u when STORE_GU), rounded to their dtype, from acc_g, acc_u float32
+    [BLOCK_M, BLOCK_N]: the slots row_start..row_end (at most BLOCK_M) by the columns cols [BLOCK_N]."""
     local = tl.arange(0, BLOCK_M)
     h = _gate(acc_g) * (25.0 * _tanh(acc_u * 0.04))
     base = row_start.to(tl.int64) * stride_s
