@@ -157,9 +157,8 @@ def _mm_products(a_ptr, a2_ptr, b_ptr, b2_ptr, a_rows, row_mask, cols, col_mask,
     cdiv(K, BLOCK_K) on. The tiles' row and column pointers are made before the loop, and the flattened loop
     carries them from tile to tile as pointers, which keep their known alignment: column offsets carried as
     integers lost their contiguity, and with it B's vector loads and its software pipelining (the w2 product's
-    sm_90 code as compiled by Triton 3.9). For the same reason DUAL picks its operands with Python conditionals
-    (one scalar selects whole tensors), not tl.where (an elementwise select, after which no load of the loop
-    was pipelined).
+    sm_90 code from Triton 3.6 and 3.9). DUAL picks its operands with Python conditionals (one scalar selects
+    whole tensors), not tl.where: after that elementwise select Triton 3.9 pipelined no load of the loop.
     """
     n_k = tl.cdiv(K, BLOCK_K)
     a_tile = a_ptr + a_rows[:, None]
@@ -249,7 +248,7 @@ def _grouped_mm_persistent_kernel(
     NOTE: the stores take their columns from a second counter, store_tile, equal to tile. Columns computed once
     for the loads and the stores are carried by the flattened loop from a tile's start to its end as integers,
     and Triton's alignment analysis loses their contiguity there: glu_up's stores split into 2-byte pieces
-    (its sm_90 code as compiled by Triton 3.9). Triton's persistent-matmul tutorial counts its epilogue's tiles
+    (its sm_90 code from Triton 3.6 and 3.9). Triton's persistent-matmul tutorial counts its epilogue's tiles
     apart too.
     """
     pid = tl.program_id(0)
