@@ -8,6 +8,8 @@ several each, and of 64 some have none. Float32 products run in IEEE float32, so
 (errors sit near 1e-7); the GLU's own formula (one exponential) adds ~1e-7 to h.
 """
 
+import os
+
 import pytest
 import torch
 import triton
@@ -237,6 +239,7 @@ def test_persistent_grid_is_programs_per_sm_times_sms_capped_at_the_tiles(monkey
     assert ops._persistent_grid(torch.device(DEVICE), 40, 4, 20)(meta) == (7,)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the benchmark's smoke run is the interpreter's")
 def test_expert_tiles_smoke_times_the_persistent_kernels_next_to_each_setting(tmp_path):
     """benchmarks/expert_tiles.py --persistent (the GPU measurement that decides PERSISTENT): in the interpreter, each
     setting of dx in the persistent kernel too, and the layer with every persistent kernel on, all outputs checked
