@@ -15,17 +15,12 @@ to that setting; its outputs are checked against the trainer's setting (relative
 backward, float32 master weights as the trainer passes them) with that kernel pinned (in every use of it: w2
 and dh share one kernel). The trainer's setting is what
 the autotune (and kernels/grouped_gemm/tuned.py) picks today; the table gives each candidate's times against it.
---persistent adds, next to each candidate of glu_up, w2, dh and dx, that setting in the persistent kernel
-(kernels/grouped_gemm/triton_gemm.py, PERSISTENT) at each number of programs per SM ("persistent, <setting>,
-<n> per SM"; "persistent, autotuned" is the persistent kernel's own autotune), switched on for that kernel alone,
-checked and timed the same way; and last two rows of the layer alone: the trainer's, and every persistent kernel on.
 NOTE: do_bench flushes L2 before each run: alone, a kernel reads cold inputs that in the layer the kernel before it
 has just written. Settings that ranked faster alone (2026-12-03) made the k3-mini step 1.1 ms slower; the layer
 column is the one to rank by, and a setting goes into kernels/grouped_gemm/tuned.py only after
 `benchmarks/ab_commits.py` confirms it in the training step.
 
     PYTHONPATH=. python benchmarks/expert_tiles.py [--uses glu_up,w2] [--out OUTDIR]
-    PYTHONPATH=. python benchmarks/expert_tiles.py --uses glu_up,dx --persistent --candidates own   # against persistent
     python benchmarks/expert_tiles.py --smoke --out OUTDIR   # CPU interpreter: a tiny shape, outputs checked, no times
     ncu -k regex:"glu_up|_grouped_mm|_grouped_wgrad|glu_bwd" python benchmarks/expert_tiles.py --run-once   # profile each use
 
@@ -38,7 +33,7 @@ import argparse
 import os
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 if not os.path.exists("/dev/nvidia0"):
@@ -86,13 +81,6 @@ USES = {
     "dw1_dw3": ("grouped_wgrad_dual_kernel", "wgrad_dual", 4),
     "glu_bwd": (None, None, 0),
 }
-# use -> (its persistent kernel's attribute in kernels.grouped_gemm.ops, its switch in triton_gemm.PERSISTENT)
-PERSISTENT_USES = {
-    "glu_up": ("glu_up_persistent_kernel", "glu_up"),
-    "w2": ("grouped_mm_persistent_kernel", "mm"),
-    "dh": ("grouped_mm_persistent_kernel", "mm"),
-    "dx": ("grouped_mm_dual_persistent_kernel", "mm_dual"),
-}
 
 
 class _Pinned:
@@ -128,31 +116,6 @@ def pinned(kernel_name: str | None, config):
         yield
     finally:
         setattr(ops, kernel_name, original)
-
-
-@contextmanager
-def switched_on(switches):
-    """The launchers with the persistent kernels named in `switches` (triton_gemm.PERSISTENT) switched on."""
-    from kernels.grouped_gemm import triton_gemm
-
-    saved = dict(triton_gemm.PERSISTENT)
-    triton_gemm.PERSISTENT.update(dict.fromkeys(switches, True))
-    try:
-        yield
-    finally:
-        triton_gemm.PERSISTENT.update(saved)
-
-
-@contextmanager
-def persistent(use: str, config, per_sm: int | None):
-    """The trainer's launchers with `use`'s persistent kernel switched on, pinned to `config` at `per_sm` programs per
-    SM (config None: its own autotune)."""
-    from kernels.grouped_gemm import triton_gemm
-
-    kernel_name, switch = PERSISTENT_USES[use]
-    pin = None if config is None else triton_gemm.persistent_configs([config], (per_sm,))[0]
-    with switched_on([switch]), pinned(kernel_name, pin):
-        yield
 
 
 def make_inputs(shape, device: str, dtype: torch.dtype) -> dict:
@@ -234,8 +197,8 @@ def run_layer(t: dict) -> list[torch.Tensor]:
     return [y.detach(), *(t[name].grad for name in LEAVES)]
 
 
-def candidates(use: str, extra: bool = True) -> list:
-    """[None (the trainer's setting)] + every setting to try for this use (the autotune's own alone unless extra)."""
+def candidates(use: str) -> list:
+    """[None (the trainer's setting)] + every setting to try for this use."""
     from kernels.grouped_gemm import triton_gemm
 
     kernel_name, family, _ = USES[use]
@@ -244,20 +207,7 @@ def candidates(use: str, extra: bool = True) -> list:
     own = {"mm": triton_gemm.mm_configs, "dual": triton_gemm.epilogue_configs,
            "wgrad": lambda: triton_gemm.wgrad_configs(dual=False),
            "wgrad_dual": lambda: triton_gemm.wgrad_configs(dual=True)}[family]()
-    return [None, *own, *(EXTRA[family] if extra else [])]
-
-
-def variants(use: str, config, per_sm: list[int]) -> list[tuple[str, object]]:
-    """(label, context) of each way to run `use` at setting `config`: the kernel pinned to it, then (per_sm non-empty,
-    uses with a persistent kernel) the persistent kernel at each number of programs per SM."""
-    kernel_name = USES[use][0]
-    rows = [(describe(config), lambda: pinned(kernel_name, config))]
-    if not per_sm or use not in PERSISTENT_USES:
-        return rows
-    if config is None:
-        return [*rows, ("persistent, autotuned", lambda: persistent(use, None, None))]
-    return [*rows, *((f"persistent, {describe(config)}, {n} per SM", lambda n=n: persistent(use, config, n))
-                     for n in per_sm)]
+    return [None, *own, *EXTRA[family]]
 
 
 def describe(config) -> str:
@@ -270,41 +220,6 @@ def describe(config) -> str:
     return f"{tile} w{config.num_warps} s{config.num_stages}"
 
 
-def measure(row: dict, context, run, want: list, t: dict, want_layer: list, device: str) -> dict:
-    """`row` with, under `context()`: the rel RMS of run()'s outputs (run None: the layer's) and of the layer's
-    against the trainer's (`want`, `want_layer`), and on a GPU the median times of run() (ms) and of the layer
-    (layer_ms); an error where the outputs differ or the compiler or the GPU refuses the setting."""
-    try:
-        with context():
-            errors = [rel_rms(g.float(), w) for g, w in zip(run(), want)] if run is not None else []
-            row["layer_rel_rms"] = max(rel_rms(g.float(), w) for g, w in zip(run_layer(t), want_layer))
-            row["rel_rms"] = max(errors) if errors else row["layer_rel_rms"]
-            if max(row["rel_rms"], row["layer_rel_rms"]) > 1e-2:
-                kernel = f"{row['rel_rms']:.1e} (the kernel), " if errors else ""
-                row["error"] = (f"outputs differ from the trainer's setting: rel RMS {kernel}"
-                                f"{row['layer_rel_rms']:.1e} (the layer)")
-            elif device == "cuda":
-                if run is not None:
-                    row["ms"] = triton.testing.do_bench(run, return_mode="median")
-                row["layer_ms"] = triton.testing.do_bench(lambda: run_layer(t), return_mode="median")
-    except Exception as e:  # a setting the compiler or the GPU refuses is a row, not the end of the run
-        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-    return row
-
-
-def persistent_layer_rows(t: dict, want_layer: list, device: str) -> list[dict]:
-    """Two rows of the layer alone, one after the other: as the trainer runs it, and with every persistent kernel on
-    (each autotuned)."""
-    from kernels.grouped_gemm import triton_gemm
-
-    trainer = measure(dict(use="layer", setting="trainer's"), nullcontext, None, [], t, want_layer, device)
-    every = measure(dict(use="layer", setting=f"persistent: {', '.join(triton_gemm.PERSISTENT)}, autotuned"),
-                    lambda: switched_on(triton_gemm.PERSISTENT), None, [], t, want_layer, device)
-    if "layer_ms" in trainer and "layer_ms" in every:
-        trainer["layer_vs_trainer"], every["layer_vs_trainer"] = 1.0, trainer["layer_ms"] / every["layer_ms"]
-    return [trainer, every]
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="k3-mini", choices=sorted(SHAPES))
@@ -314,12 +229,6 @@ def main(argv=None) -> int:
                    help="run each named use twice at the trainer's setting and nothing else: no checks, no timing, no "
                         "results (the workload for an outside profiler, e.g. ncu)")
     p.add_argument("--deadline-s", type=float, default=1e9, help="stop trying settings after this long")
-    p.add_argument("--persistent", action="store_true",
-                   help="each setting of glu_up, w2, dh, dx in the persistent kernel too, and the layer with every "
-                        "persistent kernel on (with --run-once: each use twice more, its persistent kernel on)")
-    p.add_argument("--programs-per-sm", default="1,2", help="with --persistent: the numbers of programs per SM to try")
-    p.add_argument("--candidates", default="all", choices=["all", "own"],
-                   help="own: the autotune's own candidates only (not EXTRA's)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
@@ -332,29 +241,37 @@ def main(argv=None) -> int:
         for use in args.uses.split(","):
             for _ in range(2):
                 run_use(use, t)
-            if args.persistent and use in PERSISTENT_USES:
-                with persistent(use, None, None):
-                    for _ in range(2):
-                        run_use(use, t)
         if device == "cuda":
             torch.cuda.synchronize()
         return 0
     n_slots, latent, hidden = shape[0] * shape[1], shape[3], shape[4]
     env, rows, t0 = environment(), [], time.perf_counter()
     want_layer = [o.float() for o in run_layer(t)]
-    per_sm = [int(n) for n in args.programs_per_sm.split(",")] if args.persistent else []
     for use in args.uses.split(","):
-        flop_factor = USES[use][2]
-        settings = candidates(use, extra=args.candidates == "all")
+        kernel_name, _, flop_factor = USES[use]
+        settings = candidates(use)
         if args.smoke:  # the trainer's and the smallest of the others (the interpreter's own list is the first)
             others = settings[1:] if USES[use][1] is None else settings[2:]
             settings = [None, min(others, key=lambda c: c if isinstance(c, tuple) else tuple(c.kwargs.values()))]
         want = [o.float() for o in run_use(use, t)]
         base_ms = base_layer_ms = None
-        for label, context in (v for config in settings for v in variants(use, config, per_sm)):
+        for config in settings:
             if time.perf_counter() - t0 > args.deadline_s:
                 break
-            row = measure(dict(use=use, setting=label), context, lambda: run_use(use, t), want, t, want_layer, device)
+            row = dict(use=use, setting=describe(config))
+            try:
+                with pinned(kernel_name, config):
+                    got = run_use(use, t)
+                    row["rel_rms"] = max(rel_rms(g.float(), w) for g, w in zip(got, want))
+                    row["layer_rel_rms"] = max(rel_rms(g.float(), w) for g, w in zip(run_layer(t), want_layer))
+                    if max(row["rel_rms"], row["layer_rel_rms"]) > 1e-2:
+                        row["error"] = (f"outputs differ from the trainer's setting: rel RMS {row['rel_rms']:.1e} "
+                                        f"(the kernel), {row['layer_rel_rms']:.1e} (the layer)")
+                    elif device == "cuda":
+                        row["ms"] = triton.testing.do_bench(lambda: run_use(use, t), return_mode="median")
+                        row["layer_ms"] = triton.testing.do_bench(lambda: run_layer(t), return_mode="median")
+            except Exception as e:  # a setting the compiler or the GPU refuses is a row, not the end of the run
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
             if "ms" in row:
                 base_ms = base_ms or row["ms"]
                 row["vs_trainer"] = base_ms / row["ms"]
@@ -362,10 +279,6 @@ def main(argv=None) -> int:
                 row["layer_vs_trainer"] = base_layer_ms / row["layer_ms"]
                 if flop_factor:
                     row["tflops"] = flop_factor * n_slots * latent * hidden / row["ms"] / 1e9
-            rows.append(row)
-            print(row, flush=True)
-    if args.persistent:
-        for row in persistent_layer_rows(t, want_layer, device):
             rows.append(row)
             print(row, flush=True)
     header = (f"\n## {env['date']}, commit {env['commit']}, {env['gpu']}, torch {env['torch']}, triton {env['triton']}; "

@@ -10,19 +10,14 @@ expert, E experts, L latent width, F expert hidden width; for grouped_mm,
 N rows, K reduction width, M output width.
 """
 
-import functools
-
 import torch
 import triton
 
 from kernels.device import check_same_device, triton_runs_on
-from kernels.grouped_gemm import triton_gemm
 from kernels.grouped_gemm.reference import route_permutation
 from kernels.grouped_gemm.triton_gemm import (
     grouped_mm_dual_kernel,
-    grouped_mm_dual_persistent_kernel,
     grouped_mm_kernel,
-    grouped_mm_persistent_kernel,
     grouped_wgrad_dual_kernel,
     grouped_wgrad_kernel,
     row_tiles_upper_bound,
@@ -33,7 +28,6 @@ from kernels.grouped_gemm.triton_moe import (
     glu_bwd_launch,
     glu_bwd_pointwise_kernel,
     glu_up_kernel,
-    glu_up_persistent_kernel,
 )
 
 __all__ = ["grouped_mm", "moe_experts"]
@@ -57,48 +51,22 @@ def _mm_grid(n_rows, n_experts, n_cols):
     return grid
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _persistent_grid(device: torch.device, n_rows, n_experts, n_cols):
-    """A persistent kernel's grid: PROGRAMS_PER_SM programs per SM (`triton_gemm.INTERPRET_SMS` stand for the SMs in
-    the interpreter), never more than the tiles any offsets can need."""
-    if device.type == "cuda":
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    else:
-        sms = triton_gemm.INTERPRET_SMS
-
-    def grid(meta):
-        tiles = row_tiles_upper_bound(n_rows, n_experts, meta["BLOCK_M"]) * triton.cdiv(n_cols, meta["BLOCK_N"])
-        return (min(sms * meta["PROGRAMS_PER_SM"], tiles),)
-
-    return grid
-
-
 def _launch_mm(a, b, offsets, out, gather=None, a2=None, b2=None):
     """out[r] = a[g(r)] @ b[e] (+ a2[g(r)] @ b2[e]) for rows r of group e; zeros past offsets[-1]."""
     n_rows, n_cols = out.shape
     n_experts, red = b.shape[0], b.shape[1]
     if n_rows == 0 or n_cols == 0:
         return out
-    dual = a2 is not None
-    if dual:
+    if a2 is not None:
         assert a2.stride() == a.stride() and b2.stride() == b.stride()
-    if triton_gemm.PERSISTENT["mm_dual" if dual else "mm"]:
-        kernel = grouped_mm_dual_persistent_kernel if dual else grouped_mm_persistent_kernel
-        grid = _persistent_grid(out.device, n_rows, n_experts, n_cols)
-    else:
-        kernel = grouped_mm_dual_kernel if dual else grouped_mm_kernel
-        grid = _mm_grid(n_rows, n_experts, n_cols)
-    kernel[grid](
+    kernel = grouped_mm_kernel if a2 is None else grouped_mm_dual_kernel
+    kernel[_mm_grid(n_rows, n_experts, n_cols)](
         a, a if a2 is None else a2, b, b if b2 is None else b2, out, offsets,
         offsets if gather is None else gather,
         n_rows, red, n_cols,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
         N_EXPERTS=n_experts, E_POW2=triton.next_power_of_2(n_experts),
-        GATHER=gather is not None, DUAL=dual, PRECISION=_precision(a.dtype),
+        GATHER=gather is not None, DUAL=a2 is not None, PRECISION=_precision(a.dtype),
     )
     return out
 
@@ -135,11 +103,7 @@ def _launch_glu_up(x, w1, w3, offsets, token, h, g=None, u=None):
     (n_experts, latent, hidden), n_slots = w1.shape, h.shape[0]
     if n_slots == 0 or hidden == 0:
         return
-    if triton_gemm.PERSISTENT["glu_up"]:
-        kernel, grid = glu_up_persistent_kernel, _persistent_grid(h.device, n_slots, n_experts, hidden)
-    else:
-        kernel, grid = glu_up_kernel, _mm_grid(n_slots, n_experts, hidden)
-    kernel[grid](
+    glu_up_kernel[_mm_grid(n_slots, n_experts, hidden)](
         x, w1, w3, h, h if g is None else g, h if u is None else u, offsets, token,
         n_slots, latent, hidden,
         x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), h.stride(0),

@@ -9,15 +9,7 @@ expert, E experts, L latent width, F expert hidden width.
 import triton
 import triton.language as tl
 
-from kernels.grouped_gemm.triton_gemm import (
-    INTERPRET,
-    epilogue_configs,
-    group_tile,
-    group_tiles,
-    persistent_configs,
-    row_tile,
-    tuned_autotune,
-)
+from kernels.grouped_gemm.triton_gemm import INTERPRET, epilogue_configs, row_tile, tuned_autotune
 
 
 @triton.jit
@@ -52,56 +44,23 @@ def _gate(g):
 
 
 @triton.jit
-def _glu_up_products(
-    x_ptr, w1_ptr, w3_ptr, token_ptr, expert, row_start, row_end, cols, L, F,
-    stride_xt, stride_xl, stride_we, stride_wl, stride_wf,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """(g, u) float32 [BLOCK_M, BLOCK_N]: x[token[s]] @ w1[expert] and @ w3[expert] for the slots s in
-    row_start..row_end (at most BLOCK_M, all of expert `expert`), columns cols [BLOCK_N]."""
+def _slot_tile(pid, offsets_ptr, n_rows, F, N_EXPERTS: tl.constexpr, E_POW2: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program pid's tile of the [S, F] slot matrix: BLOCK_M slots of one expert by BLOCK_N columns.
+
+    Returns (expert, row_start, row_end) as `row_tile` gives them, local [BLOCK_M] row
+    offsets from row_start with row_mask, and the tile's columns cols [BLOCK_N] with col_mask.
+    """
+    n_col_tiles = tl.cdiv(F, BLOCK_N)
+    expert, row_start, row_end = row_tile(pid // n_col_tiles, offsets_ptr, n_rows, N_EXPERTS, E_POW2, BLOCK_M)
     local = tl.arange(0, BLOCK_M)
     row_mask = local < row_end - row_start
+    cols = (pid % n_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < F
-    tokens = tl.load(token_ptr + row_start + local, mask=row_mask, other=0)
-    x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_xt
-    w_off = expert.to(tl.int64) * stride_we
-    w1_tile = w1_ptr + w_off + cols[None, :] * stride_wf
-    w3_tile = w3_ptr + w_off + cols[None, :] * stride_wf
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, L, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < L
-        a = tl.load(x_rows + ks[None, :] * stride_xl, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b_mask = k_mask[:, None] & col_mask[None, :]
-        # NOTE: weight tiles rounded to x's dtype as they load (float32 masters: `moe_experts(cast_in_kernel=True)`).
-        w1 = tl.load(w1_tile + ks[:, None] * stride_wl, mask=b_mask, other=0.0).to(a.dtype)
-        w3 = tl.load(w3_tile + ks[:, None] * stride_wl, mask=b_mask, other=0.0).to(a.dtype)
-        acc_g = tl.dot(a, w1, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, w3, acc_u, input_precision=PRECISION)
-    return acc_g, acc_u
+    return expert, row_start, row_end, local, row_mask, cols, col_mask
 
 
-@triton.jit
-def _glu_up_store(h_ptr, g_ptr, u_ptr, acc_g, acc_u, row_start, row_end, cols, F, stride_s,
-                  STORE_GU: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Store h = SiTU-GLU(g, u) (and g, u when STORE_GU), rounded to their dtype, from acc_g, acc_u float32
-    [BLOCK_M, BLOCK_N]: the slots row_start..row_end (at most BLOCK_M) by the columns cols [BLOCK_N]."""
-    local = tl.arange(0, BLOCK_M)
-    h = _gate(acc_g) * (25.0 * _tanh(acc_u * 0.04))
-    base = row_start.to(tl.int64) * stride_s
-    s_off = local[:, None] * stride_s + cols[None, :]
-    s_mask = (local < row_end - row_start)[:, None] & (cols < F)[None, :]
-    tl.store(h_ptr + base + s_off, h.to(h_ptr.dtype.element_ty), mask=s_mask)
-    if STORE_GU:
-        tl.store(g_ptr + base + s_off, acc_g.to(g_ptr.dtype.element_ty), mask=s_mask)
-        tl.store(u_ptr + base + s_off, acc_u.to(u_ptr.dtype.element_ty), mask=s_mask)
-
-
-_GLU_UP_KEY = ["L", "F", "N_EXPERTS", "STORE_GU"]
-
-
-@tuned_autotune("glu_up", epilogue_configs(), key=_GLU_UP_KEY)
+@tuned_autotune("glu_up", epilogue_configs(), key=["L", "F", "N_EXPERTS", "STORE_GU"])
 @triton.jit
 def glu_up_kernel(
     x_ptr, w1_ptr, w3_ptr, h_ptr, g_ptr, u_ptr, offsets_ptr, token_ptr,
@@ -124,48 +83,36 @@ def glu_up_kernel(
     the GLU epilogue on empty tiles made one EP rank's glu_up 1.45x slower
     than the whole block's on one GPU (benchmarks/moe.py --ep 2).
     """
-    pid = tl.program_id(0)
-    n_col_tiles = tl.cdiv(F, BLOCK_N)
-    expert, row_start, row_end = row_tile(pid // n_col_tiles, offsets_ptr, n_rows, N_EXPERTS, E_POW2, BLOCK_M)
+    expert, row_start, row_end, local, row_mask, cols, col_mask = _slot_tile(
+        tl.program_id(0), offsets_ptr, n_rows, F, N_EXPERTS, E_POW2, BLOCK_M, BLOCK_N
+    )
     if (expert < 0) | (row_start >= row_end):
         return  # the tail, or a tile past the last group's: nothing to read or write
-    cols = (pid % n_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc_g, acc_u = _glu_up_products(x_ptr, w1_ptr, w3_ptr, token_ptr, expert, row_start, row_end, cols, L, F,
-                                    stride_xt, stride_xl, stride_we, stride_wl, stride_wf,
-                                    PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-    _glu_up_store(h_ptr, g_ptr, u_ptr, acc_g, acc_u, row_start, row_end, cols, F, stride_s, STORE_GU, BLOCK_M)
-
-
-@tuned_autotune("glu_up_persistent", persistent_configs(epilogue_configs()), key=_GLU_UP_KEY)
-@triton.jit
-def glu_up_persistent_kernel(
-    x_ptr, w1_ptr, w3_ptr, h_ptr, g_ptr, u_ptr, offsets_ptr, token_ptr,
-    n_rows, L, F,
-    stride_xt, stride_xl, stride_we, stride_wl, stride_wf, stride_s,
-    N_EXPERTS: tl.constexpr, E_POW2: tl.constexpr, STORE_GU: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
-):
-    """`glu_up_kernel` (same arguments, tiles and sums: the same h, g, u; the tail unwritten) on a persistent grid.
-
-    The groups' tiles (counted on the device from offsets) go round robin over the programs, in one loop that
-    Triton flattens with the K loop: a tile's loads can be in flight while the previous tile's GLU and stores run
-    (at k3-mini's L = 256 the K loop is four steps, and the epilogue took as long as the products). The tail has
-    no tiles here. PROGRAMS_PER_SM only sizes the launch (the launcher's grid reads it); the programs stride by
-    tl.num_programs(0).
-    """
-    row_base, ends, tile_ends = group_tiles(offsets_ptr, n_rows, N_EXPERTS, E_POW2, BLOCK_M)
-    n_col_tiles = tl.cdiv(F, BLOCK_N)
-    n_programs = tl.num_programs(0)
-    store_tile = tl.program_id(0) - n_programs
-    for tile in tl.range(tl.program_id(0), tl.max(tile_ends, 0) * n_col_tiles, n_programs, flatten=True):
-        expert, row_start, row_end = group_tile(tile // n_col_tiles, row_base, ends, tile_ends, E_POW2, BLOCK_M)
-        acc_g, acc_u = _glu_up_products(x_ptr, w1_ptr, w3_ptr, token_ptr, expert, row_start, row_end,
-                                        (tile % n_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N), L, F,
-                                        stride_xt, stride_xl, stride_we, stride_wl, stride_wf,
-                                        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-        store_tile += n_programs  # = tile, counted apart for the stores: see `_grouped_mm_persistent_kernel`
-        _glu_up_store(h_ptr, g_ptr, u_ptr, acc_g, acc_u, row_start, row_end,
-                      (store_tile % n_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N), F, stride_s, STORE_GU, BLOCK_M)
+    tokens = tl.load(token_ptr + row_start + local, mask=row_mask, other=0)
+    x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_xt
+    w_off = expert.to(tl.int64) * stride_we
+    w1_tile = w1_ptr + w_off + cols[None, :] * stride_wf
+    w3_tile = w3_ptr + w_off + cols[None, :] * stride_wf
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, L, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < L
+        a = tl.load(x_rows + ks[None, :] * stride_xl, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b_mask = k_mask[:, None] & col_mask[None, :]
+        # NOTE: weight tiles rounded to x's dtype as they load (float32 masters: `moe_experts(cast_in_kernel=True)`).
+        w1 = tl.load(w1_tile + ks[:, None] * stride_wl, mask=b_mask, other=0.0).to(a.dtype)
+        w3 = tl.load(w3_tile + ks[:, None] * stride_wl, mask=b_mask, other=0.0).to(a.dtype)
+        acc_g = tl.dot(a, w1, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, w3, acc_u, input_precision=PRECISION)
+    h = _gate(acc_g) * (25.0 * _tanh(acc_u * 0.04))
+    base = row_start.to(tl.int64) * stride_s
+    s_off = local[:, None] * stride_s + cols[None, :]
+    s_mask = row_mask[:, None] & col_mask[None, :]
+    tl.store(h_ptr + base + s_off, h.to(h_ptr.dtype.element_ty), mask=s_mask)
+    if STORE_GU:
+        tl.store(g_ptr + base + s_off, acc_g.to(g_ptr.dtype.element_ty), mask=s_mask)
+        tl.store(u_ptr + base + s_off, acc_u.to(u_ptr.dtype.element_ty), mask=s_mask)
 
 
 GLU_BWD_LAUNCH = dict(rows=32, cols=64, num_warps=8)
