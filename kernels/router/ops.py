@@ -103,9 +103,11 @@ def router_scores(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
                          "use titan_k3.models.k3.moe.router_logits on CPU")
     check_same_device("router_scores", "x_TD", dict(x_TD=x_TD, w_ED=w_ED))
     if x_TD.dtype == torch.float32:
-        # NOTE: no autocast, nothing to split: cuBLAS's float32 product is the product asked for, and it beats the
-        # kernel's float32 ("ieee") dots (0.17 against 0.30 ms at k3-mini's router, benchmarks/results/router_logits.md).
-        return x_TD @ w_ED.t()
+        # NOTE: nothing to split: cuBLAS's float32 product is the product asked for, and it beats the kernel's
+        # float32 ("ieee") dots (0.17 against 0.30 ms at k3-mini's router, benchmarks/results/router_logits.md).
+        # Autocast is held off: it would run this product in bf16, the precision §2.3 rules out.
+        with torch.autocast(x_TD.device.type, enabled=False):
+            return x_TD @ w_ED.t()
     if x_TD.stride(1) != 1:
         x_TD = x_TD.contiguous()
     return _scores_op(x_TD, w_ED.contiguous())

@@ -51,6 +51,15 @@ def test_float32_inputs_give_the_float32_product(n_rows, width, n_cols):
         assert ((got.double() - _truth(x, w)).abs() <= _bound(x, w)).all()
 
 
+def test_float32_inputs_under_bf16_autocast_still_give_the_float32_product():
+    """Autocast would run torch's product of float32 x in bf16 (~1e-3 off); the op holds it off."""
+    x, w = _inputs(64, 200, 176, seed=3)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        got = router_scores(x, w)
+    assert got.dtype == torch.float32
+    assert ((got.double() - _truth(x, w)).abs() <= _bound(x, w)).all()
+
+
 @pytest.mark.parametrize("n_rows, width, n_cols", [(37, 96, 12), (300, 200, 176)])
 def test_a_float32_weight_under_a_16bit_x_is_read_in_three_exact_pieces(n_rows, width, n_cols):
     x, w = _inputs(n_rows, width, n_cols, seed=7 * n_rows, x_dtype=HALF)
