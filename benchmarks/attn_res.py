@@ -15,6 +15,11 @@ or in the mix that feeds it (kernels.attn_res_norm_in_mix), each checked against
 
     PYTHONPATH=. python benchmarks/attn_res.py [--flavor k3-mini --batch 8 --seq 4096 --sources 2,3,5] [--out OUTDIR]
     PYTHONPATH=. python benchmarks/attn_res.py --stream [--flavor k3-mini --batch 32 --seq 1024] [--out OUTDIR]
+    PYTHONPATH=. python benchmarks/attn_res.py --stream --sweep [--batch 32 --seq 1024]
+
+`--stream --sweep` times the recipe's stream (norms in the mixes, gradient sinks) once per backward launch of
+STREAM_SWEEP (tile elements, warps, row tiles per program), the forward's launch as it is: the backward kernel's
+settings where the step runs it, over the N, norm and in-place variants the model calls.
 
 Prints a table last and appends it to OUTDIR/attn_res.md (OUTDIR/attn_res.json: the rows; attn_res_stream.json
 for --stream).
@@ -44,6 +49,9 @@ from titan_k3.models.k3.layers import RMSNorm, rms_norm  # noqa: E402
 
 EPS = 1e-5
 SWEEP = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
+# (tile, warps, tiles per program) of the backward kernel for `--stream --sweep`; the first is the default launch.
+STREAM_SWEEP = [(2048, 4, 8), (2048, 4, 4), (2048, 4, 16), (2048, 8, 8), (2048, 2, 8), (1024, 2, 8), (1024, 4, 8),
+                (4096, 8, 8), (4096, 4, 8)]
 
 
 def make_inputs(n_sources: int, shape: tuple[int, ...], dtype: torch.dtype, device: str):
@@ -126,6 +134,43 @@ class MixStream(torch.nn.Module):
         return final(self.mixes[-1](stream.sources(), stream.sinks, norm=norm))
 
 
+def sweep_stream_backward(module: MixStream, embedding: torch.Tensor, dout: torch.Tensor) -> None:
+    """The stream's forward + backward at each backward launch of STREAM_SWEEP, and (on CUDA) the backward kernel's
+    own GPU time per pass from the profiler: the eager stream's host launches can hide a kernel's change in the
+    wall time. LAUNCH restored after."""
+    saved = dict(mix.LAUNCH["bwd"])
+    leaves = [embedding, *module.parameters()]
+
+    def run():
+        for x in leaves:
+            x.grad = None
+        module(embedding).backward(dout)
+
+    first = None
+    try:
+        for tile, warps, tiles in STREAM_SWEEP:
+            mix.LAUNCH["bwd"].update(tile=tile, num_warps=warps, tiles=tiles)
+            run()  # compiles this launch's kernels outside the timing
+            # Rows are independent of the launch: every launch must give the first one's embedding gradient.
+            first = embedding.grad.clone() if first is None else first
+            err = rel_rms(embedding.grad, first)
+            assert err < 1e-3, (tile, warps, tiles, err)
+            ms = median_ms(run, leaves)
+            kernel = ""
+            if torch.cuda.is_available():
+                passes = 5
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(passes):
+                        run()
+                    torch.cuda.synchronize()
+                us = sum(getattr(e, "device_time_total", 0.0) for e in prof.key_averages() if e.key == "_mix_bwd_kernel")
+                kernel = f", _mix_bwd_kernel {us / passes / 1e3:.3f} ms per pass"
+            print(f"stream sweep bwd tile {tile} warps {warps} tiles {tiles}: fwd+bwd {ms:.3f} ms{kernel}", flush=True)
+    finally:
+        mix.LAUNCH["bwd"].clear()
+        mix.LAUNCH["bwd"].update(saved)
+
+
 def stream_benchmark(args) -> int:
     """--stream: the flavor's stream of mixes forward + backward, ours without and with gradient sinks."""
     on_cuda = torch.cuda.is_available()
@@ -171,6 +216,8 @@ def stream_benchmark(args) -> int:
         rows.append({"variant": name, "fwd_bwd_ms": median_ms(lambda m=module: m(embedding).backward(dout), leaves),
                      "rel_rms": err, "baseline": base if module.where == "none" else norms_beside})
     del truths
+    if args.sweep:
+        sweep_stream_backward(streams["norms in mixes, sinks"], embedding, dout)
     ms = {r["variant"]: r["fwd_bwd_ms"] for r in rows}
     shape = f"B{args.batch} T{args.seq} D{dim} {str(dtype).removeprefix('torch.')}"
     lines = [env_cells(env) + f"{args.flavor} | {shape} | {2 * FLAVORS[args.flavor].n_layers + 1} | {r['variant']} "
@@ -189,7 +236,8 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--sources", default="2,3,5", help="comma-separated source counts N")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled reference")
-    p.add_argument("--sweep", action="store_true", help="also time alternative tiles / warps of ours at the largest N")
+    p.add_argument("--sweep", action="store_true", help="also time alternative tiles / warps of ours at the largest N (with --stream: the backward's "
+                        "launches over the recipe's stream)")
     p.add_argument("--stream", action="store_true",
                    help="time the flavor's whole stream of mixes with and without gradient sinks instead")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))

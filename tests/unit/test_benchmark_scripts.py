@@ -118,7 +118,12 @@ def test_attn_res_benchmark_checks_and_times_every_variant(tmp_path):
 
 
 def test_attn_res_stream_checks_and_times_the_mixes_with_and_without_gradient_sinks_and_norms(tmp_path):
-    _run("attn_res.py", tmp_path, "--stream")
+    from benchmarks.attn_res import STREAM_SWEEP
+
+    run = _run("attn_res.py", tmp_path, "--stream", "--sweep")
+    swept = [line for line in run.stdout.splitlines() if line.startswith("stream sweep bwd")]
+    assert [line.split(":")[0] for line in swept] == [
+        f"stream sweep bwd tile {tile} warps {warps} tiles {tiles}" for tile, warps, tiles in STREAM_SWEEP]
     rows = json.loads((tmp_path / "out" / "attn_res_stream.json").read_text())["rows"]
     norms_beside = "norms in sublayers (compiled), autograd sums"
     assert [r["variant"] for r in rows] == ["autograd sums", "sinks", norms_beside, "norms in mixes, autograd sums",
