@@ -118,12 +118,7 @@ def test_attn_res_benchmark_checks_and_times_every_variant(tmp_path):
 
 
 def test_attn_res_stream_checks_and_times_the_mixes_with_and_without_gradient_sinks_and_norms(tmp_path):
-    from benchmarks.attn_res import STREAM_SWEEP
-
-    run = _run("attn_res.py", tmp_path, "--stream", "--sweep")
-    swept = [line for line in run.stdout.splitlines() if line.startswith("stream sweep bwd")]
-    assert [line.split(":")[0] for line in swept] == [
-        f"stream sweep bwd tile {tile} warps {warps} tiles {tiles}" for tile, warps, tiles in STREAM_SWEEP]
+    _run("attn_res.py", tmp_path, "--stream")
     rows = json.loads((tmp_path / "out" / "attn_res_stream.json").read_text())["rows"]
     norms_beside = "norms in sublayers (compiled), autograd sums"
     assert [r["variant"] for r in rows] == ["autograd sums", "sinks", norms_beside, "norms in mixes, autograd sums",
@@ -131,6 +126,17 @@ def test_attn_res_stream_checks_and_times_the_mixes_with_and_without_gradient_si
     assert [r["baseline"] for r in rows] == ["autograd sums"] * 2 + [norms_beside] * 4  # each against its own kind
     assert all(r["fwd_bwd_ms"] > 0 and r["rel_rms"] < 1e-5 for r in rows), rows  # float32 on the CPU interpreter
     assert "| debug | B2 T64 D64 float32 | 9 | sinks |" in (tmp_path / "out" / "attn_res_stream.md").read_text()
+
+
+def test_attn_res_stream_sweep_checks_the_stream_then_times_every_backward_launch(tmp_path):
+    from benchmarks.attn_res import STREAM_SWEEP
+
+    run = _run("attn_res.py", tmp_path, "--stream", "--sweep")
+    assert "stream check norms in mixes, sinks: embedding gradient" in run.stdout
+    swept = [line for line in run.stdout.splitlines() if line.startswith("stream sweep bwd")]
+    assert [line.split(":")[0] for line in swept] == [
+        f"stream sweep bwd tile {tile} warps {warps} tiles {tiles}" for tile, warps, tiles in STREAM_SWEEP]
+    assert not (tmp_path / "out" / "attn_res_stream.json").exists()  # a sweep writes no table
 
 
 def test_kda_candidates_change_the_launch_table_forward_and_backward_then_restore_it():
