@@ -43,7 +43,7 @@ the sources twice; the second walk re-reads tiles the first has just read
 (from L2 on a GPU). With N at most LAUNCH["bwd"]["hold"] (HOLD), a row tile
 loads its sources, the gradients it adds to in place and ADD once, at its start,
 and its walks read those held tiles: one wait on memory per row tile instead of
-four, the same arithmetic in the same order (the same bits).
+three, the same arithmetic in the same order (the same bits).
 NOTE: dbar equals <g, out>, which would save the first walk, but `out` is
 rounded to the sources' dtype, and where the sources nearly agree (or one
 weight nears 1) dw_n - dbar is small enough for that rounding to matter:
@@ -191,7 +191,7 @@ def _mix_bwd_kernel(
         if HOLD:
             # N <= 4: every tile this row tile needs (the sources, the gradients added to in place, ADD) is loaded
             # here at once, in the inputs' dtypes, and held across the walks below: one wait on memory per row
-            # tile instead of four (the sources' re-reads from L2, the in-place gradients after dbar).
+            # tile instead of three (the sources and dout; their re-reads from L2; the in-place gradients after dbar).
             h0 = _load_held(0, N, V0, offs, mask)
             h1 = _load_held(1, N, V1, offs, mask)
             h2 = _load_held(2, N, V2, offs, mask)
