@@ -163,8 +163,10 @@ def sweep_stream_backward(module: MixStream, embedding: torch.Tensor, dout: torc
                     for _ in range(passes):
                         run()
                     torch.cuda.synchronize()
-                us = sum(getattr(e, "device_time_total", 0.0) for e in prof.key_averages() if e.key == "_mix_bwd_kernel")
-                kernel = f", _mix_bwd_kernel {us / passes / 1e3:.3f} ms per pass"
+                # NOTE: a missing kernel row would read as 0 ms, a silent win: the row must be there.
+                found = [e.device_time_total for e in prof.key_averages() if e.key == "_mix_bwd_kernel"]
+                assert found, "the profile holds no _mix_bwd_kernel row"
+                kernel = f", _mix_bwd_kernel {sum(found) / passes / 1e3:.3f} ms per pass"
             print(f"stream sweep bwd tile {tile} warps {warps} tiles {tiles}: fwd+bwd {ms:.3f} ms{kernel}", flush=True)
     finally:
         mix.LAUNCH["bwd"].clear()
