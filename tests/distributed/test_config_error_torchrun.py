@@ -4,6 +4,7 @@ torchrun's failure summary shows that line for each, and the control service rea
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 from service.attempts import config_error
 from service.registry import Attempt
-from titan_k3.job_errors import CONFIG_ERROR_PEERS_S
+from titan_k3.signals import start_up_stop_line
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -22,9 +23,9 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "
             "--monitor-interval", "0.2"]
 
 
-def _check_refusal(tmp_path: Path, argv: list[str], line: str, ranks_listed: tuple[int, ...]) -> None:
+def _check_refusal(tmp_path: Path, argv: list[str], line: str, ranks_listed: tuple[int, ...]) -> str:
     """torchrun over `argv` ends as one refusal whose `error:` line starts with `line`, with `ranks_listed` the
-    counts of ranks its failure summary may list."""
+    counts of ranks its failure summary may list. Returns its output."""
     runs = tmp_path / "runs"
     out = subprocess.run([*TORCHRUN, *argv, "--job.dump_folder", str(runs)], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
@@ -44,6 +45,7 @@ def _check_refusal(tmp_path: Path, argv: list[str], line: str, ranks_listed: tup
     assert config_error("torchrun", attempt, out.returncode) == errors[0].removeprefix("error: "), text
     assert "To enable traceback" not in text and "titan_k3/" not in text, text  # no frame of ours
     assert not runs.exists() or not list(runs.iterdir())
+    return text
 
 
 @pytest.mark.parametrize("bad, line", [
@@ -59,15 +61,19 @@ def test_a_config_error_is_printed_once_and_read_as_one_from_torchruns_summary(t
 
 
 def test_a_rank_still_starting_when_its_peer_refuses_leaves_one_refusal(tmp_path):
-    """Rank 0 starts CONFIG_ERROR_PEERS_S + 3 s late (a slow import): rank 1 alone is in the summary, and rank 0,
-    stopped by torchrun during its start-up, neither prints a second line nor turns the refusal into a crash."""
+    """Rank 0 is still in its start-up imports (under the trainer's start-up handlers) when rank 1 refuses and its
+    wait for rank 0 runs out: torchrun stops rank 0, which ends as a stop during start-up, and the summary lists
+    rank 1 alone: still one line, still read as a refusal, not a crash to relaunch."""
     wrapper = tmp_path / "rank_zero_late.py"
     wrapper.write_text("import os, runpy, time\n"
                        "if os.environ['RANK'] == '0':\n"
-                       f"    time.sleep({CONFIG_ERROR_PEERS_S + 3})\n"
+                       "    from titan_k3.signals import exit_on_stop_signals\n"
+                       "    exit_on_stop_signals()\n"
+                       "    time.sleep(300)  # an import that outlasts the peer's wait\n"
                        "runpy.run_module('titan_k3.train', run_name='__main__', alter_sys=True)\n")
-    _check_refusal(tmp_path, [str(wrapper), "--training.device", "cpu", "--training.stepz", "3"],
-                   "error: unknown config key 'training.stepz'", ranks_listed=(1,))
+    text = _check_refusal(tmp_path, [str(wrapper), "--training.device", "cpu", "--training.stepz", "3"],
+                          "error: unknown config key 'training.stepz'", ranks_listed=(1,))
+    assert start_up_stop_line(signal.SIGTERM) in text, text
 
 
 def test_a_crash_shows_its_traceback_in_torchruns_summary(tmp_path):
