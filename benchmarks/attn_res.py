@@ -155,7 +155,9 @@ def sweep_stream_backward(module: MixStream, embedding: torch.Tensor, dout: torc
             # Rows are independent of the launch: every launch must give the first one's embedding gradient.
             first = embedding.grad.clone() if first is None else first
             err = rel_rms(embedding.grad, first)
-            assert err < 1e-3, (tile, warps, tiles, hold, err)
+            if err >= 1e-3:
+                raise SystemExit(f"error: stream sweep bwd tile {tile} warps {warps} tiles {tiles} hold {hold}: the "
+                                 f"embedding's gradient is {err:.2e} (relative RMS) from the first launch's")
             ms = median_ms(run, leaves)
             kernel = ""
             if torch.cuda.is_available():
@@ -166,7 +168,9 @@ def sweep_stream_backward(module: MixStream, embedding: torch.Tensor, dout: torc
                     torch.cuda.synchronize()
                 # NOTE: a missing kernel row would read as 0 ms, a silent win: the row must be there.
                 found = [e.device_time_total for e in prof.key_averages() if e.key == "_mix_bwd_kernel"]
-                assert found, "the profile holds no _mix_bwd_kernel row"
+                if not found:
+                    raise SystemExit(f"error: stream sweep bwd tile {tile} warps {warps} tiles {tiles} hold {hold}: "
+                                     "the profile holds no _mix_bwd_kernel row (the launch never ran the kernel)")
                 kernel = f", _mix_bwd_kernel {sum(found) / passes / 1e3:.3f} ms per pass"
             print(f"stream sweep bwd tile {tile} warps {warps} tiles {tiles} hold {hold}: fwd+bwd {ms:.3f} ms{kernel}",
                   flush=True)
