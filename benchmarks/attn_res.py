@@ -18,9 +18,9 @@ or in the mix that feeds it (kernels.attn_res_norm_in_mix), each checked against
     PYTHONPATH=. python benchmarks/attn_res.py --stream --sweep [--batch 32 --seq 1024]
 
 `--stream --sweep` times only the recipe's stream (norms in the mixes, gradient sinks), once per backward launch
-of STREAM_SWEEP (tile elements, warps, row tiles per program), the forward's launch as it is: the backward
-kernel's settings where the step runs it, over the N, norm and in-place variants the model calls. It prints its
-lines and writes no table.
+of STREAM_SWEEP (tile elements, warps, row tiles per program, most sources held), the forward's launch as it
+is: the backward kernel's settings where the step runs it, over the N, norm and in-place variants the model
+calls. It prints its lines and writes no table.
 
 Prints a table last and appends it to OUTDIR/attn_res.md (OUTDIR/attn_res.json: the rows; attn_res_stream.json
 for --stream).
@@ -50,8 +50,9 @@ from titan_k3.models.k3.layers import RMSNorm, rms_norm  # noqa: E402
 
 EPS = 1e-5
 SWEEP = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
-# (tile, warps, tiles per program) of the backward kernel for `--stream --sweep`; the first is the default launch.
-STREAM_SWEEP = [(2048, 4, 8), (2048, 4, 4), (2048, 8, 8), (2048, 2, 8), (1024, 4, 8), (4096, 8, 8)]
+# (tile, warps, tiles per program, most sources held) of the backward kernel for `--stream --sweep`; the second is
+# the default launch, the first the same without held tiles.
+STREAM_SWEEP = [(2048, 4, 8, 0), (2048, 4, 8, 4), (1024, 4, 8, 4), (4096, 8, 8, 4), (2048, 8, 8, 4), (2048, 4, 4, 4)]
 
 
 def make_inputs(n_sources: int, shape: tuple[int, ...], dtype: torch.dtype, device: str):
@@ -148,15 +149,15 @@ def sweep_stream_backward(module: MixStream, embedding: torch.Tensor, dout: torc
 
     first = None
     try:
-        for tile, warps, tiles in STREAM_SWEEP:
-            mix.LAUNCH["bwd"].update(tile=tile, num_warps=warps, tiles=tiles)
+        for tile, warps, tiles, hold in STREAM_SWEEP:
+            mix.LAUNCH["bwd"].update(tile=tile, num_warps=warps, tiles=tiles, hold=hold)
             run()  # compiles this launch's kernels outside the timing
             # Rows are independent of the launch: every launch must give the first one's embedding gradient.
             first = embedding.grad.clone() if first is None else first
             err = rel_rms(embedding.grad, first)
             if err >= 1e-3:
-                raise SystemExit(f"error: stream sweep bwd tile {tile} warps {warps} tiles {tiles}: the embedding's "
-                                 f"gradient is {err:.2e} (relative RMS) from the first launch's")
+                raise SystemExit(f"error: stream sweep bwd tile {tile} warps {warps} tiles {tiles} hold {hold}: the "
+                                 f"embedding's gradient is {err:.2e} (relative RMS) from the first launch's")
             ms = median_ms(run, leaves)
             kernel = ""
             if torch.cuda.is_available():
@@ -168,10 +169,11 @@ def sweep_stream_backward(module: MixStream, embedding: torch.Tensor, dout: torc
                 # NOTE: a missing kernel row would read as 0 ms, a silent win: the row must be there.
                 found = [e.device_time_total for e in prof.key_averages() if e.key == "_mix_bwd_kernel"]
                 if not found:
-                    raise SystemExit(f"error: stream sweep bwd tile {tile} warps {warps} tiles {tiles}: the profile "
-                                     "holds no _mix_bwd_kernel row (the sweep's launch never ran the kernel)")
+                    raise SystemExit(f"error: stream sweep bwd tile {tile} warps {warps} tiles {tiles} hold {hold}: "
+                                     "the profile holds no _mix_bwd_kernel row (the launch never ran the kernel)")
                 kernel = f", _mix_bwd_kernel {sum(found) / passes / 1e3:.3f} ms per pass"
-            print(f"stream sweep bwd tile {tile} warps {warps} tiles {tiles}: fwd+bwd {ms:.3f} ms{kernel}", flush=True)
+            print(f"stream sweep bwd tile {tile} warps {warps} tiles {tiles} hold {hold}: fwd+bwd {ms:.3f} ms{kernel}",
+                  flush=True)
     finally:
         mix.LAUNCH["bwd"].clear()
         mix.LAUNCH["bwd"].update(saved)

@@ -40,7 +40,10 @@ rebuilt h it left sum_n ds_n off zero by h's rounding, which gave the query 30x
 float32 autograd's error where the sources nearly agree.
 dbar needs every source before any dv_n can be written, so the backward walks
 the sources twice; the second walk re-reads tiles the first has just read
-(from L2 on a GPU).
+(from L2 on a GPU). With N at most LAUNCH["bwd"]["hold"] (HOLD), a row tile
+loads its sources, the gradients it adds to in place and ADD once, at its start,
+and its walks read those held tiles: one wait on memory per row tile instead of
+three, the same arithmetic in the same order (the same bits).
 NOTE: dbar equals <g, out>, which would save the first walk, but `out` is
 rounded to the sources' dtype, and where the sources nearly agree (or one
 weight nears 1) dw_n - dbar is small enough for that rounding to matter:
@@ -59,9 +62,10 @@ MAX_SOURCES = 12
 # NOTE: k3-mini's D = 512 gives 4 rows per tile. `benchmarks/attn_res.py --sweep` on an H200 (79cfdf1, N = 5):
 # tile 2048 / 4 warps 1.12 ms fwd+bwd, 4096 / 8 warps 1.31, 8192 / 16 warps 1.37 (benchmarks/results/attn_res.md).
 # The backward's program walks `tiles` consecutive row tiles, so it leaves one dq partial per tiles * BR rows.
+# `hold`: the most sources whose tiles the backward holds (k3-mini's mixes read 1 to 4); 0 reloads them always.
 LAUNCH = {
     "fwd": dict(tile=2048, num_warps=4),
-    "bwd": dict(tile=2048, num_warps=4, tiles=8),
+    "bwd": dict(tile=2048, num_warps=4, tiles=8, hold=4),
 }
 
 
@@ -102,6 +106,28 @@ def _source(n: tl.constexpr, P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11):
     if n == 11:
         p = P11
     return p
+
+
+@triton.jit
+def _held(n: tl.constexpr, X0, X1, X2, X3):
+    """Held tile number n of four (a compile-time choice, like `_source`)."""
+    x = X0
+    if n == 1:
+        x = X1
+    if n == 2:
+        x = X2
+    if n == 3:
+        x = X3
+    return x
+
+
+@triton.jit
+def _load_held(n: tl.constexpr, N: tl.constexpr, P, offs, mask, WANT: tl.constexpr = True):
+    """Tile n's load when n < N and WANT (compile-time), else a scalar placeholder that is never read."""
+    x = 0.0
+    if n < N and WANT:
+        x = tl.load(P + offs, mask=mask, other=0.0)
+    return x
 
 
 @triton.jit
@@ -148,6 +174,7 @@ def _mix_bwd_kernel(
     G0, G1, G2, G3, G4, G5, G6, G7, G8, G9, G10, G11,
     q_ptr, nw_ptr, dout_ptr, score_ptr, rstd_ptr, smax_ptr, dq_part_ptr, dnw_part_ptr, R, D, norm_eps,
     N: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, TILES: tl.constexpr, ACC: tl.constexpr, ADD,
+    HOLD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
@@ -161,13 +188,30 @@ def _mix_bwd_kernel(
         offs = rows[:, None] * D + cols[None, :]
         g = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         m = tl.load(smax_ptr + rows, mask=row_ok, other=0.0)
+        if HOLD:
+            # N <= 4: every tile this row tile needs (the sources, the gradients added to in place, ADD) is loaded
+            # here at once, in the inputs' dtypes, and held across the walks below: one wait on memory per row
+            # tile instead of three (the sources and dout; their re-reads from L2; the in-place gradients after dbar).
+            h0 = _load_held(0, N, V0, offs, mask)
+            h1 = _load_held(1, N, V1, offs, mask)
+            h2 = _load_held(2, N, V2, offs, mask)
+            h3 = _load_held(3, N, V3, offs, mask)
+            a0 = _load_held(0, N, G0, offs, mask, ((ACC >> 0) & 1) == 1)
+            a1 = _load_held(1, N, G1, offs, mask, ((ACC >> 1) & 1) == 1)
+            a2 = _load_held(2, N, G2, offs, mask, ((ACC >> 2) & 1) == 1)
+            a3 = _load_held(3, N, G3, offs, mask, ((ACC >> 3) & 1) == 1)
+            if ADD is not None:
+                add = tl.load(ADD + offs, mask=mask, other=0.0)
         if nw_ptr is not None:
             # g arrives as dy, the gradient of the norm's output y = nw * h * r: a first walk rebuilds the mix h.
             h = tl.zeros([BR, BD], tl.float32)
             e_sum = tl.zeros([BR], tl.float32)
             for n in tl.static_range(N):
-                v = tl.load(_source(n, V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11) + offs, mask=mask,
-                            other=0.0)
+                if HOLD:
+                    v = _held(n, h0, h1, h2, h3)
+                else:
+                    v = tl.load(_source(n, V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11) + offs, mask=mask,
+                                other=0.0)
                 e = tl.exp(tl.load(score_ptr + n * R + rows, mask=row_ok, other=0.0) - m)
                 e_sum += e
                 h += e[:, None] * v.to(tl.float32)
@@ -180,13 +224,21 @@ def _mix_bwd_kernel(
         e_sum = tl.zeros([BR], tl.float32)
         e_dw = tl.zeros([BR], tl.float32)
         for n in tl.static_range(N):
-            v = tl.load(_source(n, V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11) + offs, mask=mask, other=0.0)
+            if HOLD:
+                v = _held(n, h0, h1, h2, h3)
+            else:
+                v = tl.load(_source(n, V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11) + offs, mask=mask,
+                            other=0.0)
             e = tl.exp(tl.load(score_ptr + n * R + rows, mask=row_ok, other=0.0) - m)
             e_sum += e
             e_dw += e * tl.sum(g * v.to(tl.float32), axis=1)
         dbar = e_dw / e_sum
         for n in tl.static_range(N):
-            v = tl.load(_source(n, V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11) + offs, mask=mask, other=0.0)
+            if HOLD:
+                v = _held(n, h0, h1, h2, h3)
+            else:
+                v = tl.load(_source(n, V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11) + offs, mask=mask,
+                            other=0.0)
             v = v.to(tl.float32)
             s = tl.load(score_ptr + n * R + rows, mask=row_ok, other=0.0)
             rstd = tl.load(rstd_ptr + n * R + rows, mask=row_ok, other=0.0)
@@ -196,10 +248,16 @@ def _mix_bwd_kernel(
             dv = w[:, None] * g + c[:, None] * q[None, :] - (c * rstd * s / D)[:, None] * v
             dv_ptr = _source(n, G0, G1, G2, G3, G4, G5, G6, G7, G8, G9, G10, G11)
             if (ACC >> n) & 1:
-                dv += tl.load(dv_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                if HOLD:
+                    dv += _held(n, a0, a1, a2, a3).to(tl.float32)
+                else:
+                    dv += tl.load(dv_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             if ADD is not None:
                 if n == N - 1:
-                    dv += tl.load(ADD + offs, mask=mask, other=0.0).to(tl.float32)
+                    if HOLD:
+                        dv += add.to(tl.float32)
+                    else:
+                        dv += tl.load(ADD + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(dv_ptr + offs, dv.to(dv_ptr.dtype.element_ty), mask=mask)
             dq_acc += c[:, None] * v
     # NOTE: stored transposed ([D, P]): torch sums a [P, D] float32 partial over P ~2-3x slower than a [D, P]
@@ -272,7 +330,8 @@ def mix_backward(
     if R > 0:
         _mix_bwd_kernel[(programs,)](
             *_pointers(sources), *_pointers(dvs), query, norm_weight, dout, score, rstd, smax, dq_part, dnw_part,
-            R, D, norm_eps, N=N, BR=br, BD=bd, TILES=n_tiles, ACC=acc, ADD=add_last, num_warps=warps,
+            R, D, norm_eps, N=N, BR=br, BD=bd, TILES=n_tiles, ACC=acc, ADD=add_last, HOLD=N <= LAUNCH["bwd"]["hold"],
+            num_warps=warps,
         )
     dnw = [] if norm_weight is None else [dnw_part.sum(1).to(norm_weight.dtype)]
     return dvs + [dq_part.sum(1).to(query.dtype)] + dnw

@@ -68,7 +68,7 @@ def small_tiles(monkeypatch):
     """Tiles of 256 elements: a few rows per tile, so grids have many programs and ragged last ones; each backward
     program walks three tiles, the last ones past the rows."""
     monkeypatch.setitem(mix.LAUNCH, "fwd", dict(tile=256, num_warps=4))
-    monkeypatch.setitem(mix.LAUNCH, "bwd", dict(tile=256, num_warps=4, tiles=3))
+    monkeypatch.setitem(mix.LAUNCH, "bwd", dict(tile=256, num_warps=4, tiles=3, hold=4))
 
 
 def test_backward_closed_form_matches_autograd_in_float64():

@@ -24,7 +24,7 @@ EPS, NORM_EPS = 1e-5, 1e-6
 def small_tiles(monkeypatch):
     """A few rows per tile and three tiles per backward program: many programs, ragged last ones."""
     monkeypatch.setitem(mix.LAUNCH, "fwd", dict(tile=256, num_warps=4))
-    monkeypatch.setitem(mix.LAUNCH, "bwd", dict(tile=256, num_warps=4, tiles=3))
+    monkeypatch.setitem(mix.LAUNCH, "bwd", dict(tile=256, num_warps=4, tiles=3, hold=4))
 
 
 def norm_weight(D: int, seed: int = 50) -> torch.Tensor:

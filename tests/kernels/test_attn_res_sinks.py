@@ -33,7 +33,7 @@ def randn(*shape, seed, dtype=torch.float64, scale=1.0):
 def small_tiles(monkeypatch):
     """A few rows per tile and three tiles per backward program: many programs, ragged last ones."""
     monkeypatch.setitem(mix.LAUNCH, "fwd", dict(tile=256, num_warps=4))
-    monkeypatch.setitem(mix.LAUNCH, "bwd", dict(tile=256, num_warps=4, tiles=3))
+    monkeypatch.setitem(mix.LAUNCH, "bwd", dict(tile=256, num_warps=4, tiles=3, hold=4))
 
 
 def saved_mix(N, shape):

@@ -135,7 +135,7 @@ def test_attn_res_stream_sweep_checks_the_stream_then_times_every_backward_launc
     assert "stream check norms in mixes, sinks: embedding gradient" in run.stdout
     swept = [line for line in run.stdout.splitlines() if line.startswith("stream sweep bwd")]
     assert [line.split(":")[0] for line in swept] == [
-        f"stream sweep bwd tile {tile} warps {warps} tiles {tiles}" for tile, warps, tiles in STREAM_SWEEP]
+        f"stream sweep bwd tile {tile} warps {warps} tiles {tiles} hold {hold}" for tile, warps, tiles, hold in STREAM_SWEEP]
     assert not (tmp_path / "out" / "attn_res_stream.json").exists()  # a sweep writes no table
 
 
