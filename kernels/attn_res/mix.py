@@ -80,37 +80,8 @@ def tiles(name: str, D: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _source(n: tl.constexpr, P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11):
-    """Pointer argument number n (a compile-time choice: the other branches are never built)."""
-    p = P0
-    if n == 1:
-        p = P1
-    if n == 2:
-        p = P2
-    if n == 3:
-        p = P3
-    if n == 4:
-        p = P4
-    if n == 5:
-        p = P5
-    if n == 6:
-        p = P6
-    if n == 7:
-        p = P7
-    if n == 8:
-        p = P8
-    if n == 9:
-        p = P9
-    if n == 10:
-        p = P10
-    if n == 11:
-        p = P11
-    return p
-
-
-@triton.jit
-def _held(n: tl.constexpr, X0, X1, X2, X3):
-    """Held tile number n of four (a compile-time choice, like `_source`)."""
+def _one_of_four(n: tl.constexpr, X0, X1, X2, X3):
+    """Argument number n of four (a compile-time choice: the other branches are never built)."""
     x = X0
     if n == 1:
         x = X1
@@ -119,6 +90,18 @@ def _held(n: tl.constexpr, X0, X1, X2, X3):
     if n == 3:
         x = X3
     return x
+
+
+@triton.jit
+def _source(n: tl.constexpr, P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11):
+    """Pointer argument number n of twelve (compile-time, four at a time)."""
+    if n < 4:
+        p = _one_of_four(n, P0, P1, P2, P3)
+    elif n < 8:
+        p = _one_of_four(n - 4, P4, P5, P6, P7)
+    else:
+        p = _one_of_four(n - 8, P8, P9, P10, P11)
+    return p
 
 
 @triton.jit
@@ -208,7 +191,7 @@ def _mix_bwd_kernel(
             e_sum = tl.zeros([BR], tl.float32)
             for n in tl.static_range(N):
                 if HOLD:
-                    v = _held(n, h0, h1, h2, h3)
+                    v = _one_of_four(n, h0, h1, h2, h3)
                 else:
                     v = tl.load(_source(n, V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11) + offs, mask=mask,
                                 other=0.0)
@@ -225,7 +208,7 @@ def _mix_bwd_kernel(
         e_dw = tl.zeros([BR], tl.float32)
         for n in tl.static_range(N):
             if HOLD:
-                v = _held(n, h0, h1, h2, h3)
+                v = _one_of_four(n, h0, h1, h2, h3)
             else:
                 v = tl.load(_source(n, V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11) + offs, mask=mask,
                             other=0.0)
@@ -235,7 +218,7 @@ def _mix_bwd_kernel(
         dbar = e_dw / e_sum
         for n in tl.static_range(N):
             if HOLD:
-                v = _held(n, h0, h1, h2, h3)
+                v = _one_of_four(n, h0, h1, h2, h3)
             else:
                 v = tl.load(_source(n, V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11) + offs, mask=mask,
                             other=0.0)
@@ -249,7 +232,7 @@ def _mix_bwd_kernel(
             dv_ptr = _source(n, G0, G1, G2, G3, G4, G5, G6, G7, G8, G9, G10, G11)
             if (ACC >> n) & 1:
                 if HOLD:
-                    dv += _held(n, a0, a1, a2, a3).to(tl.float32)
+                    dv += _one_of_four(n, a0, a1, a2, a3).to(tl.float32)
                 else:
                     dv += tl.load(dv_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             if ADD is not None:
